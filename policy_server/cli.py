@@ -1,0 +1,190 @@
+"""`nightjar-server`: run the Nightjar policy sidecar."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from policy_server import __version__, snapshot
+from policy_server.config import ConfigError, ServerConfig
+from policy_server.decision_log import DecisionLog
+from policy_server.errors import NightjarError
+from policy_server.grpc_server import build_server
+from policy_server.metrics import Metrics
+from policy_server.service import DecisionService
+from policy_server.validation import Limits
+
+log = logging.getLogger("nightjar.server")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="nightjar-server", description=__doc__)
+    p.add_argument("--config", help="TOML configuration file (flags override it)")
+    p.add_argument("--uds", help="listen on this Unix socket path")
+    p.add_argument("--port", type=int, help="listen on this TCP port (0 = any free port)")
+    p.add_argument("--host", help="TCP bind address (default 127.0.0.1)")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
+    p.add_argument("--metrics-host", help="metrics bind address (default 127.0.0.1)")
+    p.add_argument("--policy", help="policy to start with (default nightjar)")
+    p.add_argument("--params", help="policy parameters as a JSON object")
+    p.add_argument("--state-dir", help="directory for learned-state snapshots")
+    p.add_argument("--snapshot-interval", type=float, dest="snapshot_interval_s",
+                   help="seconds between periodic snapshots (default 30)")  # fmt: skip
+    p.add_argument("--admin-token-file", help="file with the admin token for mutating calls")
+    p.add_argument("--decision-log", help="write a JSON-lines decision log to this path")
+    p.add_argument("--log-level", help="DEBUG, INFO, WARNING, ERROR")
+    p.add_argument("--version", action="version", version=f"nightjar-server {__version__}")
+    return p.parse_args(argv)
+
+
+def load_config(args: argparse.Namespace) -> ServerConfig:
+    config = ServerConfig.from_file(args.config) if args.config else ServerConfig()
+    overrides: dict[str, Any] = {}
+    for name in ("uds", "port", "host", "metrics_port", "metrics_host", "policy", "state_dir",
+                 "snapshot_interval_s", "admin_token_file", "decision_log", "log_level"):  # fmt: skip
+        value = getattr(args, name)
+        if value is not None:
+            overrides[name] = value
+    if args.params is not None:
+        try:
+            overrides["params"] = json.loads(args.params)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"--params is not valid JSON: {exc}") from exc
+    config = config.merged(overrides, origin="command line")
+    config.validate()
+    return config
+
+
+def read_token(path: str) -> str | None:
+    if not path:
+        return None
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"cannot read admin token file {path}: {exc}") from exc
+    if not token:
+        raise ConfigError(f"admin token file {path} is empty")
+    return token
+
+
+def restore_on_start(service: DecisionService, state_dir: Path, policy_from_flag: bool) -> None:
+    """Bring back the last snapshot; a bad one is logged, moved aside, and we start fresh."""
+    path = state_dir / snapshot.SNAPSHOT_NAME
+    if not path.exists():
+        log.info("no snapshot in %s; starting with fresh state", state_dir)
+        return
+    try:
+        document = snapshot.read(path)
+        configured = service.active.name
+        if policy_from_flag and document["policy"]["name"] != configured:
+            log.warning(
+                "snapshot %s holds policy %r but --policy %r was given: starting %r fresh",
+                path, document["policy"]["name"], configured, configured,
+            )  # fmt: skip
+            return
+        active = service.restore_document(document)
+    except (snapshot.SnapshotError, NightjarError, KeyError, TypeError) as exc:
+        moved = snapshot.quarantine(path)
+        log.error("snapshot %s is unusable (%s); moved to %s, starting fresh", path, exc, moved)
+        return
+    service.last_snapshot_unix = float(document.get("created_unix", 0.0))
+    log.info("restored %s (%s) from %s", active.name, active.version, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        config = load_config(args)
+        token = read_token(config.admin_token_file)
+    except ConfigError as exc:
+        print(f"nightjar-server: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if token is None:
+        log.warning("no --admin-token-file: mutating admin calls are not authenticated")
+
+    metrics = Metrics()
+    decision_log = None
+    if config.decision_log:
+        decision_log = DecisionLog(
+            config.decision_log,
+            max_bytes=config.decision_log_max_bytes,
+            backup_count=config.decision_log_backups,
+            on_drop=metrics.decision_log_dropped.inc,
+        )
+    try:
+        service = DecisionService(
+            config.policy,
+            config.params,
+            limits=Limits(max_batch_size=config.max_batch_size),
+            metrics=metrics,
+            decision_log=decision_log,
+            state_dir=config.state_dir or None,
+        )
+    except NightjarError as exc:
+        print(f"nightjar-server: cannot start policy {config.policy!r}: {exc}", file=sys.stderr)
+        return 2
+    if config.state_dir:
+        restore_on_start(service, Path(config.state_dir), policy_from_flag=args.policy is not None)
+
+    tcp = f"{config.host}:{config.port}" if config.port is not None else None
+    if config.uds:
+        Path(config.uds).parent.mkdir(parents=True, exist_ok=True)
+        Path(config.uds).unlink(missing_ok=True)  # a stale socket from a killed server
+    running = build_server(
+        service, uds_path=config.uds or None, tcp_address=tcp, admin_token=token,
+        max_workers=config.max_workers,
+    )  # fmt: skip
+    stop_metrics = None
+    if config.metrics_port is not None:
+        stop_metrics = metrics.serve_http(config.metrics_port, config.metrics_host)
+        log.info("metrics on http://%s:%d/metrics", config.metrics_host, config.metrics_port)
+    log.info(
+        "nightjar-server %s listening on %s with policy %s (%s)",
+        __version__, ", ".join(running.addresses), service.active.name, service.active.version,
+    )  # fmt: skip
+
+    stopping = threading.Event()
+
+    def request_stop(signum: int, _frame: object) -> None:
+        log.info("signal %d: shutting down", signum)
+        stopping.set()
+
+    signal.signal(signal.SIGTERM, request_stop)
+    signal.signal(signal.SIGINT, request_stop)
+
+    while not stopping.wait(config.snapshot_interval_s if config.state_dir else 3600):
+        _snapshot(service)
+
+    running.set_serving(False)
+    running.server.stop(grace=2).wait()
+    if config.state_dir:
+        _snapshot(service)
+    if decision_log is not None:
+        decision_log.close()
+    if stop_metrics is not None:
+        stop_metrics()
+    if config.uds:
+        Path(config.uds).unlink(missing_ok=True)
+    log.info("stopped")
+    return 0
+
+
+def _snapshot(service: DecisionService) -> None:
+    try:
+        path = service.write_snapshot()
+        log.debug("snapshot written to %s", path)
+    except NightjarError as exc:
+        log.error("snapshot failed: %s", exc)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

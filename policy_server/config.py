@@ -1,0 +1,64 @@
+"""Server configuration: a TOML file, overridden by command-line flags."""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """The configuration file or a flag is invalid."""
+
+
+@dataclasses.dataclass(slots=True)
+class ServerConfig:
+    # Listening: a Unix socket and/or a TCP port (on `host`, loopback by default).
+    uds: str = ""
+    port: int | None = None
+    host: str = "127.0.0.1"
+    # Prometheus /metrics over HTTP (None = off).
+    metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"
+    # Policy at start (a snapshot in state_dir may override it; see README).
+    policy: str = "nightjar"
+    params: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # Learned-state snapshots ("" = none) and their period.
+    state_dir: str = ""
+    snapshot_interval_s: float = 30.0
+    # File holding the admin token ("" = admin calls unauthenticated).
+    admin_token_file: str = ""
+    # Decision log (JSON lines; "" = off), rotated by size.
+    decision_log: str = ""
+    decision_log_max_bytes: int = 64 << 20
+    decision_log_backups: int = 5
+    # Input bounds and server threads.
+    max_batch_size: int = 65536
+    max_workers: int = 16
+    log_level: str = "INFO"
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> ServerConfig:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"cannot read config {path}: {exc}") from exc
+        return cls().merged(data, origin=str(path))
+
+    def merged(self, values: dict[str, Any], origin: str) -> ServerConfig:
+        known = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f"{origin}: unknown setting(s) {unknown}; known: {sorted(known)}")
+        return dataclasses.replace(self, **values)
+
+    def validate(self) -> None:
+        if not self.uds and self.port is None:
+            raise ConfigError("nothing to listen on: give --uds PATH and/or --port N")
+        for name in ("port", "metrics_port"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= 65535:
+                raise ConfigError(f"{name} must be in 0..65535, got {value}")
+        if self.snapshot_interval_s <= 0:
+            raise ConfigError("snapshot_interval_s must be > 0")

@@ -1,0 +1,275 @@
+"""gRPC front of the decision service: policy + admin servicers, health, reflection.
+
+The servicers only translate: wire messages in, DecisionService calls, wire
+messages out, and NightjarError subclasses onto precise status codes.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+from collections.abc import Callable, Iterator
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Any, NoReturn, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from nightjar.v1 import admin_pb2, admin_pb2_grpc, policy_pb2, policy_pb2_grpc
+
+from policy_server import wire
+from policy_server.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NightjarError,
+    NotFoundError,
+    UnauthenticatedError,
+)
+from policy_server.policies import PolicyError, parse_params_json
+from policy_server.service import ActivePolicy, DecisionService
+
+log = logging.getLogger(__name__)
+
+STATUS_OF: dict[type[NightjarError], grpc.StatusCode] = {
+    InvalidArgumentError: grpc.StatusCode.INVALID_ARGUMENT,
+    NotFoundError: grpc.StatusCode.NOT_FOUND,
+    FailedPreconditionError: grpc.StatusCode.FAILED_PRECONDITION,
+    UnauthenticatedError: grpc.StatusCode.UNAUTHENTICATED,
+}
+POLICY_SERVICE = policy_pb2.DESCRIPTOR.services_by_name["PolicyService"].full_name
+ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name
+
+T = TypeVar("T")
+
+
+def status_of(exc: NightjarError) -> grpc.StatusCode:
+    for cls in type(exc).__mro__:
+        if cls in STATUS_OF:
+            return STATUS_OF[cls]  # type: ignore[index]
+    return grpc.StatusCode.INTERNAL
+
+
+class _Servicer:
+    """Shared error translation: NightjarError → status code + message, counted."""
+
+    def __init__(self, service: DecisionService) -> None:
+        self.service = service
+
+    def _call(self, method: str, context: grpc.ServicerContext, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except NightjarError as exc:
+            self._abort(method, context, status_of(exc), str(exc))
+
+    def _abort(
+        self, method: str, context: grpc.ServicerContext, code: grpc.StatusCode, message: str
+    ) -> NoReturn:
+        self.service.metrics.invalid_requests.labels(method, code.name).inc()
+        context.abort(code, message)
+        raise AssertionError("unreachable")  # context.abort raises
+
+
+class PolicyServicer(_Servicer, policy_pb2_grpc.PolicyServiceServicer):
+    def Decide(self, request: policy_pb2.StepContext, context: grpc.ServicerContext) -> Any:
+        ctx = wire.context_from_pb(request)
+        return self._call("Decide", context, lambda: wire.decision_to_pb(self.service.decide(ctx)))
+
+    def Report(self, request: policy_pb2.StepOutcome, context: grpc.ServicerContext) -> Any:
+        outcome = wire.outcome_from_pb(request)
+        applied = self._call("Report", context, lambda: self.service.report(outcome))
+        return policy_pb2.ReportAck(applied=applied)
+
+    def Step(self, request: policy_pb2.StepRequest, context: grpc.ServicerContext) -> Any:
+        return self._call("Step", context, lambda: self._step(request))
+
+    def StepStream(
+        self, request_iterator: Iterator[policy_pb2.StepRequest], context: grpc.ServicerContext
+    ) -> Iterator[policy_pb2.StepReply]:
+        for request in request_iterator:
+            try:
+                yield self._step(request)
+            except NightjarError as exc:
+                code = status_of(exc)
+                self.service.metrics.invalid_requests.labels("StepStream", code.name).inc()
+                yield policy_pb2.StepReply(
+                    seq=request.seq,
+                    error=policy_pb2.StepError(code=code.value[0], message=str(exc)),
+                )
+
+    def _step(self, request: policy_pb2.StepRequest) -> policy_pb2.StepReply:
+        outcome = wire.outcome_from_pb(request.outcome) if request.HasField("outcome") else None
+        ctx = wire.context_from_pb(request.context) if request.HasField("context") else None
+        decision = self.service.step(outcome, ctx)
+        reply = policy_pb2.StepReply(seq=request.seq)
+        if decision is not None:
+            reply.decision.CopyFrom(wire.decision_to_pb(decision))
+        return reply
+
+
+class AdminServicer(_Servicer, admin_pb2_grpc.AdminServiceServicer):
+    def __init__(self, service: DecisionService, admin_token: str | None) -> None:
+        super().__init__(service)
+        self._token = admin_token
+
+    def _authorize(self, context: grpc.ServicerContext) -> None:
+        if self._token is None:
+            return
+        metadata = dict(context.invocation_metadata())
+        header = str(metadata.get("authorization", ""))
+        if not header:
+            raise UnauthenticatedError(
+                "admin token required: send 'authorization: Bearer <token>' metadata"
+            )
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), self._token):
+            raise UnauthenticatedError("invalid admin token")
+
+    def _mutate(self, method: str, context: grpc.ServicerContext, fn: Callable[[], T]) -> T:
+        def guarded() -> T:
+            self._authorize(context)
+            try:
+                return fn()
+            except PolicyError as exc:
+                raise InvalidArgumentError(str(exc)) from exc
+
+        return self._call(method, context, guarded)
+
+    def GetState(self, request: admin_pb2.GetStateRequest, context: grpc.ServicerContext) -> Any:
+        view = self._call(
+            "GetState", context, lambda: self.service.state_view(request.engine_id or None)
+        )
+        return admin_pb2.GetStateResponse(
+            policy_name=view.policy_name,
+            policy_version=view.policy_version,
+            params_json=json.dumps(view.params, sort_keys=True),
+            state_json=json.dumps(view.state, sort_keys=True),
+            decisions_total=view.decisions_total,
+            reports_total=view.reports_total,
+            engine_ids=view.engine_ids,
+            last_snapshot_unix=view.last_snapshot_unix,
+        )
+
+    def ListPolicies(
+        self, request: admin_pb2.ListPoliciesRequest, context: grpc.ServicerContext
+    ) -> Any:
+        return admin_pb2.ListPoliciesResponse(
+            policies=[
+                admin_pb2.PolicyInfo(
+                    name=name,
+                    description=description,
+                    default_params_json=json.dumps(defaults, sort_keys=True),
+                    active=active,
+                )
+                for name, description, defaults, active in self.service.list_policies()
+            ]
+        )
+
+    def SwapPolicy(
+        self, request: admin_pb2.SwapPolicyRequest, context: grpc.ServicerContext
+    ) -> Any:
+        active = self._mutate(
+            "SwapPolicy",
+            context,
+            lambda: self.service.swap(
+                request.name, parse_params_json(request.params_json), request.keep_state
+            ),
+        )
+        return _swap_response(active)
+
+    def SetParameters(
+        self, request: admin_pb2.SetParametersRequest, context: grpc.ServicerContext
+    ) -> Any:
+        active = self._mutate(
+            "SetParameters",
+            context,
+            lambda: self.service.set_params(parse_params_json(request.params_json)),
+        )
+        return _swap_response(active)
+
+    def Snapshot(self, request: admin_pb2.SnapshotRequest, context: grpc.ServicerContext) -> Any:
+        path = self._mutate("Snapshot", context, self.service.write_snapshot)
+        return admin_pb2.SnapshotResponse(
+            path=str(path), created_unix=self.service.last_snapshot_unix
+        )
+
+    def Restore(self, request: admin_pb2.RestoreRequest, context: grpc.ServicerContext) -> Any:
+        def restore() -> ActivePolicy:
+            source = request.WhichOneof("source")
+            if source == "path":
+                return self.service.restore_path(request.path)
+            if source == "snapshot_json":
+                from policy_server import snapshot
+
+                try:
+                    document = snapshot.parse(request.snapshot_json, "snapshot_json")
+                except snapshot.SnapshotError as exc:
+                    raise InvalidArgumentError(str(exc)) from exc
+                return self.service.restore_document(document)
+            raise InvalidArgumentError("restore needs a path or snapshot_json")
+
+        active = self._mutate("Restore", context, restore)
+        return admin_pb2.RestoreResponse(policy_name=active.name, policy_version=active.version)
+
+    def Reset(self, request: admin_pb2.ResetRequest, context: grpc.ServicerContext) -> Any:
+        active = self._mutate(
+            "Reset", context, lambda: self.service.reset(request.engine_id or None)
+        )
+        return admin_pb2.ResetResponse(policy_version=active.version)
+
+
+def _swap_response(active: ActivePolicy) -> admin_pb2.SwapPolicyResponse:
+    return admin_pb2.SwapPolicyResponse(policy_name=active.name, policy_version=active.version)
+
+
+@dataclass
+class RunningServer:
+    server: grpc.Server
+    health: health.HealthServicer
+    addresses: list[str]
+
+    def set_serving(self, serving: bool) -> None:
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if serving
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in ("", POLICY_SERVICE, ADMIN_SERVICE):
+            self.health.set(name, status)
+
+
+def build_server(
+    service: DecisionService,
+    *,
+    uds_path: str | None = None,
+    tcp_address: str | None = None,
+    admin_token: str | None = None,
+    max_workers: int = 16,
+) -> RunningServer:
+    """Create, bind and start the gRPC server; health turns SERVING once a policy is active."""
+    if not uds_path and not tcp_address:
+        raise ValueError("need a Unix socket path or a TCP address to listen on")
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
+        options=[("grpc.so_reuseport", 0)],
+    )
+    policy_pb2_grpc.add_PolicyServiceServicer_to_server(PolicyServicer(service), server)
+    admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(service, admin_token), server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (POLICY_SERVICE, ADMIN_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    addresses = []
+    if uds_path:
+        server.add_insecure_port(f"unix:{uds_path}")
+        addresses.append(f"unix:{uds_path}")
+    if tcp_address:
+        port = server.add_insecure_port(tcp_address)
+        host = tcp_address.rsplit(":", 1)[0]
+        addresses.append(f"{host}:{port}")
+    server.start()
+    running = RunningServer(server, health_servicer, addresses)
+    running.set_serving(True)
+    return running

@@ -1,0 +1,106 @@
+"""Prometheus metrics of the sidecar (names `nightjar_*`, units in names).
+
+Each server owns its own CollectorRegistry so several can live in one process
+(tests, benchmarks). Labels stay low-cardinality: no request or decision ids.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    start_http_server,
+)
+
+# Decision latency spans µs (in-process) to ms (slow host).
+LATENCY_BUCKETS = (
+    5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2,
+)  # fmt: skip
+GOODPUT_BUCKETS = tuple(float(2**k) for k in range(0, 21))  # 1 .. ~1M tokens/s
+STEP_BUCKETS = (1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+RATIO_BUCKETS = tuple(i / 10 for i in range(11))
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.decisions = Counter(
+            "nightjar_decisions", "Decisions served, by policy, γ and bin type.",
+            ["policy", "gamma", "bin_type"], registry=r,
+        )  # fmt: skip
+        self.reports = Counter(
+            "nightjar_reports", "Step outcomes received; result=applied|stale.",
+            ["policy", "result"], registry=r,
+        )  # fmt: skip
+        self.goodput = Histogram(
+            "nightjar_goodput_tokens_per_second", "Realized goodput of reported steps.",
+            ["gamma"], buckets=GOODPUT_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.acceptance = Histogram(
+            "nightjar_acceptance_ratio", "Accepted / drafted tokens of reported steps.",
+            buckets=RATIO_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.step_duration = Histogram(
+            "nightjar_step_duration_seconds", "Engine step wall time as reported.",
+            buckets=STEP_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.decision_latency = Histogram(
+            "nightjar_decision_latency_seconds", "Time to compute a decision inside the server.",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.invalid_requests = Counter(
+            "nightjar_invalid_requests", "Rejected requests, by method and gRPC status code.",
+            ["method", "code"], registry=r,
+        )  # fmt: skip
+        self.policy_swaps = Counter(
+            "nightjar_policy_swaps", "Policy activations (swap, set-params, restore, reset).",
+            ["result"], registry=r,
+        )  # fmt: skip
+        self.snapshots = Counter(
+            "nightjar_snapshots", "State snapshots written; result=ok|failed.",
+            ["result"], registry=r,
+        )  # fmt: skip
+        self.snapshot_age = Gauge(
+            "nightjar_snapshot_age_seconds",
+            "Seconds since the last successful snapshot (-1 = none yet).", registry=r,
+        )  # fmt: skip
+        self.expired_decisions = Counter(
+            "nightjar_decisions_expired",
+            "Decisions dropped from the pending table without an outcome.", registry=r,
+        )  # fmt: skip
+        self.engines = Gauge("nightjar_engines", "Engines seen since start.", registry=r)
+        self.decision_log_dropped = Counter(
+            "nightjar_decision_log_dropped", "Decision-log records dropped (writer behind).",
+            registry=r,
+        )  # fmt: skip
+        self.policy_info = Info("nightjar_policy", "The active policy.", registry=r)
+        self._last_snapshot: float | None = None
+        self.snapshot_age.set_function(self._snapshot_age)
+
+    def _snapshot_age(self) -> float:
+        return -1.0 if self._last_snapshot is None else time.time() - self._last_snapshot
+
+    def snapshot_written(self, unix_time: float) -> None:
+        self._last_snapshot = unix_time
+        self.snapshots.labels("ok").inc()
+
+    def set_active_policy(self, name: str, version: str) -> None:
+        self.policy_info.info({"name": name, "version": version})
+
+    def serve_http(self, port: int, addr: str = "127.0.0.1") -> Callable[[], None]:
+        """Expose /metrics over HTTP; returns a function that stops the server."""
+        server, thread = start_http_server(port, addr=addr, registry=self.registry)
+
+        def stop() -> None:
+            server.shutdown()
+            server.server_close()
+            thread.join(timeout=2)
+
+        return stop

@@ -1,0 +1,96 @@
+"""Policy registry: every selectable γ policy, by name."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from policy_server.policies.base import Policy, PolicyError
+from policy_server.policies.fixed import (
+    OffParams,
+    OffPolicy,
+    StaticParams,
+    StaticPolicy,
+    TableParams,
+    TablePolicy,
+)
+from policy_server.policies.nightjar import NightjarParams, NightjarPolicy
+
+__all__ = [
+    "REGISTRY",
+    "Policy",
+    "PolicyError",
+    "PolicySpec",
+    "UnknownPolicyError",
+    "create_policy",
+]
+
+
+class UnknownPolicyError(KeyError):
+    """No policy is registered under that name."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+@dataclass(frozen=True, slots=True)
+class PolicySpec:
+    name: str
+    description: str
+    factory: Callable[[Mapping[str, Any] | None], Policy]
+    params_type: type[Any]
+
+    def default_params(self) -> dict[str, Any]:
+        return dataclasses.asdict(self.params_type())
+
+
+REGISTRY: dict[str, PolicySpec] = {
+    spec.name: spec
+    for spec in (
+        PolicySpec(
+            "nightjar",
+            "Per-batch-size bin-greedy bandit with switching cost (Nightjar, seed 001).",
+            NightjarPolicy,
+            NightjarParams,
+        ),
+        PolicySpec(
+            "static",
+            "Fixed γ = k for every step (stock speculative decoding).",
+            StaticPolicy,
+            StaticParams,
+        ),
+        PolicySpec("off", "γ = 0: no speculation (plain decoding baseline).", OffPolicy, OffParams),
+        PolicySpec(
+            "table",
+            "Batch size → γ table shaped like vLLM's dynamic-SD schedule (PR #32374).",
+            TablePolicy,
+            TableParams,
+        ),
+    )
+}
+
+
+def create_policy(name: str, params: Mapping[str, Any] | None = None) -> Policy:
+    """Instantiate a registered policy; UnknownPolicyError / PolicyError on bad input."""
+    spec = REGISTRY.get(name)
+    if spec is None:
+        raise UnknownPolicyError(
+            f"unknown policy '{name}'; registered: {', '.join(sorted(REGISTRY))}"
+        )
+    return spec.factory(params)
+
+
+def parse_params_json(text: str) -> dict[str, Any]:
+    """Parse a params JSON object ("" = {}); PolicyError when it is not one."""
+    if not text.strip():
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise PolicyError(f"params are not valid JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise PolicyError("params must be a JSON object")
+    return value

@@ -1,0 +1,125 @@
+"""The policy protocol every γ policy implements, and helpers they share.
+
+A policy is a small, engine-agnostic object: it sees a StepContext, returns a
+Choice, and learns from StepOutcomes. It knows nothing of gRPC or vLLM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any, ClassVar, Protocol, TypeVar
+
+from policy_server.types import BinType, Choice, StepContext, StepOutcome
+
+
+class PolicyError(ValueError):
+    """Bad policy parameters or an incompatible learned state."""
+
+
+class Policy(Protocol):
+    """What the server needs from a policy; as small as SGLang's adaptive-spec protocol."""
+
+    name: ClassVar[str]
+    # Policies with the same schema can carry learned state across a swap.
+    state_schema: ClassVar[str]
+
+    @property
+    def gamma_max(self) -> int:
+        """Largest γ this policy can choose (Γmax)."""
+        ...
+
+    def params(self) -> dict[str, Any]:
+        """Effective parameters as a JSON-serialisable dict."""
+        ...
+
+    def decide(self, ctx: StepContext) -> Choice:
+        """Choose γ for the step described by ``ctx``."""
+        ...
+
+    def observe(self, ctx: StepContext, choice: Choice, outcome: StepOutcome) -> None:
+        """Learn from the outcome of a step this policy decided."""
+        ...
+
+    def state(self, engine_id: str | None = None) -> dict[str, Any]:
+        """Learned state as JSON-serialisable data (one engine's part when given)."""
+        ...
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        """Replace the learned state; raise PolicyError and change nothing if it does not fit."""
+        ...
+
+    def reset(self, engine_id: str | None = None) -> None:
+        """Forget learned state (of one engine when given)."""
+        ...
+
+
+def feasible_gamma_max(ctx: StepContext, gamma_max: int) -> int:
+    """Largest γ the engine can run this step: 0 while the draft is not resident."""
+    if not ctx.draft_resident:
+        return 0
+    return min(gamma_max, ctx.max_gamma) if ctx.max_gamma > 0 else gamma_max
+
+
+def forced_choice_if_no_speculation(ctx: StepContext, gamma_max: int) -> Choice | None:
+    """The forced γ=0 choice when speculation is infeasible, else None."""
+    if feasible_gamma_max(ctx, gamma_max) == 0:
+        return Choice(gamma=0, bin_type=BinType.FORCED)
+    return None
+
+
+P = TypeVar("P")
+
+
+def parse_params(cls: type[P], raw: Mapping[str, Any] | None, policy: str) -> P:
+    """Build a params dataclass from JSON data, rejecting unknown keys and wrong types.
+
+    Validation beyond types belongs in the dataclass's ``__post_init__`` (raise PolicyError).
+    """
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, Mapping):
+        raise PolicyError(f"parameters of policy '{policy}' must be a JSON object")
+    assert dataclasses.is_dataclass(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        raise PolicyError(
+            f"unknown parameter(s) {unknown} for policy '{policy}'; known: {sorted(fields)}"
+        )
+    hints = typing.get_type_hints(cls)
+    for key, value in raw.items():
+        if not _matches(value, hints[key]):
+            raise PolicyError(
+                f"parameter '{key}' of policy '{policy}' must be {_describe(hints[key])}, "
+                f"got {value!r}"
+            )
+    try:
+        return cls(**raw)
+    except (TypeError, ValueError) as exc:
+        raise PolicyError(f"policy '{policy}': {exc}") from exc
+
+
+def _matches(value: Any, hint: Any) -> bool:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, arg) for arg in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    if origin in (list, tuple):
+        return isinstance(value, list | tuple)
+    return True
+
+
+def _describe(hint: Any) -> str:
+    return getattr(hint, "__name__", str(hint))

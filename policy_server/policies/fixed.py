@@ -1,0 +1,168 @@
+"""Non-learning policies: `static` (γ = k), `off` (γ = 0) and `table` (batch size → γ).
+
+`table` has the shape of vLLM's dynamic-SD schedule
+(``speculative_config.num_speculative_tokens_per_batch_size = [[start_bs, end_bs, K], ...]``),
+so an operator can move an existing vLLM setting into Nightjar unchanged. The same
+class is the client's local fail-open fallback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+from policy_server.policies.base import PolicyError, forced_choice_if_no_speculation, parse_params
+from policy_server.types import BinType, Choice, StepContext, StepOutcome
+
+# Measured on the CPU rig (reference/cpu_rig.md): γ=3 best at batch 1, γ=1 at 16,
+# γ=0 from 32 on. A safe default for the fallback table.
+DEFAULT_SCHEDULE: tuple[tuple[int, int, int], ...] = ((1, 8, 3), (9, 24, 1), (25, 1 << 20, 0))
+
+
+class _StatelessPolicy:
+    """State plumbing for policies that learn nothing."""
+
+    state_schema: ClassVar[str] = "stateless/1"
+
+    def observe(self, ctx: StepContext, choice: Choice, outcome: StepOutcome) -> None:
+        return None
+
+    def state(self, engine_id: str | None = None) -> dict[str, Any]:
+        return {"schema": self.state_schema}
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        if state.get("schema") != self.state_schema:
+            raise PolicyError(f"state schema {state.get('schema')!r} is not {self.state_schema}")
+
+    def reset(self, engine_id: str | None = None) -> None:
+        return None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StaticParams:
+    gamma: int = 3
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.gamma <= 64:
+            raise PolicyError(f"gamma must be in 0..64, got {self.gamma}")
+
+
+class StaticPolicy(_StatelessPolicy):
+    """Always the same γ (vLLM's default behaviour with num_speculative_tokens = γ)."""
+
+    name: ClassVar[str] = "static"
+
+    def __init__(self, params: Mapping[str, Any] | None = None) -> None:
+        self._params = parse_params(StaticParams, params, self.name)
+
+    @property
+    def gamma_max(self) -> int:
+        return self._params.gamma
+
+    def params(self) -> dict[str, Any]:
+        return dataclasses.asdict(self._params)
+
+    def decide(self, ctx: StepContext) -> Choice:
+        forced = forced_choice_if_no_speculation(ctx, self.gamma_max)
+        return forced or Choice(gamma=self.gamma_max, bin_type=BinType.FIXED)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class OffParams:
+    pass
+
+
+class OffPolicy(_StatelessPolicy):
+    """Never speculate (γ = 0): plain decoding, the baseline."""
+
+    name: ClassVar[str] = "off"
+
+    def __init__(self, params: Mapping[str, Any] | None = None) -> None:
+        parse_params(OffParams, params, self.name)
+
+    @property
+    def gamma_max(self) -> int:
+        return 0
+
+    def params(self) -> dict[str, Any]:
+        return {}
+
+    def decide(self, ctx: StepContext) -> Choice:
+        return Choice(gamma=0, bin_type=BinType.FIXED)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TableParams:
+    # [[start_bs, end_bs, gamma], ...], inclusive ranges, as in vLLM's dynamic SD.
+    schedule: list[list[int]] = dataclasses.field(
+        default_factory=lambda: [list(row) for row in DEFAULT_SCHEDULE]
+    )
+    # γ for batch sizes no range covers.
+    default_gamma: int = 0
+
+    def __post_init__(self) -> None:
+        rows = []
+        for row in self.schedule:
+            if (
+                not isinstance(row, list | tuple)
+                or len(row) != 3
+                or not all(isinstance(v, int) and not isinstance(v, bool) for v in row)
+            ):
+                raise PolicyError(f"schedule rows must be [start_bs, end_bs, gamma], got {row!r}")
+            start, end, gamma = row
+            if start < 1 or end < start:
+                raise PolicyError(f"schedule row {row}: need 1 <= start_bs <= end_bs")
+            if not 0 <= gamma <= 64:
+                raise PolicyError(f"schedule row {row}: gamma must be in 0..64")
+            rows.append((start, end, gamma))
+        rows.sort()
+        for (_, prev_end, _), (start, _, _) in itertools.pairwise(rows):
+            if start <= prev_end:
+                raise PolicyError(f"schedule ranges overlap at batch size {start}")
+        if not 0 <= self.default_gamma <= 64:
+            raise PolicyError(f"default_gamma must be in 0..64, got {self.default_gamma}")
+
+
+class TablePolicy(_StatelessPolicy):
+    """γ looked up from a batch-size table (vLLM's dynamic-SD schedule)."""
+
+    name: ClassVar[str] = "table"
+
+    def __init__(self, params: Mapping[str, Any] | None = None) -> None:
+        self._params = parse_params(TableParams, params, self.name)
+        self._rows = sorted((s, e, g) for s, e, g in self._params.schedule)
+        # Dense lookup for the common range; rows beyond it are scanned.
+        self._dense_limit = min(4096, max((e for _, e, _ in self._rows), default=0))
+        self._dense = [self._scan(b) for b in range(self._dense_limit + 1)]
+
+    @property
+    def gamma_max(self) -> int:
+        return max([g for _, _, g in self._rows] + [self._params.default_gamma])
+
+    def params(self) -> dict[str, Any]:
+        return {
+            "schedule": [list(r) for r in self._rows],
+            "default_gamma": self._params.default_gamma,
+        }
+
+    def gamma_for(self, batch_size: int) -> int:
+        if 0 <= batch_size <= self._dense_limit:
+            return self._dense[batch_size]
+        return self._scan(batch_size)
+
+    def _scan(self, batch_size: int) -> int:
+        for start, end, gamma in self._rows:
+            if start <= batch_size <= end:
+                return gamma
+        return self._params.default_gamma
+
+    def decide(self, ctx: StepContext) -> Choice:
+        forced = forced_choice_if_no_speculation(ctx, self.gamma_max)
+        if forced:
+            return forced
+        gamma = self.gamma_for(ctx.batch_size)
+        if ctx.max_gamma > 0:
+            gamma = min(gamma, ctx.max_gamma)
+        return Choice(gamma=gamma, bin_type=BinType.FIXED)

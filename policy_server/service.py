@@ -1,0 +1,379 @@
+"""The decision service: owns the active policy, pending decisions and their bookkeeping.
+
+This is the sidecar's core, free of gRPC: the gRPC servicers, the benchmarks
+and in-process users all call it. One lock guards the active policy and the
+pending-decision table; policy activation (swap, set-params, restore, reset)
+is atomic and leaves the last good policy in place when it fails.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import itertools
+import json
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from policy_server import snapshot
+from policy_server.decision_log import DecisionLog
+from policy_server.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+)
+from policy_server.metrics import Metrics
+from policy_server.policies import (
+    REGISTRY,
+    Policy,
+    PolicyError,
+    UnknownPolicyError,
+    create_policy,
+)
+from policy_server.types import Choice, Decision, StepContext, StepOutcome
+from policy_server.validation import Limits, check_context, check_outcome, check_outcome_against
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ActivePolicy:
+    policy: Policy
+    name: str
+    revision: int
+    version: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PendingDecision:
+    ctx: StepContext
+    choice: Choice
+    revision: int
+    gamma_max: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StateView:
+    policy_name: str
+    policy_version: str
+    params: dict[str, Any]
+    state: dict[str, Any]
+    decisions_total: int
+    reports_total: int
+    engine_ids: list[str]
+    last_snapshot_unix: float
+
+
+class DecisionService:
+    def __init__(
+        self,
+        policy_name: str = "nightjar",
+        params: Mapping[str, Any] | None = None,
+        *,
+        limits: Limits | None = None,
+        metrics: Metrics | None = None,
+        decision_log: DecisionLog | None = None,
+        state_dir: str | Path | None = None,
+        max_pending: int = 100_000,
+    ) -> None:
+        self.limits = limits or Limits()
+        self.metrics = metrics or Metrics()
+        self.decision_log = decision_log
+        self.state_dir = Path(state_dir) if state_dir else None
+        self._max_pending = max_pending
+        self._lock = threading.Lock()
+        self._revisions = itertools.count(1)
+        self._boot_id = secrets.token_hex(4)
+        self._sequence = itertools.count(1)
+        self._pending: collections.OrderedDict[str, PendingDecision] = collections.OrderedDict()
+        self._engines: set[str] = set()
+        self._decisions_total = 0
+        self._reports_total = 0
+        self.last_snapshot_unix = 0.0
+        self._active = self._activate(self._build(policy_name, params))
+
+    # -- decisions ----------------------------------------------------------------------
+
+    @property
+    def active(self) -> ActivePolicy:
+        return self._active
+
+    def decide(self, ctx: StepContext) -> Decision:
+        check_context(ctx, self.limits)
+        with self._lock:
+            return self._decide_locked(ctx)
+
+    def report(self, outcome: StepOutcome) -> bool:
+        """Record an outcome; True when it updated the active policy's learner."""
+        check_outcome(outcome, self.limits)
+        with self._lock:
+            pending = self._take_pending(outcome)
+            return self._apply_locked(pending, outcome)
+
+    def step(self, outcome: StepOutcome | None, ctx: StepContext | None) -> Decision | None:
+        """Report the previous outcome and decide the next step; all-or-nothing."""
+        if outcome is None and ctx is None:
+            raise InvalidArgumentError("a step request needs an outcome, a context or both")
+        if outcome is not None:
+            check_outcome(outcome, self.limits)
+        if ctx is not None:
+            check_context(ctx, self.limits)
+        with self._lock:
+            pending = self._take_pending(outcome) if outcome is not None else None
+            if pending is not None and outcome is not None:
+                self._apply_locked(pending, outcome)
+            return self._decide_locked(ctx) if ctx is not None else None
+
+    def _decide_locked(self, ctx: StepContext) -> Decision:
+        started = time.perf_counter()
+        active = self._active
+        choice = active.policy.decide(ctx)
+        decision_id = f"{self._boot_id}-{next(self._sequence):x}"
+        self._pending[decision_id] = PendingDecision(
+            ctx, choice, active.revision, active.policy.gamma_max
+        )
+        if len(self._pending) > self._max_pending:
+            self._pending.popitem(last=False)
+            self.metrics.expired_decisions.inc()
+        if ctx.engine_id not in self._engines:
+            self._engines.add(ctx.engine_id)
+            self.metrics.engines.set(len(self._engines))
+        self._decisions_total += 1
+        decision = Decision(
+            gamma=choice.gamma,
+            decision_id=decision_id,
+            bin_type=choice.bin_type,
+            exploration_probability=choice.exploration_probability,
+            policy_name=active.name,
+            policy_version=active.version,
+            step_index=ctx.step_index,
+            request_gammas=choice.request_gammas,
+        )
+        self.metrics.decision_latency.observe(time.perf_counter() - started)
+        self.metrics.decisions.labels(active.name, str(choice.gamma), choice.bin_type.value).inc()
+        if self.decision_log is not None:
+            self.decision_log.write(_decision_record(decision, ctx))
+        return decision
+
+    def _take_pending(self, outcome: StepOutcome) -> PendingDecision:
+        pending = self._pending.get(outcome.decision_id)
+        if pending is None:
+            raise NotFoundError(
+                f"unknown decision_id {outcome.decision_id!r} (never issued, already "
+                "reported, or expired)"
+            )
+        check_outcome_against(outcome, pending.ctx.engine_id, pending.gamma_max)
+        del self._pending[outcome.decision_id]
+        return pending
+
+    def _apply_locked(self, pending: PendingDecision, outcome: StepOutcome) -> bool:
+        active = self._active
+        applied = pending.revision == active.revision
+        if applied:
+            active.policy.observe(pending.ctx, pending.choice, outcome)
+        self._reports_total += 1
+        self.metrics.reports.labels(active.name, "applied" if applied else "stale").inc()
+        self.metrics.goodput.labels(str(outcome.gamma)).observe(outcome.goodput)
+        self.metrics.step_duration.observe(outcome.step_seconds)
+        if outcome.drafted_tokens > 0:
+            self.metrics.acceptance.observe(outcome.accepted_tokens / outcome.drafted_tokens)
+        if self.decision_log is not None:
+            self.decision_log.write(_outcome_record(outcome))
+        return applied
+
+    # -- administration -----------------------------------------------------------------
+
+    def swap(self, name: str, params: Mapping[str, Any] | None, keep_state: bool) -> ActivePolicy:
+        """Activate another policy; the current one stays active if anything fails."""
+        candidate = self._build(name, params)
+        with self._lock:
+            if keep_state:
+                self._carry_state(self._active.policy, candidate)
+            return self._activate(candidate)
+
+    def set_params(self, changes: Mapping[str, Any]) -> ActivePolicy:
+        """New parameters for the active policy, keeping its learned state."""
+        with self._lock:
+            current = self._active
+            merged = {**current.policy.params(), **changes}
+        candidate = self._build(current.name, merged)
+        with self._lock:
+            self._carry_state(self._active.policy, candidate)
+            return self._activate(candidate)
+
+    def reset(self, engine_id: str | None = None) -> ActivePolicy:
+        with self._lock:
+            if engine_id is None:
+                self._pending.clear()
+                return self._activate(self._build(self._active.name, self._active.policy.params()))
+            if engine_id not in self._engines:
+                raise NotFoundError(f"unknown engine {engine_id!r}")
+            self._active.policy.reset(engine_id)
+            return self._active
+
+    def state_view(self, engine_id: str | None = None) -> StateView:
+        with self._lock:
+            if engine_id and engine_id not in self._engines:
+                raise NotFoundError(f"unknown engine {engine_id!r}")
+            active = self._active
+            return StateView(
+                policy_name=active.name,
+                policy_version=active.version,
+                params=active.policy.params(),
+                state=active.policy.state(engine_id or None),
+                decisions_total=self._decisions_total,
+                reports_total=self._reports_total,
+                engine_ids=sorted(self._engines),
+                last_snapshot_unix=self.last_snapshot_unix,
+            )
+
+    def list_policies(self) -> list[tuple[str, str, dict[str, Any], bool]]:
+        return [
+            (spec.name, spec.description, spec.default_params(), spec.name == self._active.name)
+            for spec in REGISTRY.values()
+        ]
+
+    # -- snapshots ----------------------------------------------------------------------
+
+    def snapshot_document(self) -> dict[str, Any]:
+        with self._lock:
+            active = self._active
+            return {
+                "format": snapshot.FORMAT,
+                "created_unix": time.time(),
+                "policy": {
+                    "name": active.name,
+                    "version": active.version,
+                    "params": active.policy.params(),
+                    "state": active.policy.state(),
+                },
+                "engines": sorted(self._engines),
+            }
+
+    def write_snapshot(self) -> Path:
+        if self.state_dir is None:
+            raise FailedPreconditionError("no state directory configured (--state-dir)")
+        document = self.snapshot_document()
+        path = self.state_dir / snapshot.SNAPSHOT_NAME
+        try:
+            snapshot.write_atomic(path, document)
+        except OSError as exc:
+            self.metrics.snapshots.labels("failed").inc()
+            raise FailedPreconditionError(f"cannot write snapshot {path}: {exc}") from exc
+        self.last_snapshot_unix = document["created_unix"]
+        self.metrics.snapshot_written(self.last_snapshot_unix)
+        return path
+
+    def restore_document(self, document: Mapping[str, Any]) -> ActivePolicy:
+        """Activate the policy, params and state of a snapshot; all-or-nothing."""
+        spec = document["policy"]
+        candidate = self._build(spec["name"], spec["params"])
+        try:
+            candidate.load_state(spec["state"])
+        except PolicyError as exc:
+            self.metrics.policy_swaps.labels("failed").inc()
+            raise FailedPreconditionError(f"snapshot state does not fit: {exc}") from exc
+        with self._lock:
+            self._pending.clear()
+            self._engines.update(str(e) for e in document.get("engines", []))
+            self.metrics.engines.set(len(self._engines))
+            return self._activate(candidate)
+
+    def restore_path(self, path: str | Path) -> ActivePolicy:
+        path = Path(path)
+        if not path.exists():
+            raise NotFoundError(f"snapshot file {path} does not exist")
+        try:
+            document = snapshot.read(path)
+        except snapshot.SnapshotError as exc:
+            raise InvalidArgumentError(str(exc)) from exc
+        return self.restore_document(document)
+
+    # -- internals ----------------------------------------------------------------------
+
+    def _build(self, name: str, params: Mapping[str, Any] | None) -> Policy:
+        try:
+            return create_policy(name, params)
+        except UnknownPolicyError as exc:
+            self.metrics.policy_swaps.labels("failed").inc()
+            raise NotFoundError(str(exc)) from exc
+        except PolicyError as exc:
+            self.metrics.policy_swaps.labels("failed").inc()
+            raise InvalidArgumentError(str(exc)) from exc
+
+    def _carry_state(self, old: Policy, new: Policy) -> None:
+        if old.state_schema != new.state_schema:
+            self.metrics.policy_swaps.labels("failed").inc()
+            raise FailedPreconditionError(
+                f"cannot keep state: '{old.name}' state ({old.state_schema}) does not fit "
+                f"'{new.name}' ({new.state_schema})"
+            )
+        try:
+            new.load_state(old.state())
+        except PolicyError as exc:
+            self.metrics.policy_swaps.labels("failed").inc()
+            raise FailedPreconditionError(f"cannot keep state: {exc}") from exc
+
+    def _activate(self, policy: Policy) -> ActivePolicy:
+        revision = next(self._revisions)
+        digest = hashlib.sha256(json.dumps(policy.params(), sort_keys=True).encode()).hexdigest()[
+            :8
+        ]
+        active = ActivePolicy(policy, policy.name, revision, f"r{revision}-{digest}")
+        self._active = active
+        self.metrics.policy_swaps.labels("ok").inc()
+        self.metrics.set_active_policy(active.name, active.version)
+        log.info("activated policy %s version %s", active.name, active.version)
+        return active
+
+
+def _decision_record(decision: Decision, ctx: StepContext) -> dict[str, Any]:
+    return {
+        "kind": "decision",
+        "ts": time.time(),
+        "decision_id": decision.decision_id,
+        "engine_id": ctx.engine_id,
+        "policy": decision.policy_name,
+        "policy_version": decision.policy_version,
+        "context": context_to_json(ctx),
+        "gamma": decision.gamma,
+        "bin_type": decision.bin_type.value,
+        "exploration": decision.exploration,
+        "exploration_probability": decision.exploration_probability,
+    }
+
+
+def _outcome_record(outcome: StepOutcome) -> dict[str, Any]:
+    return {
+        "kind": "outcome",
+        "ts": time.time(),
+        "decision_id": outcome.decision_id,
+        "outcome": dataclasses.asdict(outcome),
+    }
+
+
+def context_to_json(ctx: StepContext) -> dict[str, Any]:
+    return dataclasses.asdict(ctx)
+
+
+def context_from_json(data: Mapping[str, Any]) -> StepContext:
+    from policy_server.types import RequestSignals
+
+    fields = dict(data)
+    fields["requests"] = tuple(
+        RequestSignals(**{**r, "recent_accepts": tuple(r.get("recent_accepts", ()))})
+        for r in fields.get("requests", ())
+    )
+    return StepContext(**fields)
+
+
+def outcome_from_json(data: Mapping[str, Any]) -> StepOutcome:
+    fields = dict(data)
+    fields["request_accepts"] = tuple(tuple(x) for x in fields.get("request_accepts", ()))
+    return StepOutcome(**fields)

@@ -1,0 +1,103 @@
+"""Input checks for step contexts and outcomes: one place, clear messages.
+
+Everything is checked before anything is applied, so a rejected request
+changes no learned state.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from policy_server.errors import InvalidArgumentError
+from policy_server.types import StepContext, StepOutcome
+
+# γ is a small number of draft tokens; anything above this is a client bug.
+HARD_GAMMA_LIMIT = 64
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Bounds that separate plausible engine data from garbage."""
+
+    max_batch_size: int = 65536
+    max_step_seconds: float = 600.0
+    max_engine_id_length: int = 256
+
+
+def check_context(ctx: StepContext, limits: Limits) -> None:
+    _check_engine_id(ctx.engine_id, limits)
+    if not 1 <= ctx.batch_size <= limits.max_batch_size:
+        raise InvalidArgumentError(
+            f"batch_size must be in 1..{limits.max_batch_size}, got {ctx.batch_size}"
+        )
+    for name in ("num_waiting", "free_kv_blocks", "total_kv_blocks", "max_draft_lag_tokens"):
+        if getattr(ctx, name) < 0:
+            raise InvalidArgumentError(f"{name} must be >= 0, got {getattr(ctx, name)}")
+    if ctx.total_kv_blocks and ctx.free_kv_blocks > ctx.total_kv_blocks:
+        raise InvalidArgumentError(
+            f"free_kv_blocks ({ctx.free_kv_blocks}) exceeds total_kv_blocks ({ctx.total_kv_blocks})"
+        )
+    if ctx.previous_gamma is not None and not 0 <= ctx.previous_gamma <= HARD_GAMMA_LIMIT:
+        raise InvalidArgumentError(
+            f"previous_gamma must be in 0..{HARD_GAMMA_LIMIT}, got {ctx.previous_gamma}"
+        )
+    if not 0 <= ctx.max_gamma <= HARD_GAMMA_LIMIT:
+        raise InvalidArgumentError(f"max_gamma must be in 0..{HARD_GAMMA_LIMIT}")
+    for req in ctx.requests:
+        if req.context_tokens < 0 or any(a < 0 for a in req.recent_accepts):
+            raise InvalidArgumentError(f"request {req.request_id!r}: negative token counts")
+        for name in ("kl_divergence", "draft_entropy"):
+            value = getattr(req, name)
+            if value is not None and (not math.isfinite(value) or value < 0):
+                raise InvalidArgumentError(
+                    f"request {req.request_id!r}: {name} must be finite and >= 0, got {value}"
+                )
+
+
+def check_outcome(outcome: StepOutcome, limits: Limits) -> None:
+    """Checks that need no knowledge of the decision (see check_outcome_against)."""
+    if not outcome.decision_id:
+        raise InvalidArgumentError("decision_id is required in a step outcome")
+    _check_engine_id(outcome.engine_id, limits)
+    seconds = outcome.step_seconds
+    if not math.isfinite(seconds) or not 0 < seconds <= limits.max_step_seconds:
+        raise InvalidArgumentError(
+            f"step_seconds must be finite and in (0, {limits.max_step_seconds}], got {seconds}"
+        )
+    for name in ("generated_tokens", "drafted_tokens", "accepted_tokens"):
+        if getattr(outcome, name) < 0:
+            raise InvalidArgumentError(
+                f"{name} must be >= 0, got {getattr(outcome, name)} (negative goodput)"
+            )
+    if outcome.accepted_tokens > outcome.drafted_tokens:
+        raise InvalidArgumentError(
+            f"accepted_tokens ({outcome.accepted_tokens}) exceeds drafted_tokens "
+            f"({outcome.drafted_tokens})"
+        )
+    if not math.isfinite(outcome.goodput):
+        raise InvalidArgumentError("goodput (generated_tokens / step_seconds) is not finite")
+    if any(n < 0 for _, n in outcome.request_accepts):
+        raise InvalidArgumentError("per-request accepted_tokens must be >= 0")
+
+
+def check_outcome_against(outcome: StepOutcome, engine_id: str, gamma_max: int) -> None:
+    """Checks against the decision the outcome answers."""
+    if outcome.engine_id != engine_id:
+        raise InvalidArgumentError(
+            f"decision {outcome.decision_id} was made for engine {engine_id!r}, "
+            f"not {outcome.engine_id!r}"
+        )
+    if not 0 <= outcome.gamma <= gamma_max:
+        raise InvalidArgumentError(
+            f"gamma must be in 0..{gamma_max} (the deciding policy's Γmax), got {outcome.gamma}"
+        )
+
+
+def _check_engine_id(engine_id: str, limits: Limits) -> None:
+    if not engine_id:
+        raise InvalidArgumentError("engine_id is required")
+    if len(engine_id) > limits.max_engine_id_length:
+        raise InvalidArgumentError(
+            f"engine_id is longer than {limits.max_engine_id_length} characters"
+        )

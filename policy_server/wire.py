@@ -1,0 +1,153 @@
+"""Conversions between nightjar.v1 messages and the plain types of policy_server.types.
+
+Used by the server and by the client, so both read the contract the same way.
+"""
+
+from __future__ import annotations
+
+from nightjar.v1 import policy_pb2 as pb
+
+from policy_server.types import (
+    BinType,
+    Decision,
+    MemoryDirective,
+    RequestSignals,
+    StepContext,
+    StepOutcome,
+)
+
+_ACTIONS = {
+    "": pb.MemoryDirective.ACTION_UNSPECIFIED,
+    "offload_draft_expand_kv": pb.MemoryDirective.OFFLOAD_DRAFT_EXPAND_KV,
+    "compact_kv_reload_draft": pb.MemoryDirective.COMPACT_KV_RELOAD_DRAFT,
+}
+_ACTION_NAMES = {v: k for k, v in _ACTIONS.items()}
+
+
+def context_from_pb(msg: pb.StepContext) -> StepContext:
+    return StepContext(
+        engine_id=msg.engine_id,
+        step_index=msg.step_index,
+        batch_size=msg.batch_size,
+        num_waiting=msg.num_waiting,
+        free_kv_blocks=msg.free_kv_blocks,
+        total_kv_blocks=msg.total_kv_blocks,
+        max_draft_lag_tokens=msg.max_draft_lag_tokens,
+        draft_resident=msg.draft_resident,
+        previous_gamma=msg.previous_gamma if msg.HasField("previous_gamma") else None,
+        max_gamma=msg.max_gamma,
+        learner_key=msg.learner_key,
+        requests=tuple(
+            RequestSignals(
+                request_id=r.request_id,
+                context_tokens=r.context_tokens,
+                recent_accepts=tuple(r.recent_accepts),
+                kl_divergence=r.kl_divergence if r.HasField("kl_divergence") else None,
+                draft_entropy=r.draft_entropy if r.HasField("draft_entropy") else None,
+            )
+            for r in msg.requests
+        ),
+    )
+
+
+def context_to_pb(ctx: StepContext) -> pb.StepContext:
+    msg = pb.StepContext(
+        engine_id=ctx.engine_id,
+        step_index=ctx.step_index,
+        batch_size=ctx.batch_size,
+        num_waiting=ctx.num_waiting,
+        free_kv_blocks=ctx.free_kv_blocks,
+        total_kv_blocks=ctx.total_kv_blocks,
+        max_draft_lag_tokens=ctx.max_draft_lag_tokens,
+        draft_resident=ctx.draft_resident,
+        max_gamma=ctx.max_gamma,
+        learner_key=ctx.learner_key,
+    )
+    if ctx.previous_gamma is not None:
+        msg.previous_gamma = ctx.previous_gamma
+    for r in ctx.requests:
+        req = msg.requests.add(
+            request_id=r.request_id,
+            context_tokens=r.context_tokens,
+            recent_accepts=list(r.recent_accepts),
+        )
+        if r.kl_divergence is not None:
+            req.kl_divergence = r.kl_divergence
+        if r.draft_entropy is not None:
+            req.draft_entropy = r.draft_entropy
+    return msg
+
+
+def outcome_from_pb(msg: pb.StepOutcome) -> StepOutcome:
+    return StepOutcome(
+        decision_id=msg.decision_id,
+        engine_id=msg.engine_id,
+        gamma=msg.gamma,
+        step_seconds=msg.step_seconds,
+        generated_tokens=msg.generated_tokens,
+        drafted_tokens=msg.drafted_tokens,
+        accepted_tokens=msg.accepted_tokens,
+        request_accepts=tuple((r.request_id, r.accepted_tokens) for r in msg.requests),
+    )
+
+
+def outcome_to_pb(outcome: StepOutcome) -> pb.StepOutcome:
+    return pb.StepOutcome(
+        decision_id=outcome.decision_id,
+        engine_id=outcome.engine_id,
+        gamma=outcome.gamma,
+        step_seconds=outcome.step_seconds,
+        generated_tokens=outcome.generated_tokens,
+        drafted_tokens=outcome.drafted_tokens,
+        accepted_tokens=outcome.accepted_tokens,
+        requests=[
+            pb.RequestAccepts(request_id=rid, accepted_tokens=n)
+            for rid, n in outcome.request_accepts
+        ],
+    )
+
+
+def decision_to_pb(decision: Decision) -> pb.Decision:
+    msg = pb.Decision(
+        gamma=decision.gamma,
+        decision_id=decision.decision_id,
+        exploration=decision.exploration,
+        exploration_probability=decision.exploration_probability,
+        policy_name=decision.policy_name,
+        policy_version=decision.policy_version,
+        reason=decision.bin_type.value,
+        step_index=decision.step_index,
+        request_gammas=[
+            pb.RequestGamma(request_id=rid, gamma=g) for rid, g in decision.request_gammas
+        ],
+    )
+    directive = decision.memory_directive
+    if directive.action:
+        msg.memory_directive.CopyFrom(
+            pb.MemoryDirective(
+                action=_ACTIONS[directive.action],
+                target_kv_blocks=directive.target_kv_blocks,
+                reason=directive.reason,
+            )
+        )
+    return msg
+
+
+def decision_from_pb(msg: pb.Decision) -> Decision:
+    directive = MemoryDirective()
+    if msg.HasField("memory_directive"):
+        md = msg.memory_directive
+        directive = MemoryDirective(
+            _ACTION_NAMES.get(md.action, ""), md.target_kv_blocks, md.reason
+        )
+    return Decision(
+        gamma=msg.gamma,
+        decision_id=msg.decision_id,
+        bin_type=BinType(msg.reason) if msg.reason in BinType._value2member_map_ else BinType.FIXED,
+        exploration_probability=msg.exploration_probability,
+        policy_name=msg.policy_name,
+        policy_version=msg.policy_version,
+        step_index=msg.step_index,
+        request_gammas=tuple((r.request_id, r.gamma) for r in msg.request_gammas),
+        memory_directive=directive,
+    )

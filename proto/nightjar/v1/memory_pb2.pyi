@@ -1,0 +1,49 @@
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from typing import ClassVar as _ClassVar, Optional as _Optional
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class MemoryStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class MemoryStatus(_message.Message):
+    __slots__ = ("draft_resident", "draft_state", "total_kv_blocks", "free_kv_blocks", "draft_bytes", "draft_kv_blocks")
+    DRAFT_RESIDENT_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_STATE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FREE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    draft_resident: bool
+    draft_state: str
+    total_kv_blocks: int
+    free_kv_blocks: int
+    draft_bytes: int
+    draft_kv_blocks: int
+    def __init__(self, draft_resident: _Optional[bool] = ..., draft_state: _Optional[str] = ..., total_kv_blocks: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., draft_bytes: _Optional[int] = ..., draft_kv_blocks: _Optional[int] = ...) -> None: ...
+
+class OffloadDraftRequest(_message.Message):
+    __slots__ = ("expand_kv",)
+    EXPAND_KV_FIELD_NUMBER: _ClassVar[int]
+    expand_kv: bool
+    def __init__(self, expand_kv: _Optional[bool] = ...) -> None: ...
+
+class ReloadDraftRequest(_message.Message):
+    __slots__ = ("compact_kv",)
+    COMPACT_KV_FIELD_NUMBER: _ClassVar[int]
+    compact_kv: bool
+    def __init__(self, compact_kv: _Optional[bool] = ...) -> None: ...
+
+class ExpandKvRequest(_message.Message):
+    __slots__ = ("target_kv_blocks",)
+    TARGET_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    target_kv_blocks: int
+    def __init__(self, target_kv_blocks: _Optional[int] = ...) -> None: ...
+
+class CompactKvRequest(_message.Message):
+    __slots__ = ("target_kv_blocks",)
+    TARGET_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    target_kv_blocks: int
+    def __init__(self, target_kv_blocks: _Optional[int] = ...) -> None: ...

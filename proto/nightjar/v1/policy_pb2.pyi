@@ -1,0 +1,162 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class RequestSignals(_message.Message):
+    __slots__ = ("request_id", "context_tokens", "recent_accepts", "kl_divergence", "draft_entropy")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RECENT_ACCEPTS_FIELD_NUMBER: _ClassVar[int]
+    KL_DIVERGENCE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_ENTROPY_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    context_tokens: int
+    recent_accepts: _containers.RepeatedScalarFieldContainer[int]
+    kl_divergence: float
+    draft_entropy: float
+    def __init__(self, request_id: _Optional[str] = ..., context_tokens: _Optional[int] = ..., recent_accepts: _Optional[_Iterable[int]] = ..., kl_divergence: _Optional[float] = ..., draft_entropy: _Optional[float] = ...) -> None: ...
+
+class StepContext(_message.Message):
+    __slots__ = ("engine_id", "step_index", "batch_size", "num_waiting", "free_kv_blocks", "total_kv_blocks", "max_draft_lag_tokens", "draft_resident", "previous_gamma", "max_gamma", "learner_key", "requests")
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_INDEX_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    FREE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    MAX_DRAFT_LAG_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_RESIDENT_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_GAMMA_FIELD_NUMBER: _ClassVar[int]
+    MAX_GAMMA_FIELD_NUMBER: _ClassVar[int]
+    LEARNER_KEY_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    engine_id: str
+    step_index: int
+    batch_size: int
+    num_waiting: int
+    free_kv_blocks: int
+    total_kv_blocks: int
+    max_draft_lag_tokens: int
+    draft_resident: bool
+    previous_gamma: int
+    max_gamma: int
+    learner_key: str
+    requests: _containers.RepeatedCompositeFieldContainer[RequestSignals]
+    def __init__(self, engine_id: _Optional[str] = ..., step_index: _Optional[int] = ..., batch_size: _Optional[int] = ..., num_waiting: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., max_draft_lag_tokens: _Optional[int] = ..., draft_resident: _Optional[bool] = ..., previous_gamma: _Optional[int] = ..., max_gamma: _Optional[int] = ..., learner_key: _Optional[str] = ..., requests: _Optional[_Iterable[_Union[RequestSignals, _Mapping]]] = ...) -> None: ...
+
+class StepOutcome(_message.Message):
+    __slots__ = ("decision_id", "engine_id", "gamma", "step_seconds", "generated_tokens", "drafted_tokens", "accepted_tokens", "requests")
+    DECISION_ID_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    GAMMA_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    decision_id: str
+    engine_id: str
+    gamma: int
+    step_seconds: float
+    generated_tokens: int
+    drafted_tokens: int
+    accepted_tokens: int
+    requests: _containers.RepeatedCompositeFieldContainer[RequestAccepts]
+    def __init__(self, decision_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., gamma: _Optional[int] = ..., step_seconds: _Optional[float] = ..., generated_tokens: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[RequestAccepts, _Mapping]]] = ...) -> None: ...
+
+class RequestAccepts(_message.Message):
+    __slots__ = ("request_id", "accepted_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    accepted_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., accepted_tokens: _Optional[int] = ...) -> None: ...
+
+class RequestGamma(_message.Message):
+    __slots__ = ("request_id", "gamma")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    GAMMA_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    gamma: int
+    def __init__(self, request_id: _Optional[str] = ..., gamma: _Optional[int] = ...) -> None: ...
+
+class MemoryDirective(_message.Message):
+    __slots__ = ("action", "target_kv_blocks", "reason")
+    class Action(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        ACTION_UNSPECIFIED: _ClassVar[MemoryDirective.Action]
+        OFFLOAD_DRAFT_EXPAND_KV: _ClassVar[MemoryDirective.Action]
+        COMPACT_KV_RELOAD_DRAFT: _ClassVar[MemoryDirective.Action]
+    ACTION_UNSPECIFIED: MemoryDirective.Action
+    OFFLOAD_DRAFT_EXPAND_KV: MemoryDirective.Action
+    COMPACT_KV_RELOAD_DRAFT: MemoryDirective.Action
+    ACTION_FIELD_NUMBER: _ClassVar[int]
+    TARGET_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    action: MemoryDirective.Action
+    target_kv_blocks: int
+    reason: str
+    def __init__(self, action: _Optional[_Union[MemoryDirective.Action, str]] = ..., target_kv_blocks: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class Decision(_message.Message):
+    __slots__ = ("gamma", "request_gammas", "decision_id", "exploration", "exploration_probability", "policy_name", "policy_version", "memory_directive", "reason", "step_index")
+    GAMMA_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_GAMMAS_FIELD_NUMBER: _ClassVar[int]
+    DECISION_ID_FIELD_NUMBER: _ClassVar[int]
+    EXPLORATION_FIELD_NUMBER: _ClassVar[int]
+    EXPLORATION_PROBABILITY_FIELD_NUMBER: _ClassVar[int]
+    POLICY_NAME_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_DIRECTIVE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    STEP_INDEX_FIELD_NUMBER: _ClassVar[int]
+    gamma: int
+    request_gammas: _containers.RepeatedCompositeFieldContainer[RequestGamma]
+    decision_id: str
+    exploration: bool
+    exploration_probability: float
+    policy_name: str
+    policy_version: str
+    memory_directive: MemoryDirective
+    reason: str
+    step_index: int
+    def __init__(self, gamma: _Optional[int] = ..., request_gammas: _Optional[_Iterable[_Union[RequestGamma, _Mapping]]] = ..., decision_id: _Optional[str] = ..., exploration: _Optional[bool] = ..., exploration_probability: _Optional[float] = ..., policy_name: _Optional[str] = ..., policy_version: _Optional[str] = ..., memory_directive: _Optional[_Union[MemoryDirective, _Mapping]] = ..., reason: _Optional[str] = ..., step_index: _Optional[int] = ...) -> None: ...
+
+class StepRequest(_message.Message):
+    __slots__ = ("seq", "outcome", "context")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    outcome: StepOutcome
+    context: StepContext
+    def __init__(self, seq: _Optional[int] = ..., outcome: _Optional[_Union[StepOutcome, _Mapping]] = ..., context: _Optional[_Union[StepContext, _Mapping]] = ...) -> None: ...
+
+class StepError(_message.Message):
+    __slots__ = ("code", "message")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    message: str
+    def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class StepReply(_message.Message):
+    __slots__ = ("seq", "decision", "error")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    DECISION_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    decision: Decision
+    error: StepError
+    def __init__(self, seq: _Optional[int] = ..., decision: _Optional[_Union[Decision, _Mapping]] = ..., error: _Optional[_Union[StepError, _Mapping]] = ...) -> None: ...
+
+class ReportAck(_message.Message):
+    __slots__ = ("applied",)
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    applied: bool
+    def __init__(self, applied: _Optional[bool] = ...) -> None: ...
