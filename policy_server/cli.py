@@ -23,6 +23,13 @@ from policy_server.validation import Limits
 log = logging.getLogger("nightjar.server")
 
 
+# Flags that override the config file's setting of the same name.
+FLAG_SETTINGS = (
+    "uds", "port", "host", "metrics_port", "metrics_host", "policy", "state_dir",
+    "snapshot_interval_s", "admin_token_file", "decision_log", "log_level",
+)  # fmt: skip
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="nightjar-server", description=__doc__)
     p.add_argument("--config", help="TOML configuration file (flags override it)")
@@ -46,8 +53,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def load_config(args: argparse.Namespace) -> ServerConfig:
     config = ServerConfig.from_file(args.config) if args.config else ServerConfig()
     overrides: dict[str, Any] = {}
-    for name in ("uds", "port", "host", "metrics_port", "metrics_host", "policy", "state_dir",
-                 "snapshot_interval_s", "admin_token_file", "decision_log", "log_level"):  # fmt: skip
+    for name in FLAG_SETTINGS:
         value = getattr(args, name)
         if value is not None:
             overrides[name] = value

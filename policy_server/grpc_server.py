@@ -47,7 +47,7 @@ T = TypeVar("T")
 def status_of(exc: NightjarError) -> grpc.StatusCode:
     for cls in type(exc).__mro__:
         if cls in STATUS_OF:
-            return STATUS_OF[cls]  # type: ignore[index]
+            return STATUS_OF[cls]
     return grpc.StatusCode.INTERNAL
 
 
@@ -71,7 +71,7 @@ class _Servicer:
         raise AssertionError("unreachable")  # context.abort raises
 
 
-class PolicyServicer(_Servicer, policy_pb2_grpc.PolicyServiceServicer):
+class PolicyServicer(_Servicer, policy_pb2_grpc.PolicyServiceServicer):  # type: ignore[misc]
     def Decide(self, request: policy_pb2.StepContext, context: grpc.ServicerContext) -> Any:
         ctx = wire.context_from_pb(request)
         return self._call("Decide", context, lambda: wire.decision_to_pb(self.service.decide(ctx)))
@@ -108,7 +108,7 @@ class PolicyServicer(_Servicer, policy_pb2_grpc.PolicyServiceServicer):
         return reply
 
 
-class AdminServicer(_Servicer, admin_pb2_grpc.AdminServiceServicer):
+class AdminServicer(_Servicer, admin_pb2_grpc.AdminServiceServicer):  # type: ignore[misc]
     def __init__(self, service: DecisionService, admin_token: str | None) -> None:
         super().__init__(service)
         self._token = admin_token

@@ -1,0 +1,451 @@
+"""Fail-open client of the Nightjar sidecar, used by the vLLM plugin and the simulator.
+
+The engine must never wait on the sidecar longer than a step can afford:
+
+* every decision has a deadline (default 2 ms); past it, or while the sidecar is
+  unreachable, γ comes from a local fallback table (vLLM's dynamic-SD shape) and
+  the fallback is counted, like Envoy's ``failure_mode_allowed``;
+* one long-lived bidirectional stream per engine (or unary calls) carries each
+  step's previous outcome together with the next context: one round trip a step;
+* pipelined mode asks for step t+1 while step t runs (:meth:`prefetch`), so the
+  engine's critical path only reads a ready answer (:meth:`take`);
+* a background thread reconnects with backoff after the sidecar goes away.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import grpc
+from nightjar.v1 import policy_pb2, policy_pb2_grpc
+
+from policy_server import wire
+from policy_server.policies.fixed import DEFAULT_SCHEDULE, TablePolicy
+from policy_server.types import Decision, StepContext, StepOutcome
+
+log = logging.getLogger(__name__)
+
+CHANNEL_OPTIONS = [
+    # Reconnect quickly after a sidecar restart (gRPC's default backoff grows to 120 s).
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.enable_retries", 0),
+]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ClientConfig:
+    # "unix:/path/to/socket" or "host:port".
+    target: str
+    engine_id: str
+    # Longest the engine waits for a decision before falling back.
+    deadline_s: float = 0.002
+    # Local fail-open policy: [[start_bs, end_bs, gamma], ...].
+    fallback_schedule: Sequence[Sequence[int]] = DEFAULT_SCHEDULE
+    fallback_default_gamma: int = 0
+    # One bidirectional stream per engine (fastest) or unary Step calls.
+    use_stream: bool = True
+    # How long to wait for a connection at start-up (0 = do not wait).
+    connect_timeout_s: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GammaDecision:
+    """The γ to run and where it came from."""
+
+    gamma: int
+    # "sidecar" or "fallback".
+    source: str
+    decision: Decision | None = None
+    fallback_reason: str = ""
+
+    @property
+    def decision_id(self) -> str | None:
+        return self.decision.decision_id if self.decision else None
+
+
+@dataclasses.dataclass(slots=True)
+class ClientStats:
+    decisions: int = 0
+    sidecar_decisions: int = 0
+    fallbacks: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    rejected_reports: int = 0
+    late_replies: int = 0
+    reconnects: int = 0
+    prefetch_hits: int = 0
+    prefetch_misses: int = 0
+
+    @property
+    def fallbacks_total(self) -> int:
+        return sum(self.fallbacks.values())
+
+
+class SidecarRejected(Exception):
+    """The sidecar answered with an error status (bad input)."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(f"sidecar rejected the request (code {code}): {message}")
+        self.code = code
+
+
+class PendingReply:
+    """A reply that will arrive from the sidecar: one waiter, any number of callbacks.
+
+    Lighter than concurrent.futures.Future (a SimpleQueue wake-up instead of a
+    Condition), which matters at a 2 ms budget.
+    """
+
+    __slots__ = ("_callbacks", "_error", "_lock", "_reply", "_wakeup", "done")
+
+    def __init__(self) -> None:
+        self._wakeup: queue.SimpleQueue[None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._callbacks: list[Callable[[PendingReply], None]] = []
+        self._reply: policy_pb2.StepReply | None = None
+        self._error: BaseException | None = None
+        self.done = False
+
+    def resolve(
+        self, reply: policy_pb2.StepReply | None = None, error: BaseException | None = None
+    ) -> None:
+        with self._lock:
+            if self.done:
+                return
+            self._reply, self._error, self.done = reply, error, True
+            callbacks, self._callbacks = self._callbacks, []
+        self._wakeup.put(None)
+        for callback in callbacks:
+            callback(self)
+
+    def result(self, timeout: float) -> policy_pb2.StepReply:
+        """The reply; TimeoutError past ``timeout``, or the transport's error."""
+        if not self.done:
+            try:
+                self._wakeup.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError from None
+        if self._error is not None:
+            raise self._error
+        assert self._reply is not None
+        return self._reply
+
+    @property
+    def failed(self) -> bool:
+        return self.done and self._error is not None
+
+    def add_done_callback(self, callback: Callable[[PendingReply], None]) -> None:
+        with self._lock:
+            if not self.done:
+                self._callbacks.append(callback)
+                return
+        callback(self)
+
+
+class _StreamTransport:
+    """One StepStream: requests go on a queue, replies resolve futures by seq."""
+
+    def __init__(self, channel: grpc.Channel, on_broken: Any) -> None:
+        self._stub = policy_pb2_grpc.PolicyServiceStub(channel)
+        self._requests: queue.SimpleQueue[policy_pb2.StepRequest | None] = queue.SimpleQueue()
+        self._futures: dict[int, PendingReply] = {}
+        self._lock = threading.Lock()
+        self._on_broken = on_broken
+        self.alive = True
+        self._call = self._stub.StepStream(self._request_iter())
+        self._reader = threading.Thread(target=self._read, name="nightjar-stream", daemon=True)
+        self._reader.start()
+
+    def _request_iter(self) -> Iterator[policy_pb2.StepRequest]:
+        while True:
+            request = self._requests.get()
+            if request is None:
+                return
+            yield request
+
+    def send(self, request: policy_pb2.StepRequest) -> PendingReply:
+        future: PendingReply = PendingReply()
+        with self._lock:
+            if not self.alive:
+                future.resolve(error=ConnectionError("stream closed"))
+                return future
+            self._futures[request.seq] = future
+        self._requests.put(request)
+        return future
+
+    def _read(self) -> None:
+        error: BaseException = ConnectionError("stream ended")
+        try:
+            for reply in self._call:
+                with self._lock:
+                    future = self._futures.pop(reply.seq, None)
+                if future is not None:
+                    future.resolve(reply)
+        except grpc.RpcError as exc:
+            error = ConnectionError(f"stream broken: {exc.code().name}")
+        with self._lock:
+            self.alive = False
+            pending, self._futures = self._futures, {}
+        for future in pending.values():
+            future.resolve(error=error)
+        self._on_broken(self)
+
+    def close(self) -> None:
+        with self._lock:
+            self.alive = False
+        self._requests.put(None)
+        self._call.cancel()
+
+
+class _UnaryTransport:
+    """Unary Step calls; the channel reconnects by itself."""
+
+    def __init__(self, channel: grpc.Channel, deadline_s: float) -> None:
+        self._stub = policy_pb2_grpc.PolicyServiceStub(channel)
+        # The RPC deadline is generous: the caller's wait is bounded separately, and a
+        # late reply still lands (so the server's bookkeeping stays consistent).
+        self._rpc_timeout = max(1.0, 50 * deadline_s)
+        self.alive = True
+
+    def send(self, request: policy_pb2.StepRequest) -> PendingReply:
+        future: PendingReply = PendingReply()
+        call = self._stub.Step.future(request, timeout=self._rpc_timeout)
+
+        def done(call_future: Any) -> None:
+            try:
+                future.resolve(call_future.result())
+            except grpc.RpcError as exc:
+                if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
+                    future.resolve(error=ConnectionError(exc.code().name))
+                else:
+                    error = SidecarRejected(exc.code().value[0], str(exc.details()))
+                    future.resolve(error=error)
+
+        call.add_done_callback(done)
+        return future
+
+    def close(self) -> None:
+        self.alive = False
+
+
+class NightjarClient:
+    def __init__(self, config: ClientConfig) -> None:
+        self.config = config
+        self.stats = ClientStats()
+        self._fallback = TablePolicy(
+            {
+                "schedule": [list(row) for row in config.fallback_schedule],
+                "default_gamma": config.fallback_default_gamma,
+            }
+        )
+        self._seq = itertools.count(1)
+        self._lock = threading.Lock()
+        self._pending_outcome: StepOutcome | None = None
+        self._prefetched: tuple[StepContext, PendingReply] | None = None
+        self._transport: _StreamTransport | _UnaryTransport | None = None
+        self._closed = threading.Event()
+        self._broken = threading.Event()
+        self._channel = grpc.insecure_channel(config.target, options=CHANNEL_OPTIONS)
+        self._reconnector = threading.Thread(
+            target=self._reconnect_loop, name="nightjar-reconnect", daemon=True
+        )
+        self._broken.set()
+        self._reconnector.start()
+        if config.connect_timeout_s > 0:
+            self.wait_connected(config.connect_timeout_s)
+
+    # -- public API -------------------------------------------------------------------
+
+    @property
+    def connected(self) -> bool:
+        transport = self._transport
+        return transport is not None and transport.alive
+
+    def wait_connected(self, timeout: float) -> bool:
+        end = time.monotonic() + timeout
+        while time.monotonic() < end:
+            if self.connected:
+                return True
+            time.sleep(0.01)
+        return self.connected
+
+    def decide(self, ctx: StepContext) -> GammaDecision:
+        """γ for the step described by ``ctx``, within the deadline or from the fallback."""
+        future = self._send(ctx)
+        return self._resolve(ctx, future)
+
+    def prefetch(self, ctx: StepContext) -> None:
+        """Pipelined mode: ask now for a step that will run later (see :meth:`take`)."""
+        future = self._send(ctx)
+        self._prefetched = (ctx, future) if future is not None else None
+
+    def take(self, ctx: StepContext) -> GammaDecision:
+        """The prefetched decision when it was asked for this step, else a fresh decide."""
+        prefetched, self._prefetched = self._prefetched, None
+        if prefetched is not None:
+            asked, future = prefetched
+            if (asked.engine_id, asked.step_index, asked.batch_size) == (
+                ctx.engine_id,
+                ctx.step_index,
+                ctx.batch_size,
+            ):
+                self.stats.prefetch_hits += 1
+                return self._resolve(ctx, future)
+            self.stats.prefetch_misses += 1
+            future.add_done_callback(self._count_late)
+        return self.decide(ctx)
+
+    def report(self, outcome: StepOutcome) -> None:
+        """Queue a step's outcome; it rides on the next request (or goes alone)."""
+        if not outcome.decision_id:
+            return  # a fallback decision: the sidecar never saw it
+        with self._lock:
+            older, self._pending_outcome = self._pending_outcome, outcome
+        if older is not None:
+            self._send_outcome_only(older)
+
+    def flush(self) -> None:
+        """Send a queued outcome now, without asking for a decision."""
+        with self._lock:
+            outcome, self._pending_outcome = self._pending_outcome, None
+        if outcome is not None:
+            self._send_outcome_only(outcome)
+
+    def close(self) -> None:
+        self.flush()
+        self._closed.set()
+        self._broken.set()
+        if self._transport is not None:
+            self._transport.close()
+        self._reconnector.join(timeout=2)
+        self._channel.close()
+
+    def __enter__(self) -> NightjarClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals ----------------------------------------------------------------------
+
+    def _request(self, ctx: StepContext | None) -> policy_pb2.StepRequest:
+        with self._lock:
+            outcome, self._pending_outcome = self._pending_outcome, None
+        request = policy_pb2.StepRequest(seq=next(self._seq))
+        if outcome is not None:
+            request.outcome.CopyFrom(wire.outcome_to_pb(outcome))
+        if ctx is not None:
+            request.context.CopyFrom(wire.context_to_pb(ctx))
+        return request
+
+    def _send(self, ctx: StepContext) -> PendingReply | None:
+        transport = self._transport
+        if transport is None or not transport.alive:
+            return None
+        return transport.send(self._request(ctx))
+
+    def _send_outcome_only(self, outcome: StepOutcome) -> None:
+        transport = self._transport
+        if transport is None or not transport.alive:
+            return
+        request = policy_pb2.StepRequest(seq=next(self._seq), outcome=wire.outcome_to_pb(outcome))
+        transport.send(request).add_done_callback(self._check_ack)
+
+    def _check_ack(self, future: PendingReply) -> None:
+        try:
+            reply = future.result(timeout=0)
+        except Exception:
+            return
+        if reply.HasField("error"):
+            self.stats.rejected_reports += 1
+            log.warning("sidecar rejected an outcome: %s", reply.error.message)
+
+    def _resolve(self, ctx: StepContext, future: PendingReply | None) -> GammaDecision:
+        self.stats.decisions += 1
+        if future is None:
+            return self._fall_back(ctx, "disconnected")
+        try:
+            reply = future.result(timeout=self.config.deadline_s)
+        except TimeoutError:
+            future.add_done_callback(self._count_late)
+            return self._fall_back(ctx, "deadline")
+        except SidecarRejected as exc:
+            log.warning("%s", exc)
+            return self._fall_back(ctx, "rejected")
+        except ConnectionError:
+            return self._fall_back(ctx, "unavailable")
+        if reply.HasField("error"):
+            log.warning("sidecar rejected a step context: %s", reply.error.message)
+            return self._fall_back(ctx, "rejected")
+        self.stats.sidecar_decisions += 1
+        decision = wire.decision_from_pb(reply.decision)
+        return GammaDecision(gamma=decision.gamma, source="sidecar", decision=decision)
+
+    def _fall_back(self, ctx: StepContext, reason: str) -> GammaDecision:
+        self.stats.fallbacks[reason] += 1
+        choice = self._fallback.decide(ctx)
+        return GammaDecision(gamma=choice.gamma, source="fallback", fallback_reason=reason)
+
+    def _count_late(self, future: PendingReply) -> None:
+        if not future.failed:
+            self.stats.late_replies += 1
+
+    def _on_broken(self, transport: _StreamTransport) -> None:
+        if not self._closed.is_set():
+            log.warning("lost the sidecar stream; falling back and reconnecting")
+        self._broken.set()
+
+    def _reconnect_loop(self) -> None:
+        """Keep one live transport; reopen it with backoff whenever it breaks."""
+        backoff = 0.05
+        while not self._closed.is_set():
+            self._broken.wait()
+            if self._closed.is_set():
+                return
+            try:
+                grpc.channel_ready_future(self._channel).result(timeout=backoff)
+            except grpc.FutureTimeoutError:
+                backoff = min(backoff * 2, 1.0)
+                continue
+            if self.config.use_stream:
+                transport: _StreamTransport | _UnaryTransport = _StreamTransport(
+                    self._channel, self._on_broken
+                )
+            else:
+                transport = _UnaryTransport(self._channel, self.config.deadline_s)
+            if self._transport is not None:
+                self.stats.reconnects += 1
+                # A restarted sidecar does not know the old decision ids.
+                with self._lock:
+                    self._pending_outcome = None
+            self._broken.clear()
+            self._transport = transport
+            backoff = 0.05
+            if not self.config.use_stream:
+                self._watch_unary()
+
+    def _watch_unary(self) -> None:
+        """Unary mode has no stream to break: watch the channel's connectivity instead."""
+
+        def on_change(state: grpc.ChannelConnectivity) -> None:
+            if (
+                state
+                in (
+                    grpc.ChannelConnectivity.TRANSIENT_FAILURE,
+                    grpc.ChannelConnectivity.SHUTDOWN,
+                )
+                and self._transport is not None
+            ):
+                self._transport.alive = False
+                self._channel.unsubscribe(on_change)
+                self._broken.set()
+
+        self._channel.subscribe(on_change, try_to_connect=True)
