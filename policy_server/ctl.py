@@ -1,0 +1,275 @@
+"""`nightjarctl`: inspect and steer a running Nightjar sidecar."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from nightjar.v1 import admin_pb2, admin_pb2_grpc, policy_pb2_grpc
+
+from policy_server import wire
+from policy_server.types import StepContext, StepOutcome
+
+DEFAULT_TARGET = "unix:/run/nightjar/nightjar.sock"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="nightjarctl", description=__doc__)
+    p.add_argument(
+        "--target",
+        default=os.environ.get("NIGHTJAR_TARGET", DEFAULT_TARGET),
+        help="sidecar address: unix:PATH or HOST:PORT (env NIGHTJAR_TARGET)",
+    )
+    p.add_argument(
+        "--token-file",
+        default=os.environ.get("NIGHTJAR_TOKEN_FILE"),
+        help="file with the admin token (env NIGHTJAR_TOKEN_FILE)",
+    )
+    p.add_argument("--timeout", type=float, default=5.0, help="seconds per call")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("state", help="show the active policy and its learned state")
+    s.add_argument("--json", action="store_true", help="print the full state as JSON")
+    s.add_argument("--engine", default="", help="only this engine's state")
+    sub.add_parser("policies", help="list the registered policies")
+    s = sub.add_parser("swap", help="activate a policy")
+    s.add_argument("name")
+    s.add_argument("--params", default="", help="parameters as a JSON object")
+    s.add_argument("--keep-state", action="store_true", help="carry the learned state over")
+    s = sub.add_parser("set-params", help="change parameters of the active policy")
+    s.add_argument("params", help="parameters to change, as a JSON object")
+    sub.add_parser("snapshot", help="write the learned state to the state directory now")
+    s = sub.add_parser("restore", help="restore a snapshot file")
+    s.add_argument("file", help="a snapshot file on this machine (sent to the sidecar)")
+    s.add_argument(
+        "--server-path", action="store_true", help="FILE is a path on the sidecar's disk instead"
+    )
+    s = sub.add_parser("reset", help="forget learned state")
+    s.add_argument("--engine", default="", help="only this engine's state")
+    sub.add_parser("health", help="gRPC health of the sidecar")
+    s = sub.add_parser("decide", help="ask for one decision (debugging)")
+    s.add_argument("--batch-size", type=int, required=True)
+    s.add_argument("--engine-id", default="nightjarctl")
+    s.add_argument("--step-index", type=int, default=0)
+    s.add_argument("--waiting", type=int, default=0)
+    s.add_argument("--free-blocks", type=int, default=0)
+    s.add_argument("--total-blocks", type=int, default=0)
+    s.add_argument("--lag", type=int, default=0, help="L_max: tokens the draft lags behind")
+    s.add_argument("--previous-gamma", type=int, default=None)
+    s.add_argument("--not-resident", action="store_true", help="the draft is offloaded")
+    s.add_argument(
+        "--report-step-seconds",
+        type=float,
+        default=None,
+        help="also report an outcome with this step time",
+    )
+    s.add_argument("--report-tokens", type=int, default=0, help="generated tokens to report")
+    s = sub.add_parser("replay", help="rebuild learned state offline from decision logs")
+    s.add_argument("logs", nargs="+", help="decision-log files (rotated backups are included)")
+    s.add_argument("--policy", default="nightjar")
+    s.add_argument("--params", default="", help="parameters as a JSON object")
+    s.add_argument("--out", help="write the rebuilt state as a snapshot file")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "replay":
+        return _replay(args)
+    try:
+        with grpc.insecure_channel(args.target) as channel:
+            return COMMANDS[args.command](args, channel, _metadata(args.token_file))
+    except grpc.RpcError as exc:
+        print(f"nightjarctl: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    except (OSError, ValueError) as exc:
+        print(f"nightjarctl: {exc}", file=sys.stderr)
+        return 2
+
+
+def _metadata(token_file: str | None) -> list[tuple[str, str]]:
+    if not token_file:
+        return []
+    return [("authorization", f"Bearer {Path(token_file).read_text().strip()}")]
+
+
+Metadata = list[tuple[str, str]]
+
+
+def _admin(channel: grpc.Channel) -> Any:
+    return admin_pb2_grpc.AdminServiceStub(channel)
+
+
+def _state(args: argparse.Namespace, channel: grpc.Channel, md: Metadata) -> int:
+    reply = _admin(channel).GetState(
+        admin_pb2.GetStateRequest(engine_id=args.engine), timeout=args.timeout
+    )
+    state = json.loads(reply.state_json)
+    if args.json:
+        document = {
+            "policy": reply.policy_name,
+            "version": reply.policy_version,
+            "params": json.loads(reply.params_json),
+            "decisions_total": reply.decisions_total,
+            "reports_total": reply.reports_total,
+            "engines": list(reply.engine_ids),
+            "last_snapshot_unix": reply.last_snapshot_unix,
+            "state": state,
+        }
+        print(json.dumps(document, indent=2, sort_keys=True))
+        return 0
+    print(f"policy   {reply.policy_name} ({reply.policy_version})")
+    print(f"params   {reply.params_json}")
+    print(f"served   {reply.decisions_total} decisions, {reply.reports_total} reports")
+    print(f"engines  {', '.join(reply.engine_ids) or '-'}")
+    for learner, contexts in sorted(state.get("learners", {}).items()):
+        print(f"learner {learner}: batch size -> best γ (mean goodput tok/s, pulls per γ)")
+        for key, arms in sorted(contexts.items(), key=lambda kv: int(kv[0])):
+            means, counts = arms["means"], arms["counts"]
+            pulled = [g for g, n in enumerate(counts) if n]
+            best = max(pulled, key=lambda g: means[g]) if pulled else None
+            best_text = f"γ={best} ({means[best]:.1f})" if best is not None else "-"
+            print(f"  B={int(key):>4}  {best_text:<18} pulls {counts}")
+    return 0
+
+
+def _policies(args: argparse.Namespace, channel: grpc.Channel, md: Metadata) -> int:
+    reply = _admin(channel).ListPolicies(admin_pb2.ListPoliciesRequest(), timeout=args.timeout)
+    for info in reply.policies:
+        marker = "*" if info.active else " "
+        print(f"{marker} {info.name:<10} {info.description}")
+        print(f"  {'':<10} defaults {info.default_params_json}")
+    return 0
+
+
+def _swap(args: argparse.Namespace, channel: grpc.Channel, md: Metadata) -> int:
+    request = admin_pb2.SwapPolicyRequest(
+        name=args.name, params_json=args.params, keep_state=args.keep_state
+    )
+    reply = _admin(channel).SwapPolicy(request, metadata=md, timeout=args.timeout)
+    print(f"active: {reply.policy_name} ({reply.policy_version})")
+    return 0
+
+
+def _set_params(args: argparse.Namespace, channel: grpc.Channel, md: Metadata) -> int:
+    request = admin_pb2.SetParametersRequest(params_json=args.params)
+    reply = _admin(channel).SetParameters(request, metadata=md, timeout=args.timeout)
+    print(f"active: {reply.policy_name} ({reply.policy_version})")
+    return 0
+
+
+def _snapshot(args: argparse.Namespace, channel: grpc.Channel, md: Metadata) -> int:
+    reply = _admin(channel).Snapshot(admin_pb2.SnapshotRequest(), metadata=md, timeout=args.timeout)
+    print(f"snapshot written to {reply.path}")
+    return 0
+
+
+def _restore(args: argparse.Namespace, channel: grpc.Channel, md: Metadata) -> int:
+    if args.server_path:
+        request = admin_pb2.RestoreRequest(path=args.file)
+    else:
+        request = admin_pb2.RestoreRequest(snapshot_json=Path(args.file).read_text())
+    reply = _admin(channel).Restore(request, metadata=md, timeout=args.timeout)
+    print(f"restored: {reply.policy_name} ({reply.policy_version})")
+    return 0
+
+
+def _reset(args: argparse.Namespace, channel: grpc.Channel, md: Metadata) -> int:
+    request = admin_pb2.ResetRequest(engine_id=args.engine)
+    reply = _admin(channel).Reset(request, metadata=md, timeout=args.timeout)
+    print(f"reset; policy version {reply.policy_version}")
+    return 0
+
+
+def _health(args: argparse.Namespace, channel: grpc.Channel, md: Metadata) -> int:
+    stub = health_pb2_grpc.HealthStub(channel)
+    reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=args.timeout)
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+    print(status)
+    return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
+def _decide(args: argparse.Namespace, channel: grpc.Channel, md: Metadata) -> int:
+    ctx = StepContext(
+        engine_id=args.engine_id,
+        batch_size=args.batch_size,
+        step_index=args.step_index,
+        num_waiting=args.waiting,
+        free_kv_blocks=args.free_blocks,
+        total_kv_blocks=args.total_blocks,
+        max_draft_lag_tokens=args.lag,
+        draft_resident=not args.not_resident,
+        previous_gamma=args.previous_gamma,
+    )
+    stub = policy_pb2_grpc.PolicyServiceStub(channel)
+    decision = wire.decision_from_pb(stub.Decide(wire.context_to_pb(ctx), timeout=args.timeout))
+    print(
+        json.dumps(
+            {
+                "gamma": decision.gamma,
+                "decision_id": decision.decision_id,
+                "reason": decision.bin_type.value,
+                "exploration_probability": decision.exploration_probability,
+                "policy": decision.policy_name,
+                "policy_version": decision.policy_version,
+            }
+        )
+    )
+    if args.report_step_seconds is not None:
+        outcome = StepOutcome(
+            decision_id=decision.decision_id,
+            engine_id=ctx.engine_id,
+            gamma=decision.gamma,
+            step_seconds=args.report_step_seconds,
+            generated_tokens=args.report_tokens,
+        )
+        ack = stub.Report(wire.outcome_to_pb(outcome), timeout=args.timeout)
+        print(json.dumps({"reported": True, "applied": ack.applied}))
+    return 0
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from policy_server import snapshot
+    from policy_server.policies import PolicyError, UnknownPolicyError, parse_params_json
+    from policy_server.replay import replay
+
+    try:
+        result = replay(args.logs, args.policy, parse_params_json(args.params))
+    except (PolicyError, UnknownPolicyError, OSError) as exc:
+        print(f"nightjarctl: {exc}", file=sys.stderr)
+        return 2
+    print(
+        f"{result.decisions} decisions, {result.outcomes} with outcomes replayed into "
+        f"{result.policy.name}"
+    )
+    print(f"{'B':>5} {'γ':>3} {'steps':>7} {'mean goodput tok/s':>20}")
+    for bs, gamma, steps, goodput in result.table():
+        print(f"{bs:>5} {gamma:>3} {steps:>7} {goodput:>20.1f}")
+    if args.out:
+        snapshot.write_atomic(Path(args.out), result.snapshot_document())
+        print(f"snapshot written to {args.out} (load it with `nightjarctl restore {args.out}`)")
+    return 0
+
+
+COMMANDS = {
+    "state": _state,
+    "policies": _policies,
+    "swap": _swap,
+    "set-params": _set_params,
+    "snapshot": _snapshot,
+    "restore": _restore,
+    "reset": _reset,
+    "health": _health,
+    "decide": _decide,
+}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
