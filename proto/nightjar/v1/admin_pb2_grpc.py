@@ -77,13 +77,15 @@ class AdminServiceServicer:
     """
 
     def GetState(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Active policy, parameters, learned state and counters (no token needed).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ListPolicies(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Registered policies and their default parameters (no token needed).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')

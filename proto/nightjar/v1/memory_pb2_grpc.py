@@ -67,31 +67,36 @@ class MemoryAgentServiceServicer:
     """
 
     def GetStatus(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Draft residency and KV pool state.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def OffloadDraft(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Move the draft weights to host memory (optionally growing the KV pool).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ReloadDraft(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Reload and verify the draft weights (optionally compacting the KV pool first).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ExpandKv(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Grow the KV block pool.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def CompactKv(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Migrate live blocks below the target and shrink the pool.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
