@@ -117,6 +117,16 @@ class ServerProcess:
 @pytest.fixture
 def make_server(tmp_path: Path) -> Iterator[Any]:
     """Factory: make_server(*extra_args) → a started ServerProcess; all are stopped at the end."""
+    yield from _server_factory(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def make_server_module(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """Like make_server, for servers shared by a module's tests."""
+    yield from _server_factory(tmp_path_factory.mktemp("server"))
+
+
+def _server_factory(tmp_path: Path) -> Iterator[Any]:
     servers: list[ServerProcess] = []
     # Unix socket paths are limited to ~107 bytes; pytest's tmp_path can be longer.
     sock_dir = Path(tempfile.mkdtemp(prefix="nj-"))

@@ -1,0 +1,145 @@
+"""The sidecar as a real process: decide/report, streams, engines, health, reflection, metrics."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import grpc
+import pytest
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from nightjar.v1 import admin_pb2, policy_pb2
+from prometheus_client.parser import text_string_to_metric_families
+
+from policy_server import wire
+from policy_server.types import StepContext
+
+
+def context(engine: str = "e", batch_size: int = 4, **kw: object) -> policy_pb2.StepContext:
+    return wire.context_to_pb(StepContext(engine_id=engine, batch_size=batch_size, **kw))  # type: ignore[arg-type]
+
+
+def outcome(
+    decision: policy_pb2.Decision, engine: str = "e", **kw: object
+) -> policy_pb2.StepOutcome:
+    fields = dict(
+        decision_id=decision.decision_id, engine_id=engine, gamma=decision.gamma,
+        step_seconds=0.02, generated_tokens=4 * (1 + decision.gamma),
+        drafted_tokens=4 * decision.gamma, accepted_tokens=3 * decision.gamma,
+    )  # fmt: skip
+    fields.update(kw)
+    return policy_pb2.StepOutcome(**fields)  # type: ignore[arg-type]
+
+
+def test_decide_report_and_step_round_trip(make_server) -> None:
+    server = make_server()
+    decision = server.policy.Decide(context(), timeout=5)
+    assert 0 <= decision.gamma <= 4
+    assert decision.policy_name == "nightjar" and decision.policy_version
+    assert decision.reason in ("explore", "exploit")
+    assert server.policy.Report(outcome(decision), timeout=5).applied
+    # The combined call reports the previous outcome and decides the next step.
+    nxt = server.policy.Decide(context(step_index=1), timeout=5)
+    reply = server.policy.Step(
+        policy_pb2.StepRequest(outcome=outcome(nxt), context=context(step_index=2)), timeout=5
+    )
+    assert reply.decision.step_index == 2 and reply.decision.decision_id
+    assert server.state()["reports"] == 2
+    learned = server.state()["state"]["learners"]["engine:e"]["4"]["counts"]
+    assert sum(learned) == 2
+
+
+def test_stream_answers_in_order_and_survives_bad_requests(make_server) -> None:
+    server = make_server()
+    requests = [
+        policy_pb2.StepRequest(seq=1, context=context()),
+        policy_pb2.StepRequest(seq=2, context=context(batch_size=0)),  # bad
+        policy_pb2.StepRequest(seq=3, context=context(batch_size=2)),
+    ]
+    replies = list(server.policy.StepStream(iter(requests), timeout=10))
+    assert [r.seq for r in replies] == [1, 2, 3]
+    assert replies[0].decision.decision_id and replies[2].decision.decision_id
+    assert replies[1].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "batch_size" in replies[1].error.message
+
+
+def test_one_sidecar_serves_several_engines(make_server) -> None:
+    server = make_server()
+    for engine in ("pod-a/dp0", "pod-a/dp1", "pod-b/dp0"):
+        for step in range(5):
+            d = server.policy.Decide(context(engine, 2, step_index=step), timeout=5)
+            server.policy.Report(outcome(d, engine), timeout=5)
+    reply = server.admin.GetState(admin_pb2.GetStateRequest(), timeout=5)
+    assert list(reply.engine_ids) == ["pod-a/dp0", "pod-a/dp1", "pod-b/dp0"]
+    state = json.loads(reply.state_json)
+    assert set(state["learners"]) == {f"engine:{e}" for e in reply.engine_ids}
+    one = server.admin.GetState(admin_pb2.GetStateRequest(engine_id="pod-b/dp0"), timeout=5)
+    assert list(json.loads(one.state_json)["engines"]) == ["pod-b/dp0"]
+
+
+def test_health_and_reflection(make_server) -> None:
+    server = make_server()
+    stub = reflection_pb2_grpc.ServerReflectionStub(server.channel)
+    replies = stub.ServerReflectionInfo(
+        iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5
+    )
+    names = {s.name for r in replies for s in r.list_services_response.service}
+    assert {
+        "nightjar.v1.PolicyService",
+        "nightjar.v1.AdminService",
+        "grpc.health.v1.Health",
+    } <= names
+
+
+def test_tcp_listener_is_loopback_by_default(make_server) -> None:
+    from tests.conftest import free_port
+
+    port = free_port()
+    server = make_server("--port", str(port))
+    assert f"listening on unix:{server.uds}, 127.0.0.1:{port}" in server.log()
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        from nightjar.v1 import policy_pb2_grpc
+
+        decision = policy_pb2_grpc.PolicyServiceStub(channel).Decide(context(), timeout=5)
+        assert decision.decision_id
+
+
+def scrape(port: int) -> dict[str, list]:
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return {f.name: f.samples for f in text_string_to_metric_families(body)}
+
+
+def test_metrics_are_scraped_over_http_and_parse(make_server) -> None:
+    server = make_server()
+    for step in range(6):
+        d = server.policy.Decide(context(step_index=step), timeout=5)
+        server.policy.Report(outcome(d), timeout=5)
+    with pytest.raises(grpc.RpcError):
+        server.policy.Decide(context(batch_size=-1), timeout=5)
+    server.admin.Snapshot(admin_pb2.SnapshotRequest(), metadata=server.auth, timeout=5)
+    families = scrape(server.metrics_port)
+
+    decisions = [s for s in families["nightjar_decisions"] if s.name.endswith("_total")]
+    assert sum(s.value for s in decisions) == 6
+    assert {s.labels["bin_type"] for s in decisions} <= {"explore", "exploit"}
+    assert all(s.labels["policy"] == "nightjar" for s in decisions)
+    reports = [s for s in families["nightjar_reports"] if s.name.endswith("_total")]
+    assert sum(s.value for s in reports) == 6
+    goodput_count = [
+        s for s in families["nightjar_goodput_tokens_per_second"] if s.name.endswith("_count")
+    ]
+    assert sum(s.value for s in goodput_count) == 6
+    latency = [
+        s for s in families["nightjar_decision_latency_seconds"] if s.name.endswith("_count")
+    ]
+    assert latency[0].value == 6
+    invalid = [s for s in families["nightjar_invalid_requests"] if s.name.endswith("_total")]
+    assert [(s.labels["method"], s.labels["code"], s.value) for s in invalid] == [
+        ("Decide", "INVALID_ARGUMENT", 1.0)
+    ]
+    age = families["nightjar_snapshot_age_seconds"][0].value
+    assert 0 <= age < 60
+    swaps = [s for s in families["nightjar_policy_swaps"] if s.name.endswith("_total")]
+    assert any(s.labels["result"] == "ok" and s.value >= 1 for s in swaps)
+    info = families["nightjar_policy_info"][0]
+    assert info.labels["name"] == "nightjar"
