@@ -85,5 +85,5 @@ def test_prefill_cost_interpolates_bilinearly_and_clamps(tmp_path: Path) -> None
 def test_bad_prefill_tables_fail_clearly(tmp_path: Path, text: str) -> None:
     path = tmp_path / "bad.csv"
     path.write_text(text)
-    with pytest.raises(PrefillCostError, match="bad.csv"):
+    with pytest.raises(PrefillCostError, match=r"bad\.csv"):
         PrefillCostTable.from_csv(path)

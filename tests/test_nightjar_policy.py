@@ -119,7 +119,7 @@ def exploit_state(means: list[float], previous_gamma: int | None, batch_size: in
                         "bin": 4,
                         "round": 2,
                         "explore": False,
-                    }  # fmt: skip
+                    }
                 },
             }
         },
@@ -207,7 +207,7 @@ def test_only_gamma_zero_while_the_draft_is_not_resident() -> None:
 
 def test_engine_gamma_limit_is_respected() -> None:
     policy = NightjarPolicy({"seed": 4, "gamma_max": 6})
-    gammas = {run_step(policy, ctx(1, max_gamma=2), GOODPUT + [0, 0]).gamma for _ in range(300)}
+    gammas = {run_step(policy, ctx(1, max_gamma=2), [*GOODPUT, 0, 0]).gamma for _ in range(300)}
     assert gammas <= {0, 1, 2} and len(gammas) > 1
 
 
