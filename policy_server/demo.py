@@ -143,7 +143,7 @@ def run(steps_scale: float, seed: int, quiet: bool) -> dict[str, object]:
 
 
 def drive(
-    client: NightjarClient, rng: random.Random, scale: float, say: object
+    client: NightjarClient, rng: random.Random, scale: float, say: Callable[..., None]
 ) -> dict[str, PhaseStats]:
     stats: dict[str, PhaseStats] = {}
     step = 0
