@@ -324,11 +324,7 @@ def render(results: dict[str, Any]) -> str:
         "",
         "| mode | decisions | rate /s | fallbacks | by reason | late replies | zero fallbacks |",
         "|---|---:|---:|---:|---|---:|---|",
-        *[
-            f"| {r['mode']} | {r['decisions']} | {r['achieved_rate']:.0f} | {r['fallbacks']} | "
-            f"{r['fallbacks_by_reason'] or '-'} | {r['late_replies']} | {met(r['fallbacks'] == 0)} |"
-            for r in rates
-        ],
+        *[rate_row(r) for r in rates],
         "",
         "### Reading",
         "",
@@ -336,6 +332,13 @@ def render(results: dict[str, Any]) -> str:
         END,
     ]
     return "\n".join(lines) + "\n"
+
+
+def rate_row(r: dict[str, Any]) -> str:
+    return (
+        f"| {r['mode']} | {r['decisions']} | {r['achieved_rate']:.0f} | {r['fallbacks']} | "
+        f"{r['fallbacks_by_reason'] or '-'} | {r['late_replies']} | {met(r['fallbacks'] == 0)} |"
+    )
 
 
 def interpretation(
