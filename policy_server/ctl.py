@@ -6,7 +6,7 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -149,42 +149,48 @@ def _policies(args: argparse.Namespace, channel: grpc.Channel, md: Metadata) -> 
     return 0
 
 
-def _swap(args: argparse.Namespace, channel: grpc.Channel, md: Metadata) -> int:
-    request = admin_pb2.SwapPolicyRequest(
-        name=args.name, params_json=args.params, keep_state=args.keep_state
-    )
-    reply = _admin(channel).SwapPolicy(request, metadata=md, timeout=args.timeout)
-    print(f"active: {reply.policy_name} ({reply.policy_version})")
-    return 0
-
-
-def _set_params(args: argparse.Namespace, channel: grpc.Channel, md: Metadata) -> int:
-    request = admin_pb2.SetParametersRequest(params_json=args.params)
-    reply = _admin(channel).SetParameters(request, metadata=md, timeout=args.timeout)
-    print(f"active: {reply.policy_name} ({reply.policy_version})")
-    return 0
-
-
-def _snapshot(args: argparse.Namespace, channel: grpc.Channel, md: Metadata) -> int:
-    reply = _admin(channel).Snapshot(admin_pb2.SnapshotRequest(), metadata=md, timeout=args.timeout)
-    print(f"snapshot written to {reply.path}")
-    return 0
-
-
-def _restore(args: argparse.Namespace, channel: grpc.Channel, md: Metadata) -> int:
+def _restore_request(args: argparse.Namespace) -> Any:
     if args.server_path:
-        request = admin_pb2.RestoreRequest(path=args.file)
-    else:
-        request = admin_pb2.RestoreRequest(snapshot_json=Path(args.file).read_text())
-    reply = _admin(channel).Restore(request, metadata=md, timeout=args.timeout)
-    print(f"restored: {reply.policy_name} ({reply.policy_version})")
-    return 0
+        return admin_pb2.RestoreRequest(path=args.file)
+    return admin_pb2.RestoreRequest(snapshot_json=Path(args.file).read_text())
 
 
-def _reset(args: argparse.Namespace, channel: grpc.Channel, md: Metadata) -> int:
-    request = admin_pb2.ResetRequest(engine_id=args.engine)
-    reply = _admin(channel).Reset(request, metadata=md, timeout=args.timeout)
-    print(f"reset; policy version {reply.policy_version}")
+# Mutating admin commands: (rpc name, request from the arguments, line printed from the reply).
+MUTATIONS: dict[str, tuple[str, Callable[[argparse.Namespace], Any], Callable[[Any], str]]] = {
+    "swap": (
+        "SwapPolicy",
+        lambda a: admin_pb2.SwapPolicyRequest(
+            name=a.name, params_json=a.params, keep_state=a.keep_state
+        ),
+        lambda r: f"active: {r.policy_name} ({r.policy_version})",
+    ),
+    "set-params": (
+        "SetParameters",
+        lambda a: admin_pb2.SetParametersRequest(params_json=a.params),
+        lambda r: f"active: {r.policy_name} ({r.policy_version})",
+    ),
+    "snapshot": (
+        "Snapshot",
+        lambda a: admin_pb2.SnapshotRequest(),
+        lambda r: f"snapshot written to {r.path}",
+    ),
+    "restore": (
+        "Restore",
+        _restore_request,
+        lambda r: f"restored: {r.policy_name} ({r.policy_version})",
+    ),
+    "reset": (
+        "Reset",
+        lambda a: admin_pb2.ResetRequest(engine_id=a.engine),
+        lambda r: f"reset; policy version {r.policy_version}",
+    ),
+}
+
+
+def _mutate(args: argparse.Namespace, channel: grpc.Channel, md: Metadata) -> int:
+    rpc, build, describe = MUTATIONS[args.command]
+    reply = getattr(_admin(channel), rpc)(build(args), metadata=md, timeout=args.timeout)
+    print(describe(reply))
     return 0
 
 
@@ -261,11 +267,7 @@ def _replay(args: argparse.Namespace) -> int:
 COMMANDS = {
     "state": _state,
     "policies": _policies,
-    "swap": _swap,
-    "set-params": _set_params,
-    "snapshot": _snapshot,
-    "restore": _restore,
-    "reset": _reset,
+    **dict.fromkeys(MUTATIONS, _mutate),
     "health": _health,
     "decide": _decide,
 }
