@@ -241,6 +241,11 @@ def print_summary(
         print(f"{name:<10} {ps.steps:>6} {ps.gamma_sum / ps.steps:>7.2f} "
               f"{ps.explored / ps.steps:>8.0%} {ps.tokens / ps.seconds:>9.0f} "
               + " ".join(f"{v:>11.0f}" for v in fixed))  # fmt: skip
+    print(
+        "\nNightjar pays for exploration: each block of its schedule starts with exploration "
+        "bins,\nso the explored share falls only slowly (about 2·H^-1/4 for block length H). "
+        "The serving\nsimulator compares policies over long real traces."
+    )
     print("\nlearned best γ per batch size (from the admin API):")
     print("  " + ", ".join(f"B={b}: γ={g}" for b, (g, _) in learned.items()))
     print(f"\nclient fallbacks: {fallbacks}   {metrics_line}")
