@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from policy_server.policies.base import Policy, PolicyError
+from policy_server.policies.ema import EmaParams, EmaPolicy
 from policy_server.policies.fixed import (
     OffParams,
     OffPolicy,
@@ -68,6 +69,12 @@ REGISTRY: dict[str, PolicySpec] = {
             "Batch size → γ table shaped like vLLM's dynamic-SD schedule (PR #32374).",
             TablePolicy,
             TableParams,
+        ),
+        PolicySpec(
+            "ema",
+            "SGLang-style EMA of accepted length per batch-size tier, with hysteresis.",
+            EmaPolicy,
+            EmaParams,
         ),
     )
 }

@@ -1,0 +1,2 @@
+"""Serving simulator: continuous batching with speculative decoding, for replaying traces
+against candidate policies before deploying them (see docs/SIMULATOR.md)."""

@@ -1,0 +1,76 @@
+"""Acceptance model: per-request acceptance rates and the tokens a verify step yields.
+
+Each request draws its own per-token acceptance rate α from a Beta distribution
+whose mean is the workload's; a verify step with γ draft tokens then accepts a
+truncated-geometric run (Leviathan et al.): P(k accepted) = α^k(1−α) for k < γ,
+α^γ for k = γ, so E[tokens] = (1 − α^{γ+1}) / (1 − α) including the bonus token.
+
+Workload means are calibrated from published mean accepted tokens per step
+(``shared/data/calibration/published_spec_decode_numbers.csv``) by solving
+(1 − α^{γ+1}) / (1 − α) = AL for α at the γ the source used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+
+def expected_tokens(alpha: float, gamma: int) -> float:
+    """E[accepted + bonus] for one request in one verify step."""
+    if alpha >= 1.0:
+        return float(gamma + 1)
+    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+def alpha_for_acceptance_length(length: float, gamma: int) -> float:
+    """Solve expected_tokens(α, γ) = length for α by bisection."""
+    if not 1.0 <= length <= gamma + 1:
+        raise ValueError(f"acceptance length {length} impossible with γ={gamma}")
+    low, high = 0.0, 1.0
+    for _ in range(60):
+        mid = (low + high) / 2
+        if expected_tokens(mid, gamma) < length:
+            low = mid
+        else:
+            high = mid
+    return (low + high) / 2
+
+
+def accepted_run(rng: random.Random, alpha: float, gamma: int) -> int:
+    """Draft tokens accepted in one verify step (0..γ)."""
+    run = 0
+    while run < gamma and rng.random() < alpha:
+        run += 1
+    return run
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AcceptanceModel:
+    """Per-workload Beta(mean, concentration) distribution of per-request α."""
+
+    name: str
+    mean: float
+    concentration: float = 20.0
+    source: str = ""
+
+    def sample_alpha(self, rng: random.Random) -> float:
+        a = self.mean * self.concentration
+        b = (1 - self.mean) * self.concentration
+        return min(0.99, rng.betavariate(a, b))
+
+
+# Spec-Bench leaderboard, Vicuna-7B, A100, SpS with vicuna-68m: AL 2.28; EAGLE: AL 3.58
+# (Spec-Bench drafts 5 tokens for SpS; EAGLE trees are approximated by a chain of 6).
+WORKLOADS = {
+    "chat-sps": AcceptanceModel(
+        "chat-sps",
+        alpha_for_acceptance_length(2.28, 5),
+        source="Spec-Bench leaderboard, Vicuna-7B SpS (vicuna-68m), AL 2.28 at γ=5",
+    ),
+    "chat-eagle": AcceptanceModel(
+        "chat-eagle",
+        alpha_for_acceptance_length(3.58, 6),
+        source="Spec-Bench leaderboard, Vicuna-7B EAGLE, AL 3.58 (chain of 6 approximation)",
+    ),
+}

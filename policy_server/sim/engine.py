@@ -1,0 +1,321 @@
+"""Discrete-event simulation of a continuously batched engine with speculative decoding.
+
+Each iteration is one engine step: admit waiting requests while KV blocks and
+running slots allow, ask the decision source for γ for the decode batch, make
+room for the step's KV growth (preempting the newest requests, recompute-style,
+when blocks run out), fill the rest of the token budget with prefill chunks,
+time the step with the hardware profile, then sample what every request
+accepted. The draft's weights occupy KV blocks while it is resident.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+import random
+from collections.abc import Sequence
+from typing import Protocol
+
+from policy_server.sim.acceptance import AcceptanceModel, accepted_run, expected_tokens
+from policy_server.sim.profile import HardwareProfile
+from policy_server.sim.workload import RequestSpec
+from policy_server.types import StepContext, StepOutcome
+
+
+class DecisionSource(Protocol):
+    """Where γ comes from: an in-process policy, the gRPC client, or the oracle."""
+
+    def decide(self, ctx: StepContext, sim: Simulator) -> tuple[int, str]:
+        """γ and a decision id ("" when nothing is to be reported)."""
+        ...
+
+    def report(self, ctx: StepContext, decision_id: str, outcome: StepOutcome) -> None: ...
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SimConfig:
+    max_running: int = 256
+    # Tokens per step (decode tokens first, prefill chunks fill the rest).
+    max_batch_tokens: int = 8192
+    gamma_max: int = 4
+    draft_resident: bool = True
+    engine_id: str = "sim"
+    seed: int = 0
+
+
+@dataclasses.dataclass(slots=True)
+class SimRequest:
+    rid: int
+    spec: RequestSpec
+    alpha: float
+    admitted_order: int = 0
+    # Tokens that must be in the KV cache before decoding (prompt, + generated after a preemption).
+    prefill_target: int = 0
+    prefilled: int = 0
+    generated: int = 0
+    blocks: int = 0
+    lag: int = 0
+    preemptions: int = 0
+    # Prefill completed in the step being simulated: it samples its next token.
+    just_prefilled: bool = False
+    first_token_s: float | None = None
+    finish_s: float | None = None
+
+    @property
+    def decoding(self) -> bool:
+        return self.prefilled >= self.prefill_target
+
+    @property
+    def remaining(self) -> int:
+        return self.spec.output_tokens - self.generated
+
+    @property
+    def context_tokens(self) -> int:
+        return self.prefilled + (self.generated if self.decoding else 0)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepRecord:
+    time_s: float
+    batch_size: int
+    gamma: int
+    step_s: float
+    generated: int
+    waiting: int
+    free_blocks: int
+
+
+@dataclasses.dataclass(slots=True)
+class SimResult:
+    requests: list[SimRequest]
+    steps: list[StepRecord]
+    makespan_s: float
+    total_blocks: int
+    max_used_blocks: int
+
+    @property
+    def generated_tokens(self) -> int:
+        return sum(r.generated for r in self.requests)
+
+    @property
+    def throughput(self) -> float:
+        return self.generated_tokens / self.makespan_s if self.makespan_s > 0 else 0.0
+
+    def latencies(self) -> list[float]:
+        return sorted(
+            r.finish_s - r.spec.arrival_s for r in self.requests if r.finish_s is not None
+        )
+
+    def tpots(self) -> list[float]:
+        return [
+            (r.finish_s - r.first_token_s) / (r.spec.output_tokens - 1)
+            for r in self.requests
+            if r.finish_s is not None and r.first_token_s is not None and r.spec.output_tokens > 1
+        ]
+
+
+class Simulator:
+    def __init__(
+        self,
+        profile: HardwareProfile,
+        acceptance: AcceptanceModel,
+        specs: Sequence[RequestSpec],
+        source: DecisionSource,
+        config: SimConfig | None = None,
+    ) -> None:
+        self.profile = profile
+        self.config = config or SimConfig()
+        self.source = source
+        self._rng = random.Random(self.config.seed)
+        alpha_rng = random.Random(self.config.seed + 1)
+        self.requests = [
+            SimRequest(i, s, acceptance.sample_alpha(alpha_rng))
+            for i, s in enumerate(sorted(specs, key=lambda s: s.arrival_s))
+        ]
+        self.total_blocks = profile.kv_blocks - (
+            profile.draft_kv_blocks if self.config.draft_resident else 0
+        )
+        self.free_blocks = self.total_blocks
+        self.now = 0.0
+        self.waiting: collections.deque[SimRequest] = collections.deque()
+        self.running: list[SimRequest] = []
+        self.previous_gamma = 0
+        self.step_index = 0
+        self._admissions = 0
+        # Set while a step is being decided, for the oracle.
+        self.pending_decode: list[SimRequest] = []
+        self.pending_prefill_tokens = 0
+
+    # -- the loop -------------------------------------------------------------------------
+
+    def run(self) -> SimResult:
+        arrivals = collections.deque(self.requests)
+        steps: list[StepRecord] = []
+        max_used = 0
+        while arrivals or self.waiting or self.running:
+            while arrivals and arrivals[0].spec.arrival_s <= self.now:
+                self.waiting.append(arrivals.popleft())
+            if not self.waiting and not self.running:
+                self.now = arrivals[0].spec.arrival_s
+                continue
+            self._admit()
+            record = self._step()
+            steps.append(record)
+            max_used = max(max_used, self.total_blocks - self.free_blocks)
+            assert self.free_blocks >= 0, "KV over-committed"
+        return SimResult(self.requests, steps, self.now, self.total_blocks, max_used)
+
+    def _admit(self) -> None:
+        bs = self.profile.block_size
+        while self.waiting and len(self.running) < self.config.max_running:
+            request = self.waiting[0]
+            target = request.spec.prompt_tokens + request.generated
+            needed = math.ceil((target + 1) / bs)
+            if needed > self.free_blocks:
+                break
+            self.waiting.popleft()
+            request.prefill_target, request.prefilled = target, 0
+            request.blocks = needed
+            self.free_blocks -= needed
+            self._admissions += 1
+            request.admitted_order = self._admissions
+            self.running.append(request)
+
+    def _step(self) -> StepRecord:
+        decode = [r for r in self.running if r.decoding]
+        gamma, decision_id, ctx = 0, "", None
+        if decode:
+            ctx = StepContext(
+                engine_id=self.config.engine_id,
+                batch_size=len(decode),
+                step_index=self.step_index,
+                num_waiting=len(self.waiting),
+                free_kv_blocks=self.free_blocks,
+                total_kv_blocks=self.total_blocks,
+                max_draft_lag_tokens=max(r.lag for r in decode),
+                draft_resident=self.config.draft_resident,
+                previous_gamma=self.previous_gamma,
+                max_gamma=self.config.gamma_max,
+            )
+            self.pending_decode = decode
+            self.pending_prefill_tokens = self._prefill_plan(len(decode), 0)
+            gamma, decision_id = self.source.decide(ctx, self)
+            gamma = max(0, min(gamma, self.config.gamma_max))
+            decode = self._reserve(decode, gamma)
+        catch_up = max((r.lag for r in decode), default=0) if self.previous_gamma == 0 else 0
+        prefill_tokens = self._run_prefill(self._prefill_plan(len(decode), gamma))
+        context = sum(r.context_tokens for r in decode)
+        step_s = self.profile.step_seconds(len(decode), gamma, prefill_tokens, context, catch_up)
+        self.now += step_s
+        generated, accepted = self._decode(decode, gamma)
+        generated += self._first_tokens()
+        self._finish()
+        if ctx is not None:
+            outcome = StepOutcome(
+                decision_id, ctx.engine_id, gamma, step_s, generated,
+                drafted_tokens=len(decode) * gamma, accepted_tokens=accepted,
+            )  # fmt: skip
+            self.source.report(ctx, decision_id, outcome)
+            self.previous_gamma = gamma
+        self.step_index += 1
+        return StepRecord(self.now, len(decode), gamma, step_s, generated, len(self.waiting),
+                          self.free_blocks)  # fmt: skip
+
+    # -- pieces of a step -------------------------------------------------------------------
+
+    def _prefill_plan(self, batch_size: int, gamma: int) -> int:
+        budget = max(0, self.config.max_batch_tokens - batch_size * (gamma + 1))
+        todo = sum(r.prefill_target - r.prefilled for r in self.running if not r.decoding)
+        return min(budget, todo)
+
+    def _run_prefill(self, budget: int) -> int:
+        used = 0
+        for request in self.running:
+            if request.decoding or used >= budget:
+                continue
+            chunk = min(request.prefill_target - request.prefilled, budget - used)
+            request.prefilled += chunk
+            request.just_prefilled = request.decoding
+            used += chunk
+        return used
+
+    def _reserve(self, decode: list[SimRequest], gamma: int) -> list[SimRequest]:
+        """Make room for every decode request's KV growth, preempting the newest if needed."""
+        bs = self.profile.block_size
+        while True:
+            needed = {
+                r.rid: max(0, math.ceil((r.context_tokens + gamma + 1) / bs) - r.blocks)
+                for r in decode
+            }
+            if sum(needed.values()) <= self.free_blocks or not self.running:
+                break
+            self._preempt(max(self.running, key=lambda r: r.admitted_order))
+            decode = [r for r in decode if r in self.running]
+        for request in decode:
+            request.blocks += needed[request.rid]
+            self.free_blocks -= needed[request.rid]
+        return decode
+
+    def _preempt(self, request: SimRequest) -> None:
+        self.running.remove(request)
+        self.free_blocks += request.blocks
+        request.blocks, request.prefilled, request.preemptions = 0, 0, request.preemptions + 1
+        request.lag = 0
+        self.waiting.appendleft(request)
+
+    def _decode(self, decode: list[SimRequest], gamma: int) -> tuple[int, int]:
+        generated = accepted = 0
+        for request in decode:
+            if gamma > 0:
+                run = accepted_run(self._rng, request.alpha, gamma)
+                accepted += run
+                tokens = min(run + 1, request.remaining)
+                request.lag = 0
+            else:
+                tokens = min(1, request.remaining)
+                request.lag += tokens
+            request.generated += tokens
+            generated += tokens
+        return generated, accepted
+
+    def _first_tokens(self) -> int:
+        """A request whose prefill completed this step samples its next token."""
+        count = 0
+        for request in self.running:
+            if request.just_prefilled:
+                request.just_prefilled = False
+                if request.remaining > 0:
+                    request.generated += 1
+                    count += 1
+                if request.first_token_s is None:
+                    request.first_token_s = self.now
+        return count
+
+    def _finish(self) -> None:
+        bs = self.profile.block_size
+        for request in list(self.running):
+            if request.remaining <= 0:
+                request.finish_s = self.now
+                self.running.remove(request)
+                self.free_blocks += request.blocks
+                request.blocks = 0
+            elif request.decoding:
+                # Blocks for the tokens now in the cache (growth reserved in _reserve).
+                have = math.ceil((request.context_tokens + 1) / bs)
+                if have > request.blocks:
+                    extra = min(have - request.blocks, self.free_blocks)
+                    request.blocks += extra
+                    self.free_blocks -= extra
+
+    # -- for the oracle -----------------------------------------------------------------------
+
+    def expected_goodput(self, gamma: int) -> float:
+        """Expected tokens per second of the pending step if it ran with γ (true parameters)."""
+        decode = self.pending_decode
+        tokens = sum(min(expected_tokens(r.alpha, gamma), r.remaining) for r in decode)
+        catch_up = max((r.lag for r in decode), default=0) if self.previous_gamma == 0 else 0
+        context = sum(r.context_tokens for r in decode)
+        prefill = self._prefill_plan(len(decode), gamma)
+        seconds = self.profile.step_seconds(len(decode), gamma, prefill, context, catch_up)
+        return tokens / seconds
