@@ -146,8 +146,42 @@ def render(
                     f"{avg(key, 'p99_latency'):.2f} | {avg(key, 'mean_tpot_ms'):.1f} |"
                 )
             lines.append("")
+    lines += targets(cells, profiles, names)
     lines.append(END)
     return "\n".join(lines) + "\n"
+
+
+def targets(
+    cells: dict[tuple[str, str, str], list[Cell]], profiles: list[str], names: list[str]
+) -> list[str]:
+    """Issue 3's targets per cell: Nightjar vs best fixed γ, EMA, table and 0.95 × oracle."""
+
+    def tput(profile: str, workload: str, policy: str) -> float:
+        return statistics.fmean(c.throughput for c in cells[(profile, workload, policy)])
+
+    fixed = ["off"] + [p for p in POLICIES if p.startswith("static-")]
+    lines = [
+        "### Nightjar against the targets (throughput, mean over seeds)",
+        "",
+        "| profile | workload | nightjar / oracle | ≥ 0.95 oracle | ≥ best fixed γ | ≥ ema "
+        "| ≥ table |",
+        "|---|---|---:|---|---|---|---|",
+    ]
+    for profile in profiles:
+        for workload in names:
+            nj = tput(profile, workload, "nightjar")
+            oracle = tput(profile, workload, "oracle")
+            best = max(tput(profile, workload, p) for p in fixed)
+            marks = [
+                nj >= 0.95 * oracle,
+                nj >= best,
+                nj >= tput(profile, workload, "ema"),
+                nj >= tput(profile, workload, "table"),
+            ]
+            cells_text = " | ".join("yes" if ok else "**no**" for ok in marks)
+            lines.append(f"| {profile} | {workload} | {nj / oracle:.3f} | {cells_text} |")
+    lines.append("")
+    return lines
 
 
 if __name__ == "__main__":
