@@ -35,11 +35,12 @@ from typing import Any
 import grpc
 
 from policy_server.policies import create_policy
+from policy_server.report import write_section
 from policy_server.service import DecisionService
 from policy_server.types import StepContext, StepOutcome
 from vllm_client_patch.client import ClientConfig, GammaDecision, NightjarClient
 
-BEGIN, END = "<!-- bench-rpc:begin -->", "<!-- bench-rpc:end -->"
+SECTION = "bench-rpc"
 TARGET_IN_PROCESS_P50_US = 20.0
 TARGET_RPC_P99_MS = 0.5
 
@@ -279,7 +280,6 @@ def render(results: dict[str, Any]) -> str:
     pipe = Measurement(**results["pipelined"])
     rates = results["rate"]
     lines = [
-        BEGIN,
         "## Decision cost and RPC latency (`make bench-rpc`)",
         "",
         f"Measured {results['date']} on {results['machine']}, by `make bench-rpc` "
@@ -329,7 +329,6 @@ def render(results: dict[str, Any]) -> str:
         "### Reading",
         "",
         *interpretation(inproc, rpc, pipe, rates),
-        END,
     ]
     return "\n".join(lines) + "\n"
 
@@ -383,21 +382,6 @@ def interpretation(
     return [" ".join(text)]
 
 
-def write_section(path: Path, section: str) -> None:
-    if path.exists():
-        text = path.read_text()
-        if BEGIN in text and END in text:
-            head, rest = text.split(BEGIN, 1)
-            text = head + section + rest.split(END, 1)[1].lstrip("\n")
-        else:
-            text = text.rstrip("\n") + "\n\n" + section
-    else:
-        text = ("# Benchmarks\n\nEvery figure below was measured by the `make` target named in "
-                "its section, on the machine it names.\n\n" + section)  # fmt: skip
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench-rpc", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("docs/BENCHMARKS.md"))
@@ -423,7 +407,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     results["pipelined"] = dataclasses.asdict(measure_pipelined(int(1_000 * scale)))
     print("sustained 1000/s ...", file=sys.stderr)
     results["rate"] = [measure_rate(1000.0, 10.0 * scale, pipelined) for pipelined in (False, True)]
-    write_section(args.out, render(results))
+    write_section(args.out, SECTION, render(results))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     print(json.dumps(results, indent=2))

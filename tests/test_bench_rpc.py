@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from policy_server.bench_rpc import BEGIN, END, Measurement, measure_in_process, write_section
+from policy_server.bench_rpc import Measurement, measure_in_process
+from policy_server.report import markers, write_section
 
 
 def test_in_process_measurement_is_sane() -> None:
@@ -19,11 +20,15 @@ def test_in_process_measurement_is_sane() -> None:
         assert 0 < m.p50_us <= m.p99_us
 
 
-def test_report_section_is_replaced_in_place(tmp_path: Path) -> None:
+def test_report_sections_are_replaced_in_place_and_kept_apart(tmp_path: Path) -> None:
     path = tmp_path / "BENCHMARKS.md"
-    write_section(path, f"{BEGIN}\nfirst\n{END}\n")
-    path.write_text(path.read_text() + "\n## Simulator\nkept\n")
-    write_section(path, f"{BEGIN}\nsecond\n{END}\n")
+    write_section(path, "bench-rpc", "first")
+    write_section(path, "bench-sim", "simulated")
+    path.write_text(path.read_text() + "\n## Notes\nkept\n")
+    write_section(path, "bench-rpc", "second")
     text = path.read_text()
-    assert "second" in text and "first" not in text and "## Simulator\nkept" in text
-    assert text.count(BEGIN) == 1
+    assert "second" in text and "first" not in text
+    assert "simulated" in text and "## Notes\nkept" in text
+    for name in ("bench-rpc", "bench-sim"):
+        begin, end = markers(name)
+        assert text.count(begin) == 1 and text.count(end) == 1

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from policy_server.bench_rpc import write_section
+from policy_server.report import write_section
 from policy_server.sim.acceptance import WORKLOADS
 from policy_server.sim.engine import DecisionSource, SimConfig, Simulator
 from policy_server.sim.profile import builtin_profiles
@@ -30,7 +30,7 @@ from policy_server.sim.workload import (
     window,
 )
 
-BEGIN, END = "<!-- bench-sim:begin -->", "<!-- bench-sim:end -->"
+SECTION = "bench-sim"
 GAMMA_MAX = 4
 
 
@@ -109,7 +109,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     print(f"\r[{done}/{total}] {profile} {workload} {policy} "
                           f"{time.time() - started:.0f}s", end="", file=sys.stderr)  # fmt: skip
     print(file=sys.stderr)
-    write_section(args.out, render(cells, profiles, names, seeds, args.quick))
+    write_section(args.out, SECTION, render(cells, profiles, names, seeds, args.quick))
     return 0
 
 
@@ -121,7 +121,6 @@ def render(
         return statistics.fmean(getattr(c, field) for c in cells[key])
 
     lines = [
-        BEGIN,
         "## Serving simulator: policies on traces (`make bench`)",
         "",
         f"Simulated {datetime.date.today().isoformat()} by `make bench"
@@ -147,7 +146,6 @@ def render(
                 )
             lines.append("")
     lines += targets(cells, profiles, names)
-    lines.append(END)
     return "\n".join(lines) + "\n"
 
 

@@ -1,0 +1,32 @@
+"""docs/BENCHMARKS.md is shared by several `make bench…` targets; each owns one section.
+
+A section is delimited by `<!-- NAME:begin -->` / `<!-- NAME:end -->` markers and is
+replaced in place, so re-running one benchmark never touches another's figures.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+HEADER = (
+    "# Benchmarks\n\nEvery figure below was measured by the `make` target named in its "
+    "section, on the machine it names.\n\n"
+)
+
+
+def markers(name: str) -> tuple[str, str]:
+    return f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+
+
+def write_section(path: Path, name: str, body: str) -> None:
+    """Write `body` as section `name` of the report at `path`, in place or appended."""
+    begin, end = markers(name)
+    section = f"{begin}\n{body.strip(chr(10))}\n{end}\n"
+    text = path.read_text() if path.exists() else HEADER
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = head + section + rest.split(end, 1)[1]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
