@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from policy_server.prefill_cost import PrefillCostTable
+from policy_server.sim import plots
 from policy_server.sim.acceptance import (
     WORKLOADS,
     AcceptanceModel,
@@ -16,7 +18,7 @@ from policy_server.sim.acceptance import (
     expected_tokens,
 )
 from policy_server.sim.engine import SimConfig, Simulator
-from policy_server.sim.profile import builtin_profiles
+from policy_server.sim.profile import builtin_profiles, calibration_points
 from policy_server.sim.sources import ClientSource, OracleSource, PolicySource
 from policy_server.sim.workload import (
     SCHEDULES,
@@ -44,12 +46,14 @@ def busy_specs() -> list[RequestSpec]:
     return synthetic([RatePhase(40, 10.0)], TRACE, seed=3)
 
 
+@pytest.mark.parametrize("chunked", [True, False])
 @pytest.mark.parametrize("policy", [("off", None), ("static", {"gamma": 4}), ("nightjar", None)])
-def test_invariants_hold_under_pressure(busy_specs, policy) -> None:
+def test_invariants_hold_under_pressure(busy_specs, policy, chunked) -> None:
     # A small KV pool forces admission waits and preemptions.
     profile = PROFILES["llama2-7b-a100"]
     small = dataclasses.replace(profile, kv_blocks=1200)
-    result = Simulator(small, SPS, busy_specs, PolicySource.named(*policy), SimConfig()).run()
+    config = SimConfig(chunked_prefill=chunked)
+    result = Simulator(small, SPS, busy_specs, PolicySource.named(*policy), config).run()
     assert len(result.requests) == len(busy_specs)
     assert {r.rid for r in result.requests} == set(range(len(busy_specs)))
     assert all(r.finish_s is not None for r in result.requests)  # nobody lost
@@ -94,6 +98,39 @@ def test_acceptance_model_matches_leviathan() -> None:
     assert sum(alphas) / len(alphas) == pytest.approx(0.7, abs=0.01)
 
 
+class _PrefillWatch(Simulator):
+    """Records, after every step's prefill, whether some prompt was left half-prefilled."""
+
+    partial_steps = 0
+
+    def _run_prefill(self, batch_size: int, gamma: int) -> int:
+        used = super()._run_prefill(batch_size, gamma)
+        self.partial_steps += any(0 < r.prefilled < r.prefill_target for r in self.running)
+        return used
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_chunked_prefill_option(busy_specs, chunked) -> None:
+    config = SimConfig(chunked_prefill=chunked, max_batch_tokens=512)
+    sim = _PrefillWatch(PROFILES["llama2-7b-a100"], SPS, busy_specs[:120],
+                        PolicySource.named("off"), config)  # fmt: skip
+    result = sim.run()
+    assert all(r.generated == r.spec.output_tokens for r in result.requests)
+    assert (sim.partial_steps > 0) == chunked
+
+
+def test_regret_is_zero_for_the_oracle_and_positive_for_a_fixed_gamma(busy_specs) -> None:
+    oracle = run(OracleSource(), busy_specs[:200], track_regret=True)
+    fixed = run(PolicySource.named("static", {"gamma": 4}), busy_specs[:200], track_regret=True)
+    untracked = run(PolicySource.named("static", {"gamma": 4}), busy_specs[:200])
+    assert oracle.regret_tokens == pytest.approx(0.0, abs=1e-6)
+    assert all(step.regret_tokens >= 0 for step in fixed.steps)
+    assert fixed.regret_tokens > 0
+    assert untracked.regret_tokens == 0.0 and untracked.steps == [
+        dataclasses.replace(step, regret_tokens=0.0) for step in fixed.steps
+    ]  # scoring decisions does not change them
+
+
 def test_oracle_is_an_upper_reference(busy_specs) -> None:
     oracle = run(OracleSource(), busy_specs[:200])
     worst = run(PolicySource.named("static", {"gamma": 4}), busy_specs[:200])
@@ -130,3 +167,27 @@ def test_grpc_path_gives_the_same_decisions_as_in_process(make_server, busy_spec
     assert client.stats.fallbacks_total == 0
     assert [s.gamma for s in over_grpc.steps] == [s.gamma for s in in_process.steps]
     assert over_grpc.steps == in_process.steps
+
+
+def test_profile_writes_a_prefill_cost_table_the_policy_reads(tmp_path: Path) -> None:
+    profile = PROFILES["llama2-70b-h100-tp4"]
+    table = PrefillCostTable.from_csv(profile.write_prefill_cost_table(tmp_path / "c.csv"))
+    for lag, batch in ((16, 4), (1024, 64), (4096, 256)):
+        assert table.seconds_at(lag, batch) == pytest.approx(
+            profile.catch_up_ms(lag, batch) / 1000, rel=1e-3
+        )
+
+
+def test_plots_are_written_as_png(tmp_path: Path, busy_specs) -> None:
+    result = run(OracleSource(), busy_specs[:80], track_regret=True)
+    figures = [
+        plots.plot_gamma_timeline({"oracle": result}, tmp_path / "g.png", "γ"),
+        plots.plot_throughput_over_time({"oracle": result}, tmp_path / "t.png", "tok/s"),
+        plots.plot_regret({"oracle": result}, tmp_path / "r.png", "regret"),
+        plots.plot_qps_sweep({"p": {"oracle": [(1.0, 10.0, 1.0), (2.0, 20.0, 2.0)]}},
+                             tmp_path / "q.png"),
+        plots.plot_profiles(PROFILES, calibration_points(DATA / "calibration"), tmp_path / "p.png"),
+    ]  # fmt: skip
+    for figure in figures:
+        data = figure.read_bytes()
+        assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 5000

@@ -39,9 +39,15 @@ class SimConfig:
     # Tokens per step (decode tokens first, prefill chunks fill the rest).
     max_batch_tokens: int = 8192
     gamma_max: int = 4
+    # Off: a prompt is prefilled whole in one step (vLLM without chunked prefill), so a
+    # long prompt stalls the decode batch behind it for that step.
+    chunked_prefill: bool = True
     draft_resident: bool = True
     engine_id: str = "sim"
     seed: int = 0
+    # Score every decision against the best γ under the true parameters (costs Γmax+1
+    # step-time evaluations per step; the oracle's own regret is 0 by construction).
+    track_regret: bool = False
 
 
 @dataclasses.dataclass(slots=True)
@@ -84,6 +90,8 @@ class StepRecord:
     generated: int
     waiting: int
     free_blocks: int
+    # Expected tokens this step lost against the best γ (0 unless SimConfig.track_regret).
+    regret_tokens: float = 0.0
 
 
 @dataclasses.dataclass(slots=True)
@@ -106,6 +114,10 @@ class SimResult:
         return sorted(
             r.finish_s - r.spec.arrival_s for r in self.requests if r.finish_s is not None
         )
+
+    @property
+    def regret_tokens(self) -> float:
+        return sum(step.regret_tokens for step in self.steps)
 
     def tpots(self) -> list[float]:
         return [
@@ -145,7 +157,6 @@ class Simulator:
         self._admissions = 0
         # Set while a step is being decided, for the oracle.
         self.pending_decode: list[SimRequest] = []
-        self.pending_prefill_tokens = 0
 
     # -- the loop -------------------------------------------------------------------------
 
@@ -184,7 +195,7 @@ class Simulator:
 
     def _step(self) -> StepRecord:
         decode = [r for r in self.running if r.decoding]
-        gamma, decision_id, ctx = 0, "", None
+        gamma, decision_id, ctx, goodputs = 0, "", None, None
         if decode:
             ctx = StepContext(
                 engine_id=self.config.engine_id,
@@ -199,12 +210,13 @@ class Simulator:
                 max_gamma=self.config.gamma_max,
             )
             self.pending_decode = decode
-            self.pending_prefill_tokens = self._prefill_plan(len(decode), 0)
+            if self.config.track_regret:
+                goodputs = [self.expected_goodput(g) for g in range(self.config.gamma_max + 1)]
             gamma, decision_id = self.source.decide(ctx, self)
             gamma = max(0, min(gamma, self.config.gamma_max))
             decode = self._reserve(decode, gamma)
         catch_up = max((r.lag for r in decode), default=0) if self.previous_gamma == 0 else 0
-        prefill_tokens = self._run_prefill(self._prefill_plan(len(decode), gamma))
+        prefill_tokens = self._run_prefill(len(decode), gamma)
         context = sum(r.context_tokens for r in decode)
         step_s = self.profile.step_seconds(len(decode), gamma, prefill_tokens, context, catch_up)
         self.now += step_s
@@ -219,26 +231,37 @@ class Simulator:
             self.source.report(ctx, decision_id, outcome)
             self.previous_gamma = gamma
         self.step_index += 1
+        regret = (max(goodputs) - goodputs[gamma]) * step_s if goodputs else 0.0
         return StepRecord(self.now, len(decode), gamma, step_s, generated, len(self.waiting),
-                          self.free_blocks)  # fmt: skip
+                          self.free_blocks, regret)  # fmt: skip
 
     # -- pieces of a step -------------------------------------------------------------------
 
-    def _prefill_plan(self, batch_size: int, gamma: int) -> int:
+    def _prefill_chunks(self, batch_size: int, gamma: int) -> list[tuple[SimRequest, int]]:
+        """Prefill work of the step: decode tokens first, prefill chunks fill the budget."""
         budget = max(0, self.config.max_batch_tokens - batch_size * (gamma + 1))
-        todo = sum(r.prefill_target - r.prefilled for r in self.running if not r.decoding)
-        return min(budget, todo)
-
-    def _run_prefill(self, budget: int) -> int:
+        chunks: list[tuple[SimRequest, int]] = []
         used = 0
         for request in self.running:
             if request.decoding or used >= budget:
                 continue
-            chunk = min(request.prefill_target - request.prefilled, budget - used)
+            left = request.prefill_target - request.prefilled
+            chunk = min(left, budget - used)
+            if not self.config.chunked_prefill and chunk < left:
+                # Whole prompts only; one longer than the budget runs alone in its step.
+                if used > 0:
+                    continue
+                chunk = left
+            chunks.append((request, chunk))
+            used += chunk
+        return chunks
+
+    def _run_prefill(self, batch_size: int, gamma: int) -> int:
+        chunks = self._prefill_chunks(batch_size, gamma)
+        for request, chunk in chunks:
             request.prefilled += chunk
             request.just_prefilled = request.decoding
-            used += chunk
-        return used
+        return sum(chunk for _, chunk in chunks)
 
     def _reserve(self, decode: list[SimRequest], gamma: int) -> list[SimRequest]:
         """Make room for every decode request's KV growth, preempting the newest if needed."""
@@ -311,11 +334,16 @@ class Simulator:
     # -- for the oracle -----------------------------------------------------------------------
 
     def expected_goodput(self, gamma: int) -> float:
-        """Expected tokens per second of the pending step if it ran with γ (true parameters)."""
+        """Expected decode tokens per second of the pending step's decode work with γ.
+
+        Scored on the decode batch alone, from the true parameters: prefill chunks that
+        share the step are left out of the time, because counting them makes speculation
+        look cheap in prefill-heavy steps, and a per-step maximiser fooled that way loses
+        throughput to γ = 0 under load (docs/SIMULATOR.md, "The oracle").
+        """
         decode = self.pending_decode
         tokens = sum(min(expected_tokens(r.alpha, gamma), r.remaining) for r in decode)
         catch_up = max((r.lag for r in decode), default=0) if self.previous_gamma == 0 else 0
         context = sum(r.context_tokens for r in decode)
-        prefill = self._prefill_plan(len(decode), gamma)
-        seconds = self.profile.step_seconds(len(decode), gamma, prefill, context, catch_up)
+        seconds = self.profile.step_seconds(len(decode), gamma, 0, context, catch_up)
         return tokens / seconds

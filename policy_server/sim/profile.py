@@ -128,6 +128,22 @@ class HardwareProfile:
         # A draft prefill over B·L tokens: launch-bound floor, then ~linear in tokens.
         return self.draft_ms + self.draft_ms_per_request * batch_size * max(1.0, lag_tokens / 16)
 
+    def write_prefill_cost_table(
+        self,
+        path: str | Path,
+        lags: Sequence[int] = (1, 16, 64, 256, 1024, 4096),
+        batch_sizes: Sequence[int] = (1, 4, 16, 64, 256),
+    ) -> Path:
+        """The c_prefill CSV a profiler would measure on this engine (see prefill_cost.py)."""
+        path = Path(path)
+        with path.open("w", newline="") as fh:
+            writer = csv.writer(fh)
+            writer.writerow(["lag_tokens", "batch_size", "c_prefill_ms"])
+            for lag in lags:
+                for batch in batch_sizes:
+                    writer.writerow([lag, batch, f"{self.catch_up_ms(lag, batch):.4f}"])
+        return path
+
     def step_seconds(
         self,
         batch_size: int,
@@ -152,11 +168,26 @@ def _kv_bytes(layers: int, kv_heads: int, head_dim: int, tp: int, dtype_bytes: i
     return 2 * layers * (kv_heads / tp) * head_dim * dtype_bytes
 
 
+# Built-in profile -> (vidur mlp.csv under the calibration directory, tensor-parallel degree).
+CALIBRATION_SOURCES = {
+    "llama2-7b-a100": ("a100_meta-llama_Llama-2-7b-hf_mlp.csv", 1),
+    "llama2-70b-h100-tp4": ("h100_meta-llama_Llama-2-70b-hf_mlp.csv", 4),
+}
+
+
+def calibration_points(calibration_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
+    """The measured per-layer times each built-in profile's curve is fitted to."""
+    return {
+        name: load_layer_times(Path(calibration_dir) / file, tp)
+        for name, (file, tp) in CALIBRATION_SOURCES.items()
+    }
+
+
 def builtin_profiles(calibration_dir: str | Path) -> dict[str, HardwareProfile]:
     """The two reference profiles of the benchmark (DESIGN §7), fitted from vidur data."""
-    root = Path(calibration_dir)
-    a100_7b = fit_layer_curve(load_layer_times(root / "a100_meta-llama_Llama-2-7b-hf_mlp.csv", 1))
-    h100_70b = fit_layer_curve(load_layer_times(root / "h100_meta-llama_Llama-2-70b-hf_mlp.csv", 4))
+    points = calibration_points(calibration_dir)
+    a100_7b = fit_layer_curve(points["llama2-7b-a100"])
+    h100_70b = fit_layer_curve(points["llama2-70b-h100-tp4"])
     return {
         # Llama-2-7B on one A100-80GB with a ~68M draft (Spec-Bench's SpS pair).
         "llama2-7b-a100": HardwareProfile(
