@@ -1,27 +1,20 @@
-"""`make demo`: a real sidecar driven by a small synthetic engine loop.
+"""`make demo`: a real sidecar deciding γ for a simulated engine replaying the Azure trace.
 
-Starts `nightjar-server` on a Unix socket, then plays an engine through the real
-fail-open client: each step asks for γ, "runs" the step in a synthetic cost
-model, and reports the outcome. Load goes low → high → low, so the learned γ
-visibly changes with the batch size. At the end it prints a summary, the
-learned best γ per batch size read back over the admin API, and a line of the
-Prometheus metrics. The serving simulator (a later issue) replaces this
-synthetic model with one calibrated on real profiles and traces.
-
-The synthetic model (constants below): a target forward pass costs
-max(T_FLAT, T_TOKEN·B·(γ+1)) — flat while memory-bound, linear once
-compute-bound — plus γ draft passes of T_DRAFT + T_DRAFT_TOKEN·B; each request
-accepts a truncated-geometric number of draft tokens (acceptance ALPHA) plus one
-bonus token. Speculation therefore pays at small batches and loses at large ones.
+Starts `nightjar-server` on a Unix socket, then replays a slice of the Azure LLM
+conversation trace through the serving simulator (`policy_server/sim/`), which asks the
+sidecar for γ every step through the real fail-open client — exactly the plugin's
+path — and reports every outcome back. Live lines show the simulated clock, the decode
+batch, the queue and the sidecar's decisions. Afterwards it replays the same requests
+under the other policies in process, prints a summary table (throughput, latency, ratio
+to the oracle, regret), the learned best γ per batch size read back over the admin API
+and the Prometheus decision counter, and writes plots.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
-import random
 import signal
 import socket
 import subprocess
@@ -29,68 +22,52 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import grpc
 from nightjar.v1 import admin_pb2, admin_pb2_grpc
 
+from policy_server.sim.acceptance import WORKLOADS
+from policy_server.sim.bench import GAMMA_MAX, BenchConfig, Cell, simulate, summarise
+from policy_server.sim.engine import SimConfig, SimResult, Simulator
+from policy_server.sim.profile import builtin_profiles
+from policy_server.sim.sources import ClientSource
+from policy_server.sim.workload import read_trace, scale_to_qps, window
 from policy_server.types import StepContext, StepOutcome
 from vllm_client_patch.client import ClientConfig, NightjarClient
 
-T_FLAT = 0.020  # s: memory-bound target pass
-T_TOKEN = 0.0004  # s per token once compute-bound (flat up to 50 tokens)
-T_DRAFT = 0.002  # s per draft pass
-T_DRAFT_TOKEN = 0.00002  # s per request per draft pass
-ALPHA = 0.7  # per-token acceptance probability
 ENGINE = "demo-engine"
+COMPARED = ("off", "static-1", "static-3", "table", "ema", "oracle")
 
 
-@dataclasses.dataclass(frozen=True)
-class Phase:
-    name: str
-    steps: int
-    batch_sizes: tuple[int, int]
+class LiveSource(ClientSource):
+    """The gRPC decision source, printing one line per `every_s` simulated seconds."""
 
+    def __init__(self, client: NightjarClient, say: Callable[[str], None], every_s: float) -> None:
+        super().__init__(client)
+        self.say, self.every_s = say, every_s
+        self._next_s, self._now, self._tokens, self._gammas = 0.0, 0.0, 0, [0] * (GAMMA_MAX + 1)
 
-PHASES = (
-    Phase("low load", 3000, (1, 4)),
-    Phase("high load", 4000, (32, 64)),
-    Phase("low again", 3000, (1, 4)),
-)
+    def decide(self, ctx: StepContext, sim: Simulator) -> tuple[int, str]:
+        self._now = sim.now
+        return super().decide(ctx, sim)
 
-
-def step_seconds(batch_size: int, gamma: int) -> float:
-    target = max(T_FLAT, T_TOKEN * batch_size * (gamma + 1))
-    return target + gamma * (T_DRAFT + T_DRAFT_TOKEN * batch_size)
-
-
-def expected_tokens(batch_size: int, gamma: int) -> float:
-    return batch_size * (1 - ALPHA ** (gamma + 1)) / (1 - ALPHA)
-
-
-def sample_tokens(rng: random.Random, batch_size: int, gamma: int) -> tuple[int, int]:
-    """(generated, accepted) for one step: per request, accepted draft tokens + 1 bonus."""
-    accepted = 0
-    for _ in range(batch_size):
-        run = 0
-        while run < gamma and rng.random() < ALPHA:
-            run += 1
-        accepted += run
-    return accepted + batch_size, accepted
-
-
-@dataclasses.dataclass
-class PhaseStats:
-    steps: int = 0
-    gamma_sum: int = 0
-    explored: int = 0
-    tokens: int = 0
-    seconds: float = 0.0
-    # Expected tokens/seconds of fixed γ on the same batch sequence.
-    fixed: dict[int, list[float]] = dataclasses.field(
-        default_factory=lambda: {g: [0.0, 0.0] for g in (0, 1, 3)}
-    )
+    def report(self, ctx: StepContext, decision_id: str, outcome: StepOutcome) -> None:
+        super().report(ctx, decision_id, outcome)
+        self._tokens += outcome.generated_tokens
+        self._gammas[outcome.gamma] += 1
+        if self._now >= self._next_s:
+            self._next_s += self.every_s
+            decision = self.last.decision if self.last else None
+            how = f"{decision.bin_type.value:<11}" if decision else "fallback   "
+            spread = " ".join(f"{n:>5}" for n in self._gammas)
+            rate = self._tokens / max(self._now, 1e-9)
+            self.say(
+                f"{self._now:>7.1f}s {ctx.batch_size:>4} {ctx.num_waiting:>5} "
+                f"{outcome.gamma:>2}  {how} {rate:>8.0f}   {spread}"
+            )
 
 
 def free_port() -> int:
@@ -99,25 +76,41 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_server(workdir: Path, metrics_port: int) -> tuple[subprocess.Popen[bytes], str]:
+def start_server(
+    workdir: Path, metrics_port: int, params: Mapping[str, Any]
+) -> tuple[subprocess.Popen[bytes], str]:
     sock = Path(tempfile.mkdtemp(prefix="nj-demo-")) / "nightjar.sock"
     command = [
         sys.executable, "-m", "policy_server.cli", "--uds", str(sock),
         "--metrics-port", str(metrics_port), "--state-dir", str(workdir / "state"),
-        "--log-level", "WARNING",
-        # Power-of-two contexts: batch sizes 32..63 share what they learn.
-        "--params", json.dumps({"batch_bucketing": "pow2"}),
+        "--log-level", "WARNING", "--params", json.dumps(dict(params)),
     ]  # fmt: skip
     proc = subprocess.Popen(command, stderr=(workdir / "server.log").open("wb"))
     return proc, f"unix:{sock}"
 
 
-def run(steps_scale: float, seed: int, quiet: bool) -> dict[str, object]:
-    rng = random.Random(seed)
-    say: Callable[..., None] = (lambda *a: None) if quiet else print
+def run(
+    seconds: float = 300.0,
+    qps: float = 4.0,
+    seed: int = 0,
+    profile_name: str = "llama2-7b-a100",
+    data: Path = Path("../shared/data"),
+    out: Path = Path("out/demo"),
+    quiet: bool = False,
+) -> dict[str, Any]:
+    say: Callable[[str], None] = (lambda line: None) if quiet else print
+    profile = builtin_profiles(data / "calibration")[profile_name]
+    trace = read_trace(data / "traces" / "azure_llm_2023_conv.csv")
+    native_qps = len(trace) / trace[-1].arrival_s
+    # The slice of the trace that lasts `seconds` once rescaled to `qps`.
+    specs = scale_to_qps(window(trace, 0, seconds * qps / native_qps), qps)
+    say(f"replaying {len(specs)} requests of the Azure conv trace at {qps:g} req/s "
+        f"on the {profile_name} profile")  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="nightjar-demo-") as tmp:
+        table = str(profile.write_prefill_cost_table(Path(tmp) / "c_prefill.csv"))
+        params = {"seed": seed, "gamma_max": GAMMA_MAX, "prefill_cost_table": table}
         metrics_port = free_port()
-        proc, target = start_server(Path(tmp), metrics_port)
+        proc, target = start_server(Path(tmp), metrics_port, params)
         try:
             client = NightjarClient(
                 ClientConfig(target=target, engine_id=ENGINE, connect_timeout_s=15)
@@ -125,8 +118,13 @@ def run(steps_scale: float, seed: int, quiet: bool) -> dict[str, object]:
             if not client.connected:
                 raise RuntimeError("the sidecar did not come up; see its log")
             say(f"sidecar up at {target}; metrics on http://127.0.0.1:{metrics_port}/metrics\n")
-            say(f"{'step':>6}  {'phase':<10} {'B':>3} {'γ':>2}  {'source':<8} bin      policy")
-            stats = drive(client, rng, steps_scale, say)
+            say(f"{'sim time':>8} {'B':>4} {'queue':>5} {'γ':>2}  {'bin':<11} {'tok/s':>8}   "
+                f"steps so far with γ = 0..{GAMMA_MAX} (tok/s: mean so far)")  # fmt: skip
+            live = LiveSource(client, say, every_s=max(1.0, seconds / 20))
+            config = SimConfig(seed=seed, gamma_max=GAMMA_MAX, engine_id=ENGINE, track_regret=True)
+            started = time.perf_counter()
+            sidecar_run = Simulator(profile, WORKLOADS["chat-sps"], specs, live, config).run()
+            wall = time.perf_counter() - started
             client.flush()
             time.sleep(0.2)
             learned = learned_best_gamma(target)
@@ -136,58 +134,28 @@ def run(steps_scale: float, seed: int, quiet: bool) -> dict[str, object]:
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=15)
-    summary = summarise(stats, learned, client_stats.sidecar_decisions, client_stats.fallbacks)
+        bench = BenchConfig(data, [seed], quick=False, prefill_cost_tables={profile_name: table})
+        results = {"nightjar (sidecar)": sidecar_run}
+        for policy in COMPARED:
+            results[policy] = simulate(profile, specs, policy, bench, seed)
+    cells = {name: summarise(profile_name, "azure-conv", name, r) for name, r in results.items()}
+    figures = write_plots(out, profile_name, results)
     if not quiet:
-        print_summary(stats, learned, metrics_line, client_stats.fallbacks_total)
-    return summary
-
-
-def drive(
-    client: NightjarClient, rng: random.Random, scale: float, say: Callable[..., None]
-) -> dict[str, PhaseStats]:
-    stats: dict[str, PhaseStats] = {}
-    step = 0
-    previous_gamma = 0
-    for phase in PHASES:
-        ps = stats.setdefault(phase.name, PhaseStats())
-        for _ in range(max(1, int(phase.steps * scale))):
-            batch = rng.randint(*phase.batch_sizes)
-            ctx = StepContext(
-                ENGINE, batch_size=batch, step_index=step, num_waiting=0,
-                free_kv_blocks=4096 - 40 * batch, total_kv_blocks=4096,
-                previous_gamma=previous_gamma,
-            )  # fmt: skip
-            decision = client.decide(ctx)
-            gamma = decision.gamma
-            seconds = step_seconds(batch, gamma) * rng.lognormvariate(0, 0.05)
-            generated, accepted = sample_tokens(rng, batch, gamma)
-            if decision.decision_id:
-                outcome = StepOutcome(
-                    decision.decision_id, ENGINE, gamma, seconds, generated,
-                    drafted_tokens=batch * gamma, accepted_tokens=accepted,
-                )  # fmt: skip
-                client.report(outcome)
-            ps.steps += 1
-            ps.gamma_sum += gamma
-            ps.explored += decision.decision is not None and decision.decision.exploration
-            ps.tokens += generated
-            ps.seconds += seconds
-            for g, acc in ps.fixed.items():
-                acc[0] += expected_tokens(batch, g)
-                acc[1] += step_seconds(batch, g)
-            if step % 500 == 0:
-                d = decision.decision
-                how = f"{d.bin_type.value:<8} {d.policy_version}" if d else "-"
-                say(
-                    f"{step:>6}  {phase.name:<10} {batch:>3} {gamma:>2}  {decision.source:<8} {how}"
-                )
-            previous_gamma = gamma
-            step += 1
-    return stats
+        print_summary(cells, learned, metrics_line, client_stats.fallbacks_total, wall,
+                      len(sidecar_run.steps), figures)  # fmt: skip
+    return {
+        "cells": cells,
+        "learned_best_gamma": {b: g for b, (g, _) in learned.items()},
+        "sidecar_decisions": client_stats.sidecar_decisions,
+        "fallbacks": client_stats.fallbacks_total,
+        "steps": len(sidecar_run.steps),
+        "decided_steps": sum(1 for step in sidecar_run.steps if step.batch_size > 0),
+        "figures": figures,
+    }
 
 
 def learned_best_gamma(target: str) -> dict[int, tuple[int, float]]:
-    """Batch size → (best γ, its mean goodput) from the sidecar's learned state."""
+    """Batch-size context → (best γ, its mean goodput) from the sidecar's learned state."""
     with grpc.insecure_channel(target) as channel:
         reply = admin_pb2_grpc.AdminServiceStub(channel).GetState(
             admin_pb2.GetStateRequest(engine_id=ENGINE), timeout=5
@@ -209,57 +177,62 @@ def scrape_decisions(port: int) -> str:
     return f"nightjar_decisions_total: {len(lines)} series, {total:.0f} decisions"
 
 
-def summarise(
-    stats: dict[str, PhaseStats], learned: dict[int, tuple[int, float]],
-    sidecar_decisions: int, fallbacks: object,
-) -> dict[str, object]:  # fmt: skip
-    return {
-        "phases": {
-            name: {
-                "mean_gamma": ps.gamma_sum / ps.steps,
-                "goodput": ps.tokens / ps.seconds,
-                "static_gamma0": ps.fixed[0][0] / ps.fixed[0][1],
-                "static_gamma3": ps.fixed[3][0] / ps.fixed[3][1],
-            }
-            for name, ps in stats.items()
-        },
-        "learned_best_gamma": {b: g for b, (g, _) in learned.items()},
-        "sidecar_decisions": sidecar_decisions,
-        "fallbacks": dict(fallbacks) if isinstance(fallbacks, dict) else {},
-    }
+def write_plots(out: Path, profile: str, results: dict[str, SimResult]) -> list[Path]:
+    from policy_server.sim import plots
+
+    # The plots colour policies by name; the sidecar run is Nightjar.
+    named = {("nightjar" if k.startswith("nightjar") else k): r for k, r in results.items()}
+    return [
+        plots.plot_gamma_timeline({k: named[k] for k in ("nightjar", "ema", "oracle")},
+                                  out / "gamma.png", f"{profile}: γ chosen and decode batch"),
+        plots.plot_throughput_over_time(named, out / "throughput.png",
+                                        f"{profile}: throughput on the Azure conv slice"),
+        plots.plot_regret(named, out / "regret.png", f"{profile}: regret against the oracle"),
+    ]  # fmt: skip
 
 
 def print_summary(
-    stats: dict[str, PhaseStats], learned: dict[int, tuple[int, float]],
-    metrics_line: str, fallbacks: int,
+    cells: dict[str, Cell], learned: dict[int, tuple[int, float]], metrics_line: str,
+    fallbacks: int, wall: float, steps: int, figures: list[Path],
 ) -> None:  # fmt: skip
-    print("\nsummary (goodput in tokens per simulated second)")
-    header = f"{'phase':<10} {'steps':>6} {'mean γ':>7} {'explored':>9} {'nightjar':>9}"
-    print(header + f" {'static γ=0':>11} {'static γ=1':>11} {'static γ=3':>11}")
-    for name, ps in stats.items():
-        fixed = [acc[0] / acc[1] for acc in ps.fixed.values()]
-        print(f"{name:<10} {ps.steps:>6} {ps.gamma_sum / ps.steps:>7.2f} "
-              f"{ps.explored / ps.steps:>8.0%} {ps.tokens / ps.seconds:>9.0f} "
-              + " ".join(f"{v:>11.0f}" for v in fixed))  # fmt: skip
-    print(
-        "\nNightjar pays for exploration: each block of its schedule starts with exploration "
-        "bins,\nso the explored share falls only slowly (about 2·H^-1/4 for block length H). "
-        "The serving\nsimulator compares policies over long real traces."
-    )
-    print("\nlearned best γ per batch size (from the admin API):")
-    print("  " + ", ".join(f"B={b}: γ={g}" for b, (g, _) in learned.items()))
+    oracle = cells["oracle"].throughput
+    print(f"\n{steps} engine steps decided by the sidecar in {wall:.1f} s of wall time "
+          f"({1e3 * wall / max(steps, 1):.2f} ms per simulated step, RPC included)\n")  # fmt: skip
+    print(f"{'policy':<20} {'tok/s':>7} {'vs oracle':>9} {'mean e2e s':>10} {'p99 e2e s':>9} "
+          f"{'TPOT ms':>8} {'regret %':>8}")  # fmt: skip
+    for name, c in cells.items():
+        regret = 100 * c.regret_tokens / c.generated_tokens if c.generated_tokens else 0.0
+        print(f"{name:<20} {c.throughput:>7.0f} {c.throughput / oracle:>9.3f} "
+              f"{c.mean_latency:>10.2f} {c.p99_latency:>9.2f} {c.mean_tpot_ms:>8.1f} "
+              f"{regret:>8.2f}")  # fmt: skip
+    shown = {b: g for b, (g, _) in learned.items() if b & (b - 1) == 0}  # powers of two
+    print(f"\nlearned best γ for {len(learned)} batch-size contexts (admin API GetState), "
+          "powers of two shown:")  # fmt: skip
+    print("  " + ", ".join(f"B={b}: γ={g}" for b, g in shown.items()))
     print(f"\nclient fallbacks: {fallbacks}   {metrics_line}")
+    print("plots: " + ", ".join(str(f) for f in figures))
+    print("full policy matrix over workloads and profiles: `make bench` -> docs/BENCHMARKS.md")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="nightjar-demo", description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=sum(p.steps for p in PHASES),
-                        help="total engine steps (spread over the load phases)")  # fmt: skip
+    parser.add_argument(
+        "--seconds",
+        type=float,
+        default=300.0,
+        help="length of the replayed trace slice, in seconds at --qps",
+    )
+    parser.add_argument("--qps", type=float, default=4.0, help="arrival rate of the replay")
+    parser.add_argument(
+        "--profile", default="llama2-7b-a100", help="llama2-7b-a100 or llama2-70b-h100-tp4"
+    )
+    parser.add_argument("--data", type=Path, default=Path("../shared/data"))
+    parser.add_argument("--out", type=Path, default=Path("out/demo"), help="where plots go")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quiet", action="store_true", help="print nothing")
-    args = parser.parse_args(argv)
+    args = parser.parse_args(argv)  # fmt: skip
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    run(args.steps / sum(p.steps for p in PHASES), args.seed, args.quiet)
+    run(args.seconds, args.qps, args.seed, args.profile, args.data, args.out, args.quiet)
     return 0
 
 

@@ -10,7 +10,7 @@ from typing import Any
 from policy_server.policies import Policy, create_policy
 from policy_server.sim.engine import Simulator
 from policy_server.types import Choice, StepContext, StepOutcome
-from vllm_client_patch.client import NightjarClient
+from vllm_client_patch.client import GammaDecision, NightjarClient
 
 
 class PolicySource:
@@ -41,10 +41,10 @@ class ClientSource:
 
     def __init__(self, client: NightjarClient) -> None:
         self.client = client
-        self.fallbacks = 0
+        self.last: GammaDecision | None = None  # for live displays
 
     def decide(self, ctx: StepContext, sim: Simulator) -> tuple[int, str]:
-        decision = self.client.decide(ctx)
+        decision = self.last = self.client.decide(ctx)
         return decision.gamma, decision.decision_id or ""
 
     def report(self, ctx: StepContext, decision_id: str, outcome: StepOutcome) -> None:
