@@ -30,7 +30,14 @@ import grpc
 from nightjar.v1 import admin_pb2, admin_pb2_grpc
 
 from policy_server.sim.acceptance import WORKLOADS
-from policy_server.sim.bench import GAMMA_MAX, BenchConfig, Cell, simulate, summarise
+from policy_server.sim.bench import (
+    GAMMA_MAX,
+    BenchConfig,
+    Cell,
+    simulate,
+    summarise,
+    summary_table,
+)
 from policy_server.sim.engine import SimConfig, SimResult, Simulator
 from policy_server.sim.profile import builtin_profiles
 from policy_server.sim.sources import ClientSource
@@ -195,16 +202,9 @@ def print_summary(
     cells: dict[str, Cell], learned: dict[int, tuple[int, float]], metrics_line: str,
     fallbacks: int, wall: float, steps: int, figures: list[Path],
 ) -> None:  # fmt: skip
-    oracle = cells["oracle"].throughput
     print(f"\n{steps} engine steps decided by the sidecar in {wall:.1f} s of wall time "
           f"({1e3 * wall / max(steps, 1):.2f} ms per simulated step, RPC included)\n")  # fmt: skip
-    print(f"{'policy':<20} {'tok/s':>7} {'vs oracle':>9} {'mean e2e s':>10} {'p99 e2e s':>9} "
-          f"{'TPOT ms':>8} {'regret %':>8}")  # fmt: skip
-    for name, c in cells.items():
-        regret = 100 * c.regret_tokens / c.generated_tokens if c.generated_tokens else 0.0
-        print(f"{name:<20} {c.throughput:>7.0f} {c.throughput / oracle:>9.3f} "
-              f"{c.mean_latency:>10.2f} {c.p99_latency:>9.2f} {c.mean_tpot_ms:>8.1f} "
-              f"{regret:>8.2f}")  # fmt: skip
+    print("\n".join(summary_table(cells)))
     shown = {b: g for b, (g, _) in learned.items() if b & (b - 1) == 0}  # powers of two
     print(f"\nlearned best γ for {len(learned)} batch-size contexts (admin API GetState), "
           "powers of two shown:")  # fmt: skip

@@ -17,7 +17,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from policy_server.report import write_section
@@ -89,6 +89,7 @@ class BenchConfig:
     seeds: list[int]
     quick: bool
     chunked_prefill: bool = True
+    acceptance: str = "chat-sps"
     # Profile name -> its c_prefill CSV (written by main into a scratch directory).
     prefill_cost_tables: dict[str, str] = dataclasses.field(default_factory=dict)
 
@@ -117,7 +118,7 @@ def simulate(
     profile: HardwareProfile, specs: list[RequestSpec], policy: str, bench: BenchConfig, seed: int
 ) -> SimResult:
     source = POLICIES[policy](seed, bench.prefill_cost_tables.get(profile.name, ""))
-    return Simulator(profile, WORKLOADS["chat-sps"], specs, source, bench.sim(seed)).run()
+    return Simulator(profile, WORKLOADS[bench.acceptance], specs, source, bench.sim(seed)).run()
 
 
 def summarise(profile: str, workload: str, policy: str, result: SimResult) -> Cell:
@@ -127,6 +128,19 @@ def summarise(profile: str, workload: str, policy: str, result: SimResult) -> Ce
         lat[min(len(lat) - 1, int(0.99 * len(lat)))], 1000 * statistics.fmean(result.tpots()),
         result.generated_tokens, result.regret_tokens,
     )  # fmt: skip
+
+
+def summary_table(cells: Mapping[str, Cell], reference: str = "oracle") -> list[str]:
+    """Plain-text table of one workload's runs, throughput relative to `reference`."""
+    base = cells[reference].throughput if reference in cells else 0.0
+    lines = [f"{'policy':<20} {'tok/s':>7} {'vs ' + reference:>10} {'mean e2e s':>10} "
+             f"{'p99 e2e s':>9} {'TPOT ms':>8} {'regret %':>8}"]  # fmt: skip
+    for name, c in cells.items():
+        regret = 100 * c.regret_tokens / c.generated_tokens if c.generated_tokens else 0.0
+        ratio = f"{c.throughput / base:.3f}" if base else "-"
+        lines.append(f"{name:<20} {c.throughput:>7.0f} {ratio:>10} {c.mean_latency:>10.2f} "
+                     f"{c.p99_latency:>9.2f} {c.mean_tpot_ms:>8.1f} {regret:>8.2f}")  # fmt: skip
+    return lines
 
 
 class Progress:
@@ -169,8 +183,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             name: str(profile.write_prefill_cost_table(Path(scratch) / f"{name}.csv"))
             for name, profile in profiles.items()
         }
-        config = BenchConfig(args.data, [1] if args.quick else [1, 2, 3], args.quick,
-                             args.chunked_prefill, tables)  # fmt: skip
+        seeds = [1] if args.quick else [1, 2, 3]
+        config = BenchConfig(
+            args.data, seeds, args.quick, chunked_prefill=args.chunked_prefill,
+            prefill_cost_tables=tables,
+        )  # fmt: skip
         run(args, config, profiles)
     return 0
 
