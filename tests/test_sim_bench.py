@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from policy_server.sim.bench import POLICIES, BenchConfig, Cell, render
+import pytest
+
+from policy_server.sim.bench import POLICIES, BenchConfig, Cell, main, render
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 
 def test_render_marks_targets_from_the_figures() -> None:
@@ -22,3 +26,19 @@ def test_render_marks_targets_from_the_figures() -> None:
     assert "| nightjar | 90 (2.5) | 300 (7.2) |" in text
     assert "![a](img/a.png)" in text
     assert "make bench-quick" in text
+
+
+@pytest.mark.slow
+def test_quick_bench_runs_end_to_end(tmp_path: Path) -> None:
+    """The CI smoke run of `make bench-quick`: report section and every figure written."""
+    report, plots = tmp_path / "BENCHMARKS.md", tmp_path / "img"
+    assert main(["--quick", "--out", str(report), "--plots", str(plots), "--data", str(DATA)]) == 0
+    text = report.read_text()
+    for profile in ("llama2-7b-a100", "llama2-70b-h100-tp4"):
+        for workload in ("low", "high", "step", "burst", "azure-conv"):
+            assert f"### {profile} — {workload}" in text
+        assert f"sim_gamma_{profile}.png" in text
+    assert "Nightjar against the targets" in text and "Throughput vs offered load" in text
+    figures = sorted(plots.glob("*.png"))
+    assert len(figures) == 8
+    assert all(f.read_bytes().startswith(b"\x89PNG") for f in figures)
