@@ -87,3 +87,19 @@ def test_bad_prefill_tables_fail_clearly(tmp_path: Path, text: str) -> None:
     path.write_text(text)
     with pytest.raises(PrefillCostError, match=r"bad\.csv"):
         PrefillCostTable.from_csv(path)
+
+
+def test_random_covers_every_gamma_reproducibly_per_engine() -> None:
+    a, b = (
+        create_policy("random", {"gamma_max": 3, "seed": 7}),
+        create_policy("random", {"gamma_max": 3, "seed": 7}),
+    )
+    draws = [a.decide(ctx(4)).gamma for _ in range(400)]
+    assert set(draws) == {0, 1, 2, 3}
+    assert draws == [b.decide(ctx(4)).gamma for _ in range(400)]  # same seed, same sequence
+    other = [a.decide(StepContext(engine_id="f", batch_size=4)).gamma for _ in range(400)]
+    assert other != draws  # engines draw from their own streams
+    assert a.decide(ctx(4, max_gamma=1)).gamma in (0, 1)
+    assert a.decide(ctx(4, draft_resident=False)).bin_type is BinType.FORCED
+    with pytest.raises(PolicyError):
+        create_policy("random", {"gamma_max": -1})

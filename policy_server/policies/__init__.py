@@ -13,6 +13,8 @@ from policy_server.policies.ema import EmaParams, EmaPolicy
 from policy_server.policies.fixed import (
     OffParams,
     OffPolicy,
+    RandomParams,
+    RandomPolicy,
     StaticParams,
     StaticPolicy,
     TableParams,
@@ -69,6 +71,12 @@ REGISTRY: dict[str, PolicySpec] = {
             "Batch size → γ table shaped like vLLM's dynamic-SD schedule (PR #32374).",
             TablePolicy,
             TableParams,
+        ),
+        PolicySpec(
+            "random",
+            "γ uniform in 0..gamma_max per step, seeded: a losslessness canary.",
+            RandomPolicy,
+            RandomParams,
         ),
         PolicySpec(
             "ema",

@@ -1,4 +1,4 @@
-"""Non-learning policies: `static` (γ = k), `off` (γ = 0) and `table` (batch size → γ).
+"""Non-learning policies: `static` (γ = k), `off` (γ = 0), `table` (batch size → γ), `random`.
 
 `table` has the shape of vLLM's dynamic-SD schedule
 (``speculative_config.num_speculative_tokens_per_batch_size = [[start_bs, end_bs, K], ...]``),
@@ -13,7 +13,13 @@ import itertools
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from policy_server.policies.base import PolicyError, forced_choice_if_no_speculation, parse_params
+from policy_server.policies.base import (
+    PolicyError,
+    feasible_gamma_max,
+    forced_choice_if_no_speculation,
+    parse_params,
+)
+from policy_server.policies.rng import SplitMix64
 from policy_server.types import BinType, Choice, StepContext, StepOutcome
 
 # Measured on the CPU rig (reference/cpu_rig.md): γ=3 best at batch 1, γ=1 at 16,
@@ -166,3 +172,50 @@ class TablePolicy(_StatelessPolicy):
         if ctx.max_gamma > 0:
             gamma = min(gamma, ctx.max_gamma)
         return Choice(gamma=gamma, bin_type=BinType.FIXED)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RandomParams:
+    gamma_max: int = 4
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.gamma_max <= 64:
+            raise PolicyError(f"gamma_max must be in 0..64, got {self.gamma_max}")
+
+
+class RandomPolicy(_StatelessPolicy):
+    """γ uniform in 0..gamma_max every step, seeded per engine.
+
+    Learns nothing: a canary for losslessness (outputs must not depend on γ) and a
+    uniform-propensity logging policy for off-policy evaluation of the decision log.
+    """
+
+    name: ClassVar[str] = "random"
+
+    def __init__(self, params: Mapping[str, Any] | None = None) -> None:
+        self._params = parse_params(RandomParams, params, self.name)
+        self._rngs: dict[str, SplitMix64] = {}
+
+    @property
+    def gamma_max(self) -> int:
+        return self._params.gamma_max
+
+    def params(self) -> dict[str, Any]:
+        return dataclasses.asdict(self._params)
+
+    def decide(self, ctx: StepContext) -> Choice:
+        top = feasible_gamma_max(ctx, self.gamma_max)
+        if top == 0:
+            return Choice(gamma=0, bin_type=BinType.FORCED)
+        rng = self._rngs.setdefault(
+            ctx.engine_id, SplitMix64(f"{self._params.seed}:{ctx.engine_id}")
+        )
+        return Choice(gamma=rng.randint(0, top), bin_type=BinType.EXPLORE,
+                      exploration_probability=1.0)  # fmt: skip
+
+    def reset(self, engine_id: str | None = None) -> None:
+        if engine_id is None:
+            self._rngs.clear()
+        else:
+            self._rngs.pop(engine_id, None)
