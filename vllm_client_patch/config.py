@@ -1,0 +1,126 @@
+"""The plugin's configuration, from environment variables and an optional TOML file.
+
+Environment (wins over the file):
+
+    NIGHTJAR_SIDECAR        sidecar address, e.g. unix:/run/nightjar/nightjar.sock; unset = off
+    NIGHTJAR_ENABLED        0/false turns the plugin off even when a sidecar is set
+    NIGHTJAR_ENGINE_ID      engine id the sidecar learns under (default: host name)
+    NIGHTJAR_DEADLINE_MS    how long a step may wait for the sidecar (default 2)
+    NIGHTJAR_FALLBACK_TABLE JSON [[start_bs, end_bs, γ], ...] used when the sidecar is late
+                            or down (default: the engine's dynamic-SD schedule if set,
+                            else the client's built-in table)
+    NIGHTJAR_STATS_FILE     where the plugin writes its counters as JSON (optional)
+    NIGHTJAR_CONFIG         a TOML file with the same keys, lower-case, in a [plugin] table
+
+Off means stock vLLM: the scheduler subclass then defers to vLLM in every step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+ENV_PREFIX = "NIGHTJAR_"
+KEYS = ("sidecar", "enabled", "engine_id", "deadline_ms", "fallback_table", "stats_file")
+
+
+class PluginConfigError(ValueError):
+    """A plugin setting is malformed; the message names the variable."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PluginConfig:
+    sidecar: str = ""
+    enabled: bool = True
+    engine_id: str = dataclasses.field(default_factory=socket.gethostname)
+    deadline_ms: float = 2.0
+    fallback_table: tuple[tuple[int, int, int], ...] | None = None
+    stats_file: str = ""
+
+    @property
+    def active(self) -> bool:
+        return self.enabled and bool(self.sidecar)
+
+    @classmethod
+    def load(cls, environ: Mapping[str, str] | None = None) -> PluginConfig:
+        environ = os.environ if environ is None else environ
+        raw: dict[str, Any] = {}
+        if path := environ.get(ENV_PREFIX + "CONFIG"):
+            raw.update(_read_toml(Path(path)))
+        for key in KEYS:
+            if (value := environ.get(ENV_PREFIX + key.upper())) is not None:
+                raw[key] = value
+        return cls.from_mapping(raw)
+
+    @classmethod
+    def from_mapping(cls, raw: Mapping[str, Any]) -> PluginConfig:
+        unknown = set(raw) - set(KEYS)
+        if unknown:
+            raise PluginConfigError(f"unknown plugin settings {sorted(unknown)}; known: {KEYS}")
+        values: dict[str, Any] = {}
+        if "sidecar" in raw:
+            values["sidecar"] = str(raw["sidecar"]).strip()
+        if "enabled" in raw:
+            values["enabled"] = _boolean(raw["enabled"])
+        if raw.get("engine_id"):
+            values["engine_id"] = str(raw["engine_id"])
+        if "deadline_ms" in raw:
+            values["deadline_ms"] = _deadline(raw["deadline_ms"])
+        if raw.get("fallback_table"):
+            values["fallback_table"] = _table(raw["fallback_table"])
+        if "stats_file" in raw:
+            values["stats_file"] = str(raw["stats_file"])
+        return cls(**values)
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise PluginConfigError(f"NIGHTJAR_CONFIG {path}: {exc}") from exc
+    table = data.get("plugin", {})
+    if not isinstance(table, dict):
+        raise PluginConfigError(f"NIGHTJAR_CONFIG {path}: [plugin] must be a table")
+    return table
+
+
+def _boolean(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off", ""):
+        return False
+    raise PluginConfigError(f"NIGHTJAR_ENABLED must be a boolean, got {value!r}")
+
+
+def _deadline(value: Any) -> float:
+    try:
+        deadline = float(value)
+    except (TypeError, ValueError):
+        raise PluginConfigError(f"NIGHTJAR_DEADLINE_MS must be a number, got {value!r}") from None
+    if not 0 < deadline <= 1000:
+        raise PluginConfigError(f"NIGHTJAR_DEADLINE_MS must be in (0, 1000], got {deadline}")
+    return deadline
+
+
+def _table(value: Any) -> tuple[tuple[int, int, int], ...]:
+    try:
+        rows = json.loads(value) if isinstance(value, str) else value
+        table = tuple((int(a), int(b), int(g)) for a, b, g in rows)
+    except (TypeError, ValueError) as exc:
+        raise PluginConfigError(
+            f"NIGHTJAR_FALLBACK_TABLE must be JSON [[start_bs, end_bs, gamma], ...]: {exc}"
+        ) from None
+    if not table or any(a < 1 or b < a or g < 0 for a, b, g in table):
+        raise PluginConfigError(
+            f"NIGHTJAR_FALLBACK_TABLE rows need 1 <= start_bs <= end_bs and gamma >= 0: {value!r}"
+        )
+    return table

@@ -1,0 +1,218 @@
+"""The engine-side control loop, free of vLLM types: step views in, γ and outcomes out.
+
+vLLM drafts the γ chosen when step k is scheduled at the end of step k and verifies
+those drafts in step k+1, so decision k is reported with what step k+1 verified
+(drafted, accepted + bonus tokens) and step k+1's busy time (schedule → update). A
+decision whose next step comes after an idle gap is not reported: that step's time
+and tokens say nothing about it.
+
+The decision for step k+1 is asked for as soon as step k is scheduled, with the batch
+step k+1 will have if no request finishes in step k, so the round trip overlaps step
+k's forward pass and step k+1's schedule call normally finds the answer waiting. When
+the batch changed, or the answer is not there, the client asks again and waits at most
+its deadline, then falls back to the local table.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import logging
+import os
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from policy_server.policies.fixed import DEFAULT_SCHEDULE
+from policy_server.types import StepContext, StepOutcome
+from vllm_client_patch.client import ClientConfig, GammaDecision, NightjarClient
+from vllm_client_patch.config import PluginConfig
+
+log = logging.getLogger(__name__)
+
+# A gap this long between a step's end and the next step's start means the engine idled.
+IDLE_GAP_S = 0.25
+STATS_INTERVAL_S = 1.0
+_SAMPLES = 100_000
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineView:
+    """What the scheduler knows at a step boundary."""
+
+    # Requests in the running batch (decoding or mid-prefill): the batch the drafts of
+    # the step about to be scheduled will be verified in.
+    batch_size: int
+    waiting: int
+    free_kv_blocks: int
+    total_kv_blocks: int
+    max_gamma: int
+    draft_resident: bool = True
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class VerifiedStep:
+    """What a finished step verified, summed over its requests."""
+
+    drafted_tokens: int
+    accepted_tokens: int
+    # Accepted + bonus tokens of every request that sampled in the step.
+    generated_tokens: int
+    request_accepts: tuple[tuple[str, int], ...] = ()
+
+
+@dataclasses.dataclass(slots=True)
+class _InFlight:
+    ctx: StepContext
+    decision: GammaDecision
+    started: float
+
+
+class GammaController:
+    """One per engine: asks the sidecar for γ each step and reports what happened."""
+
+    def __init__(
+        self,
+        config: PluginConfig,
+        fallback_table: tuple[tuple[int, int, int], ...] | None = None,
+        client_factory: Callable[[ClientConfig], NightjarClient] = NightjarClient,
+    ) -> None:
+        self.config = config
+        client_config = ClientConfig(
+            target=config.sidecar, engine_id=config.engine_id,
+            deadline_s=config.deadline_ms / 1000,
+            fallback_schedule=config.fallback_table or fallback_table or DEFAULT_SCHEDULE,
+        )  # fmt: skip
+        self.client = client_factory(client_config)
+        self._step_index = 0
+        self._previous_gamma: int | None = None
+        # Decided at schedule calls whose step has not ended (one with synchronous
+        # scheduling, two with async) / the last ended one, awaiting its verify step.
+        self._pending: collections.deque[_InFlight] = collections.deque()
+        self._in_flight: _InFlight | None = None
+        self._last_end = 0.0
+        self._reported = 0
+        self._gammas: collections.Counter[int] = collections.Counter()
+        self._hook_s: collections.deque[float] = collections.deque(maxlen=_SAMPLES)
+        self._step_s: collections.deque[float] = collections.deque(maxlen=_SAMPLES)
+        self._hook_start = 0.0
+        self._next_stats = 0.0
+        self._lock = threading.Lock()
+
+    def _context(self, view: EngineView, step_index: int) -> StepContext:
+        return StepContext(
+            engine_id=self.config.engine_id,
+            batch_size=max(1, view.batch_size),
+            step_index=step_index,
+            num_waiting=view.waiting,
+            free_kv_blocks=max(0, min(view.free_kv_blocks, view.total_kv_blocks)),
+            total_kv_blocks=view.total_kv_blocks,
+            # vLLM's drafter keeps its KV cache in step at γ = 0 (it runs its first pass
+            # anyway), so re-enabling speculation has no catch-up to do.
+            max_draft_lag_tokens=0,
+            draft_resident=view.draft_resident,
+            previous_gamma=self._previous_gamma,
+            max_gamma=view.max_gamma,
+        )
+
+    def begin_step(self, view: EngineView) -> int:
+        """γ for the step being scheduled (drafted after it, verified in the next)."""
+        started = time.perf_counter()
+        ctx = self._context(view, self._step_index)
+        decision = self.client.take(ctx)
+        gamma = max(0, min(decision.gamma, view.max_gamma))
+        if self._in_flight is not None and started - self._last_end > IDLE_GAP_S:
+            self._in_flight = None  # its verify step never came: the engine idled
+        self._pending.append(_InFlight(ctx, dataclasses.replace(decision, gamma=gamma), started))
+        self._previous_gamma = gamma
+        self._gammas[gamma] += 1
+        self._hook_start = time.perf_counter() - started
+        return gamma
+
+    def after_schedule(self, next_view: EngineView) -> None:
+        """Ask now for the next step's γ, so the answer arrives during this step."""
+        started = time.perf_counter()
+        self.client.prefetch(self._context(next_view, self._step_index + 1))
+        self._hook_start += time.perf_counter() - started
+
+    def end_step(self, verified: VerifiedStep) -> None:
+        """Report the decision whose drafts this step verified."""
+        started = time.perf_counter()
+        if not self._pending:
+            return  # no decision this step (the plugin was not asked)
+        step = self._pending.popleft()
+        if self._in_flight is not None:
+            self._report(self._in_flight, verified, started - step.started)
+        self._in_flight = step
+        self._step_index += 1
+        self._last_end = time.perf_counter()
+        with self._lock:
+            self._step_s.append(self._last_end - step.started)
+            self._hook_s.append(self._hook_start + self._last_end - started)
+        if self.config.stats_file and self._last_end >= self._next_stats:
+            self._next_stats = self._last_end + STATS_INTERVAL_S
+            self.write_stats()
+
+    def _report(self, flight: _InFlight, verified: VerifiedStep, seconds: float) -> None:
+        decision_id = flight.decision.decision_id
+        if not decision_id or seconds <= 0:
+            return  # a fallback decision: the sidecar never saw it
+        self.client.report(
+            StepOutcome(
+                decision_id=decision_id, engine_id=flight.ctx.engine_id,
+                gamma=flight.decision.gamma, step_seconds=seconds,
+                generated_tokens=verified.generated_tokens,
+                drafted_tokens=verified.drafted_tokens,
+                accepted_tokens=verified.accepted_tokens,
+                request_accepts=verified.request_accepts,
+            )
+        )  # fmt: skip
+        self._reported += 1
+
+    def stats(self) -> dict[str, Any]:
+        client = self.client.stats
+        with self._lock:
+            hook, steps = list(self._hook_s), list(self._step_s)
+        return {
+            "engine_id": self.config.engine_id,
+            "steps": self._step_index,
+            "reported": self._reported,
+            "gammas": {str(g): n for g, n in sorted(self._gammas.items())},
+            "sidecar_decisions": client.sidecar_decisions,
+            "fallbacks": dict(client.fallbacks),
+            "fallbacks_total": client.fallbacks_total,
+            "prefetch_hits": client.prefetch_hits,
+            "prefetch_misses": client.prefetch_misses,
+            "late_replies": client.late_replies,
+            "connected": self.client.connected,
+            "hook_us": _percentiles(hook, 1e6),
+            "step_ms": _percentiles(steps, 1e3),
+        }
+
+    def write_stats(self) -> None:
+        """The counters as JSON, replaced atomically (operators and benchmarks read it)."""
+        path = Path(self.config.stats_file)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            tmp.write_text(json.dumps(self.stats()))
+            tmp.replace(path)
+        except OSError as exc:
+            log.warning("nightjar: cannot write stats to %s: %s", path, exc)
+
+    def close(self) -> None:
+        if self.config.stats_file:
+            self.write_stats()
+        self.client.close()
+
+
+def _percentiles(samples: list[float], scale: float) -> dict[str, float]:
+    if not samples:
+        return {"p50": 0.0, "p99": 0.0, "n": 0}
+    cuts = statistics.quantiles(samples, n=100, method="inclusive") if len(samples) > 1 else None
+    p50 = cuts[49] if cuts else samples[0]
+    p99 = cuts[98] if cuts else samples[0]
+    return {"p50": p50 * scale, "p99": p99 * scale, "n": len(samples)}
