@@ -51,7 +51,9 @@ def test_bad_tables_are_rejected(params: dict[str, Any]) -> None:
 
 
 def test_unknown_policy_name() -> None:
-    with pytest.raises(UnknownPolicyError, match="registered: ema, nightjar, off, random, static, table"):
+    with pytest.raises(
+        UnknownPolicyError, match="registered: ema, nightjar, off, random, static, table"
+    ):
         create_policy("eagle-magic")
 
 

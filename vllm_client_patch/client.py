@@ -303,6 +303,12 @@ class NightjarClient:
             future.add_done_callback(self._count_late)
         return self.decide(ctx)
 
+    def discard_prefetch(self) -> None:
+        """Forget a prefetched decision that will not be taken (e.g. the engine idled)."""
+        prefetched, self._prefetched = self._prefetched, None
+        if prefetched is not None:
+            prefetched[1].add_done_callback(self._count_late)
+
     def report(self, outcome: StepOutcome) -> None:
         """Queue a step's outcome; it rides on the next request (or goes alone)."""
         if not outcome.decision_id:

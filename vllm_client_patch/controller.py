@@ -2,15 +2,16 @@
 
 vLLM drafts the γ chosen when step k is scheduled at the end of step k and verifies
 those drafts in step k+1, so decision k is reported with what step k+1 verified
-(drafted, accepted + bonus tokens) and step k+1's busy time (schedule → update). A
-decision whose next step comes after an idle gap is not reported: that step's time
-and tokens say nothing about it.
+(drafted, accepted + bonus tokens) and step k+1's busy time (schedule → update). When
+the engine runs out of requests the last decision is dropped: nothing will verify its
+drafts, and the next busy step says nothing about it.
 
-The decision for step k+1 is asked for as soon as step k is scheduled, with the batch
-step k+1 will have if no request finishes in step k, so the round trip overlaps step
-k's forward pass and step k+1's schedule call normally finds the answer waiting. When
-the batch changed, or the answer is not there, the client asks again and waits at most
-its deadline, then falls back to the local table.
+γ is decided once the step's batch is known (vLLM asks for it at the end of its
+schedule call). Right after, the decision for step k+1 is requested for the same batch
+size, so the round trip overlaps step k's forward pass and step k+1 normally finds the
+answer waiting. When the batch changed (a request finished or joined) or the answer
+is late, the client asks again and waits at most its deadline, then falls back to the
+local table.
 """
 
 from __future__ import annotations
@@ -34,8 +35,6 @@ from vllm_client_patch.config import PluginConfig
 
 log = logging.getLogger(__name__)
 
-# A gap this long between a step's end and the next step's start means the engine idled.
-IDLE_GAP_S = 0.25
 STATS_INTERVAL_S = 1.0
 _SAMPLES = 100_000
 
@@ -44,8 +43,8 @@ _SAMPLES = 100_000
 class EngineView:
     """What the scheduler knows at a step boundary."""
 
-    # Requests in the running batch (decoding or mid-prefill): the batch the drafts of
-    # the step about to be scheduled will be verified in.
+    # Requests scheduled in the step (vLLM's dynamic-SD batch size): those that draft
+    # after it and verify in the next step.
     batch_size: int
     waiting: int
     free_kv_blocks: int
@@ -96,6 +95,9 @@ class GammaController:
         self._in_flight: _InFlight | None = None
         self._last_end = 0.0
         self._reported = 0
+        # Drafted tokens verified in all steps / in steps whose decision was reported.
+        self._drafted = 0
+        self._drafted_reported = 0
         self._gammas: collections.Counter[int] = collections.Counter()
         self._hook_s: collections.deque[float] = collections.deque(maxlen=_SAMPLES)
         self._step_s: collections.deque[float] = collections.deque(maxlen=_SAMPLES)
@@ -119,25 +121,19 @@ class GammaController:
             max_gamma=view.max_gamma,
         )
 
-    def begin_step(self, view: EngineView) -> int:
+    def decide(self, view: EngineView) -> int:
         """γ for the step being scheduled (drafted after it, verified in the next)."""
         started = time.perf_counter()
         ctx = self._context(view, self._step_index)
         decision = self.client.take(ctx)
         gamma = max(0, min(decision.gamma, view.max_gamma))
-        if self._in_flight is not None and started - self._last_end > IDLE_GAP_S:
-            self._in_flight = None  # its verify step never came: the engine idled
         self._pending.append(_InFlight(ctx, dataclasses.replace(decision, gamma=gamma), started))
         self._previous_gamma = gamma
         self._gammas[gamma] += 1
+        # Ask for the next step now, assuming the batch stays as it is.
+        self.client.prefetch(self._context(view, self._step_index + 1))
         self._hook_start = time.perf_counter() - started
         return gamma
-
-    def after_schedule(self, next_view: EngineView) -> None:
-        """Ask now for the next step's γ, so the answer arrives during this step."""
-        started = time.perf_counter()
-        self.client.prefetch(self._context(next_view, self._step_index + 1))
-        self._hook_start += time.perf_counter() - started
 
     def end_step(self, verified: VerifiedStep) -> None:
         """Report the decision whose drafts this step verified."""
@@ -145,6 +141,7 @@ class GammaController:
         if not self._pending:
             return  # no decision this step (the plugin was not asked)
         step = self._pending.popleft()
+        self._drafted += verified.drafted_tokens
         if self._in_flight is not None:
             self._report(self._in_flight, verified, started - step.started)
         self._in_flight = step
@@ -156,6 +153,13 @@ class GammaController:
         if self.config.stats_file and self._last_end >= self._next_stats:
             self._next_stats = self._last_end + STATS_INTERVAL_S
             self.write_stats()
+
+    def idle(self) -> None:
+        """The engine ran out of requests: drop the unverifiable last decision and send
+        the queued outcome now rather than with the next request (maybe much later)."""
+        self._in_flight = None
+        self.client.discard_prefetch()  # asked for a step that may come much later
+        self.client.flush()
 
     def _report(self, flight: _InFlight, verified: VerifiedStep, seconds: float) -> None:
         decision_id = flight.decision.decision_id
@@ -172,6 +176,7 @@ class GammaController:
             )
         )  # fmt: skip
         self._reported += 1
+        self._drafted_reported += verified.drafted_tokens
 
     def stats(self) -> dict[str, Any]:
         client = self.client.stats
@@ -181,6 +186,8 @@ class GammaController:
             "engine_id": self.config.engine_id,
             "steps": self._step_index,
             "reported": self._reported,
+            "drafted_tokens": self._drafted,
+            "drafted_tokens_reported": self._drafted_reported,
             "gammas": {str(g): n for g, n in sorted(self._gammas.items())},
             "sidecar_decisions": client.sidecar_decisions,
             "fallbacks": dict(client.fallbacks),

