@@ -1,0 +1,109 @@
+"""The plugin's vLLM-free parts: configuration, and the controller against a real sidecar."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from vllm_client_patch.config import PluginConfig, PluginConfigError
+from vllm_client_patch.controller import EngineView, GammaController, VerifiedStep
+
+
+def test_config_from_environment_and_toml(tmp_path: Path) -> None:
+    assert not PluginConfig.load({}).active  # no sidecar: stock vLLM
+    toml = tmp_path / "nightjar.toml"
+    toml.write_text('[plugin]\nsidecar = "unix:/run/nj.sock"\ndeadline_ms = 5\n'
+                    'fallback_table = [[1, 4, 3], [5, 64, 0]]\n')  # fmt: skip
+    config = PluginConfig.load({"NIGHTJAR_CONFIG": str(toml), "NIGHTJAR_ENGINE_ID": "pod-7"})
+    assert config.active and config.sidecar == "unix:/run/nj.sock"
+    assert (config.engine_id, config.deadline_ms) == ("pod-7", 5.0)
+    assert config.fallback_table == ((1, 4, 3), (5, 64, 0))
+    # The environment wins over the file; NIGHTJAR_ENABLED=0 turns it off.
+    env = {"NIGHTJAR_CONFIG": str(toml), "NIGHTJAR_DEADLINE_MS": "1.5", "NIGHTJAR_ENABLED": "0"}
+    config = PluginConfig.load(env)
+    assert config.deadline_ms == 1.5 and not config.active
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"NIGHTJAR_DEADLINE_MS": "fast"}, "NIGHTJAR_DEADLINE_MS must be a number"),
+        ({"NIGHTJAR_DEADLINE_MS": "0"}, "NIGHTJAR_DEADLINE_MS must be in"),
+        ({"NIGHTJAR_ENABLED": "maybe"}, "NIGHTJAR_ENABLED must be a boolean"),
+        ({"NIGHTJAR_FALLBACK_TABLE": "[[1, 2]]"}, "NIGHTJAR_FALLBACK_TABLE must be JSON"),
+        ({"NIGHTJAR_FALLBACK_TABLE": "[[4, 2, 1]]"}, "start_bs <= end_bs"),
+        ({"NIGHTJAR_CONFIG": "/nonexistent/nightjar.toml"}, "NIGHTJAR_CONFIG"),
+    ],
+)
+def test_bad_settings_name_the_variable(env: dict[str, str], message: str) -> None:
+    with pytest.raises(PluginConfigError, match=message):
+        PluginConfig.load(env)
+
+
+def test_unknown_toml_key_is_rejected(tmp_path: Path) -> None:
+    toml = tmp_path / "nightjar.toml"
+    toml.write_text('[plugin]\nsidecar = "unix:x"\ndeadline = 5\n')
+    with pytest.raises(PluginConfigError, match="unknown plugin settings"):
+        PluginConfig.load({"NIGHTJAR_CONFIG": str(toml)})
+
+
+def view(batch: int) -> EngineView:
+    return EngineView(batch_size=batch, waiting=0, free_kv_blocks=900, total_kv_blocks=1000,
+                      max_gamma=3)  # fmt: skip
+
+
+def wait_for(condition: Any, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert condition()
+
+
+def test_each_decision_is_reported_with_the_step_that_verified_it(
+    make_server: Any, tmp_path: Path
+) -> None:
+    log = tmp_path / "decisions.jsonl"
+    server = make_server(
+        "--policy", "static", "--params", '{"gamma": 2}', "--decision-log", str(log)
+    )
+    stats_file = tmp_path / "plugin.json"
+    config = PluginConfig(sidecar=server.target, engine_id="ctl", deadline_ms=200,
+                          stats_file=str(stats_file))  # fmt: skip
+    controller = GammaController(config)
+    wait_for(lambda: controller.client.connected)
+    verified = [VerifiedStep(0, 0, 4), VerifiedStep(8, 5, 9), VerifiedStep(8, 2, 6)]
+    for step in verified:  # three steps at batch 4, each verifying the previous γ = 2
+        assert controller.decide(view(4)) == 2
+        controller.end_step(step)
+    assert controller.decide(view(3)) == 2  # the batch changed: the prefetch missed
+    controller.end_step(VerifiedStep(6, 6, 9))
+    controller.idle()  # the last decision is dropped, the queued outcome sent
+    stats = controller.stats()
+    assert stats["sidecar_decisions"] == 4 and stats["fallbacks_total"] == 0
+    assert (stats["prefetch_hits"], stats["prefetch_misses"]) == (2, 1)
+    assert stats["reported"] == 3 and stats["drafted_tokens"] == 22
+    wait_for(lambda: log.exists() and log.read_text().count('"outcome"') == 3)
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    decided = {r["decision_id"]: r for r in records if r["kind"] == "decision"}
+    outcomes = [r["outcome"] for r in records if r["kind"] == "outcome"]
+    # Outcome k carries what step k+1 verified, for decision k's context.
+    assert [o["drafted_tokens"] for o in outcomes] == [8, 8, 6]
+    assert [o["generated_tokens"] for o in outcomes] == [9, 6, 9]
+    assert [decided[o["decision_id"]]["context"]["batch_size"] for o in outcomes] == [4, 4, 4]
+    controller.close()
+    written = json.loads(stats_file.read_text())
+    assert written["engine_id"] == "ctl" and written["reported"] == 3
+
+
+def test_fails_open_to_the_fallback_table_without_a_sidecar(tmp_path: Path) -> None:
+    config = PluginConfig(sidecar=f"unix:{tmp_path}/none.sock", engine_id="alone")
+    controller = GammaController(config, fallback_table=((1, 2, 3), (3, 64, 1)))
+    assert [controller.decide(view(b)) for b in (1, 2, 8)] == [3, 3, 1]
+    controller.end_step(VerifiedStep(3, 1, 2))
+    stats = controller.stats()
+    assert stats["fallbacks_total"] == 3 and stats["reported"] == 0
+    controller.close()
