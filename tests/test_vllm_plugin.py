@@ -229,6 +229,7 @@ def test_ngram_is_lossless_through_the_sidecar(
     plugin_env = {"NIGHTJAR_SIDECAR": sidecar.target, "NIGHTJAR_ENGINE_ID": "ngram"}
     run = run_engine(tmp_path, {"method": "ngram", "target": str(models.target)}, plugin_env)
     assert run["tokens"] == reference
+    assert run["scheduler"] == "NightjarScheduler"  # installed by the plugin entry point
     stats = run["nightjar"]
     assert stats["sidecar_decisions"] > 0 and len(stats["gammas"]) > 1
     assert run["spec"]["num_draft_tokens"] > 0

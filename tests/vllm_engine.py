@@ -77,7 +77,10 @@ def main() -> int:
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
     controller = getattr(scheduler, "nightjar", None)
     stats = controller.stats() if controller is not None else None
-    out.write_text(json.dumps({"tokens": tokens, "spec": spec_counters(llm), "nightjar": stats}))
+    out.write_text(json.dumps({
+        "tokens": tokens, "spec": spec_counters(llm), "nightjar": stats,
+        "scheduler": type(scheduler).__name__,
+    }))  # fmt: skip
     return 0
 
 
