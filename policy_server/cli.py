@@ -16,7 +16,9 @@ from policy_server.config import ConfigError, ServerConfig
 from policy_server.decision_log import DecisionLog
 from policy_server.errors import NightjarError
 from policy_server.grpc_server import build_server
+from policy_server.memory import MemoryController, MemoryParams
 from policy_server.metrics import Metrics
+from policy_server.policies.base import PolicyError, parse_params
 from policy_server.service import DecisionService
 from policy_server.validation import Limits
 
@@ -40,6 +42,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--metrics-host", help="metrics bind address (default 127.0.0.1)")
     p.add_argument("--policy", help="policy to start with (default nightjar)")
     p.add_argument("--params", help="policy parameters as a JSON object")
+    p.add_argument("--memory", help="elastic-memory controller settings as a JSON object, "
+                   'e.g. {"enabled": true, "draft_blocks": 1000} (default off)')  # fmt: skip
     p.add_argument("--state-dir", help="directory for learned-state snapshots")
     p.add_argument("--snapshot-interval", type=float, dest="snapshot_interval_s",
                    help="seconds between periodic snapshots (default 30)")  # fmt: skip
@@ -57,11 +61,13 @@ def load_config(args: argparse.Namespace) -> ServerConfig:
         value = getattr(args, name)
         if value is not None:
             overrides[name] = value
-    if args.params is not None:
-        try:
-            overrides["params"] = json.loads(args.params)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"--params is not valid JSON: {exc}") from exc
+    for flag in ("params", "memory"):
+        raw = getattr(args, flag)
+        if raw is not None:
+            try:
+                overrides[flag] = json.loads(raw)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"--{flag} is not valid JSON: {exc}") from exc
     config = config.merged(overrides, origin="command line")
     config.validate()
     return config
@@ -127,9 +133,15 @@ def main(argv: list[str] | None = None) -> int:
             on_drop=metrics.decision_log_dropped.inc,
         )
     try:
+        memory = MemoryController(parse_params(MemoryParams, config.memory, "memory"))
+    except PolicyError as exc:
+        print(f"nightjar-server: bad memory settings: {exc}", file=sys.stderr)
+        return 2
+    try:
         service = DecisionService(
             config.policy,
             config.params,
+            memory=memory,
             limits=Limits(max_batch_size=config.max_batch_size),
             metrics=metrics,
             decision_log=decision_log,

@@ -24,6 +24,8 @@ class ServerConfig:
     # Policy at start (a snapshot in state_dir may override it; see README).
     policy: str = "nightjar"
     params: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # Elastic memory controller (policy_server/memory.py MemoryParams; {} = off).
+    memory: dict[str, Any] = dataclasses.field(default_factory=dict)
     # Learned-state snapshots ("" = none) and their period.
     state_dir: str = ""
     snapshot_interval_s: float = 30.0

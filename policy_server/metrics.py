@@ -80,6 +80,16 @@ class Metrics:
             "nightjar_decision_log_dropped", "Decision-log records dropped (writer behind).",
             registry=r,
         )  # fmt: skip
+        self.memory_directives = Counter(
+            "nightjar_memory_directives", "Memory directives issued, by engine and action.",
+            ["engine", "action"], registry=r,
+        )  # fmt: skip
+        self.memory_draft_state = Gauge(
+            "nightjar_memory_draft_state",
+            "1 for the draft model's current state per engine "
+            "(resident|offloading|offloaded|reloading).",
+            ["engine", "state"], registry=r,
+        )  # fmt: skip
         self.policy_info = Info("nightjar_policy", "The active policy.", registry=r)
         self._last_snapshot: float | None = None
         self.snapshot_age.set_function(self._snapshot_age)

@@ -28,6 +28,7 @@ from policy_server.errors import (
     InvalidArgumentError,
     NotFoundError,
 )
+from policy_server.memory import DraftState, MemoryController, MemoryParams
 from policy_server.metrics import Metrics
 from policy_server.policies import (
     REGISTRY,
@@ -36,7 +37,7 @@ from policy_server.policies import (
     UnknownPolicyError,
     create_policy,
 )
-from policy_server.types import Choice, Decision, StepContext, StepOutcome
+from policy_server.types import Choice, Decision, MemoryDirective, StepContext, StepOutcome
 from policy_server.validation import Limits, check_context, check_outcome, check_outcome_against
 
 log = logging.getLogger(__name__)
@@ -81,11 +82,14 @@ class DecisionService:
         decision_log: DecisionLog | None = None,
         state_dir: str | Path | None = None,
         max_pending: int = 100_000,
+        memory: MemoryController | None = None,
     ) -> None:
         self.limits = limits or Limits()
         self.metrics = metrics or Metrics()
         self.decision_log = decision_log
         self.state_dir = Path(state_dir) if state_dir else None
+        # Elastic memory (DESIGN §4); disabled unless configured.
+        self.memory = memory or MemoryController(MemoryParams())
         self._max_pending = max_pending
         self._lock = threading.Lock()
         self._revisions = itertools.count(1)
@@ -133,7 +137,11 @@ class DecisionService:
     def _decide_locked(self, ctx: StepContext) -> Decision:
         started = time.perf_counter()
         active = self._active
+        if not self.memory.speculation_allowed(ctx):
+            # The draft is (about to be) offloaded: the policy sees it as not resident.
+            ctx = dataclasses.replace(ctx, draft_resident=False)
         choice = active.policy.decide(ctx)
+        directive = self._memory_directive(ctx, choice.gamma)
         decision_id = f"{self._boot_id}-{next(self._sequence):x}"
         self._pending[decision_id] = PendingDecision(
             ctx, choice, active.revision, active.policy.gamma_max
@@ -154,12 +162,26 @@ class DecisionService:
             policy_version=active.version,
             step_index=ctx.step_index,
             request_gammas=choice.request_gammas,
+            memory_directive=directive,
         )
         self.metrics.decision_latency.observe(time.perf_counter() - started)
         self.metrics.decisions.labels(active.name, str(choice.gamma), choice.bin_type.value).inc()
         if self.decision_log is not None:
             self.decision_log.write(_decision_record(decision, ctx))
         return decision
+
+    def _memory_directive(self, ctx: StepContext, gamma: int) -> MemoryDirective:
+        before = self.memory.engines.get(ctx.engine_id)
+        old_state = before.state if before else None
+        directive = self.memory.step(ctx, gamma)
+        after = self.memory.engines.get(ctx.engine_id)
+        if directive.action:
+            self.metrics.memory_directives.labels(ctx.engine_id, directive.action).inc()
+        if after is not None and after.state != old_state:
+            for state in DraftState:
+                value = 1.0 if state is after.state else 0.0
+                self.metrics.memory_draft_state.labels(ctx.engine_id, state.value).set(value)
+        return directive
 
     def _take_pending(self, outcome: StepOutcome) -> PendingDecision:
         pending = self._pending.get(outcome.decision_id)

@@ -77,13 +77,14 @@ def test_a_stalled_sidecar_costs_at_most_the_deadline(make_server) -> None:
     client = make_client(server.target, deadline_s=0.005, connect_timeout_s=5)
     try:
         assert step(client, 0).source in ("sidecar", "fallback")
+        missed_before = client.stats.fallbacks["deadline"]  # a busy host may miss one here
         server.proc.send_signal(signal.SIGSTOP)
         try:
             stalled = [step(client, 1 + i) for i in range(10)]
         finally:
             server.proc.send_signal(signal.SIGCONT)
         assert {d.source for d in stalled} == {"fallback"}
-        assert client.stats.fallbacks["deadline"] == 10
+        assert client.stats.fallbacks["deadline"] - missed_before == 10
         assert wait_until(lambda: step(client, 100).source == "sidecar")
         assert wait_until(lambda: client.stats.late_replies >= 10)
     finally:
