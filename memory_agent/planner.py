@@ -84,35 +84,39 @@ def plan_compaction(
 def order_moves(mapping: Mapping[int, int], scratch: int) -> MigrationPlan:
     """Waves that realise an arbitrary injective mapping without losing data.
 
-    A block is written only once every move reading it has run; blocks on a cycle are
-    rotated through ``scratch``, which must not be a source or destination.
+    A block is written only once the move reading it has run; blocks on a cycle are
+    rotated through ``scratch``, which must not be a source or destination. Linear in
+    the number of moves; a chain or cycle of length L takes L waves.
     """
     moves = {src: dst for src, dst in mapping.items() if src != dst}
     if len(set(moves.values())) != len(moves):
         raise PlanError("two blocks map to the same destination")
     if scratch in moves or scratch in moves.values():
         raise PlanError(f"scratch block {scratch} is part of the mapping")
-    # readers[d] = the move that still has to read block d before d can be written.
-    readers = {src for src in moves}
+    # writer[b] = the move that writes into block b; it waits until b has been read.
+    writer = {dst: src for src, dst in moves.items()}
+    ready = sorted(src for src, dst in moves.items() if dst not in moves)
+    by_id, cursor = sorted(moves), 0
     waves: list[list[Move]] = []
     used_scratch = False
     while moves:
-        # Ready: destinations nobody still needs to read.
-        wave = sorted((s, d) for s, d in moves.items() if d not in readers)
-        if not wave:
-            # Only cycles remain: park one block of one cycle in scratch, then its
-            # predecessor can overwrite it and the cycle unrolls as a chain.
+        if not ready:
+            # Only cycles remain: park one block in scratch; the move writing into it
+            # can then run, and the cycle unrolls as a chain ending at scratch.
+            while by_id[cursor] not in moves:
+                cursor += 1
+            src = by_id[cursor]
             assert scratch not in moves, "scratch still holds a parked block"
-            src = min(moves)
             waves.append([(src, scratch)])
-            readers.discard(src)
-            moves[scratch] = moves.pop(src)
+            dst = moves.pop(src)
+            moves[scratch], writer[dst] = dst, scratch
+            ready = [writer.pop(src)]
             used_scratch = True
             continue
+        wave = [(src, moves.pop(src)) for src in ready]
         waves.append(wave)
-        for src, _ in wave:
-            del moves[src]
-            readers.discard(src)
+        # A block just read may now be overwritten by the move that writes into it.
+        ready = sorted(w for src, _ in wave if (w := writer.pop(src, None)) is not None)
     return MigrationPlan(dict(mapping), waves, scratch if used_scratch else None)
 
 
