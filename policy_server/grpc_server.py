@@ -149,6 +149,7 @@ class AdminServicer(_Servicer, admin_pb2_grpc.AdminServiceServicer):  # type: ig
             reports_total=view.reports_total,
             engine_ids=view.engine_ids,
             last_snapshot_unix=view.last_snapshot_unix,
+            memory_json=json.dumps(view.memory, sort_keys=True),
         )
 
     def ListPolicies(

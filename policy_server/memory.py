@@ -145,8 +145,6 @@ class MemoryController:
                   f"{ctx.free_kv_blocks} > S_draft {blocks} + τ_low")  # fmt: skip
         return MemoryDirective(RELOAD, total - blocks, reason)
 
-    def state(self) -> dict[str, Any]:
-        return {
-            "params": dataclasses.asdict(self.params),
-            "engines": {engine: m.as_dict() for engine, m in self.engines.items()},
-        }
+    def state(self, engine_id: str | None = None) -> dict[str, Any]:
+        engines = {e: m.as_dict() for e, m in self.engines.items() if engine_id in (None, e)}
+        return {"params": dataclasses.asdict(self.params), "engines": engines}

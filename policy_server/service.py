@@ -69,6 +69,7 @@ class StateView:
     reports_total: int
     engine_ids: list[str]
     last_snapshot_unix: float
+    memory: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 class DecisionService:
@@ -253,6 +254,7 @@ class DecisionService:
                 reports_total=self._reports_total,
                 engine_ids=sorted(self._engines),
                 last_snapshot_unix=self.last_snapshot_unix,
+                memory=self.memory.state(engine_id or None),
             )
 
     def list_policies(self) -> list[tuple[str, str, dict[str, Any], bool]]:

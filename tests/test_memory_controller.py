@@ -95,3 +95,35 @@ def test_disabled_or_unknown_draft_size_never_orders() -> None:
         assert not any(mc.step(ctx(free=10), gamma=0).action for _ in range(100))
     with pytest.raises(MemoryParamsError, match="tau_low"):
         MemoryParams(tau_low=1.5)
+
+
+def test_the_server_attaches_directives_and_shows_memory_state(make_server, tmp_path) -> None:
+    """A real sidecar: scarce γ=0 steps → an offload directive on the wire, then γ=0 forced
+    while the draft is away; state in GetState and in the metrics."""
+    import json
+    import subprocess
+    import sys
+
+    from nightjar.v1 import admin_pb2, policy_pb2
+    from test_server import context, scrape
+
+    memory = {"enabled": True, "t_persist": 3, "draft_blocks": 200, "cooldown_steps": 1}
+    server = make_server("--policy", "static", "--params", '{"gamma": 0}',
+                         "--memory", json.dumps(memory))  # fmt: skip
+    scarce = {"free_kv_blocks": 50, "total_kv_blocks": TOTAL}
+    actions = [server.policy.Decide(context(step_index=i, **scarce), timeout=5)
+               .memory_directive.action for i in range(3)]  # fmt: skip
+    offload = policy_pb2.MemoryDirective.OFFLOAD_DRAFT_EXPAND_KV
+    assert actions == [0, 0, offload]
+    state = json.loads(server.admin.GetState(admin_pb2.GetStateRequest(), timeout=5).memory_json)
+    assert state["engines"]["e"]["state"] == "offloading"
+    # The static policy would say γ=0 anyway; switch to γ=3 and it is still held at 0.
+    server.admin.SwapPolicy(admin_pb2.SwapPolicyRequest(name="static", params_json='{"gamma": 3}'),
+                            metadata=server.auth, timeout=5)  # fmt: skip
+    assert server.policy.Decide(context(step_index=3, **scarce), timeout=5).gamma == 0
+    samples = scrape(server.metrics_port)["nightjar_memory_directives"]
+    assert any(s.labels["action"] == "offload_draft_expand_kv" and s.value == 1 for s in samples)
+    command = [sys.executable, "-m", "policy_server.cli", "--uds", str(tmp_path / "x"),
+               "--memory", '{"tau_low": 3}']  # fmt: skip
+    bad = subprocess.run(command, capture_output=True, text=True)
+    assert bad.returncode == 2 and "tau_low" in bad.stderr
