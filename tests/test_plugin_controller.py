@@ -37,6 +37,8 @@ def test_config_from_environment_and_toml(tmp_path: Path) -> None:
         ({"NIGHTJAR_FALLBACK_TABLE": "[[1, 2]]"}, "NIGHTJAR_FALLBACK_TABLE must be JSON"),
         ({"NIGHTJAR_FALLBACK_TABLE": "[[4, 2, 1]]"}, "start_bs <= end_bs"),
         ({"NIGHTJAR_CONFIG": "/nonexistent/nightjar.toml"}, "NIGHTJAR_CONFIG"),
+        ({"NIGHTJAR_SIDECAR": "/run/nj.sock"}, "is a path: write unix:/run/nj.sock"),
+        ({"NIGHTJAR_SIDECAR": "unix:"}, "needs a socket path"),
     ],
 )
 def test_bad_settings_name_the_variable(env: dict[str, str], message: str) -> None:
@@ -107,3 +109,12 @@ def test_fails_open_to_the_fallback_table_without_a_sidecar(tmp_path: Path) -> N
     stats = controller.stats()
     assert stats["fallbacks_total"] == 3 and stats["reported"] == 0
     controller.close()
+
+
+def test_tiny_models_acceptance_preview() -> None:
+    from vllm_client_patch.tiny_models import acceptance_rate
+
+    assert acceptance_rate([[True] * 32], 4) == 1.0  # the target as its own draft
+    assert acceptance_rate([[False] * 8], 3) == 0.0
+    # γ=3 over agree/disagree T F T T T F: accept 1 of 3, then 3 of 3.
+    assert acceptance_rate([[True, False, True, True, True, False]], 3) == 4 / 6

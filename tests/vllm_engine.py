@@ -43,12 +43,14 @@ def speculative_config(method: str, draft: Path | None) -> dict[str, Any] | None
     return {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3, **common}
 
 
-def make_llm(target: Path, method: str, draft: Path | None = None) -> Any:
+def make_llm(
+    target: Path, method: str, draft: Path | None = None, scheduler_cls: str | None = None
+) -> Any:
     from vllm import LLM
 
     return LLM(
         model=str(target), dtype="float32", max_model_len=512, enforce_eager=True, seed=0,
-        max_num_seqs=8, disable_log_stats=False,
+        max_num_seqs=8, disable_log_stats=False, scheduler_cls=scheduler_cls,
         speculative_config=speculative_config(method, draft),
     )  # fmt: skip
 
@@ -72,7 +74,7 @@ def main() -> int:
     spec, out = json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2])
     os.environ.update(CPU_ENV)
     draft = Path(spec["draft"]) if spec.get("draft") else None
-    llm = make_llm(Path(spec["target"]), spec["method"], draft)
+    llm = make_llm(Path(spec["target"]), spec["method"], draft, spec.get("scheduler_cls"))
     tokens = generate(llm, spec.get("max_tokens", 48))
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
     controller = getattr(scheduler, "nightjar", None)

@@ -65,7 +65,7 @@ class PluginConfig:
             raise PluginConfigError(f"unknown plugin settings {sorted(unknown)}; known: {KEYS}")
         values: dict[str, Any] = {}
         if "sidecar" in raw:
-            values["sidecar"] = str(raw["sidecar"]).strip()
+            values["sidecar"] = _target(raw["sidecar"])
         if "enabled" in raw:
             values["enabled"] = _boolean(raw["enabled"])
         if raw.get("engine_id"):
@@ -88,6 +88,17 @@ def _read_toml(path: Path) -> dict[str, Any]:
     if not isinstance(table, dict):
         raise PluginConfigError(f"NIGHTJAR_CONFIG {path}: [plugin] must be a table")
     return table
+
+
+def _target(value: Any) -> str:
+    """A gRPC target; a bare socket path is the likely mistake (gRPC would resolve it
+    as a host name and fail open forever), so it is refused with the fix."""
+    target = str(value).strip()
+    if target.startswith(("/", ".")):
+        raise PluginConfigError(f"NIGHTJAR_SIDECAR {target!r} is a path: write unix:{target}")
+    if target in ("unix:", "unix://"):
+        raise PluginConfigError("NIGHTJAR_SIDECAR unix: needs a socket path")
+    return target
 
 
 def _boolean(value: Any) -> bool:

@@ -2,13 +2,13 @@
 
 vLLM drafts the γ chosen when step k is scheduled at the end of step k and verifies
 those drafts in step k+1, so decision k is reported with what step k+1 verified
-(drafted, accepted + bonus tokens) and step k+1's busy time (schedule → update). When
-the engine runs out of requests the last decision is dropped: nothing will verify its
-drafts, and the next busy step says nothing about it.
+(drafted, accepted + bonus tokens) and step k+1's busy time (decision → update). When
+the engine runs out of requests, or a step samples nothing, the pending decision is
+dropped: nothing verified its drafts there.
 
-γ is decided once the step's batch is known (vLLM asks for it at the end of its
-schedule call). Right after, the decision for step k+1 is requested for the same batch
-size, so the round trip overlaps step k's forward pass and step k+1 normally finds the
+γ is decided once the step's batch is known (at the end of vLLM's schedule call).
+Right after, the decision for step k+1 is requested for the same batch size, so the
+round trip overlaps step k's forward pass and step k+1 normally finds the
 answer waiting. When the batch changed (a request finished or joined) or the answer
 is late, the client asks again and waits at most its deadline, then falls back to the
 local table.
@@ -43,8 +43,8 @@ _SAMPLES = 100_000
 class EngineView:
     """What the scheduler knows at a step boundary."""
 
-    # Requests scheduled in the step (vLLM's dynamic-SD batch size): those that draft
-    # after it and verify in the next step.
+    # Requests that sample in the step (decodes and completing prefills, not partial
+    # prefill chunks): they draft after it and verify in the next step.
     batch_size: int
     waiting: int
     free_kv_blocks: int
@@ -95,15 +95,25 @@ class GammaController:
         self._in_flight: _InFlight | None = None
         self._last_end = 0.0
         self._reported = 0
-        # Drafted tokens verified in all steps / in steps whose decision was reported.
-        self._drafted = 0
+        # Verified in all steps, counted as vLLM's spec-decode metrics count them: drafted
+        # and accepted tokens, requests that verified drafts (vLLM's "drafts").
+        self._drafted = self._accepted = self._drafts = 0
+        # Drafted tokens of the steps whose decision was reported.
         self._drafted_reported = 0
         self._gammas: collections.Counter[int] = collections.Counter()
         self._hook_s: collections.deque[float] = collections.deque(maxlen=_SAMPLES)
         self._step_s: collections.deque[float] = collections.deque(maxlen=_SAMPLES)
-        self._hook_start = 0.0
-        self._next_stats = 0.0
+        self._hook_decide_s = 0.0
         self._lock = threading.Lock()
+        # The stats file is written off the engine's thread: sorting the samples for
+        # percentiles takes milliseconds, and it stays fresh while the engine idles.
+        self._closed = threading.Event()
+        self._writer: threading.Thread | None = None
+        if config.stats_file:
+            self._writer = threading.Thread(
+                target=self._write_stats_loop, name="nightjar-stats", daemon=True
+            )
+            self._writer.start()
 
     def _context(self, view: EngineView, step_index: int) -> StepContext:
         return StepContext(
@@ -121,9 +131,13 @@ class GammaController:
             max_gamma=view.max_gamma,
         )
 
-    def decide(self, view: EngineView) -> int:
-        """γ for the step being scheduled (drafted after it, verified in the next)."""
-        started = time.perf_counter()
+    def decide(self, view: EngineView, started: float | None = None) -> int:
+        """γ for the step being scheduled (drafted after it, verified in the next).
+
+        ``started``: when the caller's hook began (``time.perf_counter()``), so that the
+        hook time counts the caller's own work (default: now).
+        """
+        started = time.perf_counter() if started is None else started
         ctx = self._context(view, self._step_index)
         decision = self.client.take(ctx)
         gamma = max(0, min(decision.gamma, view.max_gamma))
@@ -132,16 +146,25 @@ class GammaController:
         self._gammas[gamma] += 1
         # Ask for the next step now, assuming the batch stays as it is.
         self.client.prefetch(self._context(view, self._step_index + 1))
-        self._hook_start = time.perf_counter() - started
+        self._hook_decide_s = time.perf_counter() - started
         return gamma
 
-    def end_step(self, verified: VerifiedStep) -> None:
-        """Report the decision whose drafts this step verified."""
+    def end_step(self, verified: VerifiedStep, hook_s: float = 0.0) -> None:
+        """Report the decision whose drafts this step verified.
+
+        ``hook_s``: time the caller's hook already spent on this update (counting it).
+        """
         started = time.perf_counter()
-        if not self._pending:
-            return  # no decision this step (the plugin was not asked)
-        step = self._pending.popleft()
         self._drafted += verified.drafted_tokens
+        self._accepted += verified.accepted_tokens
+        self._drafts += len(verified.request_accepts)
+        if not self._pending:
+            # No decision this step (nothing sampled in it): whatever the in-flight
+            # decision drafted was not verified here, and pairing it with a later
+            # step would credit it with someone else's tokens.
+            self._in_flight = None
+            return
+        step = self._pending.popleft()
         if self._in_flight is not None:
             self._report(self._in_flight, verified, started - step.started)
         self._in_flight = step
@@ -149,10 +172,7 @@ class GammaController:
         self._last_end = time.perf_counter()
         with self._lock:
             self._step_s.append(self._last_end - step.started)
-            self._hook_s.append(self._hook_start + self._last_end - started)
-        if self.config.stats_file and self._last_end >= self._next_stats:
-            self._next_stats = self._last_end + STATS_INTERVAL_S
-            self.write_stats()
+            self._hook_s.append(self._hook_decide_s + hook_s + self._last_end - started)
 
     def idle(self) -> None:
         """The engine ran out of requests: drop the unverifiable last decision and send
@@ -187,6 +207,8 @@ class GammaController:
             "steps": self._step_index,
             "reported": self._reported,
             "drafted_tokens": self._drafted,
+            "accepted_tokens": self._accepted,
+            "drafts": self._drafts,
             "drafted_tokens_reported": self._drafted_reported,
             "gammas": {str(g): n for g, n in sorted(self._gammas.items())},
             "sidecar_decisions": client.sidecar_decisions,
@@ -210,8 +232,14 @@ class GammaController:
         except OSError as exc:
             log.warning("nightjar: cannot write stats to %s: %s", path, exc)
 
+    def _write_stats_loop(self) -> None:
+        while not self._closed.wait(STATS_INTERVAL_S):
+            self.write_stats()
+
     def close(self) -> None:
-        if self.config.stats_file:
+        self._closed.set()
+        if self._writer is not None:
+            self._writer.join(timeout=5)
             self.write_stats()
         self.client.close()
 

@@ -10,22 +10,26 @@ explicitly (``--scheduler-cls``); otherwise it changes nothing. It recognises vL
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 from vllm_client_patch.config import PluginConfig, PluginConfigError
 
 log = logging.getLogger(__name__)
 
-# vLLM releases whose scheduler hook (dynamic_sd_lookup, update_from_output) we target.
+# vLLM releases whose scheduler internals we hook (the dynamic-SD path,
+# _update_after_schedule, update_from_output), checked here and by the scheduler.
 SUPPORTED = ((0, 32), (0, 33))
 _installed = False
 
 
-def vllm_release() -> tuple[int, int]:
+def vllm_release() -> tuple[int, int] | None:
+    """(major, minor) of the installed vLLM; None when its version string is unusual
+    (a source build may say "dev" or "unknown"), which the guard treats as unsupported."""
     import vllm
 
-    major, minor, *_ = (int(part) for part in vllm.__version__.split(".")[:2])
-    return major, minor
+    match = re.match(r"(\d+)\.(\d+)", str(getattr(vllm, "__version__", "")))
+    return (int(match[1]), int(match[2])) if match else None
 
 
 def register() -> None:
@@ -41,8 +45,10 @@ def register() -> None:
         return
     release = vllm_release()
     if release not in SUPPORTED:
-        log.warning("nightjar: vLLM %s.%s is not a supported release %s; plugin off",
-                    *release, SUPPORTED)  # fmt: skip
+        import vllm
+
+        log.warning("nightjar: vLLM %s is not a supported release %s; plugin off",
+                    getattr(vllm, "__version__", "?"), SUPPORTED)  # fmt: skip
         return
     _install_default_scheduler()
     _installed = True

@@ -4,19 +4,28 @@ Select one with ``--scheduler-cls vllm_client_patch.scheduler.NightjarScheduler`
 ``NightjarAsyncScheduler`` with async scheduling), or let the plugin install it
 (plugin.py). With the plugin off (no NIGHTJAR_SIDECAR) they behave exactly as vLLM's.
 
-The hook is the dynamic speculative decoding path of vLLM ≥ 0.32: at the end of
-``schedule()`` vLLM reads the step's number of spec tokens from
-``self.dynamic_sd_lookup[number of scheduled requests]``. We put a stand-in there that
-asks the sidecar, so γ is decided for the batch that will actually draft. KV blocks were
-allocated earlier in that call with vLLM's look-ahead of Γmax slots per request, so the
-reservation always covers γ (it cannot be cut to γ without deciding before the batch is
-known). Reporting happens after ``update_from_output``.
+The hook is the dynamic speculative decoding path of vLLM ≥ 0.32. ``schedule()`` builds
+the step's ``SchedulerOutput`` with ``num_spec_tokens_to_schedule`` taken from the
+dynamic-SD table and, as its last act, calls ``_update_after_schedule``. We overwrite the
+number there: the batch is then fully known, so γ is decided for the requests that
+actually draft after this step (those that sample in it: decodes and prefills that
+complete; partial prefill chunks draft nothing), and vLLM's async scheduler still reads
+our γ for its placeholders. The dynamic-SD table must be configured: it is what switches
+vLLM's per-step-γ code paths on (no uniform-decode padding, piecewise CUDA graphs).
+
+KV look-ahead: the step's blocks were allocated earlier in ``schedule()`` with vLLM's
+look-ahead of Γmax slots per request, before the batch (and so γ) is known. Γmax ≥ γ
+always covers the drafts; the surplus is at most Γmax slots per request, consumed by its
+next tokens anyway. Shrinking it to γ would need γ before the batch is known.
+
+Reporting happens in ``update_from_output``.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import time
+from collections.abc import Mapping
 from typing import Any
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -26,33 +35,48 @@ from vllm.v1.outputs import ModelRunnerOutput
 
 from vllm_client_patch.config import PluginConfig
 from vllm_client_patch.controller import EngineView, GammaController, VerifiedStep
+from vllm_client_patch.plugin import SUPPORTED, vllm_release
 
 log = logging.getLogger(__name__)
 
 
-class _SidecarGamma:
-    """Stands in for vLLM's batch size → K table: the sidecar decides each lookup."""
+def drafting_requests(output: SchedulerOutput, requests: Mapping[str, Any]) -> int:
+    """Scheduled requests that sample in this step, hence draft after it.
 
-    def __init__(self, decide: Callable[[int], int]) -> None:
-        self._decide = decide
+    Called before ``_update_after_schedule`` advances ``num_computed_tokens``: the
+    request samples when the scheduled tokens reach its end — vLLM's own
+    ``is_prefill_chunk`` test, taken one step early.
+    """
+    count = 0
+    for req_id, scheduled in output.num_scheduled_tokens.items():
+        request = requests[req_id]
+        end = request.num_tokens + request.num_output_placeholders
+        count += request.num_computed_tokens + scheduled >= end
+    return count
 
-    def __getitem__(self, batch_size: int) -> int:
-        return self._decide(batch_size)
 
-
-def verified_step(output: SchedulerOutput, result: ModelRunnerOutput) -> VerifiedStep:
-    """Drafted / accepted / generated tokens of a finished step, counted as vLLM counts them."""
+def verified_step(
+    output: SchedulerOutput, result: ModelRunnerOutput, requests: Mapping[str, Any]
+) -> VerifiedStep:
+    """Drafted / accepted / generated tokens of a finished step, counted as vLLM counts
+    them in ``update_from_output`` (call it before vLLM's, which drops finished requests):
+    requests aborted meanwhile are skipped, grammar-invalidated drafts are not drafts."""
     drafted = accepted = generated = 0
     accepts: list[tuple[str, int]] = []
     sampled = result.sampled_token_ids
+    invalid = output.num_invalid_spec_tokens or {}
     for req_id in output.num_scheduled_tokens:
+        request = requests.get(req_id)
         index = result.req_id_to_index.get(req_id)
-        tokens = len(sampled[index]) if sampled and index is not None else 0
+        if request is None or request.is_finished() or index is None or not sampled:
+            continue
+        tokens = len(sampled[index])
         generated += tokens
         drafts = output.scheduled_spec_decode_tokens.get(req_id)
         if drafts and tokens:
-            taken = max(tokens - 1, 0)  # all but the bonus / corrected token
-            drafted += len(drafts)
+            drafts_valid = len(drafts) - invalid.get(req_id, 0)
+            taken = min(tokens - 1, drafts_valid)  # all but the bonus / corrected token
+            drafted += drafts_valid
             accepted += taken
             accepts.append((req_id, taken))
     return VerifiedStep(drafted, accepted, generated, tuple(accepts))
@@ -72,19 +96,31 @@ class _NightjarMixin:
         super().__init__(*args, **kwargs)
         self._install_nightjar()
 
+    def _update_after_schedule(self: Any, scheduler_output: SchedulerOutput) -> None:
+        if self._nightjar is not None and scheduler_output.num_scheduled_tokens:
+            started = time.perf_counter()
+            batch = drafting_requests(scheduler_output, self.requests)
+            # No request samples (only partial prefill chunks): nothing drafts, nothing
+            # to decide; the controller then forgets the decision this step would verify.
+            gamma = self._nightjar.decide(self._engine_view(batch), started) if batch else 0
+            scheduler_output.num_spec_tokens_to_schedule = gamma
+        super()._update_after_schedule(scheduler_output)  # type: ignore[misc]
+
     def update_from_output(
-        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+        self: Any, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> Any:
-        outputs = super().update_from_output(  # type: ignore[misc]
-            scheduler_output, model_runner_output
-        )
-        if self._nightjar is not None:
-            self._nightjar.end_step(verified_step(scheduler_output, model_runner_output))
-            if not self.running:  # type: ignore[attr-defined]
-                self._nightjar.idle()
+        if self._nightjar is None:
+            return super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
+        started = time.perf_counter()
+        verified = verified_step(scheduler_output, model_runner_output, self.requests)
+        hook_s = time.perf_counter() - started
+        outputs = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
+        self._nightjar.end_step(verified, hook_s)  # vLLM's own update is not hook time
+        if not self.running:
+            self._nightjar.idle()
         return outputs
 
-    def shutdown(self) -> None:
+    def shutdown(self: Any) -> None:
         if self._nightjar is not None:
             self._nightjar.close()
             self._nightjar = None
@@ -92,24 +128,26 @@ class _NightjarMixin:
 
     def _install_nightjar(self: Any) -> None:
         config = PluginConfig.load()
-        if not config.active or not self.num_spec_tokens:
-            if config.active:
-                log.warning("nightjar: speculative decoding is off in this engine; plugin idle")
+        if not config.active:
+            return
+        if vllm_release() not in SUPPORTED:  # also when selected with --scheduler-cls
+            log.warning("nightjar: plugin idle: vLLM release not in %s", SUPPORTED)
             return
         spec = self.vllm_config.speculative_config
         table = spec.num_speculative_tokens_per_batch_size if spec is not None else None
-        self._nightjar = GammaController(
-            config, tuple(tuple(row) for row in table) if table else None
-        )
-        self.dynamic_sd_lookup = _SidecarGamma(self._decide_gamma)
+        if not self.num_spec_tokens or not table:
+            # Without the dynamic-SD table vLLM pads decodes to Γmax and captures CUDA
+            # graphs for Γmax only: a per-step γ is not safe there. Stay stock vLLM.
+            log.warning(
+                "nightjar: plugin idle: needs speculative decoding with "
+                "speculative_config.num_speculative_tokens_per_batch_size set"
+            )
+            return
+        self._nightjar = GammaController(config, tuple(tuple(row) for row in table))
         log.info(
             "nightjar: γ per step from %s (engine %s, Γmax %d, deadline %.1f ms)",
             config.sidecar, config.engine_id, self.num_spec_tokens, config.deadline_ms,
         )  # fmt: skip
-
-    def _decide_gamma(self: Any, batch_size: int) -> int:
-        gamma: int = self._nightjar.decide(self._engine_view(batch_size))
-        return gamma
 
     def _engine_view(self: Any, batch_size: int) -> EngineView:
         pool = self.kv_cache_manager.block_pool
