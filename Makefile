@@ -64,7 +64,7 @@ bench-quick: $(STAMP)
 bench-vllm: $(VLLM_STAMP)
 	$(PY) -m vllm_client_patch.bench --out docs/BENCHMARKS.md
 
-bench-memory: $(STAMP)
+bench-memory: $(VLLM_STAMP)
 	$(PY) -m memory_agent.bench --out docs/BENCHMARKS.md
 
 bench-rpc: $(STAMP)

@@ -1,0 +1,143 @@
+"""Offload a draft model's weights to host memory and bring them back, verified.
+
+Offload copies every parameter and buffer to host memory (pinned when CUDA exists),
+keeps that copy, fingerprints the device tensors, and releases the device memory by
+pointing each tensor at an empty one. Reload copies the host tensors back — on a side
+stream with non-blocking copies on CUDA, so the calling thread only pays the dispatch —
+and :meth:`DraftWeights.finish_reload` waits for the copies and checks every tensor's
+fingerprint before the draft counts as resident again. A mismatch (a stale or corrupted
+copy: the failure vLLM's sleep mode is known for) releases the reloaded tensors and
+raises, so speculation stays off.
+
+The fingerprint is computed on the tensor's own device: its 32-bit words weighted by
+position, summed in 64-bit — it catches changed, swapped or zeroed words.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import time
+from typing import Any
+
+import torch
+
+
+class ReloadError(RuntimeError):
+    """Reloaded weights do not match what was offloaded; the draft stays offloaded."""
+
+
+class DraftState(enum.StrEnum):
+    RESIDENT = "resident"
+    OFFLOADED = "offloaded"
+    RELOADING = "reloading"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Transfer:
+    tensors: int
+    bytes: int
+    # Time the calling thread spent (dispatch only, for a non-blocking reload on CUDA).
+    call_seconds: float
+
+
+_CHUNK = 1 << 20
+
+
+def fingerprint(tensor: torch.Tensor) -> int:
+    """Position-weighted sum of the tensor's 32-bit words (bytes when the size is not a
+    multiple of 4), in 64-bit wrapping arithmetic, computed where the tensor lives, in
+    chunks so that no full-size temporary is made."""
+    raw = tensor.detach().contiguous().view(-1).view(torch.uint8)
+    words = raw.view(torch.int32) if raw.numel() % 4 == 0 else raw
+    count = words.numel()
+    weights = torch.arange(min(_CHUNK, max(count, 1)), device=raw.device, dtype=torch.int64)
+    weights = weights % 251 + 1
+    total = torch.zeros((), dtype=torch.int64, device=raw.device)
+    for start in range(0, count, _CHUNK):
+        chunk = words[start : start + _CHUNK].to(torch.int64)
+        total += (chunk * weights[: chunk.numel()]).sum()
+    return int(total.item())
+
+
+def _tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    named = dict(module.named_parameters(remove_duplicate=False))
+    named.update(module.named_buffers(remove_duplicate=False))
+    return named
+
+
+class DraftWeights:
+    """Owns the host copy of one draft model's weights while it is offloaded."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        self.state = DraftState.RESIDENT
+        self._host: dict[str, torch.Tensor] = {}
+        self._prints: dict[str, int] = {}
+        self._device: dict[str, torch.device] = {}
+        self._incoming: dict[str, torch.Tensor] = {}
+        self._done: Any = None  # CUDA event of a pending reload
+
+    def offload(self) -> Transfer:
+        if self.state is not DraftState.RESIDENT:
+            raise RuntimeError(f"cannot offload a draft that is {self.state.value}")
+        started = time.perf_counter()
+        total = 0
+        for name, tensor in _tensors(self.module).items():
+            self._prints[name] = fingerprint(tensor)
+            self._device[name] = tensor.device
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu",
+                               pin_memory=torch.cuda.is_available())  # fmt: skip
+            host.copy_(tensor.detach())
+            self._host[name] = host
+            total += host.numel() * host.element_size()
+            # Release the device memory; the module keeps its structure.
+            tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+        self.state = DraftState.OFFLOADED
+        return Transfer(len(self._host), total, time.perf_counter() - started)
+
+    def start_reload(self) -> Transfer:
+        """Begin copying the host copy back; returns after dispatch on CUDA."""
+        if self.state is not DraftState.OFFLOADED:
+            raise RuntimeError(f"cannot reload a draft that is {self.state.value}")
+        started = time.perf_counter()
+        on_cuda = any(device.type == "cuda" for device in self._device.values())
+        stream = torch.cuda.Stream() if on_cuda else None
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for name, host in self._host.items():
+                target = torch.empty(host.shape, dtype=host.dtype, device=self._device[name])
+                target.copy_(host, non_blocking=on_cuda)
+                self._incoming[name] = target
+            if stream is not None:
+                self._done = torch.cuda.Event()
+                self._done.record(stream)
+        self.state = DraftState.RELOADING
+        nbytes = sum(t.numel() * t.element_size() for t in self._host.values())
+        return Transfer(len(self._host), nbytes, time.perf_counter() - started)
+
+    def finish_reload(self) -> Transfer:
+        """Wait for the copies, verify them, and make the draft resident again."""
+        if self.state is not DraftState.RELOADING:
+            raise RuntimeError(f"no reload in progress (draft is {self.state.value})")
+        started = time.perf_counter()
+        if self._done is not None:
+            self._done.synchronize()
+            self._done = None
+        bad = [name for name, t in self._incoming.items() if fingerprint(t) != self._prints[name]]
+        if bad:
+            self._incoming.clear()
+            self.state = DraftState.OFFLOADED
+            raise ReloadError(f"reloaded draft weights differ from the offloaded ones: {bad[:5]}")
+        tensors = _tensors(self.module)
+        for name, incoming in self._incoming.items():
+            tensors[name].data = incoming
+        self._incoming.clear()
+        self.state = DraftState.RESIDENT
+        nbytes = sum(t.numel() * t.element_size() for t in self._host.values())
+        return Transfer(len(self._host), nbytes, time.perf_counter() - started)
+
+    def release_host_copy(self) -> None:
+        """Drop the host copy once the draft is resident and trusted again."""
+        if self.state is DraftState.RESIDENT:
+            self._host.clear()
