@@ -93,7 +93,6 @@ class GammaController:
         # scheduling, two with async) / the last ended one, awaiting its verify step.
         self._pending: collections.deque[_InFlight] = collections.deque()
         self._in_flight: _InFlight | None = None
-        self._last_end = 0.0
         self._reported = 0
         # Verified in all steps, counted as vLLM's spec-decode metrics count them: drafted
         # and accepted tokens, requests that verified drafts (vLLM's "drafts").
@@ -169,10 +168,10 @@ class GammaController:
             self._report(self._in_flight, verified, started - step.started)
         self._in_flight = step
         self._step_index += 1
-        self._last_end = time.perf_counter()
+        ended = time.perf_counter()
         with self._lock:
-            self._step_s.append(self._last_end - step.started)
-            self._hook_s.append(self._hook_decide_s + hook_s + self._last_end - started)
+            self._step_s.append(ended - step.started)
+            self._hook_s.append(self._hook_decide_s + hook_s + ended - started)
 
     def idle(self) -> None:
         """The engine ran out of requests: drop the unverifiable last decision and send
