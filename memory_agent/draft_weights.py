@@ -70,8 +70,14 @@ def _tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 class DraftWeights:
     """Owns the host copy of one draft model's weights while it is offloaded."""
 
-    def __init__(self, module: torch.nn.Module) -> None:
+    def __init__(self, module: torch.nn.Module, shared_with: torch.nn.Module | None = None) -> None:
+        """``shared_with``: a module whose tensors the draft may alias (an EAGLE head
+        shares the target's embedding and LM head); those stay where they are."""
         self.module = module
+        self._shared = (
+            {t.data_ptr() for t in _tensors(shared_with).values() if t.numel()}
+            if shared_with is not None else set()
+        )  # fmt: skip
         self.state = DraftState.RESIDENT
         self._host: dict[str, torch.Tensor] = {}
         self._prints: dict[str, int] = {}
@@ -79,12 +85,21 @@ class DraftWeights:
         self._incoming: dict[str, torch.Tensor] = {}
         self._done: Any = None  # CUDA event of a pending reload
 
+    def _own_tensors(self) -> dict[str, torch.Tensor]:
+        return {name: t for name, t in _tensors(self.module).items()
+                if t.data_ptr() not in self._shared or not t.numel()}  # fmt: skip
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the draft's own tensors occupy on the device (0 while offloaded)."""
+        return sum(t.numel() * t.element_size() for t in self._own_tensors().values())
+
     def offload(self) -> Transfer:
         if self.state is not DraftState.RESIDENT:
             raise RuntimeError(f"cannot offload a draft that is {self.state.value}")
         started = time.perf_counter()
         total = 0
-        for name, tensor in _tensors(self.module).items():
+        for name, tensor in self._own_tensors().items():
             self._prints[name] = fingerprint(tensor)
             self._device[name] = tensor.device
             host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu",

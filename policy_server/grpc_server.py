@@ -51,6 +51,21 @@ def status_of(exc: NightjarError) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+def check_admin_token(context: grpc.ServicerContext, expected: str | None) -> None:
+    """Mutating calls carry 'authorization: Bearer <token>' when a token is configured."""
+    if expected is None:
+        return
+    metadata = dict(context.invocation_metadata())
+    header = str(metadata.get("authorization", ""))
+    if not header:
+        raise UnauthenticatedError(
+            "admin token required: send 'authorization: Bearer <token>' metadata"
+        )
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), expected):
+        raise UnauthenticatedError("invalid admin token")
+
+
 class _Servicer:
     """Shared error translation: NightjarError → status code + message, counted."""
 
@@ -113,22 +128,9 @@ class AdminServicer(_Servicer, admin_pb2_grpc.AdminServiceServicer):  # type: ig
         super().__init__(service)
         self._token = admin_token
 
-    def _authorize(self, context: grpc.ServicerContext) -> None:
-        if self._token is None:
-            return
-        metadata = dict(context.invocation_metadata())
-        header = str(metadata.get("authorization", ""))
-        if not header:
-            raise UnauthenticatedError(
-                "admin token required: send 'authorization: Bearer <token>' metadata"
-            )
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), self._token):
-            raise UnauthenticatedError("invalid admin token")
-
     def _mutate(self, method: str, context: grpc.ServicerContext, fn: Callable[[], T]) -> T:
         def guarded() -> T:
-            self._authorize(context)
+            check_admin_token(context, self._token)
             try:
                 return fn()
             except PolicyError as exc:

@@ -29,7 +29,7 @@ from nightjar.v1 import policy_pb2, policy_pb2_grpc
 
 from policy_server import wire
 from policy_server.policies.fixed import DEFAULT_SCHEDULE, TablePolicy
-from policy_server.types import Decision, StepContext, StepOutcome
+from policy_server.types import Decision, MemoryDirective, StepContext, StepOutcome
 
 log = logging.getLogger(__name__)
 
@@ -249,6 +249,7 @@ class NightjarClient:
         self._seq = itertools.count(1)
         self._lock = threading.Lock()
         self._pending_outcome: StepOutcome | None = None
+        self._directives: list[MemoryDirective] = []
         self._prefetched: tuple[StepContext, PendingReply] | None = None
         self._transport: _StreamTransport | _UnaryTransport | None = None
         self._closed = threading.Event()
@@ -356,7 +357,28 @@ class NightjarClient:
         transport = self._transport
         if transport is None or not transport.alive:
             return None
-        return transport.send(self._request(ctx))
+        future = transport.send(self._request(ctx))
+        future.add_done_callback(self._capture_directive)
+        return future
+
+    def _capture_directive(self, future: PendingReply) -> None:
+        """Keep a memory directive from every reply, including prefetched decisions that
+        are discarded and late ones: the sidecar issues each directive once."""
+        try:
+            reply = future.result(timeout=0)
+        except Exception:
+            return
+        if reply.HasField("decision") and reply.decision.HasField("memory_directive"):
+            directive = wire.decision_from_pb(reply.decision).memory_directive
+            if directive.action:
+                with self._lock:
+                    self._directives.append(directive)
+
+    def take_directives(self) -> list[MemoryDirective]:
+        """Memory directives received since the last call, oldest first."""
+        with self._lock:
+            directives, self._directives = self._directives, []
+        return directives
 
     def _send_outcome_only(self, outcome: StepOutcome) -> None:
         transport = self._transport

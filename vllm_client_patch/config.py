@@ -10,6 +10,11 @@ Environment (wins over the file):
                             or down (default: the engine's dynamic-SD schedule if set,
                             else the client's built-in table)
     NIGHTJAR_STATS_FILE     where the plugin writes its counters as JSON (optional)
+    NIGHTJAR_MEMORY_AGENT   1/true runs the memory agent (draft offload/reload, KV
+                            expand/compact) in the engine; default off
+    NIGHTJAR_MEMORY_SOCKET  Unix socket path of the memory agent's gRPC service (optional)
+    NIGHTJAR_ADMIN_TOKEN_FILE  file holding the token that mutating memory-agent calls
+                            must present (optional; as the sidecar's --admin-token-file)
     NIGHTJAR_CONFIG         a TOML file with the same keys, lower-case, in a [plugin] table
 
 Off means stock vLLM: the scheduler subclass then defers to vLLM in every step.
@@ -27,7 +32,8 @@ from pathlib import Path
 from typing import Any
 
 ENV_PREFIX = "NIGHTJAR_"
-KEYS = ("sidecar", "enabled", "engine_id", "deadline_ms", "fallback_table", "stats_file")
+KEYS = ("sidecar", "enabled", "engine_id", "deadline_ms", "fallback_table", "stats_file",
+        "memory_agent", "memory_socket", "admin_token_file")  # fmt: skip
 
 
 class PluginConfigError(ValueError):
@@ -42,6 +48,9 @@ class PluginConfig:
     deadline_ms: float = 2.0
     fallback_table: tuple[tuple[int, int, int], ...] | None = None
     stats_file: str = ""
+    memory_agent: bool = False
+    memory_socket: str = ""
+    admin_token_file: str = ""
 
     @property
     def active(self) -> bool:
@@ -67,15 +76,18 @@ class PluginConfig:
         if "sidecar" in raw:
             values["sidecar"] = _target(raw["sidecar"])
         if "enabled" in raw:
-            values["enabled"] = _boolean(raw["enabled"])
+            values["enabled"] = _boolean(raw["enabled"], "NIGHTJAR_ENABLED")
+        if "memory_agent" in raw:
+            values["memory_agent"] = _boolean(raw["memory_agent"], "NIGHTJAR_MEMORY_AGENT")
         if raw.get("engine_id"):
             values["engine_id"] = str(raw["engine_id"])
         if "deadline_ms" in raw:
             values["deadline_ms"] = _deadline(raw["deadline_ms"])
         if raw.get("fallback_table"):
             values["fallback_table"] = _table(raw["fallback_table"])
-        if "stats_file" in raw:
-            values["stats_file"] = str(raw["stats_file"])
+        for key in ("stats_file", "memory_socket", "admin_token_file"):
+            if key in raw:
+                values[key] = str(raw[key])
         return cls(**values)
 
 
@@ -101,7 +113,7 @@ def _target(value: Any) -> str:
     return target
 
 
-def _boolean(value: Any) -> bool:
+def _boolean(value: Any, name: str) -> bool:
     if isinstance(value, bool):
         return value
     text = str(value).strip().lower()
@@ -109,7 +121,7 @@ def _boolean(value: Any) -> bool:
         return True
     if text in ("0", "false", "no", "off", ""):
         return False
-    raise PluginConfigError(f"NIGHTJAR_ENABLED must be a boolean, got {value!r}")
+    raise PluginConfigError(f"{name} must be a boolean, got {value!r}")
 
 
 def _deadline(value: Any) -> float:

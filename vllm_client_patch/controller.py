@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from policy_server.policies.fixed import DEFAULT_SCHEDULE
-from policy_server.types import StepContext, StepOutcome
+from policy_server.types import MemoryDirective, StepContext, StepOutcome
 from vllm_client_patch.client import ClientConfig, GammaDecision, NightjarClient
 from vllm_client_patch.config import PluginConfig
 
@@ -147,6 +147,10 @@ class GammaController:
         self.client.prefetch(self._context(view, self._step_index + 1))
         self._hook_decide_s = time.perf_counter() - started
         return gamma
+
+    def memory_directives(self) -> list[MemoryDirective]:
+        """Memory directives the sidecar sent since the last call (for the memory agent)."""
+        return self.client.take_directives()
 
     def end_step(self, verified: VerifiedStep, hook_s: float = 0.0) -> None:
         """Report the decision whose drafts this step verified.

@@ -19,6 +19,11 @@ always covers the drafts; the surplus is at most Γmax slots per request, consum
 next tokens anyway. Shrinking it to γ would need γ before the batch is known.
 
 Reporting happens in ``update_from_output``.
+
+Memory agent (NIGHTJAR_MEMORY_AGENT, memory.py): its orders run at the top of
+``schedule()``, before any block is allocated, and ride to the worker on the step's
+``SchedulerOutput``; while the draft is not resident γ is 0 whatever the sidecar or the
+fallback table says, and the step contexts carry the agent's pool size and draft state.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from vllm.v1.outputs import ModelRunnerOutput
 
 from vllm_client_patch.config import PluginConfig
 from vllm_client_patch.controller import EngineView, GammaController, VerifiedStep
+from vllm_client_patch.memory import ORDER_ATTR, SchedulerMemory
 from vllm_client_patch.plugin import SUPPORTED, vllm_release
 
 log = logging.getLogger(__name__)
@@ -86,6 +92,7 @@ class _NightjarMixin:
     """The hook, for vLLM's Scheduler and AsyncScheduler alike (listed first in the bases)."""
 
     _nightjar: GammaController | None = None
+    _memory: SchedulerMemory | None = None
 
     @property
     def nightjar(self) -> GammaController | None:
@@ -96,6 +103,14 @@ class _NightjarMixin:
         super().__init__(*args, **kwargs)
         self._install_nightjar()
 
+    def schedule(self: Any, *args: Any, **kwargs: Any) -> SchedulerOutput:
+        # A step boundary: nothing of the coming step is allocated yet.
+        order = self._memory.begin_step() if self._memory is not None else None
+        output: SchedulerOutput = super().schedule(*args, **kwargs)  # type: ignore[misc]
+        if order is not None:
+            setattr(output, ORDER_ATTR, order)  # the worker runs it before the forward
+        return output
+
     def _update_after_schedule(self: Any, scheduler_output: SchedulerOutput) -> None:
         if self._nightjar is not None and scheduler_output.num_scheduled_tokens:
             started = time.perf_counter()
@@ -103,6 +118,11 @@ class _NightjarMixin:
             # No request samples (only partial prefill chunks): nothing drafts, nothing
             # to decide; the controller then forgets the decision this step would verify.
             gamma = self._nightjar.decide(self._engine_view(batch), started) if batch else 0
+            if self._memory is not None:
+                if not self._memory.agent.draft_resident:
+                    gamma = 0  # no drafter to run, whatever was decided
+                for directive in self._nightjar.memory_directives():
+                    self._memory.offer(directive)
             scheduler_output.num_spec_tokens_to_schedule = gamma
         super()._update_after_schedule(scheduler_output)  # type: ignore[misc]
 
@@ -121,6 +141,9 @@ class _NightjarMixin:
         return outputs
 
     def shutdown(self: Any) -> None:
+        if self._memory is not None:
+            self._memory.close()
+            self._memory = None
         if self._nightjar is not None:
             self._nightjar.close()
             self._nightjar = None
@@ -144,6 +167,7 @@ class _NightjarMixin:
             )
             return
         self._nightjar = GammaController(config, tuple(tuple(row) for row in table))
+        self._memory = SchedulerMemory.create(config, self.kv_cache_manager)
         log.info(
             "nightjar: γ per step from %s (engine %s, Γmax %d, deadline %.1f ms)",
             config.sidecar, config.engine_id, self.num_spec_tokens, config.deadline_ms,
@@ -151,12 +175,15 @@ class _NightjarMixin:
 
     def _engine_view(self: Any, batch_size: int) -> EngineView:
         pool = self.kv_cache_manager.block_pool
+        memory = self._memory
+        usable = memory.agent.kv_blocks if memory is not None else pool.num_gpu_blocks
         return EngineView(
             batch_size=batch_size,
             waiting=self.get_request_counts()[1],
             free_kv_blocks=pool.get_num_free_blocks(),
-            total_kv_blocks=pool.num_gpu_blocks - 1,  # block 0 is vLLM's null block
+            total_kv_blocks=usable - 1,  # block 0 is vLLM's null block
             max_gamma=self.num_spec_tokens,
+            draft_resident=memory is None or memory.agent.draft_resident,
         )
 
 

@@ -26,7 +26,11 @@ if _version_not_supported:
 
 
 class MemoryAgentServiceStub:
-    """Node-local memory actions: draft offload/reload, KV expand/compact.
+    """Node-local memory actions (draft offload/reload, KV expand/compact). Each mutating call queues an order that the
+    engine carries out at its next step boundary and waits for it (at most the
+    call's deadline, capped at 30 s); an order that cannot run fails with
+    FAILED_PRECONDITION (wrong draft state, live blocks that do not fit) and a
+    malformed target with INVALID_ARGUMENT, leaving the engine as it was.
     """
 
     def __init__(self, channel):
@@ -63,7 +67,11 @@ class MemoryAgentServiceStub:
 
 
 class MemoryAgentServiceServicer:
-    """Node-local memory actions: draft offload/reload, KV expand/compact.
+    """Node-local memory actions (draft offload/reload, KV expand/compact). Each mutating call queues an order that the
+    engine carries out at its next step boundary and waits for it (at most the
+    call's deadline, capped at 30 s); an order that cannot run fails with
+    FAILED_PRECONDITION (wrong draft state, live blocks that do not fit) and a
+    malformed target with INVALID_ARGUMENT, leaving the engine as it was.
     """
 
     def GetStatus(self, request, context):
@@ -138,7 +146,11 @@ def add_MemoryAgentServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class MemoryAgentService:
-    """Node-local memory actions: draft offload/reload, KV expand/compact.
+    """Node-local memory actions (draft offload/reload, KV expand/compact). Each mutating call queues an order that the
+    engine carries out at its next step boundary and waits for it (at most the
+    call's deadline, capped at 30 s); an order that cannot run fails with
+    FAILED_PRECONDITION (wrong draft state, live blocks that do not fit) and a
+    malformed target with INVALID_ARGUMENT, leaving the engine as it was.
     """
 
     @staticmethod

@@ -1,0 +1,98 @@
+"""The memory agent's worker half inside vLLM's model runner (the agent's DraftDevice).
+
+Holds the draft model's weights (:class:`DraftWeights`), the KV buffers behind the
+runner's per-layer cache views and the runner's copies of the block tables (the
+persistent batch's table rows and each cached request's block ids). While the draft is
+not resident the drafter is not called at all: vLLM's draft-model and EAGLE proposers run
+a first forward pass even at γ = 0 (to keep their KV in step), which would read the
+released weights.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+from nightjar_kernels.kv_migrate import migrate
+
+from memory_agent.draft_weights import DraftWeights, Transfer
+from memory_agent.kv_buffers import kv_buffers
+from memory_agent.planner import Move
+
+log = logging.getLogger(__name__)
+
+
+def draft_module(runner: Any) -> torch.nn.Module | None:
+    """The drafter's own model (draft model / EAGLE head), None for weightless methods."""
+    model = getattr(getattr(runner, "drafter", None), "model", None)
+    return model if isinstance(model, torch.nn.Module) else None
+
+
+class RunnerMemory:
+    def __init__(self, runner: Any) -> None:
+        self.runner = runner
+        draft = draft_module(runner)
+        self.weights = DraftWeights(draft, shared_with=runner.model) if draft is not None else None
+        self.buffers = kv_buffers(list(runner.kv_caches))
+        config = runner.kv_cache_config
+        self.num_blocks: int = config.num_blocks
+        storages = {(v.device, v.untyped_storage().data_ptr()): v.untyped_storage().nbytes()
+                    for v in runner.kv_caches}  # fmt: skip
+        self.block_bytes = max(1, sum(storages.values()) // self.num_blocks)
+        # Worker block tables index kernel blocks; compaction needs them to be the
+        # scheduler's blocks (true unless a backend splits blocks, e.g. hybrid models).
+        group_sizes = [group.kv_cache_spec.block_size for group in config.kv_cache_groups]
+        table_sizes = [table.block_size for table in runner.input_batch.block_table.block_tables]
+        self.can_compact = group_sizes == table_sizes
+        self.backend = ""
+
+    @property
+    def draft_bytes(self) -> int:
+        return self.weights.nbytes if self.weights is not None else 0
+
+    def offload_draft(self) -> Transfer:
+        assert self.weights is not None
+        return self.weights.offload()
+
+    def start_reload(self) -> Transfer:
+        assert self.weights is not None
+        return self.weights.start_reload()
+
+    @property
+    def reload_is_async(self) -> bool:
+        return bool(torch.cuda.is_available() and self.runner.device.type == "cuda")
+
+    def finish_reload(self) -> Transfer:
+        assert self.weights is not None
+        return self.weights.finish_reload()
+
+    def migrate(self, waves: tuple[tuple[Move, ...], ...], remap: Mapping[int, int]) -> None:
+        if not self.can_compact:
+            raise RuntimeError("KV compaction with split kernel blocks is not supported")
+        for flat, layout in self.buffers:
+            self.backend = migrate(flat, layout, waves)
+        lookup = np.arange(self.num_blocks, dtype=np.int64)
+        lookup[np.fromiter(remap.keys(), dtype=np.int64)] = np.fromiter(remap.values(), np.int64)
+        for table in self.runner.input_batch.block_table.block_tables:
+            rows = table.block_table.np
+            rows[:] = lookup[rows]
+        for state in self.runner.requests.values():
+            for ids in state.block_ids:
+                ids[:] = lookup[np.asarray(ids, dtype=np.int64)].tolist()
+
+    def guard_drafter(self, allowed: Callable[[], bool]) -> None:
+        """Skip the drafter while ``allowed()`` is false (no drafts: a [batch, 0] tensor)."""
+        drafter = self.runner.drafter
+        propose = drafter.propose
+        device = self.runner.device
+
+        def guarded_propose(*args: Any, **kwargs: Any) -> Any:
+            if allowed():
+                return propose(*args, **kwargs)
+            batch = kwargs["common_attn_metadata"].batch_size()
+            return torch.empty(batch, 0, dtype=torch.int64, device=device)
+
+        drafter.propose = guarded_propose
