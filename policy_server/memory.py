@@ -83,6 +83,12 @@ class MemoryController:
         self.params = params
         self.engines: dict[str, EngineMemory] = {}
 
+    def observe(self, ctx: StepContext) -> None:
+        """Take in the draft state the engine reports (before deciding the step's γ: a
+        verified reload allows speculation in the very step that reports it)."""
+        if self.params.enabled and self.params.draft_blocks > 0:
+            self._observe(self.engines.setdefault(ctx.engine_id, EngineMemory()), ctx)
+
     def speculation_allowed(self, ctx: StepContext) -> bool:
         """False while the draft is (about to be) away: the policy must pick γ = 0."""
         memory = self.engines.get(ctx.engine_id)

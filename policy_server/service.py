@@ -138,11 +138,13 @@ class DecisionService:
     def _decide_locked(self, ctx: StepContext) -> Decision:
         started = time.perf_counter()
         active = self._active
+        reported = ctx  # what the engine said; the memory controller tracks the draft by it
+        self.memory.observe(reported)
         if not self.memory.speculation_allowed(ctx):
             # The draft is (about to be) offloaded: the policy sees it as not resident.
             ctx = dataclasses.replace(ctx, draft_resident=False)
         choice = active.policy.decide(ctx)
-        directive = self._memory_directive(ctx, choice.gamma)
+        directive = self._memory_directive(reported, choice.gamma)
         decision_id = f"{self._boot_id}-{next(self._sequence):x}"
         self._pending[decision_id] = PendingDecision(
             ctx, choice, active.revision, active.policy.gamma_max

