@@ -71,6 +71,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="also report an outcome with this step time",
     )
     s.add_argument("--report-tokens", type=int, default=0, help="generated tokens to report")
+    s = sub.add_parser(
+        "memory",
+        help="the memory agent in a vLLM engine (--target its NIGHTJAR_MEMORY_SOCKET)",
+        description="Show or force the engine's elastic-memory state. A forcing call waits "
+        "(up to --timeout) for the engine's next step boundary; an idle engine has none, and "
+        "the order is then reported as pending and runs with the next step.",
+    )
+    s.add_argument("action", choices=("status", "offload", "reload", "expand", "compact"))
+    s.add_argument("blocks", nargs="?", type=int, default=0,
+                   help="expand/compact: the KV pool size to reach, in blocks")  # fmt: skip
+    s.add_argument("--keep-kv", action="store_true",
+                   help="offload without growing, reload without compacting the pool")  # fmt: skip
     s = sub.add_parser("replay", help="rebuild learned state offline from decision logs")
     s.add_argument("logs", nargs="+", help="decision-log files (rotated backups are included)")
     s.add_argument("--policy", default="nightjar")
@@ -264,8 +276,31 @@ def _replay(args: argparse.Namespace) -> int:
     return 0
 
 
+def _memory(args: argparse.Namespace, channel: grpc.Channel, md: Metadata) -> int:
+    from google.protobuf import json_format
+    from nightjar.v1 import memory_pb2, memory_pb2_grpc
+
+    stub = memory_pb2_grpc.MemoryAgentServiceStub(channel)
+    if args.action in ("expand", "compact") and args.blocks <= 0:
+        raise ValueError(f"memory {args.action} needs the pool size in blocks")
+    calls: dict[str, tuple[Any, Any]] = {
+        "status": (stub.GetStatus, memory_pb2.MemoryStatusRequest()),
+        "offload": (stub.OffloadDraft, memory_pb2.OffloadDraftRequest(expand_kv=not args.keep_kv)),
+        "reload": (stub.ReloadDraft, memory_pb2.ReloadDraftRequest(compact_kv=not args.keep_kv)),
+        "expand": (stub.ExpandKv, memory_pb2.ExpandKvRequest(target_kv_blocks=args.blocks)),
+        "compact": (stub.CompactKv, memory_pb2.CompactKvRequest(target_kv_blocks=args.blocks)),
+    }
+    method, request = calls[args.action]
+    reply = method(request, metadata=md, timeout=args.timeout)
+    status = json_format.MessageToDict(reply, always_print_fields_with_no_presence=True,
+                                       preserving_proto_field_name=True)  # fmt: skip
+    print(json.dumps(status, indent=2, sort_keys=True))
+    return 0
+
+
 COMMANDS = {
     "state": _state,
+    "memory": _memory,
     "policies": _policies,
     **dict.fromkeys(MUTATIONS, _mutate),
     "health": _health,

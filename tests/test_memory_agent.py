@@ -4,6 +4,10 @@ KV buffer seen through per-layer views, block-table rows) on the worker side."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -223,12 +227,12 @@ def test_kv_buffers_merge_layer_views_into_one_layout_per_storage() -> None:
 
 
 @pytest.fixture()
-def agent_service(tmp_path: Path) -> Iterator[tuple[Any, Engine, str]]:
+def agent_service() -> Iterator[tuple[Any, Engine, str, Path]]:
     engine = Engine()
-    sock = Path(f"/tmp/nj-mem-{time.monotonic_ns()}.sock")
+    sock = Path(tempfile.mkdtemp(prefix="nj-")) / "memory.sock"  # short: UDS path limit
     server = service.serve(engine.agent, str(sock), admin_token="s3cret")
     channel = grpc.insecure_channel(f"unix:{sock}")
-    yield memory_pb2_grpc.MemoryAgentServiceStub(channel), engine, "s3cret"
+    yield memory_pb2_grpc.MemoryAgentServiceStub(channel), engine, "s3cret", sock
     channel.close()
     server.stop(grace=None)
     sock.unlink(missing_ok=True)
@@ -248,9 +252,9 @@ def steps_in_background(engine: Engine) -> threading.Event:
 
 
 def test_grpc_service_guards_waits_for_the_boundary_and_maps_errors(
-    agent_service: tuple[Any, Engine, str],
+    agent_service: tuple[Any, Engine, str, Path],
 ) -> None:
-    stub, engine, token = agent_service
+    stub, engine, token, _ = agent_service
     auth = [("authorization", f"Bearer {token}")]
     status = stub.GetStatus(memory_pb2.MemoryStatusRequest())  # reading needs no token
     assert status.draft_resident and status.total_kv_blocks == BLOCKS - 6
@@ -286,5 +290,35 @@ def test_grpc_service_guards_waits_for_the_boundary_and_maps_errors(
                                   timeout=5)  # fmt: skip
         assert status.draft_resident and status.reloads == 1
         assert status.total_kv_blocks == BLOCKS - 6 and status.last_error == ""
+    finally:
+        stop.set()
+
+
+def test_nightjarctl_memory_commands(agent_service: tuple[Any, Engine, str, Path],
+                                     tmp_path: Path) -> None:  # fmt: skip
+    _, engine, token, sock = agent_service
+    token_file = tmp_path / "token"
+    token_file.write_text(token + "\n")
+
+    def ctl(*args: str, token_file: Path | None = None) -> subprocess.CompletedProcess[str]:
+        auth = ["--token-file", str(token_file)] if token_file else []
+        command = [sys.executable, "-m", "policy_server.ctl", "--target", f"unix:{sock}",
+                   *auth, "memory", *args]  # fmt: skip
+        return subprocess.run(command, capture_output=True, text=True, timeout=60)
+
+    status = ctl("status")
+    assert status.returncode == 0, status.stderr
+    assert json.loads(status.stdout)["draft_state"] == "resident"
+    refused = ctl("offload")
+    assert refused.returncode == 1 and "UNAUTHENTICATED" in refused.stderr
+    assert ctl("expand", token_file=token_file).returncode == 2  # no size given
+    stop = steps_in_background(engine)
+    try:
+        offloaded = ctl("offload", token_file=token_file)
+        assert offloaded.returncode == 0, offloaded.stderr
+        document = json.loads(offloaded.stdout)
+        assert document["draft_state"] == "offloaded" and document["offloads"] == "1"
+        too_small = ctl("compact", "1", token_file=token_file)
+        assert too_small.returncode == 1 and "INVALID_ARGUMENT" in too_small.stderr
     finally:
         stop.set()
