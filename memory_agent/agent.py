@@ -30,6 +30,7 @@ import enum
 import logging
 import math
 import threading
+import time
 from collections.abc import Mapping
 from typing import Protocol
 
@@ -115,6 +116,8 @@ class _Ticket:
     order: Order
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     error: NightjarError | None = None
+    # Time the order held the engine at step boundaries (pool half + worker half).
+    held_s: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -131,6 +134,7 @@ class MemoryStatus:
     reloads: int
     failed_reloads: int
     migrated_blocks: int
+    last_order_ms: float
 
     @property
     def draft_resident(self) -> bool:
@@ -161,8 +165,11 @@ class MemoryAgent:
         self._queue: collections.deque[_Ticket] = collections.deque()
         self._current: _Ticket | None = None  # pool half done, worker half not yet
         self._reload_in_flight = False
+        self._half_started = 0.0  # when the running half of the current order began
         self.last_error = ""
         self.offloads = self.reloads = self.failed_reloads = self.migrated_blocks = 0
+        # (action, seconds it held the engine, error or "") of recent orders, oldest first.
+        self.history: collections.deque[tuple[str, float, str]] = collections.deque(maxlen=64)
 
     # -- orders ---------------------------------------------------------------------------
 
@@ -214,6 +221,7 @@ class MemoryAgent:
             if self._current is not None or not self._queue:
                 return None
             ticket = self._queue.popleft()
+        self._half_started = time.perf_counter()
         try:
             work = self._pool_half(ticket.order, pool)
         except NightjarError as exc:
@@ -222,6 +230,7 @@ class MemoryAgent:
         if work is None:
             self._complete(ticket, None)
             return None
+        ticket.held_s += time.perf_counter() - self._half_started
         with self._lock:
             self._current = ticket
         return work
@@ -305,9 +314,16 @@ class MemoryAgent:
         """At the start of a step in the worker: finish a reload begun at the previous
         boundary, then carry out this step's order."""
         if self._reload_in_flight:
+            self._half_started = time.perf_counter()
             self._finish_reload(device)
         if work is None:
             return
+        self._half_started = time.perf_counter()
+        self._worker_half(device, work)
+        if self._current is not None:  # a reload still copying: finished next boundary
+            self._current.held_s += time.perf_counter() - self._half_started
+
+    def _worker_half(self, device: DraftDevice, work: WorkerOrder) -> None:
         if work.waves:
             device.migrate(work.waves, work.remap)
         if work.offload_draft:
@@ -350,6 +366,8 @@ class MemoryAgent:
     def _complete(self, ticket: _Ticket, error: NightjarError | None) -> None:
         ticket.error = error
         self.last_error = str(error) if error else ""
+        ticket.held_s += time.perf_counter() - self._half_started
+        self.history.append((ticket.order.action.value, ticket.held_s, self.last_error))
         if error is not None:
             log.warning("nightjar memory: %s failed: %s", ticket.order.action.value, error)
         ticket.done.set()
@@ -373,4 +391,5 @@ class MemoryAgent:
             capacity_blocks=self.capacity_blocks, pending_action=",".join(pending),
             last_error=self.last_error, offloads=self.offloads, reloads=self.reloads,
             failed_reloads=self.failed_reloads, migrated_blocks=self.migrated_blocks,
+            last_order_ms=1e3 * self.history[-1][1] if self.history else 0.0,
         )  # fmt: skip

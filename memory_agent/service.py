@@ -38,6 +38,7 @@ def status_to_pb(status: MemoryStatus) -> memory_pb2.MemoryStatus:
         kv_capacity_blocks=status.capacity_blocks, pending_action=status.pending_action,
         last_error=status.last_error, offloads=status.offloads, reloads=status.reloads,
         failed_reloads=status.failed_reloads, migrated_blocks=status.migrated_blocks,
+        last_order_ms=status.last_order_ms,
     )  # fmt: skip
 
 

@@ -290,6 +290,10 @@ def test_grpc_service_guards_waits_for_the_boundary_and_maps_errors(
                                   timeout=5)  # fmt: skip
         assert status.draft_resident and status.reloads == 1
         assert status.total_kv_blocks == BLOCKS - 6 and status.last_error == ""
+        assert status.last_order_ms > 0
+        assert [action for action, _, _ in engine.agent.history] == [
+            "offload_draft", "offload_draft", "reload_draft", "reload_draft"]  # fmt: skip
+        assert [bool(error) for _, _, error in engine.agent.history] == [False, True, True, False]
     finally:
         stop.set()
 

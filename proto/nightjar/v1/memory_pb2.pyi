@@ -9,7 +9,7 @@ class MemoryStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class MemoryStatus(_message.Message):
-    __slots__ = ("draft_resident", "draft_state", "total_kv_blocks", "free_kv_blocks", "draft_bytes", "draft_kv_blocks", "kv_capacity_blocks", "pending_action", "last_error", "offloads", "reloads", "failed_reloads", "migrated_blocks")
+    __slots__ = ("draft_resident", "draft_state", "total_kv_blocks", "free_kv_blocks", "draft_bytes", "draft_kv_blocks", "kv_capacity_blocks", "pending_action", "last_error", "offloads", "reloads", "failed_reloads", "migrated_blocks", "last_order_ms")
     DRAFT_RESIDENT_FIELD_NUMBER: _ClassVar[int]
     DRAFT_STATE_FIELD_NUMBER: _ClassVar[int]
     TOTAL_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +23,7 @@ class MemoryStatus(_message.Message):
     RELOADS_FIELD_NUMBER: _ClassVar[int]
     FAILED_RELOADS_FIELD_NUMBER: _ClassVar[int]
     MIGRATED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LAST_ORDER_MS_FIELD_NUMBER: _ClassVar[int]
     draft_resident: bool
     draft_state: str
     total_kv_blocks: int
@@ -36,7 +37,8 @@ class MemoryStatus(_message.Message):
     reloads: int
     failed_reloads: int
     migrated_blocks: int
-    def __init__(self, draft_resident: _Optional[bool] = ..., draft_state: _Optional[str] = ..., total_kv_blocks: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., draft_bytes: _Optional[int] = ..., draft_kv_blocks: _Optional[int] = ..., kv_capacity_blocks: _Optional[int] = ..., pending_action: _Optional[str] = ..., last_error: _Optional[str] = ..., offloads: _Optional[int] = ..., reloads: _Optional[int] = ..., failed_reloads: _Optional[int] = ..., migrated_blocks: _Optional[int] = ...) -> None: ...
+    last_order_ms: float
+    def __init__(self, draft_resident: _Optional[bool] = ..., draft_state: _Optional[str] = ..., total_kv_blocks: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., draft_bytes: _Optional[int] = ..., draft_kv_blocks: _Optional[int] = ..., kv_capacity_blocks: _Optional[int] = ..., pending_action: _Optional[str] = ..., last_error: _Optional[str] = ..., offloads: _Optional[int] = ..., reloads: _Optional[int] = ..., failed_reloads: _Optional[int] = ..., migrated_blocks: _Optional[int] = ..., last_order_ms: _Optional[float] = ...) -> None: ...
 
 class OffloadDraftRequest(_message.Message):
     __slots__ = ("expand_kv",)
