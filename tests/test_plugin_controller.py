@@ -26,6 +26,10 @@ def test_config_from_environment_and_toml(tmp_path: Path) -> None:
     env = {"NIGHTJAR_CONFIG": str(toml), "NIGHTJAR_DEADLINE_MS": "1.5", "NIGHTJAR_ENABLED": "0"}
     config = PluginConfig.load(env)
     assert config.deadline_ms == 1.5 and not config.active
+    assert not config.memory_agent  # the memory agent is opt-in
+    env = {"NIGHTJAR_MEMORY_AGENT": "true", "NIGHTJAR_MEMORY_SOCKET": "/run/nj-memory.sock"}
+    config = PluginConfig.load(env)
+    assert config.memory_agent and config.memory_socket == "/run/nj-memory.sock"
 
 
 @pytest.mark.parametrize(
@@ -34,6 +38,7 @@ def test_config_from_environment_and_toml(tmp_path: Path) -> None:
         ({"NIGHTJAR_DEADLINE_MS": "fast"}, "NIGHTJAR_DEADLINE_MS must be a number"),
         ({"NIGHTJAR_DEADLINE_MS": "0"}, "NIGHTJAR_DEADLINE_MS must be in"),
         ({"NIGHTJAR_ENABLED": "maybe"}, "NIGHTJAR_ENABLED must be a boolean"),
+        ({"NIGHTJAR_MEMORY_AGENT": "sure"}, "NIGHTJAR_MEMORY_AGENT must be a boolean"),
         ({"NIGHTJAR_FALLBACK_TABLE": "[[1, 2]]"}, "NIGHTJAR_FALLBACK_TABLE must be JSON"),
         ({"NIGHTJAR_FALLBACK_TABLE": "[[4, 2, 1]]"}, "start_bs <= end_bs"),
         ({"NIGHTJAR_CONFIG": "/nonexistent/nightjar.toml"}, "NIGHTJAR_CONFIG"),
