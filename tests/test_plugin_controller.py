@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -110,9 +111,12 @@ def test_fails_open_to_the_fallback_table_without_a_sidecar(tmp_path: Path) -> N
     config = PluginConfig(sidecar=f"unix:{tmp_path}/none.sock", engine_id="alone")
     controller = GammaController(config, fallback_table=((1, 2, 3), (3, 64, 1)))
     assert [controller.decide(view(b)) for b in (1, 2, 8)] == [3, 3, 1]
+    # With the draft offloaded the table's γ = 3 is not run: there is no drafter.
+    away = dataclasses.replace(view(1), draft_resident=False)
+    assert controller.decide(away) == 0 and controller._previous_gamma == 0
     controller.end_step(VerifiedStep(3, 1, 2))
     stats = controller.stats()
-    assert stats["fallbacks_total"] == 3 and stats["reported"] == 0
+    assert stats["fallbacks_total"] == 4 and stats["reported"] == 0
     controller.close()
 
 

@@ -139,7 +139,8 @@ class GammaController:
         started = time.perf_counter() if started is None else started
         ctx = self._context(view, self._step_index)
         decision = self.client.take(ctx)
-        gamma = max(0, min(decision.gamma, view.max_gamma))
+        # No drafter to run while the draft is away, whatever the sidecar or the table said.
+        gamma = max(0, min(decision.gamma, view.max_gamma if view.draft_resident else 0))
         self._pending.append(_InFlight(ctx, dataclasses.replace(decision, gamma=gamma), started))
         self._previous_gamma = gamma
         self._gammas[gamma] += 1

@@ -119,8 +119,6 @@ class _NightjarMixin:
             # to decide; the controller then forgets the decision this step would verify.
             gamma = self._nightjar.decide(self._engine_view(batch), started) if batch else 0
             if self._memory is not None:
-                if not self._memory.agent.draft_resident:
-                    gamma = 0  # no drafter to run, whatever was decided
                 for directive in self._nightjar.memory_directives():
                     self._memory.offer(directive)
             scheduler_output.num_spec_tokens_to_schedule = gamma
