@@ -28,7 +28,7 @@ class ElasticBlockPool:
     def __init__(self, kv_cache_manager: Any, usable: int) -> None:
         self.pool = kv_cache_manager.block_pool
         self.managers = kv_cache_manager.coordinator.single_type_managers
-        self.capacity: int = self.pool.num_gpu_blocks
+        self.capacity: int = len(self.pool.blocks)
         self.usable = self.capacity
         self.resize(usable)
 
@@ -41,7 +41,7 @@ class ElasticBlockPool:
         if num_blocks >= self.usable:
             grown = self.pool.blocks[self.usable : num_blocks]
             self.pool.free_block_queue.append_n(grown)
-            self.usable = num_blocks
+            self._set_usable(num_blocks)
             return MigrationPlan({}, [])
         plan = self._plan(num_blocks)
         self._apply(plan)
@@ -49,8 +49,14 @@ class ElasticBlockPool:
             if _in_free_queue(block):
                 self.pool.free_block_queue.remove(block)
                 self.pool._maybe_evict_cached_block(block)
-        self.usable = num_blocks
+        self._set_usable(num_blocks)
         return plan
+
+    def _set_usable(self, num_blocks: int) -> None:
+        # vLLM reads the pool's size from num_gpu_blocks (KV usage, prefix-cache reset's
+        # "all blocks free" check, admission sentinels): it is the usable size; ``blocks``
+        # keeps every block of the buffer.
+        self.usable = self.pool.num_gpu_blocks = num_blocks
 
     def _tables(self) -> dict[str, list[int]]:
         return {

@@ -115,6 +115,8 @@ def test_the_draft_share_is_withheld_from_the_pool_until_the_draft_leaves() -> N
     agent = engine.agent
     assert agent.draft_blocks == 6 and agent.kv_blocks == BLOCKS - 6
     assert engine.elastic.free_blocks() == BLOCKS - 6 - 1  # block 0 is vLLM's null block
+    # vLLM's own views of the pool see the usable size: usage, prefix-cache reset.
+    assert engine.pool.get_usage() == 0.0 and engine.pool.reset_prefix_cache()
     engine.add_request("a", agent.kv_blocks - 1)  # the usable pool, exactly
     assert engine.elastic.free_blocks() == 0
     with pytest.raises(ValueError):
@@ -122,6 +124,7 @@ def test_the_draft_share_is_withheld_from_the_pool_until_the_draft_leaves() -> N
     assert engine.run(Order(Action.OFFLOAD_DRAFT)) is None
     assert not agent.draft_resident and agent.kv_blocks == BLOCKS
     assert engine.elastic.free_blocks() == 6
+    assert engine.pool.num_gpu_blocks == BLOCKS and engine.pool.get_usage() < 1.0
     assert all(p.numel() == 0 for p in engine.draft.parameters())  # device memory released
 
 
@@ -270,7 +273,7 @@ def test_grpc_service_guards_waits_for_the_boundary_and_maps_errors(
     stop = steps_in_background(engine)
     try:
         deadline = time.monotonic() + 5
-        while engine.agent.draft_resident and time.monotonic() < deadline:
+        while engine.agent.offloads == 0 and time.monotonic() < deadline:
             time.sleep(0.01)
         status = stub.GetStatus(memory_pb2.MemoryStatusRequest())
         assert status.draft_state == "offloaded" and status.offloads == 1

@@ -174,12 +174,12 @@ class _NightjarMixin:
     def _engine_view(self: Any, batch_size: int) -> EngineView:
         pool = self.kv_cache_manager.block_pool
         memory = self._memory
-        usable = memory.agent.kv_blocks if memory is not None else pool.num_gpu_blocks
         return EngineView(
             batch_size=batch_size,
             waiting=self.get_request_counts()[1],
             free_kv_blocks=pool.get_num_free_blocks(),
-            total_kv_blocks=usable - 1,  # block 0 is vLLM's null block
+            # The usable pool (the memory agent resizes it); block 0 is vLLM's null block.
+            total_kv_blocks=pool.num_gpu_blocks - 1,
             max_gamma=self.num_spec_tokens,
             draft_resident=memory is None or memory.agent.draft_resident,
         )
