@@ -103,7 +103,7 @@ class SchedulerMemory:
         agent = published_agent()
         if agent is None:
             log.warning("nightjar memory: agent off: the model runner is not in this process "
-                        "(only vLLM's uniproc executor is supported)")  # fmt: skip
+                        "(needs vLLM's uniproc executor and the V1 model runner)")  # fmt: skip
             return None
         return cls(agent, kv_cache_manager, config)
 
