@@ -60,8 +60,8 @@ class KVLayout:
 def _check(cache: torch.Tensor, layout: KVLayout, moves: Sequence[Move]) -> None:
     if not cache.is_contiguous():
         raise ValueError("the KV buffer must be contiguous")
-    if cache.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"unsupported KV dtype {cache.dtype}")
+    if cache.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.uint8):
+        raise ValueError(f"unsupported KV dtype {cache.dtype} (fp8 caches: pass a uint8 view)")
     for src, dst in moves:
         if not (0 <= src < layout.num_blocks and 0 <= dst < layout.num_blocks):
             raise ValueError(f"move {src}->{dst} outside 0..{layout.num_blocks - 1}")

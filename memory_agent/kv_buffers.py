@@ -19,9 +19,21 @@ from nightjar_kernels.kv_migrate import KVLayout
 Buffer = tuple[torch.Tensor, KVLayout]
 
 
+def _dense(tensor: torch.Tensor) -> bool:
+    """The elements fill one gap-free range of memory, in any dimension order (a layout
+    such as LBNHC gives [H, N, C] block views that are dense but not contiguous)."""
+    expected = 1
+    dims = zip(tensor.stride(), tensor.shape, strict=True)
+    for stride, size in sorted((st, n) for st, n in dims if n > 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def _page_numel(view: torch.Tensor) -> int | None:
-    """Elements of one block's page when they are contiguous, else None."""
-    if view.dim() < 2 or not view[0].is_contiguous():
+    """Elements of one block's page when they fill one range of memory, else None."""
+    if view.dim() < 2 or not _dense(view[0]):
         return None
     page = view[0].numel()
     return page if view.stride(0) >= page else None
@@ -36,6 +48,8 @@ def kv_buffers(caches: Sequence[torch.Tensor]) -> list[Buffer]:
     groups: dict[tuple[object, ...], list[torch.Tensor]] = {}
     seen: set[tuple[torch.device, int]] = set()
     for view in caches:
+        if view.element_size() == 1 and view.dtype != torch.uint8:
+            view = view.view(torch.uint8)  # fp8 caches: the kernel moves bytes
         key = (view.device, view.data_ptr())
         if key in seen:  # layers that share their KV alias one view
             continue

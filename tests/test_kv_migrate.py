@@ -28,10 +28,13 @@ def interpreted(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 def make_cache(layout: str, dtype: torch.dtype) -> tuple[torch.Tensor, KVLayout]:
     gen = torch.Generator().manual_seed(0)
+    shape = (LAYERS, BLOCKS, *PAGE) if layout == "layer-outermost" else (BLOCKS, LAYERS, *PAGE)
+    if dtype == torch.uint8:  # raw bytes: how fp8 caches are moved
+        cache = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
+    else:
+        cache = torch.randn(shape, generator=gen).to(dtype)
     if layout == "layer-outermost":
-        cache = torch.randn((LAYERS, BLOCKS, *PAGE), generator=gen).to(dtype)
         return cache, KVLayout.layer_outermost(cache)
-    cache = torch.randn((BLOCKS, LAYERS, *PAGE), generator=gen).to(dtype)
     return cache, KVLayout.block_outermost(cache)
 
 
@@ -40,7 +43,7 @@ def page(cache: torch.Tensor, layout: KVLayout, layer: int, block: int) -> torch
 
 
 @pytest.mark.usefixtures("interpreted")
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.uint8])
 @pytest.mark.parametrize("layout_name", ["layer-outermost", "block-outermost"])
 def test_kernel_matches_reference_bit_for_bit(layout_name: str, dtype: torch.dtype) -> None:
     original, layout = make_cache(layout_name, dtype)

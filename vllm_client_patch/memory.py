@@ -53,7 +53,11 @@ def install_worker_hooks() -> None:
     def initialize_kv_cache(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = initialize(self, *args, **kwargs)
         if not kwargs.get("is_profiling", len(args) > 1 and args[1]):
-            _attach(self)
+            try:
+                _attach(self)
+            except Exception:  # an engine we cannot manage still serves, without the agent
+                _Published.agent = _Published.runner_memory = None
+                log.exception("nightjar memory: agent off: cannot manage this engine's memory")
         return result
 
     def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
