@@ -147,7 +147,7 @@ class MemoryAgent:
 
     def __init__(
         self, capacity_blocks: int, block_bytes: int, draft_bytes: int,
-        compaction_supported: bool = True,
+        compaction_supported: bool = True, offload_blocker: str = "",
     ) -> None:  # fmt: skip
         if capacity_blocks < 2 or block_bytes <= 0:
             raise ValueError("need a KV pool of at least 2 blocks and a positive block size")
@@ -155,8 +155,13 @@ class MemoryAgent:
         self.block_bytes = block_bytes
         self.draft_bytes = draft_bytes
         self.compaction_supported = compaction_supported
+        # Why the draft can never be offloaded on this engine ("" when it can): its share of
+        # the buffer is then KV from the start.
+        self.offload_blocker = offload_blocker
         # S_draft in blocks: what offloading the draft is worth to the KV pool.
-        self.draft_blocks = min(math.ceil(draft_bytes / block_bytes), capacity_blocks - 2)
+        self.draft_blocks = (
+            0 if offload_blocker else min(math.ceil(draft_bytes / block_bytes), capacity_blocks - 2)
+        )
         # The usable pool starts without the draft's share (the draft is resident).
         self.kv_blocks = capacity_blocks - self.draft_blocks
         self.state = DraftState.RESIDENT
@@ -281,6 +286,8 @@ class MemoryAgent:
         return self._worker_order(plan) if plan.mapping else None
 
     def _require(self, state: DraftState, verb: str) -> None:
+        if self.offload_blocker:
+            raise FailedPreconditionError(f"cannot {verb}: {self.offload_blocker}")
         if self.draft_blocks <= 0:
             raise FailedPreconditionError(f"cannot {verb}: this engine has no draft weights")
         if self.state is not state:

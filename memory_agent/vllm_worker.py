@@ -33,6 +33,18 @@ def draft_module(runner: Any) -> torch.nn.Module | None:
     return model if isinstance(model, torch.nn.Module) else None
 
 
+def _graph_blocker(runner: Any) -> str:
+    """Why the draft cannot be offloaded here ("" when it can). CUDA graphs keep the
+    addresses of the weights they were captured with; reloaded weights live elsewhere.
+    Offloading under graphs needs address-preserving (cuMem-mapped) weights, not built."""
+    mode = getattr(getattr(runner, "compilation_config", None), "cudagraph_mode", None)
+    uses_graphs = mode is not None and getattr(mode, "name", "NONE") != "NONE"
+    if runner.device.type == "cuda" and uses_graphs:
+        return ("the drafter runs under CUDA graphs, which keep its weights' addresses: "
+                "start the engine with enforce_eager to offload the draft")  # fmt: skip
+    return ""
+
+
 class RunnerMemory:
     def __init__(self, runner: Any) -> None:
         self.runner = runner
@@ -50,6 +62,7 @@ class RunnerMemory:
         table_sizes = [table.block_size for table in runner.input_batch.block_table.block_tables]
         self.can_compact = group_sizes == table_sizes
         self.backend = ""
+        self.offload_blocker = _graph_blocker(runner) if self.weights is not None else ""
         # vLLM's CPU backend packs linear weights into oneDNN / sgl-kernel handles and
         # leaves an empty tensor in the module: those bytes are out of PyTorch's reach.
         self.packed_tensors = sum(

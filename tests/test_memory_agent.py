@@ -211,6 +211,14 @@ def test_orders_that_cannot_run_fail_cleanly_and_change_nothing() -> None:
     engine.check_tables_agree()
 
 
+def test_an_engine_that_cannot_offload_says_why_and_keeps_the_whole_pool() -> None:
+    blocked = MemoryAgent(BLOCKS, 1024, 10 * 1024, offload_blocker="drafter under CUDA graphs")
+    assert blocked.draft_blocks == 0 and blocked.kv_blocks == BLOCKS
+    ticket = blocked.submit(Order(Action.OFFLOAD_DRAFT))
+    assert blocked.begin_step(Engine().elastic) is None and ticket.done.is_set()
+    assert isinstance(ticket.error, FailedPreconditionError) and "CUDA graphs" in str(ticket.error)
+
+
 def test_sidecar_directives_are_deduplicated_and_skipped_when_already_done() -> None:
     engine = Engine()
     agent = engine.agent

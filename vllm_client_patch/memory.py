@@ -78,7 +78,10 @@ def _attach(runner: Any) -> None:
         return
     memory = RunnerMemory(runner)
     agent = MemoryAgent(memory.num_blocks, memory.block_bytes, memory.draft_bytes,
-                        compaction_supported=memory.can_compact)  # fmt: skip
+                        compaction_supported=memory.can_compact,
+                        offload_blocker=memory.offload_blocker)  # fmt: skip
+    if memory.offload_blocker:
+        log.warning("nightjar memory: draft offload off: %s", memory.offload_blocker)
     if memory.weights is not None:
         memory.guard_drafter(lambda: agent.draft_resident)
     _Published.agent, _Published.runner_memory = agent, memory
