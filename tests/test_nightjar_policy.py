@@ -151,6 +151,19 @@ def test_switching_cost_changes_the_argmin_when_previous_gamma_is_zero(tmp_path:
     assert policy.decide(ctx(8, max_draft_lag_tokens=lag, previous_gamma=0)).gamma == 0
 
 
+def test_after_the_draft_comes_back_the_switching_cost_applies(tmp_path: Path) -> None:
+    """DESIGN §4: steps forced to γ=0 while the draft is offloaded leave γ_prev = 0, so the
+    first decision after a verified reload weighs c_prefill like any switch from γ=0."""
+    table = write_cost_table(tmp_path / "cprefill.csv", ms=20.0)
+    means = [100.0, 110.0, 112.0, 111.0, 105.0]
+    policy = NightjarPolicy({"prefill_cost_table": str(table)})
+    policy.load_state(exploit_state(means, previous_gamma=2))
+    away = policy.decide(ctx(8, max_draft_lag_tokens=128, draft_resident=False))
+    assert (away.gamma, away.bin_type) == (0, BinType.FORCED)
+    # Back: plain argmin would be γ = 2 (as with γ_prev = 2); the 20 ms catch-up makes it 0.
+    assert policy.decide(ctx(8, max_draft_lag_tokens=128)).gamma == 0
+
+
 def test_switching_cost_favours_longer_gamma_to_amortise(tmp_path: Path) -> None:
     table = write_cost_table(tmp_path / "cprefill.csv", ms=2.0)
     means = [50.0, 110.0, 112.0, 111.0, 108.0]
