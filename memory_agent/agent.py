@@ -148,7 +148,10 @@ class MemoryAgent:
     def __init__(
         self, capacity_blocks: int, block_bytes: int, draft_bytes: int,
         compaction_supported: bool = True, offload_blocker: str = "",
+        draft_blocks: int | None = None,
     ) -> None:  # fmt: skip
+        """``draft_blocks``: S_draft when the draft lives in the buffer's top blocks
+        (draft_slot.py); otherwise the draft's bytes in blocks, rounded up."""
         if capacity_blocks < 2 or block_bytes <= 0:
             raise ValueError("need a KV pool of at least 2 blocks and a positive block size")
         self.capacity_blocks = capacity_blocks
@@ -159,9 +162,9 @@ class MemoryAgent:
         # the buffer is then KV from the start.
         self.offload_blocker = offload_blocker
         # S_draft in blocks: what offloading the draft is worth to the KV pool.
-        self.draft_blocks = (
-            0 if offload_blocker else min(math.ceil(draft_bytes / block_bytes), capacity_blocks - 2)
-        )
+        if draft_blocks is None:
+            draft_blocks = math.ceil(draft_bytes / block_bytes)
+        self.draft_blocks = 0 if offload_blocker else min(draft_blocks, capacity_blocks - 2)
         # The usable pool starts without the draft's share (the draft is resident).
         self.kv_blocks = capacity_blocks - self.draft_blocks
         self.state = DraftState.RESIDENT

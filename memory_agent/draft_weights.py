@@ -9,6 +9,11 @@ fingerprint before the draft counts as resident again. A mismatch (a stale or co
 copy: the failure vLLM's sleep mode is known for) releases the reloaded tensors and
 raises, so speculation stays off.
 
+A draft can be given a *home* (:meth:`DraftWeights.settle`): fixed views its tensors
+live in — the KV buffer's top blocks (draft_slot.py). Then offloading copies and releases
+nothing (the host copy is already there; the home's bytes go to the KV cache) and a reload
+writes the host copy back into the home, so the tensors keep their addresses.
+
 The fingerprint is computed on the tensor's own device: its 32-bit words weighted by
 position, summed in 64-bit — it catches changed, swapped or zeroed words.
 """
@@ -84,22 +89,61 @@ class DraftWeights:
         self._device: dict[str, torch.device] = {}
         self._incoming: dict[str, torch.Tensor] = {}
         self._done: Any = None  # CUDA event of a pending reload
+        self._home: dict[str, torch.Tensor] = {}  # fixed views the tensors live in, if any
 
     def _own_tensors(self) -> dict[str, torch.Tensor]:
         return {name: t for name, t in _tensors(self.module).items()
                 if t.data_ptr() not in self._shared or not t.numel()}  # fmt: skip
 
+    def movable_tensors(self) -> dict[str, torch.Tensor]:
+        """The draft's own, non-empty tensors: what an offload moves."""
+        return {name: t for name, t in self._own_tensors().items() if t.numel()}
+
     @property
     def nbytes(self) -> int:
-        """Bytes the draft's own tensors occupy on the device (0 while offloaded)."""
-        return sum(t.numel() * t.element_size() for t in self._own_tensors().values())
+        """Bytes the draft's own tensors occupy on the device while resident."""
+        return sum(t.numel() * t.element_size() for t in self.movable_tensors().values())
+
+    @property
+    def homed(self) -> bool:
+        return bool(self._home)
+
+    def host_tensors(self) -> dict[str, torch.Tensor]:
+        """The host copies of an offloaded draft (shapes and dtypes of what comes back)."""
+        return dict(self._host)
+
+    def settle(self, home: dict[str, torch.Tensor]) -> Transfer:
+        """Move an offloaded draft into ``home`` (a view per offloaded tensor, same shape
+        and dtype) and verify it there; from now on it lives at those addresses."""
+        if self.state is not DraftState.OFFLOADED or set(home) != set(self._host):
+            raise RuntimeError("settle needs an offloaded draft and a view for each tensor")
+        self._home = home
+        self.start_reload()
+        try:
+            return self.finish_reload()
+        except ReloadError:
+            self._home = {}
+            raise
+
+    def restore(self) -> None:
+        """Bring an offloaded draft back into memory of its own (no home), verified."""
+        if self.state is DraftState.OFFLOADED:
+            self._home = {}
+            self.start_reload()
+            self.finish_reload()
 
     def offload(self) -> Transfer:
         if self.state is not DraftState.RESIDENT:
             raise RuntimeError(f"cannot offload a draft that is {self.state.value}")
         started = time.perf_counter()
+        if self._home:
+            # The host copy and fingerprints are from settle() and weights do not change:
+            # the home's bytes are simply the KV cache's from now on.
+            self.state = DraftState.OFFLOADED
+            nbytes = sum(t.numel() * t.element_size() for t in self._host.values())
+            return Transfer(len(self._host), nbytes, time.perf_counter() - started)
         total = 0
-        for name, tensor in self._own_tensors().items():
+        for name, tensor in self.movable_tensors().items():
             self._prints[name] = fingerprint(tensor)
             self._device[name] = tensor.device
             host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu",
@@ -119,9 +163,14 @@ class DraftWeights:
         started = time.perf_counter()
         on_cuda = any(device.type == "cuda" for device in self._device.values())
         stream = torch.cuda.Stream() if on_cuda else None
+        if stream is not None:
+            # Work queued before (a KV migration out of the home) must finish first.
+            stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for name, host in self._host.items():
-                target = torch.empty(host.shape, dtype=host.dtype, device=self._device[name])
+                target = self._home.get(name)
+                if target is None:
+                    target = torch.empty(host.shape, dtype=host.dtype, device=self._device[name])
                 target.copy_(host, non_blocking=on_cuda)
                 self._incoming[name] = target
             if stream is not None:
@@ -151,8 +200,3 @@ class DraftWeights:
         self.state = DraftState.RESIDENT
         nbytes = sum(t.numel() * t.element_size() for t in self._host.values())
         return Transfer(len(self._host), nbytes, time.perf_counter() - started)
-
-    def release_host_copy(self) -> None:
-        """Drop the host copy once the draft is resident and trusted again."""
-        if self.state is DraftState.RESIDENT:
-            self._host.clear()

@@ -13,6 +13,7 @@ their KV in step), which would read the released weights.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -20,7 +21,8 @@ import numpy as np
 import torch
 from nightjar_kernels.kv_migrate import migrate
 
-from memory_agent.draft_weights import DraftWeights, Transfer
+from memory_agent import draft_slot
+from memory_agent.draft_weights import DraftWeights, ReloadError, Transfer
 from memory_agent.kv_buffers import kv_buffers
 from memory_agent.planner import Move
 
@@ -31,6 +33,36 @@ def draft_module(runner: Any) -> torch.nn.Module | None:
     """The drafter's own model (draft model / EAGLE head), None for weightless methods."""
     model = getattr(getattr(runner, "drafter", None), "model", None)
     return model if isinstance(model, torch.nn.Module) else None
+
+
+def draft_weights(runner: Any) -> DraftWeights | None:
+    draft = draft_module(runner)
+    return DraftWeights(draft, shared_with=runner.model) if draft is not None else None
+
+
+def slot_bytes(runner: Any) -> int | None:
+    """Bytes to add to the memory vLLM sizes its KV buffer with, so that the buffer can
+    hold the draft's weights in its top blocks (draft_slot.py); None when the draft should
+    keep its own memory. Whole blocks, never more than the draft's bytes: the draft's
+    memory is released before the buffer is allocated, so nothing is over-committed."""
+    weights = draft_weights(runner)
+    if weights is None:
+        return None
+    sizes: list[int] = [t.numel() * t.element_size() for t in weights.movable_tensors().values()]
+    pages: list[int] = [spec.page_size_bytes for spec in runner.get_kv_cache_spec().values()]
+    draft, block = sum(sizes), sum(pages)
+    if not draft or not block:
+        return None
+    limit = math.ceil(draft * (1 + draft_slot.MAX_WASTE) / block) + 1
+    if draft_slot.blocks_needed(sizes, pages, limit) is None:
+        log.warning(
+            "nightjar memory: the draft's largest tensor (%d MiB) does not fit the pages of "
+            "%d KV blocks in one layer: the draft keeps its own memory, and the agent "
+            "withholds its share of the KV buffer instead (a block-outermost KV layout "
+            "would hold it)", max(sizes) >> 20, limit,
+        )  # fmt: skip
+        return None
+    return draft // block * block
 
 
 def _graph_blocker(runner: Any) -> str:
@@ -46,23 +78,33 @@ def _graph_blocker(runner: Any) -> str:
 
 
 class RunnerMemory:
-    def __init__(self, runner: Any) -> None:
+    def __init__(self, runner: Any, evicted: DraftWeights | None = None) -> None:
+        """``evicted``: the draft's weights, offloaded before the KV buffer was allocated
+        with room for them (:func:`slot_bytes`); they are settled in its top blocks."""
         self.runner = runner
-        draft = draft_module(runner)
-        self.weights = DraftWeights(draft, shared_with=runner.model) if draft is not None else None
+        self.weights = evicted or draft_weights(runner)
         self.buffers = kv_buffers(list(runner.kv_caches))
         config = runner.kv_cache_config
         self.num_blocks: int = config.num_blocks
         storages = {(v.device, v.untyped_storage().data_ptr()): v.untyped_storage().nbytes()
                     for v in runner.kv_caches}  # fmt: skip
         self.block_bytes = max(1, sum(storages.values()) // self.num_blocks)
+        # Blocks on top of the buffer the draft's weights live in (None: their own memory).
+        self.slot_blocks: int | None = None
+        if evicted is not None:
+            self.slot_blocks = self._settle(evicted)
+        draft = draft_module(runner)
         # Worker block tables index kernel blocks; compaction needs them to be the
         # scheduler's blocks (true unless a backend splits blocks, e.g. hybrid models).
         group_sizes = [group.kv_cache_spec.block_size for group in config.kv_cache_groups]
         table_sizes = [table.block_size for table in runner.input_batch.block_table.block_tables]
         self.can_compact = group_sizes == table_sizes
         self.backend = ""
-        self.offload_blocker = _graph_blocker(runner) if self.weights is not None else ""
+        # Settled weights keep their addresses through offload and reload; others do not.
+        self.offload_blocker = (
+            _graph_blocker(runner) if self.weights is not None and self.slot_blocks is None
+            else ""
+        )  # fmt: skip
         # vLLM's CPU backend packs linear weights into oneDNN / sgl-kernel handles and
         # leaves an empty tensor in the module: those bytes are out of PyTorch's reach.
         self.packed_tensors = sum(
@@ -76,6 +118,22 @@ class RunnerMemory:
                 "by vLLM's CPU backend outside PyTorch; offloading moves the other %d KiB only",
                 self.packed_tensors, self.draft_bytes >> 10,
             )  # fmt: skip
+
+    def _settle(self, weights: DraftWeights) -> int | None:
+        # Pack into as few top blocks as hold everything (worth_it: as planned at sizing).
+        limit = math.ceil(self.num_blocks / 2)
+        homed = draft_slot.home_views(weights.host_tensors(), self.buffers, self.num_blocks, limit)
+        if homed is not None:
+            blocks, views = homed
+            try:
+                weights.settle(views)
+                return blocks
+            except ReloadError:
+                log.exception("nightjar memory: the draft did not verify in the KV buffer")
+        log.warning("nightjar memory: the draft's weights do not fit the KV buffer's top "
+                    "blocks; they go back to memory of their own")  # fmt: skip
+        weights.restore()
+        return None
 
     @property
     def draft_bytes(self) -> int:

@@ -29,6 +29,7 @@ from vllm.v1.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id
 
 from memory_agent import service  # noqa: E402
 from memory_agent.agent import Action, MemoryAgent, Order  # noqa: E402
+from memory_agent.draft_weights import DraftWeights  # noqa: E402
 from memory_agent.kv_buffers import kv_buffers  # noqa: E402
 from memory_agent.vllm_pool import ElasticBlockPool  # noqa: E402
 from memory_agent.vllm_worker import RunnerMemory  # noqa: E402
@@ -42,7 +43,9 @@ class Engine:
     """vLLM's block pool and one KV group's block tables (scheduler side) + a model
     runner's tensors (worker side), wired to one agent as the plugin wires them."""
 
-    def __init__(self, draft_dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, draft_dtype: torch.dtype = torch.float32, homed: bool = False) -> None:
+        """``homed``: the draft's weights are moved into the KV buffer's top blocks, as the
+        plugin does when it sized the buffer for them (memory_agent/draft_slot.py)."""
         torch.manual_seed(0)
         self.pool = BlockPool(BLOCKS, enable_caching=True, hash_block_size=TOKENS)
         self.tables: dict[str, list[Any]] = {}
@@ -67,9 +70,15 @@ class Engine:
             ])),
             requests={}, device=torch.device("cpu"),
         )  # fmt: skip
-        self.memory = RunnerMemory(self.runner)
-        # A draft worth 6 blocks (the real one is tiny next to a KV block of this test).
-        self.agent = MemoryAgent(BLOCKS, -(-self.memory.draft_bytes // 6), self.memory.draft_bytes)
+        evicted = None
+        if homed:
+            evicted = DraftWeights(self.draft, shared_with=self.runner.model)
+            evicted.offload()
+        self.memory = RunnerMemory(self.runner, evicted)
+        # Homed, the draft takes the blocks it was packed into; otherwise it is made worth
+        # 6 blocks (the real one is tiny next to a KV block of this test).
+        self.agent = MemoryAgent(BLOCKS, -(-self.memory.draft_bytes // 6), self.memory.draft_bytes,
+                                 draft_blocks=self.memory.slot_blocks)  # fmt: skip
         self.elastic = ElasticBlockPool(kv_manager, self.agent.kv_blocks)
 
     def add_request(self, req_id: str, blocks: int) -> None:
@@ -92,6 +101,13 @@ class Engine:
         self.step()
         assert ticket.done.is_set()
         return ticket.error
+
+    def write_pages(self) -> None:
+        """New KV in every live block, as a forward pass would write it."""
+        views = self.buffer.view(LAYERS, BLOCKS, PAGE)
+        for blocks in self.tables.values():
+            for block in blocks:
+                views[:, block.block_id] = torch.randn(LAYERS, PAGE)
 
     def pages(self) -> dict[str, list[torch.Tensor]]:
         """Every request's KV pages (all layers), in table order."""
@@ -130,16 +146,25 @@ def test_the_draft_share_is_withheld_from_the_pool_until_the_draft_leaves() -> N
     assert all(p.numel() == 0 for p in engine.draft.parameters())  # device memory released
 
 
-def test_offload_then_reload_compacts_live_blocks_and_restores_the_draft_bit_for_bit() -> None:
-    engine = Engine()
+@pytest.mark.parametrize("homed", [False, True], ids=["own-memory", "in-kv-buffer"])
+def test_offload_then_reload_compacts_live_blocks_and_restores_the_draft_bit_for_bit(
+    homed: bool,
+) -> None:
+    engine = Engine(homed=homed)
     agent = engine.agent
+    share = agent.draft_blocks
     draft_before = weights(engine.draft)
+    addresses = [p.data_ptr() for p in engine.draft.parameters()]
+    top = engine.buffer.view(LAYERS, BLOCKS, PAGE)[:, BLOCKS - share :]
+    inside = [top.data_ptr() <= a < engine.buffer[-1:].data_ptr() for a in addresses]
+    assert inside == [homed] * len(addresses)  # homed: the weights are the top blocks' bytes
     assert engine.run(Order(Action.OFFLOAD_DRAFT, reason="scarce")) is None
     # Fill the grown pool so that requests hold blocks above the draft's share ...
     engine.add_request("a", 12)
     engine.add_request("b", 14)
     engine.add_request("c", 12)
-    assert max(b.block_id for b in engine.tables["c"]) >= BLOCKS - 6
+    engine.write_pages()  # homed, this overwrites the draft's weights
+    assert max(b.block_id for b in engine.tables["c"]) >= BLOCKS - share
     engine.finish("a")  # ... and free some ids below it for them.
     engine.tables["b"][0].ref_cnt += 1  # a block shared with another (prefix-cached) reader
     pages, shared_refs = engine.pages(), engine.tables["b"][0].ref_cnt
@@ -147,11 +172,13 @@ def test_offload_then_reload_compacts_live_blocks_and_restores_the_draft_bit_for
     cached = engine.tables["c"][-1]
     key = make_block_hash_with_group_id(BlockHash(b"prefix" * 6), 0)
     engine.pool._insert_block_hash(key, cached, num_tokens=TOKENS)
-    assert cached.block_id >= BLOCKS - 6
+    assert cached.block_id >= BLOCKS - share
     assert engine.run(Order(Action.RELOAD_DRAFT, reason="roomy")) is None
     assert agent.draft_resident and agent.reloads == 1
     assert weights(engine.draft) == draft_before
-    assert agent.kv_blocks == BLOCKS - 6 and agent.migrated_blocks > 0
+    if homed:  # back in the same bytes: captured CUDA graphs would still be right
+        assert [p.data_ptr() for p in engine.draft.parameters()] == addresses
+    assert agent.kv_blocks == BLOCKS - share and agent.migrated_blocks > 0
     assert all(b.block_id < agent.kv_blocks for t in engine.tables.values() for b in t)
     assert engine.pages().keys() == pages.keys()
     for req, before in pages.items():  # every live page moved bit-identically, all layers

@@ -3,8 +3,8 @@
 One engine (tiny Llama target + perturbed draft, `draft_model`, Γmax 3, the uniproc
 executor of the offline API) runs the agent and its gRPC service on a Unix socket. The
 sidecar's memory controller is on with thresholds set for this engine's pool (512 blocks
-of which the draft is worth 1): it can only order an offload when the policy runs γ = 0,
-and a reload when at most two blocks are in use.
+of which the draft's weights occupy the top 2): it can only order an offload when the
+policy runs γ = 0 with at least five blocks in use, and a reload when at most two are.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from vllm_engine import CPU_ENV, LONG, PROMPTS, SHORT, make_llm, prefix, when
 
 pytestmark = pytest.mark.slow
 ENGINE = "memory-engine"
-MEMORY = {"enabled": True, "draft_blocks": 1, "tau_low": 0.9925, "t_persist": 4,
+MEMORY = {"enabled": True, "draft_blocks": 2, "tau_low": 0.991, "t_persist": 4,
           "cooldown_steps": 4, "order_timeout_steps": 64}  # fmt: skip
 
 
@@ -97,6 +97,42 @@ def swap(sidecar: Any, gamma: int) -> None:
     )  # fmt: skip
 
 
+def draft_addresses() -> list[int]:
+    from vllm_client_patch.memory import _Published
+
+    memory = _Published.runner_memory
+    assert memory is not None and memory.weights is not None
+    return [t.data_ptr() for t in memory.weights.movable_tensors().values()]
+
+
+def scribble_over_the_draft_slot() -> None:
+    """What KV traffic does to the top blocks once the draft has left them."""
+    from memory_agent.draft_slot import tail_spans
+    from vllm_client_patch.memory import _Published
+
+    memory = _Published.runner_memory
+    assert memory is not None and memory.slot_blocks
+    for span in tail_spans(memory.buffers, memory.num_blocks - memory.slot_blocks):
+        assert span.data is not None
+        span.data[span.start : span.start + span.length] = 0x5A
+
+
+def test_the_draft_lives_in_the_kv_buffer_top_blocks(engine: Any) -> None:
+    """The plugin sized the KV buffer for the draft and moved its weights into the top
+    blocks; the agent withholds exactly those from vLLM's pool."""
+    from memory_agent.draft_slot import tail_spans
+    from vllm_client_patch.memory import _Published
+
+    memory = _Published.runner_memory
+    assert memory is not None and memory.slot_blocks == MEMORY["draft_blocks"]
+    status = _stub(engine.memory_socket).GetStatus(memory_pb2.MemoryStatusRequest(), timeout=5)
+    assert status.draft_kv_blocks == memory.slot_blocks
+    assert status.total_kv_blocks == status.kv_capacity_blocks - memory.slot_blocks
+    spans = tail_spans(memory.buffers, memory.num_blocks - memory.slot_blocks)
+    for address in draft_addresses():
+        assert any(span.address <= address < span.address + span.length for span in spans)
+
+
 def test_operator_offload_compact_reload_mid_generation_is_token_identical(
     engine: Any, sidecar: Any, reference: list[list[int]]
 ) -> None:
@@ -108,9 +144,12 @@ def test_operator_offload_compact_reload_mid_generation_is_token_identical(
     start = plugin.stats()
     log: dict[str, Any] = {}
 
+    addresses = draft_addresses()
+
     def operate() -> None:
         log["offload"] = stub.OffloadDraft(memory_pb2.OffloadDraftRequest(expand_kv=True),
                                            metadata=auth, timeout=30)  # fmt: skip
+        scribble_over_the_draft_slot()  # the weights' bytes are KV's now
         # The step that applied the offload still verifies drafts made before it.
         steps = plugin.stats()["steps"]
         while plugin.stats()["steps"] < steps + 2:
@@ -148,6 +187,7 @@ def test_operator_offload_compact_reload_mid_generation_is_token_identical(
     assert log["compact"].migrated_blocks >= 1 and log["compact"].draft_state == "offloaded"
     assert reload.draft_resident and reload.reloads == 1 and reload.last_error == ""
     assert reload.total_kv_blocks == reload.kv_capacity_blocks - reload.draft_kv_blocks
+    assert draft_addresses() == addresses  # reloaded into the same bytes, verified
     end = plugin.stats()
     # While offloaded every step ran γ = 0 and nothing was drafted; after the verified
     # reload the sidecar's γ = 3 came back and the drafter drafted again.

@@ -18,9 +18,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import torch
+
 from memory_agent.agent import Action, MemoryAgent, Order, WorkerOrder
+from memory_agent.draft_weights import DraftWeights
 from memory_agent.vllm_pool import ElasticBlockPool
-from memory_agent.vllm_worker import RunnerMemory
+from memory_agent.vllm_worker import RunnerMemory, draft_weights, slot_bytes
 from policy_server.types import MemoryDirective
 from vllm_client_patch.config import PluginConfig
 
@@ -36,6 +39,8 @@ class _Published:
 
     agent: MemoryAgent | None = None
     runner_memory: RunnerMemory | None = None
+    # The runner whose KV buffer was sized with room for its draft (slot_bytes).
+    slot_runner: Any = None
 
 
 def published_agent() -> MemoryAgent | None:
@@ -43,22 +48,32 @@ def published_agent() -> MemoryAgent | None:
 
 
 def install_worker_hooks() -> None:
-    """Patch vLLM's model runner (idempotent; CPUModelRunner inherits both methods)."""
+    """Patch vLLM's workers and model runner (idempotent; CPUModelRunner inherits the
+    runner's methods, CPUWorker sizes its KV cache its own way)."""
+    from vllm.v1.worker.cpu_worker import CPUWorker
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    from vllm.v1.worker.gpu_worker import Worker
 
     if getattr(GPUModelRunner.execute_model, "__nightjar__", False):
         return
     initialize, execute = GPUModelRunner.initialize_kv_cache, GPUModelRunner.execute_model
 
     def initialize_kv_cache(self: Any, *args: Any, **kwargs: Any) -> Any:
+        profiling = kwargs.get("is_profiling", len(args) > 1 and args[1])
+        evicted = _evict_draft(self) if not profiling else None
         result = initialize(self, *args, **kwargs)
-        if not kwargs.get("is_profiling", len(args) > 1 and args[1]):
+        if not profiling:
             try:
-                _attach(self)
+                _attach(self, evicted)
             except Exception:  # an engine we cannot manage still serves, without the agent
                 _Published.agent = _Published.runner_memory = None
+                if evicted is not None:
+                    evicted.restore()
                 log.exception("nightjar memory: agent off: cannot manage this engine's memory")
         return result
+
+    for worker_class in (Worker, CPUWorker):
+        _size_for_draft(worker_class)
 
     def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
         agent, memory = _Published.agent, _Published.runner_memory
@@ -72,22 +87,57 @@ def install_worker_hooks() -> None:
     GPUModelRunner.execute_model = execute_model
 
 
-def _attach(runner: Any) -> None:
+def _size_for_draft(worker_class: type) -> None:
+    """vLLM sizes the KV buffer from the memory its worker reports: report the draft's
+    bytes too, so the buffer can take the draft's weights in its top blocks."""
+    determine = worker_class.determine_available_memory  # type: ignore[attr-defined]
+
+    def determine_available_memory(self: Any) -> int:
+        available: int = determine(self)
+        extra = slot_bytes(self.model_runner) if PluginConfig.load().memory_agent else None
+        _Published.slot_runner = self.model_runner if extra is not None else None
+        if extra is None:
+            return available
+        log.info("nightjar memory: KV cache sized %d MiB larger: the draft's weights will "
+                 "live in its top blocks", extra >> 20)  # fmt: skip
+        return available + extra
+
+    worker_class.determine_available_memory = determine_available_memory  # type: ignore[attr-defined]
+
+
+def _evict_draft(runner: Any) -> DraftWeights | None:
+    """Before the KV buffer is allocated: offload the draft whose memory was counted in
+    it, and release that memory (it will live in the buffer's top blocks)."""
+    if _Published.slot_runner is not runner:
+        return None
+    weights = draft_weights(runner)
+    if weights is None:
+        return None
+    weights.offload()
+    if runner.device.type == "cuda":
+        torch.cuda.empty_cache()
+    return weights
+
+
+def _attach(runner: Any, evicted: DraftWeights | None) -> None:
     if not PluginConfig.load().memory_agent:
         _Published.agent = _Published.runner_memory = None
         return
-    memory = RunnerMemory(runner)
+    memory = RunnerMemory(runner, evicted)
     agent = MemoryAgent(memory.num_blocks, memory.block_bytes, memory.draft_bytes,
                         compaction_supported=memory.can_compact,
-                        offload_blocker=memory.offload_blocker)  # fmt: skip
+                        offload_blocker=memory.offload_blocker,
+                        draft_blocks=memory.slot_blocks)  # fmt: skip
     if memory.offload_blocker:
         log.warning("nightjar memory: draft offload off: %s", memory.offload_blocker)
     if memory.weights is not None:
         memory.guard_drafter(lambda: agent.draft_resident)
     _Published.agent, _Published.runner_memory = agent, memory
-    log.info("nightjar memory: agent ready: KV buffer %d blocks of %d KiB, draft %d MiB = %d "
-             "blocks, usable pool %d blocks", memory.num_blocks, memory.block_bytes >> 10,
-             memory.draft_bytes >> 20, agent.draft_blocks, agent.kv_blocks)  # fmt: skip
+    log.info("nightjar memory: agent ready: KV buffer %d blocks of %d KiB, draft %d KiB = %d "
+             "blocks (%s), usable pool %d blocks", memory.num_blocks,
+             memory.block_bytes >> 10, memory.draft_bytes >> 10, agent.draft_blocks,
+             "in the buffer's top blocks" if memory.slot_blocks else "own memory",
+             agent.kv_blocks)  # fmt: skip
 
 
 class SchedulerMemory:
