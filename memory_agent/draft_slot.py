@@ -29,9 +29,9 @@ from memory_agent.kv_buffers import Buffer
 
 # Every tensor starts on a 256-byte boundary: enough for any dtype view and vector load.
 ALIGN = 256
-# A slot may take this much more than the draft's bytes (plus one block) before it is
-# declined (vllm_worker.slot_bytes): packing large tensors into per-layer pages can
-# waste a lot.
+# A slot may take this much more than the draft's bytes (rounded up to blocks, plus one
+# block) before it is declined (vllm_worker.slot_bytes): packing large tensors into
+# per-layer pages can waste a lot.
 MAX_WASTE = 0.10
 
 

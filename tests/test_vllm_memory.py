@@ -98,9 +98,9 @@ def swap(sidecar: Any, gamma: int) -> None:
 
 
 def draft_addresses() -> list[int]:
-    from vllm_client_patch.memory import _Published
+    from vllm_client_patch.memory import published_runner_memory
 
-    memory = _Published.runner_memory
+    memory = published_runner_memory()
     assert memory is not None and memory.weights is not None
     return [t.data_ptr() for t in memory.weights.movable_tensors().values()]
 
@@ -108,9 +108,9 @@ def draft_addresses() -> list[int]:
 def scribble_over_the_draft_slot() -> None:
     """What KV traffic does to the top blocks once the draft has left them."""
     from memory_agent.draft_slot import tail_spans
-    from vllm_client_patch.memory import _Published
+    from vllm_client_patch.memory import published_runner_memory
 
-    memory = _Published.runner_memory
+    memory = published_runner_memory()
     assert memory is not None and memory.slot_blocks
     for span in tail_spans(memory.buffers, memory.num_blocks - memory.slot_blocks):
         assert span.data is not None
@@ -121,9 +121,9 @@ def test_the_draft_lives_in_the_kv_buffer_top_blocks(engine: Any) -> None:
     """The plugin sized the KV buffer for the draft and moved its weights into the top
     blocks; the agent withholds exactly those from vLLM's pool."""
     from memory_agent.draft_slot import tail_spans
-    from vllm_client_patch.memory import _Published
+    from vllm_client_patch.memory import published_runner_memory
 
-    memory = _Published.runner_memory
+    memory = published_runner_memory()
     assert memory is not None and memory.slot_blocks == MEMORY["draft_blocks"]
     status = _stub(engine.memory_socket).GetStatus(memory_pb2.MemoryStatusRequest(), timeout=5)
     assert status.draft_kv_blocks == memory.slot_blocks

@@ -47,6 +47,11 @@ def published_agent() -> MemoryAgent | None:
     return _Published.agent
 
 
+def published_runner_memory() -> RunnerMemory | None:
+    """The worker's side of the agent (draft weights, KV buffers), for tests and benches."""
+    return _Published.runner_memory
+
+
 def install_worker_hooks() -> None:
     """Patch vLLM's workers and model runner (idempotent; CPUModelRunner inherits the
     runner's methods, CPUWorker sizes its KV cache its own way)."""
