@@ -1,13 +1,14 @@
 """vLLM's scheduler-side KV block pool, grown and shrunk in place (the agent's KVPool).
 
 vLLM (0.32/0.33) sizes its KV buffer once, at start-up, and has no runtime resize
-(shared/reference/vllm_internals.md §6). The agent therefore runs the pool *logically*
-inside that buffer: only ids below the usable size are ever in the free queue. Growing
-appends the ids above it to the free queue; shrinking moves every live block above the
-new size to a free id below it — the ``KVCacheBlock`` objects in every request's block
-table are swapped for their new homes, reference counts and prefix-cache hashes carried
-over — and withdraws the ids above the size from the free queue. The copies of the block
-contents are the worker's half (vllm_worker.py), in the same step, before its forward.
+(``GPUModelRunner.initialize_kv_cache`` allocates it from ``KVCacheConfig.num_blocks``).
+The agent therefore runs the pool *logically* inside that buffer: only ids below the
+usable size are ever in the free queue. Growing appends the ids above it to the free
+queue; shrinking moves every live block above the new size to a free id below it — the
+``KVCacheBlock`` objects in every request's block table are swapped for their new homes,
+reference counts and prefix-cache hashes carried over — and withdraws the ids above the
+size from the free queue. The copies of the block contents are the worker's half
+(vllm_worker.py), in the same step, before its forward.
 """
 
 from __future__ import annotations

@@ -27,10 +27,12 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import nightjar_data
 from nightjar.v1 import admin_pb2, admin_pb2_grpc
 
 from policy_server.sim.acceptance import WORKLOADS
 from policy_server.sim.bench import (
+    DATA_HELP,
     GAMMA_MAX,
     BenchConfig,
     Cell,
@@ -101,7 +103,7 @@ def run(
     qps: float = 4.0,
     seed: int = 0,
     profile_name: str = "llama2-7b-a100",
-    data: Path = Path("../shared/data"),
+    data: Path = nightjar_data.ROOT,
     out: Path = Path("out/demo"),
     quiet: bool = False,
 ) -> dict[str, Any]:
@@ -226,7 +228,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--profile", default="llama2-7b-a100", help="llama2-7b-a100 or llama2-70b-h100-tp4"
     )
-    parser.add_argument("--data", type=Path, default=Path("../shared/data"))
+    parser.add_argument("--data", type=Path, default=nightjar_data.ROOT, help=DATA_HELP)
     parser.add_argument("--out", type=Path, default=Path("out/demo"), help="where plots go")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quiet", action="store_true", help="print nothing")

@@ -6,11 +6,9 @@ from pathlib import Path
 
 from policy_server.demo import COMPARED, run
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-
 
 def test_demo_replays_the_trace_through_a_real_sidecar(tmp_path: Path) -> None:
-    summary = run(seconds=20, seed=1, data=DATA, out=tmp_path, quiet=True)
+    summary = run(seconds=20, seed=1, out=tmp_path, quiet=True)  # the shipped data
     assert summary["sidecar_decisions"] > 0
     # Every simulated step with a decode batch was decided by the sidecar or the fallback.
     assert summary["sidecar_decisions"] + summary["fallbacks"] == summary["decided_steps"]

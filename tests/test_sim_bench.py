@@ -8,8 +8,6 @@ import pytest
 
 from policy_server.sim.bench import POLICIES, BenchConfig, Cell, main, render
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
-
 
 def test_render_marks_targets_from_the_figures() -> None:
     cells = {}
@@ -32,7 +30,7 @@ def test_render_marks_targets_from_the_figures() -> None:
 def test_quick_bench_runs_end_to_end(tmp_path: Path) -> None:
     """The CI smoke run of `make bench-quick`: report section and every figure written."""
     report, plots = tmp_path / "BENCHMARKS.md", tmp_path / "img"
-    assert main(["--quick", "--out", str(report), "--plots", str(plots), "--data", str(DATA)]) == 0
+    assert main(["--quick", "--out", str(report), "--plots", str(plots)]) == 0
     text = report.read_text()
     for profile in ("llama2-7b-a100", "llama2-70b-h100-tp4"):
         for workload in ("low", "high", "step", "burst", "azure-conv"):

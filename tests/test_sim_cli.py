@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import nightjar_data
 import pytest
 
 from policy_server.sim.cli import main
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+DATA = nightjar_data.ROOT
 
 
 @pytest.fixture

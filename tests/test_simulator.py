@@ -6,6 +6,7 @@ import dataclasses
 import random
 from pathlib import Path
 
+import nightjar_data
 import pytest
 
 from policy_server.prefill_cost import PrefillCostTable
@@ -31,7 +32,7 @@ from policy_server.sim.workload import (
 )
 from vllm_client_patch.client import ClientConfig, NightjarClient
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+DATA = nightjar_data.ROOT
 PROFILES = builtin_profiles(DATA / "calibration")
 TRACE = read_trace(DATA / "traces" / "azure_llm_2023_conv.csv")
 SPS = WORKLOADS["chat-sps"]

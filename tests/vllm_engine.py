@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-# The fastest stable vLLM-on-CPU settings (shared/reference/vllm_cpu.md).
+# The fastest stable vLLM-on-CPU settings on a 2-core machine (vLLM's CPU backend variables).
 CPU_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",

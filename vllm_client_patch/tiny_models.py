@@ -10,7 +10,7 @@ Both kinds share a byte-level BPE tokenizer trained here on a few sentences.
   gives 100 % acceptance; larger noise lowers it smoothly, so acceptance can be placed in
   a middle range. The draft costs as much as the target, so this pair proves
   correctness, not speed.
-* ``truncated`` (benchmarks, the recipe of shared/reference/cpu_rig.md): an 8-layer
+* ``truncated`` (benchmarks: a CPU stand-in for a target/draft pair): an 8-layer
   target whose layers from ``keep_layers`` upward are damped residual blocks (output
   projections × ``damping``), and a draft made of its first ``keep_layers`` layers with
   the same embeddings, norm and head — about 4× cheaper and mostly in agreement.

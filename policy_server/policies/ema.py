@@ -1,7 +1,7 @@
 """SGLang-style adaptive speculation: EMA of accepted length, batch-size tiers, hysteresis.
 
-Follows SGLang's ``AdaptiveStepSlot`` (``speculative/adaptive_spec_params.py``, as
-described in shared/reference/anchors.md §3): one slot per batch-size tier, each
+Follows SGLang's ``AdaptiveStepSlot`` (sgl-project/sglang,
+``python/sglang/srt/speculative/adaptive_spec_params.py``): one slot per batch-size tier, each
 with its candidate steps; the EMA of accepted draft tokens per request is updated
 while speculating; after a warm-up it re-targets every `update_interval` batches
 (down when ema ≤ p − 0.5 + down_hysteresis, up while ema > cur − 0.5 + up_hysteresis);

@@ -6,7 +6,7 @@ truncated-geometric run (Leviathan et al.): P(k accepted) = α^k(1−α) for k <
 α^γ for k = γ, so E[tokens] = (1 − α^{γ+1}) / (1 − α) including the bonus token.
 
 Workload means are calibrated from published mean accepted tokens per step
-(``shared/data/calibration/published_spec_decode_numbers.csv``) by solving
+(``data/calibration/published_spec_decode_numbers.csv``, one cited source per row) by solving
 (1 − α^{γ+1}) / (1 − α) = AL for α at the γ the source used.
 """
 

@@ -20,6 +20,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+import nightjar_data
+
 from policy_server.report import write_section
 from policy_server.sim.acceptance import WORKLOADS
 from policy_server.sim.engine import DecisionSource, SimConfig, SimResult, Simulator
@@ -37,6 +39,9 @@ from policy_server.sim.workload import (
 
 SECTION = "bench-sim"
 GAMMA_MAX = 4
+
+# Every --data option reads this layout; the default is the data shipped with the package.
+DATA_HELP = "directory with calibration/, traces/ and prompts/ (default: nightjar_data, shipped)"
 
 
 # A factory gets the run's seed and the profile's c_prefill table (a CSV path).
@@ -168,7 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("docs/BENCHMARKS.md"))
     parser.add_argument("--plots", type=Path, default=Path("docs/img"),
                         help="directory for the PNG figures")  # fmt: skip
-    parser.add_argument("--data", type=Path, default=Path("../shared/data"))
+    parser.add_argument("--data", type=Path, default=nightjar_data.ROOT, help=DATA_HELP)
     parser.add_argument("--quick", action="store_true", help="reduced matrix (< 2 min)")
     parser.add_argument(
         "--no-chunked-prefill",

@@ -18,8 +18,11 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+import nightjar_data
+
 from policy_server.sim.acceptance import WORKLOADS
 from policy_server.sim.bench import (
+    DATA_HELP,
     POLICIES,
     BenchConfig,
     Cell,
@@ -62,8 +65,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--data",
         type=Path,
-        default=Path("../shared/data"),
-        help="directory with calibration/ (the vidur profiles)",
+        default=nightjar_data.ROOT,
+        help=DATA_HELP,
     )
     parser.add_argument("--json", type=Path, help="also write the figures here")
     return parser.parse_args(argv)  # fmt: skip
