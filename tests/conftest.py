@@ -177,3 +177,21 @@ def reference(models: Any, tmp_path_factory: pytest.TempPathFactory) -> list[lis
     assert run["scheduler"] == "Scheduler" and run["nightjar"] is None
     tokens: list[list[int]] = run["tokens"]
     return tokens
+
+
+@pytest.fixture
+def make_prometheus(tmp_path: Path) -> Iterator[Any]:
+    """Factory: make_prometheus(jobs, rule_files=...) → a started PrometheusRig (a real
+    `prometheus` process scraping ``jobs``: {job: ["host:port", ...]}); stopped at the end."""
+    from prometheus_rig import PrometheusRig
+
+    rigs: list[PrometheusRig] = []
+
+    def factory(jobs: Any = (), **kwargs: Any) -> PrometheusRig:
+        rig = PrometheusRig(tmp_path / f"prometheus-{len(rigs)}", jobs, **kwargs)
+        rigs.append(rig)
+        return rig.start()
+
+    yield factory
+    for rig in rigs:
+        rig.stop()
