@@ -27,6 +27,7 @@ from policy_server.errors import (
     NotFoundError,
     UnauthenticatedError,
 )
+from policy_server.metrics import Metrics
 from policy_server.policies import PolicyError, parse_params_json
 from policy_server.service import ActivePolicy, DecisionService
 
@@ -231,8 +232,11 @@ class RunningServer:
     server: grpc.Server
     health: health.HealthServicer
     addresses: list[str]
+    metrics: Metrics | None = None  # its nightjar_serving gauge follows the health status
 
     def set_serving(self, serving: bool) -> None:
+        if self.metrics is not None:
+            self.metrics.serving.set(1.0 if serving else 0.0)
         status = (
             health_pb2.HealthCheckResponse.SERVING
             if serving
@@ -273,6 +277,6 @@ def build_server(
         host = tcp_address.rsplit(":", 1)[0]
         addresses.append(f"{host}:{port}")
     server.start()
-    running = RunningServer(server, health_servicer, addresses)
+    running = RunningServer(server, health_servicer, addresses, service.metrics)
     running.set_serving(True)
     return running

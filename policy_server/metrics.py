@@ -1,20 +1,25 @@
 """Prometheus metrics of the sidecar (names `nightjar_*`, units in names).
 
 Each server owns its own CollectorRegistry so several can live in one process
-(tests, benchmarks). Labels stay low-cardinality: no request or decision ids.
+(tests, benchmarks); it carries the process collectors (`process_*`, `python_*`) too.
+Labels stay low-cardinality: no request or decision ids. The served exposition has no
+`*_created` series (they double the series count and no rule or panel reads them).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 from prometheus_client import (
     CollectorRegistry,
     Counter,
     Gauge,
+    GCCollector,
     Histogram,
     Info,
+    PlatformCollector,
+    ProcessCollector,
+    disable_created_metrics,
     start_http_server,
 )
 
@@ -25,6 +30,15 @@ LATENCY_BUCKETS = (
 GOODPUT_BUCKETS = tuple(float(2**k) for k in range(0, 21))  # 1 .. ~1M tokens/s
 STEP_BUCKETS = (1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 RATIO_BUCKETS = tuple(i / 10 for i in range(11))
+# γ values, as decided (sidecar) or run (plugin): exact up to 4, coarser above.
+GAMMA_BUCKETS = (0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0)
+# Batch sizes in power-of-two ranges: "1", "2-3", "4-7", ..., "128-255", "256+".
+BATCH_BUCKETS = ("1", *(f"{2**k}-{2 ** (k + 1) - 1}" for k in range(1, 8)), "256+")
+
+
+def batch_bucket(batch_size: int) -> int:
+    """Index into BATCH_BUCKETS of a batch size (≥ 1)."""
+    return min(max(batch_size, 1).bit_length() - 1, len(BATCH_BUCKETS) - 1)
 
 
 class Metrics:
@@ -44,9 +58,17 @@ class Metrics:
             ["gamma"], buckets=GOODPUT_BUCKETS, registry=r,
         )  # fmt: skip
         self.acceptance = Histogram(
-            "nightjar_acceptance_ratio", "Accepted / drafted tokens of reported steps.",
-            buckets=RATIO_BUCKETS, registry=r,
+            "nightjar_acceptance_ratio", "Accepted / drafted tokens of reported steps, by γ.",
+            ["gamma"], buckets=RATIO_BUCKETS, registry=r,
         )  # fmt: skip
+        gamma_chosen = Histogram(
+            "nightjar_gamma_chosen",
+            "γ decided, by the step's batch size (power-of-two ranges); "
+            "rate(_sum) / rate(_count) is the average γ.",
+            ["batch_bucket"], buckets=GAMMA_BUCKETS, registry=r,
+        )  # fmt: skip
+        # One child per bucket, made once: the decision path only indexes a tuple.
+        self.gamma_chosen = tuple(gamma_chosen.labels(b) for b in BATCH_BUCKETS)
         self.step_duration = Histogram(
             "nightjar_step_duration_seconds", "Engine step wall time as reported.",
             buckets=STEP_BUCKETS, registry=r,
@@ -67,15 +89,23 @@ class Metrics:
             "nightjar_snapshots", "State snapshots written; result=ok|failed.",
             ["result"], registry=r,
         )  # fmt: skip
-        self.snapshot_age = Gauge(
-            "nightjar_snapshot_age_seconds",
-            "Seconds since the last successful snapshot (-1 = none yet).", registry=r,
+        self.snapshot_last_success = Gauge(
+            "nightjar_snapshot_last_success_timestamp_seconds",
+            "Unix time of the last snapshot this process wrote (0 = none yet).", registry=r,
         )  # fmt: skip
         self.expired_decisions = Counter(
             "nightjar_decisions_expired",
             "Decisions dropped from the pending table without an outcome.", registry=r,
         )  # fmt: skip
-        self.engines = Gauge("nightjar_engines", "Engines seen since start.", registry=r)
+        self.engines = Gauge(
+            "nightjar_engines",
+            "Engines that asked for a decision recently (see DecisionService.engine_idle_s).",
+            registry=r,
+        )  # fmt: skip
+        self.serving = Gauge(
+            "nightjar_serving",
+            "1 while a policy is loaded and gRPC health is SERVING, else 0.", registry=r,
+        )  # fmt: skip
         self.decision_log_dropped = Counter(
             "nightjar_decision_log_dropped", "Decision-log records dropped (writer behind).",
             registry=r,
@@ -91,14 +121,17 @@ class Metrics:
             ["engine", "state"], registry=r,
         )  # fmt: skip
         self.policy_info = Info("nightjar_policy", "The active policy.", registry=r)
-        self._last_snapshot: float | None = None
-        self.snapshot_age.set_function(self._snapshot_age)
-
-    def _snapshot_age(self) -> float:
-        return -1.0 if self._last_snapshot is None else time.time() - self._last_snapshot
+        # Zero series from the start, so that increase() sees the first failure.
+        for result in ("ok", "failed"):
+            self.policy_swaps.labels(result)
+            self.snapshots.labels(result)
+        # What the default registry would carry: process_*, python_info, python_gc_*.
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        GCCollector(registry=r)
 
     def snapshot_written(self, unix_time: float) -> None:
-        self._last_snapshot = unix_time
+        self.snapshot_last_success.set(unix_time)
         self.snapshots.labels("ok").inc()
 
     def set_active_policy(self, name: str, version: str) -> None:
@@ -106,6 +139,7 @@ class Metrics:
 
     def serve_http(self, port: int, addr: str = "127.0.0.1") -> Callable[[], None]:
         """Expose /metrics over HTTP; returns a function that stops the server."""
+        disable_created_metrics()  # process-wide in prometheus_client: the server's process
         server, thread = start_http_server(port, addr=addr, registry=self.registry)
 
         def stop() -> None:

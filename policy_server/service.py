@@ -29,7 +29,7 @@ from policy_server.errors import (
     NotFoundError,
 )
 from policy_server.memory import DraftState, MemoryController, MemoryParams
-from policy_server.metrics import Metrics
+from policy_server.metrics import Metrics, batch_bucket
 from policy_server.policies import (
     REGISTRY,
     Policy,
@@ -84,6 +84,7 @@ class DecisionService:
         state_dir: str | Path | None = None,
         max_pending: int = 100_000,
         memory: MemoryController | None = None,
+        engine_idle_s: float = 300.0,
     ) -> None:
         self.limits = limits or Limits()
         self.metrics = metrics or Metrics()
@@ -97,7 +98,13 @@ class DecisionService:
         self._boot_id = secrets.token_hex(4)
         self._sequence = itertools.count(1)
         self._pending: collections.OrderedDict[str, PendingDecision] = collections.OrderedDict()
+        # Engines whose state we may hold (snapshots carry them) / when each engine last
+        # asked for a decision (perf_counter): the nightjar_engines gauge counts those
+        # seen within engine_idle_s, so a replaced pod's engine drops out of it.
         self._engines: set[str] = set()
+        self._last_seen: dict[str, float] = {}
+        self.engine_idle_s = engine_idle_s
+        self.metrics.engines.set_function(self.active_engines)
         self._decisions_total = 0
         self._reports_total = 0
         self.last_snapshot_unix = 0.0
@@ -152,9 +159,8 @@ class DecisionService:
         if len(self._pending) > self._max_pending:
             self._pending.popitem(last=False)
             self.metrics.expired_decisions.inc()
-        if ctx.engine_id not in self._engines:
-            self._engines.add(ctx.engine_id)
-            self.metrics.engines.set(len(self._engines))
+        self._engines.add(ctx.engine_id)
+        self._last_seen[ctx.engine_id] = started
         self._decisions_total += 1
         decision = Decision(
             gamma=choice.gamma,
@@ -169,6 +175,7 @@ class DecisionService:
         )
         self.metrics.decision_latency.observe(time.perf_counter() - started)
         self.metrics.decisions.labels(active.name, str(choice.gamma), choice.bin_type.value).inc()
+        self.metrics.gamma_chosen[batch_bucket(ctx.batch_size)].observe(choice.gamma)
         if self.decision_log is not None:
             self.decision_log.write(_decision_record(decision, ctx))
         return decision
@@ -207,7 +214,8 @@ class DecisionService:
         self.metrics.goodput.labels(str(outcome.gamma)).observe(outcome.goodput)
         self.metrics.step_duration.observe(outcome.step_seconds)
         if outcome.drafted_tokens > 0:
-            self.metrics.acceptance.observe(outcome.accepted_tokens / outcome.drafted_tokens)
+            ratio = outcome.accepted_tokens / outcome.drafted_tokens
+            self.metrics.acceptance.labels(str(outcome.gamma)).observe(ratio)
         if self.decision_log is not None:
             self.decision_log.write(_outcome_record(outcome))
         return applied
@@ -236,11 +244,22 @@ class DecisionService:
         with self._lock:
             if engine_id is None:
                 self._pending.clear()
+                self._last_seen.clear()
                 return self._activate(self._build(self._active.name, self._active.policy.params()))
             if engine_id not in self._engines:
                 raise NotFoundError(f"unknown engine {engine_id!r}")
             self._active.policy.reset(engine_id)
+            self._last_seen.pop(engine_id, None)
             return self._active
+
+    def active_engines(self) -> int:
+        """Engines that asked for a decision within the last ``engine_idle_s`` (and were
+        not reset since)."""
+        since = time.perf_counter() - self.engine_idle_s
+        with self._lock:
+            for engine_id in [e for e, seen in self._last_seen.items() if seen < since]:
+                del self._last_seen[engine_id]  # gone quiet: forgotten here, state kept
+            return len(self._last_seen)
 
     def state_view(self, engine_id: str | None = None) -> StateView:
         with self._lock:
@@ -308,7 +327,6 @@ class DecisionService:
         with self._lock:
             self._pending.clear()
             self._engines.update(str(e) for e in document.get("engines", []))
-            self.metrics.engines.set(len(self._engines))
             return self._activate(candidate)
 
     def restore_path(self, path: str | Path) -> ActivePolicy:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 import urllib.request
 
 import grpc
@@ -137,8 +138,16 @@ def test_metrics_are_scraped_over_http_and_parse(make_server) -> None:
     assert [(s.labels["method"], s.labels["code"], s.value) for s in invalid] == [
         ("Decide", "INVALID_ARGUMENT", 1.0)
     ]
-    age = families["nightjar_snapshot_age_seconds"][0].value
-    assert 0 <= age < 60
+    last_snapshot = families["nightjar_snapshot_last_success_timestamp_seconds"][0].value
+    assert 0 <= time.time() - last_snapshot < 60
+    assert families["nightjar_serving"][0].value == 1
+    assert families["nightjar_engines"][0].value == 1
+    chosen = [s for s in families["nightjar_gamma_chosen"] if s.name.endswith("_count")]
+    assert sum(s.value for s in chosen) == 6
+    assert {s.labels["batch_bucket"] for s in chosen if s.value} == {"4-7"}
+    # Hygiene: no *_created series, the process collectors are there.
+    assert not [s for f in families.values() for s in f if s.name.endswith("_created")]
+    assert families["process_cpu_seconds"][0].value > 0
     swaps = [s for s in families["nightjar_policy_swaps"] if s.name.endswith("_total")]
     assert any(s.labels["result"] == "ok" and s.value >= 1 for s in swaps)
     info = families["nightjar_policy_info"][0]
