@@ -277,6 +277,12 @@ def test_sidecar_never_gates_engine_readiness(variant: str) -> None:
         assert engine[kind]["httpGet"] == {"path": "/health", "port": "http"}
 
 
+def scrape_job(endpoint: dict[str, Any]) -> str:
+    """The job label a ServiceMonitor endpoint's targets get."""
+    (job,) = [r["replacement"] for r in endpoint["relabelings"] if r["targetLabel"] == "job"]
+    return str(job)
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_metrics_are_scraped_by_port_number(variant: str) -> None:
     documents = documents_of(variant)
@@ -293,7 +299,13 @@ def test_metrics_are_scraped_by_port_number(variant: str) -> None:
     ]  # fmt: skip
     (scraped,) = selected
     ports = {p["name"]: p["targetPort"] for p in scraped["spec"]["ports"]}
-    assert {ports[e["port"]] for e in monitor["spec"]["endpoints"]} == {server.metrics_port, 8000}
+    jobs = {ports[e["port"]]: scrape_job(e) for e in monitor["spec"]["endpoints"]}
+    assert set(jobs) == {server.metrics_port, 8000}
+    # The alerts find the sidecar by its job: the sidecar's, and only it, must match.
+    rules = (DEPLOY / "prometheus" / "nightjar-rules.yaml").read_text()
+    (sidecar_job,) = set(re.findall(r'up\{job=~"([^"]+)"\}', rules))
+    assert re.fullmatch(sidecar_job, jobs[server.metrics_port])
+    assert not re.fullmatch(sidecar_job, jobs[8000])
     pod_labels = one(documents, "StatefulSet")["spec"]["template"]["metadata"]["labels"]
     assert scraped["spec"]["selector"].items() <= pod_labels.items()
 
