@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
+import re
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import pytest
+
+from policy_server.ops import panels, render
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "deploy" / "grafana" / "nightjar.json"
@@ -35,3 +44,128 @@ def test_check_fails_on_a_stale_file(tmp_path: Path) -> None:
     )
     assert result.returncode == 1
     assert "make dashboard" in result.stderr
+
+
+# -- the queries against a real Prometheus scraping a driven sidecar ---------------------------
+
+DRIVE_SECONDS = 24.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    prom: Any
+    summary: Any
+    board: panels.Board
+    window: render.Window
+    values: dict[str, str]
+
+    def expand(self, expr: str) -> str:
+        return panels.expand(expr, {**self.window.builtins(), **self.values})
+
+
+@pytest.fixture(scope="module")
+def run(make_server_module: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
+    from dashboard_run import SIDECAR_ARGS, SIDECAR_JOB, drive, reject_one
+    from prometheus_rig import PrometheusRig
+
+    server = make_server_module(*SIDECAR_ARGS)
+    jobs = {SIDECAR_JOB: [f"127.0.0.1:{server.metrics_port}"]}
+    with PrometheusRig(tmp_path_factory.mktemp("prometheus"), jobs) as prom:
+        prom.wait_for(f'up{{job="{SIDECAR_JOB}"}} == 1')
+        assert reject_one(server.target) == "rejected"
+        summary = drive(server.target, server.auth, DRIVE_SECONDS, steps_per_second=60)
+        time.sleep(3 * prom.scrape_interval_s)  # the last samples scraped
+        window = render.Window(summary.start, summary.end, 1.0, prom.scrape_interval_s)
+        values = {"job": SIDECAR_JOB, "instance": ".*", "engine_job": ".*", "engine": ".*"}
+        yield Run(prom, summary, panels.load(DASHBOARD), window, values)
+
+
+def test_every_panel_query_is_accepted_by_prometheus(run: Run) -> None:
+    """All of them, the engine side's included: bad PromQL is a 400 with the reason."""
+    rejected = []
+    for panel, target in run.board.queries:
+        try:
+            run.prom.query(run.expand(target.expr), at=run.window.end)
+        except Exception as exc:
+            rejected.append(f"{panel.title} [{target.ref}]: {exc}")
+    assert not rejected, "\n".join(rejected)
+    assert len(run.board.queries) >= 30
+    titles = [p.title for p in run.board.panels]
+    assert len(titles) == len(set(titles)), "panel titles name panels in docs and tests"
+
+
+def test_template_variables_resolve_to_the_scraped_targets(run: Run) -> None:
+    """label_values(metric{…}, label), as Grafana asks it: /api/v1/label/<label>/values."""
+    found = {}
+    for variable in run.board.variables:
+        if variable.type != "query":
+            continue
+        match = re.fullmatch(r"label_values\((.+), (\w+)\)", variable.query)
+        assert match, variable.query
+        series, label = match.groups()
+        found[variable.name] = run.prom.api(
+            f"label/{label}/values", **{"match[]": run.expand(series)}
+        )
+    assert found["job"] == [run.values["job"]]
+    assert len(found["instance"]) == 1 and found["instance"][0].startswith("127.0.0.1:")
+    # No engine in this run: the engine variables are valid queries with no values.
+    assert found["engine_job"] == [] and found["engine"] == []
+
+
+def sidecar_panels(board: panels.Board) -> list[panels.Panel]:
+    return [p for p in board.panels if p.targets and all("$job" in t.expr for t in p.targets)]
+
+
+def test_every_sidecar_panel_returns_data(run: Run) -> None:
+    drawn = {}
+    for panel in sidecar_panels(run.board):
+        series = render.fetch(run.prom, panel, run.window, run.values)
+        drawn[panel.title] = sum(1 for s in series if any(math.isfinite(v) for v in s.values))
+    empty = [title for title, n in drawn.items() if n == 0]
+    assert not empty, f"panels without data after the driven run: {empty}"
+    assert len(drawn) >= 20
+
+
+def series_of(run: Run, title: str) -> dict[str, list[float]]:
+    (panel,) = [p for p in run.board.panels if p.title == title]
+    return {s.name: s.values for s in render.fetch(run.prom, panel, run.window, run.values)}
+
+
+def test_the_panels_show_what_the_run_did(run: Run) -> None:
+    summary = run.summary
+    assert summary.fallbacks == {} and summary.sidecar_decisions == summary.steps
+    # Every bin type the run produced is a series of its panel.
+    by_bin = series_of(run, "Decisions by bin type")
+    assert set(by_bin) == set(summary.bin_types) == {"explore", "exploit", "fixed", "forced"}
+    # Speculation pays at small batches and hurts at large ones in the step model: the
+    # learned γ falls with the batch size.
+    by_bucket = {k: v[-1] for k, v in series_of(run, "Mean γ by batch size (time range)").items()}
+    assert by_bucket["B 1"] > 1.5 > by_bucket["B 256+"], by_bucket
+    # The initial policy, the static one swapped in, and Nightjar again.
+    versions = series_of(run, "Policy version")
+    assert len(versions) == 3 and sum(name.startswith("static ") for name in versions) == 1
+    swaps = series_of(run, "Policy swaps")
+    assert max(swaps["failed"]) >= 1 and max(swaps["ok"]) >= 1
+    rejected = series_of(run, "Rejected requests")
+    assert {"StepStream INVALID_ARGUMENT", "SwapPolicy UNAUTHENTICATED"} <= set(rejected)
+    # The memory controller offloaded the draft at large batches and took it back.
+    assert "offload_draft_expand_kv" in summary.memory_orders
+    assert {"offload_draft_expand_kv", "compact_kv_reload_draft"} <= set(
+        series_of(run, "Memory directives (sidecar)")
+    )
+    assert series_of(run, "Serving")["serving"] == [1.0]
+    (age,) = series_of(run, "Snapshot age").values()
+    assert 0 <= age[-1] < 5  # snapshots every 2 s in this run
+
+
+def test_renderer_draws_the_dashboard(run: Run, tmp_path: Path) -> None:
+    out = tmp_path / "dashboard.png"
+    drawn = render.render(run.board, run.prom, run.window, run.values, out)
+    graphs = [p for p in run.board.panels if p.type != "row"]
+    assert set(drawn) == {p.title for p in graphs}
+    assert all(drawn[p.title] > 0 for p in sidecar_panels(run.board))
+    from matplotlib import image
+
+    height, width, _ = image.imread(out).shape
+    assert width == round(24 * render.COLUMN_IN * render.DPI)
+    assert height > width

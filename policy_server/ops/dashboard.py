@@ -16,7 +16,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from grafana_foundation_sdk.builders import bargauge, stat, timeseries
+from grafana_foundation_sdk.builders import bargauge, stat, statetimeline, timeseries
 from grafana_foundation_sdk.builders.common import (
     ReduceDataOptions,
     StackingConfig,
@@ -25,6 +25,7 @@ from grafana_foundation_sdk.builders.common import (
 from grafana_foundation_sdk.builders.dashboard import (
     Dashboard,
     DatasourceVariable,
+    FieldColor,
     QueryVariable,
     Row,
     ThresholdsConfig,
@@ -42,18 +43,23 @@ from grafana_foundation_sdk.models.common import (
     GraphDrawStyle,
     LegendDisplayMode,
     LegendPlacement,
-    LineInterpolation,
     StackingMode,
+    VisibilityMode,
     VizOrientation,
 )
 from grafana_foundation_sdk.models.dashboard import (
+    FieldColorModeId,
     Threshold,
     ThresholdsMode,
     ValueMap,
+    ValueMapping,
     ValueMappingResult,
     VariableModel,
     VariableRefresh,
     VariableSort,
+)
+from grafana_foundation_sdk.models.dashboard import (
+    Panel as DashboardPanel,
 )
 
 DEFAULT_OUT = Path("deploy/grafana/nightjar.json")
@@ -102,7 +108,10 @@ def targets(*pairs: tuple[str, str]) -> list[Query]:
 
 
 POLICY_INFO = f"max by (name, version) ({series('nightjar_policy_info', SIDECAR)})"
-SNAPSHOT_AGE = f"time() - {series('nightjar_snapshot_last_success_timestamp_seconds', SIDECAR)}"
+# The timestamp is 0 until a sidecar's first snapshot: no age rather than 56 years.
+SNAPSHOT_AGE = (
+    f"time() - ({series('nightjar_snapshot_last_success_timestamp_seconds', SIDECAR)} > 0)"
+)
 
 
 def latency_targets(histogram: str, selector: str) -> list[Query]:
@@ -122,7 +131,6 @@ def graph(
     height: int = 8,
     stacked: bool = False,
     bars: bool = False,
-    steps: bool = False,
     minimum: float | None = 0.0,
     maximum: float | None = None,
 ) -> timeseries.Panel:
@@ -151,8 +159,6 @@ def graph(
         panel = panel.stacking(StackingConfig().mode(StackingMode.NORMAL))
     if bars:
         panel = panel.draw_style(GraphDrawStyle.BARS)
-    if steps:
-        panel = panel.line_interpolation(LineInterpolation.STEP_AFTER)
     return panel
 
 
@@ -162,6 +168,45 @@ def thresholds(*steps: tuple[float | None, str]) -> ThresholdsConfig:
         .mode(ThresholdsMode.ABSOLUTE)
         .steps([Threshold(value=value, color=color) for value, color in steps])
     )
+
+
+def value_map(mapping: dict[str, tuple[str, str]]) -> list[ValueMapping]:
+    """Value → (display text, colour) for stats and state timelines."""
+    options = {
+        value: ValueMappingResult(text=text, color=color, index=index)
+        for index, (value, (text, color)) in enumerate(mapping.items())
+    }
+    return [ValueMap(options=options)]
+
+
+def states(
+    title: str,
+    description: str,
+    queries: list[Query],
+    *,
+    mapping: dict[str, tuple[str, str]] | None = None,
+    width: int = 8,
+    height: int = 8,
+) -> statetimeline.Panel:
+    """A state timeline: one lane per series; coloured by `mapping`, else by series."""
+    panel = (
+        statetimeline.Panel()
+        .title(title)
+        .description(description)
+        .datasource(DATASOURCE)
+        .targets(queries)
+        .span(width)
+        .height(height)
+        .show_value(VisibilityMode.AUTO)
+        .merge_values(True)
+        .fill_opacity(80)
+        .legend(VizLegendOptions().show_legend(False))
+    )
+    if mapping:
+        return panel.mappings(value_map(mapping)).color_scheme(
+            FieldColor().mode(FieldColorModeId.THRESHOLDS)
+        )
+    return panel.color_scheme(FieldColor().mode(FieldColorModeId.PALETTE_CLASSIC))
 
 
 def single(
@@ -191,15 +236,11 @@ def single(
         .thresholds(colours or thresholds((None, "text")))
     )
     if mapping:
-        options = {
-            value: ValueMappingResult(text=text, color=color, index=index)
-            for index, (value, (text, color)) in enumerate(mapping.items())
-        }
-        panel = panel.mappings([ValueMap(options=options)])
+        panel = panel.mappings(value_map(mapping))
     return panel
 
 
-def overview() -> list[stat.Panel | timeseries.Panel]:
+def overview() -> list[stat.Panel | timeseries.Panel | statetimeline.Panel]:
     # A sidecar that is down has no nightjar_serving sample: count it as not serving.
     serving = (
         f"min({series('nightjar_serving', SIDECAR)}"
@@ -254,17 +295,16 @@ def overview() -> list[stat.Panel | timeseries.Panel]:
             width=3,
             colours=thresholds((None, "green"), (0.01, "orange"), (0.1, "red")),
         ),
-        graph(
+        states(
             "Sidecar up and serving",
-            "1 = up (scraped) / serving (gRPC health SERVING), per sidecar.",
+            "Per sidecar: scraped (up) and gRPC health SERVING (a policy is loaded).",
             targets(
                 (series("up", SIDECAR), "up {{instance}}"),
                 (series("nightjar_serving", SIDECAR), "serving {{instance}}"),
             ),
+            mapping={"1": ("yes", "green"), "0": ("no", "red")},
             width=12,
             height=6,
-            steps=True,
-            maximum=1.1,
         ),
         graph(
             "Decisions and reports",
@@ -416,23 +456,20 @@ def latency_row() -> list[timeseries.Panel]:
     ]
 
 
-def memory_row() -> list[timeseries.Panel]:
+def memory_row() -> list[timeseries.Panel | statetimeline.Panel]:
     draft_state = f"max by (engine, state) ({series('nightjar_memory_draft_state', SIDECAR)}) > 0"
     return [
-        graph(
+        states(
             "Draft state (sidecar view)",
             "The draft model's state per engine as the sidecar's memory controller sees "
-            "it: resident, offloading, offloaded, reloading.",
+            "it: resident, offloading, offloaded, reloading (one lane per state).",
             targets((draft_state, "{{engine}} {{state}}")),
-            steps=True,
-            maximum=1.1,
         ),
-        graph(
+        states(
             "Draft resident (memory agent)",
-            "1 while the draft's weights are on the device, per engine (memory agent).",
+            "Whether the draft's weights are on the device, per engine (memory agent).",
             targets((series("nightjar_memory_agent_draft_resident", ENGINE), "{{instance}}")),
-            steps=True,
-            maximum=1.1,
+            mapping={"1": ("resident", "green"), "0": ("offloaded", "orange")},
         ),
         graph(
             "Memory directives (sidecar)",
@@ -469,15 +506,13 @@ def memory_row() -> list[timeseries.Panel]:
     ]
 
 
-def policy_row() -> list[timeseries.Panel]:
+def policy_row() -> list[timeseries.Panel | statetimeline.Panel]:
     return [
-        graph(
+        states(
             "Policy version",
-            "The active policy and version over time: a step is a swap, a parameter "
-            "change, a restore or a reset.",
+            "The active policy and version over time (one lane per version): a new lane "
+            "starts at a swap, a parameter change, a restore or a reset.",
             targets((POLICY_INFO, "{{name}} {{version}}")),
-            steps=True,
-            maximum=1.1,
         ),
         graph(
             "Policy swaps",
@@ -497,7 +532,7 @@ def policy_row() -> list[timeseries.Panel]:
             bars=True,
         ),
         graph(
-            "Snapshot age",
+            "Snapshot age per sidecar",
             "Time since each sidecar last wrote its learned state: it should saw-tooth "
             "at the snapshot interval; a steady climb means snapshots fail.",
             targets((SNAPSHOT_AGE, "{{instance}}")),
@@ -571,7 +606,7 @@ def build() -> Dashboard:
         .editable()
         .variables(variables())
     )
-    rows: list[tuple[str, Sequence[stat.Panel | timeseries.Panel | bargauge.Panel]]] = [
+    rows: list[tuple[str, Sequence[cogbuilder.Builder[DashboardPanel]]]] = [
         ("Overview", overview()),
         ("γ (draft length)", gamma_row()),
         ("Goodput and acceptance", goodput_row()),
