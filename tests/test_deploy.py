@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import sys
+import urllib.request
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -281,6 +282,27 @@ def scrape_job(endpoint: dict[str, Any]) -> str:
     """The job label a ServiceMonitor endpoint's targets get."""
     (job,) = [r["replacement"] for r in endpoint["relabelings"] if r["targetLabel"] == "job"]
     return str(job)
+
+
+# Flags whose paths and ports the test rig chooses itself.
+RIG_FLAGS = ("--uds", "--metrics-port", "--metrics-host", "--state-dir", "--admin-token-file")
+
+
+@pytest.mark.parametrize("variant", ["kustomize:gpu-elastic-memory", "kustomize:cpu"])
+def test_sidecar_runs_with_the_manifest_settings(variant: str, make_server: Any) -> None:
+    """A real nightjar-server with the manifest's settings: the probe's own command finds
+    it SERVING within the kubelet's timeout, its metrics answer where the ServiceMonitor
+    scrapes."""
+    sidecar = container(pod_spec(variant), "nightjar")
+    settings = [a for a in sidecar["args"] if not a.startswith(RIG_FLAGS)]
+    server = make_server(*settings)
+    probe = sidecar["startupProbe"]
+    command = [str(Path(sys.executable).parent / "nightjarctl"), *probe["exec"]["command"][1:]]
+    command[command.index("--target") + 1] = server.target
+    done = subprocess.run(command, capture_output=True, text=True, timeout=probe["timeoutSeconds"])
+    assert done.returncode == 0 and "SERVING" in done.stdout, done.stdout + done.stderr
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics") as reply:
+        assert "nightjar_" in reply.read().decode()
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
