@@ -23,7 +23,6 @@ from typing import Any
 import pytest
 import yaml
 from cloudcoil.models.prometheus_operator import v1 as prometheus_operator
-from helm_python import chart as helm
 from kubernetes_validate import utils as k8s_schema
 
 from policy_server import __version__
@@ -70,8 +69,35 @@ def kustomize(directory: Path) -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all(done.stdout) if d]
 
 
-def helm_render(values: dict[str, Any]) -> list[dict[str, Any]]:
-    rendered = helm.Chart.load(CHART).render(values, name="nightjar", namespace="llm")
+# Helm's Go SDK runs in a child process: loading it starts Go runtime threads, which the
+# rest of the suite (forking vLLM tests among them) should not inherit.
+HELM_CHILD = """
+import json, sys
+from helm_python import chart
+chart_dir, requests = sys.argv[1], json.load(sys.stdin)
+out = []
+for request in requests:
+    if request["lint"]:
+        out.append(chart.lint(chart_dir, request["values"], strict=True,
+                              kube_version="v1.37.0"))
+    else:
+        out.append(chart.Chart.load(chart_dir).render(request["values"], name="nightjar",
+                                                      namespace="llm"))
+json.dump(out, sys.stdout)
+"""
+
+
+def helm(requests: list[dict[str, Any]]) -> list[Any]:
+    done = subprocess.run(
+        [sys.executable, "-c", HELM_CHILD, str(CHART)],
+        input=json.dumps(requests), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    results: list[Any] = json.loads(done.stdout)
+    return results
+
+
+def manifests(rendered: dict[str, str]) -> list[dict[str, Any]]:
     documents: list[dict[str, Any]] = []
     for path, text in rendered.items():
         if path.endswith(".yaml"):
@@ -79,11 +105,20 @@ def helm_render(values: dict[str, Any]) -> list[dict[str, Any]]:
     return documents
 
 
+def helm_render(*values: dict[str, Any]) -> list[list[dict[str, Any]]]:
+    return [manifests(r) for r in helm([{"values": v, "lint": False} for v in values])]
+
+
+@cache
+def helm_variants() -> dict[str, list[dict[str, Any]]]:
+    return dict(zip(HELM_VALUES, helm_render(*HELM_VALUES.values()), strict=True))
+
+
 @cache
 def rendered(variant: str) -> tuple[dict[str, Any], ...]:
     tool, name = variant.split(":")
     documents = kustomize(KUSTOMIZE / "overlays" / name) if tool == "kustomize" else (
-        helm_render(HELM_VALUES[name])
+        helm_variants()[name]
     )  # fmt: skip
     return tuple(documents)
 
@@ -196,8 +231,7 @@ def test_the_validators_reject_broken_manifests() -> None:
 
 
 def test_helm_chart_lints_clean() -> None:
-    for values in HELM_VALUES.values():
-        report = helm.lint(CHART, values, strict=True, kube_version="v1.37.0")
+    for report in helm([{"values": v, "lint": True} for v in HELM_VALUES.values()]):
         assert report["errors"] == []
         # severity 1 is "info" (e.g. "icon is recommended"); 2 and 3 are warnings, errors
         assert [m for m in report["messages"] if m["severity"] >= 2] == []
@@ -501,9 +535,11 @@ def generated_token(documents: list[dict[str, Any]]) -> str:
 
 
 def test_helm_generates_a_random_token_or_uses_yours() -> None:
-    first, second = generated_token(helm_render({})), generated_token(helm_render({}))
-    assert first != second and len(first) == 48 and first.isalnum()
-    documents = helm_render({"adminToken": {"existingSecret": "vault-nightjar", "key": "t"}})
+    first, second, documents = helm_render(
+        {}, {}, {"adminToken": {"existingSecret": "vault-nightjar", "key": "t"}}
+    )
+    first_token, second_token = generated_token(first), generated_token(second)
+    assert first_token != second_token and len(first_token) == 48 and first_token.isalnum()
     assert [d for d in documents if d["kind"] == "Secret"] == []
     spec = one(documents, "StatefulSet")["spec"]["template"]["spec"]
     (volume,) = [v for v in spec["volumes"] if v["name"] == "nightjar-admin-token"]
