@@ -80,9 +80,12 @@ for request in requests:
     if request["lint"]:
         out.append(chart.lint(chart_dir, request["values"], strict=True,
                               kube_version="v1.37.0"))
-    else:
+        continue
+    try:
         out.append(chart.Chart.load(chart_dir).render(request["values"], name="nightjar",
                                                       namespace="llm"))
+    except Exception as exc:  # the values' schema or a template refused them
+        out.append({"error": f"{type(exc).__name__}: {exc}"})
 json.dump(out, sys.stdout)
 """
 
@@ -98,6 +101,7 @@ def helm(requests: list[dict[str, Any]]) -> list[Any]:
 
 
 def manifests(rendered: dict[str, str]) -> list[dict[str, Any]]:
+    assert "error" not in rendered, rendered.get("error")
     documents: list[dict[str, Any]] = []
     for path, text in rendered.items():
         if path.endswith(".yaml"):
@@ -235,6 +239,17 @@ def test_helm_chart_lints_clean() -> None:
         assert report["errors"] == []
         # severity 1 is "info" (e.g. "icon is recommended"); 2 and 3 are warnings, errors
         assert [m for m in report["messages"] if m["severity"] >= 2] == []
+
+
+def test_helm_refuses_values_its_schema_does_not_know() -> None:
+    typo, wrong_type, bad_interval = helm([
+        {"values": {"engine": {"modle": "x"}}, "lint": False},
+        {"values": {"elasticMemory": {"enabled": "yes"}}, "lint": False},
+        {"values": {"metrics": {"serviceMonitor": {"interval": 15}}}, "lint": False},
+    ])  # fmt: skip
+    assert "modle" in typo["error"]
+    assert "enabled" in wrong_type["error"]
+    assert "interval" in bad_interval["error"]
 
 
 # --- settings through the components' own parsers ----------------------------------------
