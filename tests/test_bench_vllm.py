@@ -15,7 +15,8 @@ import pytest
 from conftest import free_port
 
 from policy_server.report import markers
-from vllm_client_patch.bench import QUICK, Pass, parse_args, plan
+from vllm_client_patch.bench import QUICK, parse_args, plan
+from vllm_client_patch.bench_report import Pass
 from vllm_client_patch.serve_load import ServeResult, parse_schedule, write_prompts
 
 SCHEDULE = parse_schedule(str(QUICK["schedule"]))
