@@ -16,9 +16,9 @@ import datetime
 import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn
 
 import nightjar_data
 
@@ -36,6 +36,9 @@ from policy_server.sim.workload import (
     synthetic,
     window,
 )
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 SECTION = "bench-sim"
 GAMMA_MAX = 4
@@ -148,22 +151,6 @@ def summary_table(cells: Mapping[str, Cell], reference: str = "oracle") -> list[
     return lines
 
 
-class Progress:
-    def __init__(self, total: int) -> None:
-        self.total, self.done, self.started = total, 0, time.time()
-
-    def tick(self, label: str) -> None:
-        self.done += 1
-        width = 30
-        filled = width * self.done // self.total
-        bar = "#" * filled + "." * (width - filled)
-        elapsed = time.time() - self.started
-        print(f"\r[{bar}] {self.done}/{self.total} {elapsed:4.0f}s {label:<50}",
-              end="", file=sys.stderr)  # fmt: skip
-        if self.done == self.total:
-            print(file=sys.stderr)
-
-
 def sweep_rates(quick: bool) -> list[float]:
     return [2.0, 8.0, 24.0] if quick else [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]
 
@@ -203,9 +190,13 @@ def run(
     per_seed = {seed: workloads(args.data, seed, args.quick) for seed in config.seeds}
     names = list(per_seed[config.seeds[0]])
     rates = sweep_rates(args.quick)
-    progress = Progress(
-        len(profiles) * (len(names) * len(POLICIES) * len(config.seeds)
-                         + len(rates) * len(SWEEP_POLICIES))
+    # Imported here, like matplotlib: `nightjar-sim` works without the `sim` extra.
+    from tqdm import tqdm
+
+    progress = tqdm(
+        total=len(profiles) * (len(names) * len(POLICIES) * len(config.seeds)
+                               + len(rates) * len(SWEEP_POLICIES)),
+        unit="run", desc="bench-sim",
     )  # fmt: skip
 
     cells: dict[tuple[str, str, str], list[Cell]] = {}
@@ -219,9 +210,11 @@ def run(
                     cells.setdefault((profile_name, workload, policy), []).append(cell)
                     if seed == config.seeds[0] and workload in ("step", "azure-conv"):
                         kept[(profile_name, workload, policy)] = result
-                    progress.tick(f"{profile_name} {workload} {policy} seed {seed}")
+                    progress.set_postfix_str(f"{profile_name} {workload} {policy} seed {seed}")
+                    progress.update()
 
     sweep = run_sweep(profiles, rates, config, progress, args.data)
+    progress.close()
     figures = write_plots(args.plots, profiles, kept, sweep, args.data)
     write_section(args.out, SECTION, render(cells, list(profiles), names, config, sweep, figures,
                                             args.out.parent))  # fmt: skip
@@ -233,7 +226,7 @@ Sweep = dict[str, dict[str, list[tuple[float, float, float]]]]
 
 def run_sweep(
     profiles: dict[str, HardwareProfile], rates: list[float], config: BenchConfig,
-    progress: Progress, data: Path,
+    progress: tqdm[NoReturn], data: Path,
 ) -> Sweep:  # fmt: skip
     """Throughput and mean latency against a Poisson offered load, first seed."""
     trace = read_trace(data / "traces" / "azure_llm_2023_conv.csv")
@@ -248,7 +241,8 @@ def run_sweep(
                 sweep.setdefault(profile_name, {}).setdefault(policy, []).append(
                     (rate, result.throughput, statistics.fmean(result.latencies()))
                 )
-                progress.tick(f"sweep {profile_name} {rate:g} qps {policy}")
+                progress.set_postfix_str(f"sweep {profile_name} {rate:g} qps {policy}")
+                progress.update()
     return sweep
 
 
