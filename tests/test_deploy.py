@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -217,6 +218,21 @@ def test_manifests_match_the_schemas(variant: str) -> None:
             continue
         for version in KUBERNETES_VERSIONS:
             k8s_schema.validate(document, version, strict=True)
+
+
+def test_a_cluster_without_the_prometheus_operator(tmp_path: Path) -> None:
+    """Your overlay: the cpu one with the component that drops the operator's resources."""
+    component = KUSTOMIZE / "components" / "without-prometheus-operator"
+    overlay = {
+        "resources": [os.path.relpath(KUSTOMIZE / "overlays" / "cpu", tmp_path)],
+        "components": [os.path.relpath(component, tmp_path)],
+    }
+    (tmp_path / "kustomization.yaml").write_text(yaml.safe_dump(overlay))
+    documents = kustomize(tmp_path)
+    full = {d["kind"] for d in documents_of("kustomize:cpu")}
+    assert {d["kind"] for d in documents} == full - CRDS
+    for document in documents:
+        k8s_schema.validate(document, "1.37", strict=True)
 
 
 def test_the_validators_reject_broken_manifests() -> None:
