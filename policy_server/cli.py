@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from policy_server import __version__, snapshot
+from policy_server.admin_token import read_token
 from policy_server.config import ConfigError, ServerConfig
 from policy_server.decision_log import DecisionLog
 from policy_server.errors import NightjarError
@@ -71,18 +72,6 @@ def load_config(args: argparse.Namespace) -> ServerConfig:
     config = config.merged(overrides, origin="command line")
     config.validate()
     return config
-
-
-def read_token(path: str) -> str | None:
-    if not path:
-        return None
-    try:
-        token = Path(path).read_text().strip()
-    except OSError as exc:
-        raise ConfigError(f"cannot read admin token file {path}: {exc}") from exc
-    if not token:
-        raise ConfigError(f"admin token file {path} is empty")
-    return token
 
 
 def restore_on_start(service: DecisionService, state_dir: Path, policy_from_flag: bool) -> None:

@@ -154,7 +154,7 @@ class SchedulerMemory:
         self.server: Any = None
         if config.memory_socket:
             from memory_agent.service import serve
-            from policy_server.cli import read_token
+            from policy_server.admin_token import read_token
 
             self.server = serve(agent, config.memory_socket, read_token(config.admin_token_file))
 
