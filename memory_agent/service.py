@@ -21,6 +21,7 @@ from grpc_reflection.v1alpha import reflection
 from nightjar.v1 import memory_pb2, memory_pb2_grpc
 
 from memory_agent.agent import Action, MemoryAgent, MemoryStatus, Order
+from policy_server import uds
 from policy_server.errors import NightjarError
 from policy_server.grpc_server import check_admin_token, status_of
 
@@ -78,7 +79,11 @@ class MemoryAgentServicer(memory_pb2_grpc.MemoryAgentServiceServicer):  # type: 
 
 
 def serve(agent: MemoryAgent, uds_path: str, admin_token: str | None = None) -> grpc.Server:
-    """Start the service on ``unix:uds_path`` (a few threads: operators, not the hot path)."""
+    """Start the service on ``unix:uds_path`` (a few threads: operators, not the hot path).
+
+    Raises SocketPathError when a live server already listens on the path (policy_server/uds.py).
+    """
+    uds.claim(uds_path)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="nightjar-memory"),
         options=[("grpc.so_reuseport", 0)],

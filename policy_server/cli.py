@@ -11,7 +11,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from policy_server import __version__, snapshot
+from policy_server import __version__, snapshot, uds
 from policy_server.admin_token import read_token
 from policy_server.config import ConfigError, ServerConfig
 from policy_server.decision_log import DecisionLog
@@ -143,13 +143,17 @@ def main(argv: list[str] | None = None) -> int:
         restore_on_start(service, Path(config.state_dir), policy_from_flag=args.policy is not None)
 
     tcp = f"{config.host}:{config.port}" if config.port is not None else None
-    if config.uds:
-        Path(config.uds).parent.mkdir(parents=True, exist_ok=True)
-        Path(config.uds).unlink(missing_ok=True)  # a stale socket from a killed server
-    running = build_server(
-        service, uds_path=config.uds or None, tcp_address=tcp, admin_token=token,
-        max_workers=config.max_workers,
-    )  # fmt: skip
+    try:
+        if config.uds:
+            uds.claim(config.uds)  # never take the path over from a live server
+        running = build_server(
+            service, uds_path=config.uds or None, tcp_address=tcp, admin_token=token,
+            max_workers=config.max_workers,
+        )  # fmt: skip
+    except (uds.SocketPathError, RuntimeError, OSError) as exc:
+        # RuntimeError: gRPC could not bind (a TCP port in use).
+        print(f"nightjar-server: cannot listen: {exc}", file=sys.stderr)
+        return 1
     stop_metrics = None
     if config.metrics_port is not None:
         stop_metrics = metrics.serve_http(config.metrics_port, config.metrics_host)
