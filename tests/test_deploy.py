@@ -27,6 +27,7 @@ from cloudcoil.models.prometheus_operator import v1 as prometheus_operator
 from kubernetes_validate import utils as k8s_schema
 
 from policy_server import __version__
+from policy_server.admin_token import token_problem
 from policy_server.cli import load_config, parse_args
 from policy_server.ctl import build_parser as ctl_parser
 from policy_server.memory import MemoryParams
@@ -571,6 +572,7 @@ def test_helm_generates_a_random_token_or_uses_yours() -> None:
     )
     first_token, second_token = generated_token(first), generated_token(second)
     assert first_token != second_token and len(first_token) == 48 and first_token.isalnum()
+    assert token_problem(first_token) is None  # the sidecar and the agent accept it
     assert [d for d in documents if d["kind"] == "Secret"] == []
     spec = one(documents, "StatefulSet")["spec"]["template"]["spec"]
     (volume,) = [v for v in spec["volumes"] if v["name"] == "nightjar-admin-token"]
