@@ -32,12 +32,15 @@ import math
 import threading
 import time
 from collections.abc import Mapping
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from memory_agent.draft_weights import ReloadError, Transfer
 from memory_agent.planner import MigrationPlan, Move, PlanError
 from policy_server.errors import FailedPreconditionError, InvalidArgumentError, NightjarError
 from policy_server.memory import DraftState
+
+if TYPE_CHECKING:
+    from memory_agent.metrics import AgentMetrics
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +155,7 @@ class MemoryAgent:
     ) -> None:  # fmt: skip
         """``draft_blocks``: S_draft when the draft lives in the buffer's top blocks
         (draft_slot.py); otherwise the draft's bytes in blocks, rounded up."""
+        self.metrics: AgentMetrics | None = None
         if capacity_blocks < 2 or block_bytes <= 0:
             raise ValueError("need a KV pool of at least 2 blocks and a positive block size")
         self.capacity_blocks = capacity_blocks
@@ -167,7 +171,7 @@ class MemoryAgent:
         self.draft_blocks = 0 if offload_blocker else min(draft_blocks, capacity_blocks - 2)
         # The usable pool starts without the draft's share (the draft is resident).
         self.kv_blocks = capacity_blocks - self.draft_blocks
-        self.state = DraftState.RESIDENT
+        self._state = DraftState.RESIDENT
         self.pool: KVPool | None = None
         self._lock = threading.Lock()
         self._queue: collections.deque[_Ticket] = collections.deque()
@@ -178,6 +182,21 @@ class MemoryAgent:
         self.offloads = self.reloads = self.failed_reloads = self.migrated_blocks = 0
         # (action, seconds it held the engine, error or "") of recent orders, oldest first.
         self.history: collections.deque[tuple[str, float, str]] = collections.deque(maxlen=64)
+
+    @property
+    def state(self) -> DraftState:
+        return self._state
+
+    @state.setter
+    def state(self, state: DraftState) -> None:
+        self._state = state
+        if self.metrics is not None:
+            self.metrics.draft_resident.set(1.0 if state is DraftState.RESIDENT else 0.0)
+
+    def attach_metrics(self, metrics: AgentMetrics | None) -> None:
+        """Count orders and follow the draft's state in ``metrics`` from now on."""
+        self.metrics = metrics
+        self.state = self._state  # the gauge starts at the current state
 
     # -- orders ---------------------------------------------------------------------------
 
@@ -378,6 +397,8 @@ class MemoryAgent:
         self.last_error = str(error) if error else ""
         ticket.held_s += time.perf_counter() - self._half_started
         self.history.append((ticket.order.action.value, ticket.held_s, self.last_error))
+        if self.metrics is not None:
+            self.metrics.order_done(ticket.order.action, error is not None, ticket.held_s)
         if error is not None:
             log.warning("nightjar memory: %s failed: %s", ticket.order.action.value, error)
         ticket.done.set()

@@ -32,6 +32,7 @@ from policy_server.policies.fixed import DEFAULT_SCHEDULE
 from policy_server.types import MemoryDirective, StepContext, StepOutcome
 from vllm_client_patch.client import ClientConfig, GammaDecision, NightjarClient
 from vllm_client_patch.config import PluginConfig
+from vllm_client_patch.metrics import PluginMetrics, Totals
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +80,11 @@ class GammaController:
         config: PluginConfig,
         fallback_table: tuple[tuple[int, int, int], ...] | None = None,
         client_factory: Callable[[ClientConfig], NightjarClient] = NightjarClient,
+        metrics: PluginMetrics | None = None,
     ) -> None:
+        """``metrics``: exported from the telemetry thread once a second when given."""
         self.config = config
+        self.metrics = metrics
         client_config = ClientConfig(
             target=config.sidecar, engine_id=config.engine_id,
             deadline_s=config.deadline_ms / 1000,
@@ -100,17 +104,21 @@ class GammaController:
         # Drafted tokens of the steps whose decision was reported.
         self._drafted_reported = 0
         self._gammas: collections.Counter[int] = collections.Counter()
+        # Where each step's γ came from: sidecar, fallback, forced (draft not resident).
+        self._sources: collections.Counter[str] = collections.Counter()
         self._hook_s: collections.deque[float] = collections.deque(maxlen=_SAMPLES)
         self._step_s: collections.deque[float] = collections.deque(maxlen=_SAMPLES)
+        # Hook times not yet exported to the metrics (swapped out by each flush).
+        self._hook_unexported: list[float] = []
         self._hook_decide_s = 0.0
         self._lock = threading.Lock()
-        # The stats file is written off the engine's thread: sorting the samples for
-        # percentiles takes milliseconds, and it stays fresh while the engine idles.
+        # The stats file and the metrics are written off the engine's thread: sorting the
+        # samples for percentiles takes milliseconds, and both stay fresh while it idles.
         self._closed = threading.Event()
         self._writer: threading.Thread | None = None
-        if config.stats_file:
+        if config.stats_file or metrics is not None:
             self._writer = threading.Thread(
-                target=self._write_stats_loop, name="nightjar-stats", daemon=True
+                target=self._telemetry_loop, name="nightjar-stats", daemon=True
             )
             self._writer.start()
 
@@ -144,6 +152,7 @@ class GammaController:
         self._pending.append(_InFlight(ctx, dataclasses.replace(decision, gamma=gamma), started))
         self._previous_gamma = gamma
         self._gammas[gamma] += 1
+        self._sources[decision.source if view.draft_resident else "forced"] += 1
         # Ask for the next step now, assuming the batch stays as it is.
         self.client.prefetch(self._context(view, self._step_index + 1))
         self._hook_decide_s = time.perf_counter() - started
@@ -174,9 +183,12 @@ class GammaController:
         self._in_flight = step
         self._step_index += 1
         ended = time.perf_counter()
+        hook = self._hook_decide_s + hook_s + ended - started
         with self._lock:
             self._step_s.append(ended - step.started)
-            self._hook_s.append(self._hook_decide_s + hook_s + ended - started)
+            self._hook_s.append(hook)
+            if self.metrics is not None:
+                self._hook_unexported.append(hook)
 
     def idle(self) -> None:
         """The engine ran out of requests: drop the unverifiable last decision and send
@@ -215,6 +227,7 @@ class GammaController:
             "drafts": self._drafts,
             "drafted_tokens_reported": self._drafted_reported,
             "gammas": {str(g): n for g, n in sorted(self._gammas.items())},
+            "sources": dict(self._sources),
             "sidecar_decisions": client.sidecar_decisions,
             "fallbacks": dict(client.fallbacks),
             "fallbacks_total": client.fallbacks_total,
@@ -236,15 +249,35 @@ class GammaController:
         except OSError as exc:
             log.warning("nightjar: cannot write stats to %s: %s", path, exc)
 
-    def _write_stats_loop(self) -> None:
+    def export_metrics(self) -> None:
+        """Add what was counted since the last export to the Prometheus metrics."""
+        if self.metrics is None:
+            return
+        client = self.client.stats
+        with self._lock:
+            hook, self._hook_unexported = self._hook_unexported, []
+        self.metrics.flush(
+            Totals(
+                sources=dict(self._sources), fallbacks=dict(client.fallbacks),
+                gammas=dict(self._gammas), prefetch_misses=client.prefetch_misses,
+                new_hook_seconds=hook,
+            )
+        )  # fmt: skip
+
+    def _telemetry_loop(self) -> None:
         while not self._closed.wait(STATS_INTERVAL_S):
+            self._write_telemetry()
+
+    def _write_telemetry(self) -> None:
+        self.export_metrics()
+        if self.config.stats_file:
             self.write_stats()
 
     def close(self) -> None:
         self._closed.set()
         if self._writer is not None:
             self._writer.join(timeout=5)
-            self.write_stats()
+            self._write_telemetry()
         self.client.close()
 
 

@@ -22,10 +22,12 @@ import torch
 
 from memory_agent.agent import Action, MemoryAgent, Order, WorkerOrder
 from memory_agent.draft_weights import DraftWeights
+from memory_agent.metrics import AgentMetrics
 from memory_agent.vllm_pool import ElasticBlockPool
 from memory_agent.vllm_worker import RunnerMemory, draft_weights, slot_bytes
 from policy_server.types import MemoryDirective
 from vllm_client_patch.config import PluginConfig
+from vllm_client_patch.metrics import file_backed
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +152,7 @@ class SchedulerMemory:
 
     def __init__(self, agent: MemoryAgent, kv_cache_manager: Any, config: PluginConfig) -> None:
         self.agent = agent
+        agent.attach_metrics(file_backed(AgentMetrics))  # in vLLM's /metrics (metrics.py)
         self.pool = ElasticBlockPool(kv_cache_manager, agent.kv_blocks)
         self.server: Any = None
         if config.memory_socket:

@@ -51,6 +51,10 @@ def register() -> None:
                     getattr(vllm, "__version__", "?"), SUPPORTED)  # fmt: skip
         return
     _install_default_scheduler()
+    # First called in vLLM's API server, before the engine process starts (metrics.py).
+    from vllm_client_patch.metrics import install_collector
+
+    install_collector()
     # Cheap when the agent is off (it is built only with NIGHTJAR_MEMORY_AGENT set when the
     # engine starts); installed regardless because vLLM calls register() once per process.
     from vllm_client_patch.memory import install_worker_hooks

@@ -41,6 +41,7 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm_client_patch.config import PluginConfig
 from vllm_client_patch.controller import EngineView, GammaController, VerifiedStep
 from vllm_client_patch.memory import ORDER_ATTR, SchedulerMemory
+from vllm_client_patch.metrics import PluginMetrics
 from vllm_client_patch.plugin import SUPPORTED, vllm_release
 
 log = logging.getLogger(__name__)
@@ -164,7 +165,9 @@ class _NightjarMixin:
                 "speculative_config.num_speculative_tokens_per_batch_size set"
             )
             return
-        self._nightjar = GammaController(config, tuple(tuple(row) for row in table))
+        self._nightjar = GammaController(
+            config, tuple(tuple(row) for row in table), metrics=PluginMetrics.create()
+        )
         self._memory = SchedulerMemory.create(config, self.kv_cache_manager)
         log.info(
             "nightjar: γ per step from %s (engine %s, Γmax %d, deadline %.1f ms)",

@@ -1,0 +1,47 @@
+"""Prometheus metrics of the memory agent (``nightjar_memory_agent_*``).
+
+Orders are rare (one per offload, reload or resize), so the agent updates these directly
+(:meth:`MemoryAgent.attach_metrics`). In vLLM the plugin builds them file-backed
+(``vllm_client_patch/metrics.py``) once the scheduler has the agent in service, so that
+vLLM's own ``/metrics`` serves them; here they are plain prometheus_client objects,
+registered nowhere.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+from memory_agent.agent import Action
+
+# How long an order held the engine at step boundaries: a resize without copies takes
+# µs, a draft offload or a block migration ms, a synchronous reload up to seconds.
+ORDER_BUCKETS = (1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1, 0.5, 1.0, 5.0)
+
+
+class AgentMetrics:
+    def __init__(self) -> None:
+        orders = Counter(
+            "nightjar_memory_agent_orders",
+            "Memory orders carried out, by action and result (ok|failed).",
+            ["action", "result"], registry=None,
+        )  # fmt: skip
+        # Every series exported from zero, so that increase() sees the first failure.
+        self.orders = {
+            (action.value, result): orders.labels(action.value, result)
+            for action in Action
+            for result in ("ok", "failed")
+        }
+        self.order_seconds = Histogram(
+            "nightjar_memory_agent_order_seconds",
+            "Time an order held the engine at step boundaries.",
+            buckets=ORDER_BUCKETS, registry=None,
+        )  # fmt: skip
+        self.draft_resident = Gauge(
+            "nightjar_memory_agent_draft_resident",
+            "1 while the draft model is resident (speculation possible), else 0.",
+            registry=None, multiprocess_mode="mostrecent",
+        )  # fmt: skip
+
+    def order_done(self, action: Action, failed: bool, held_s: float) -> None:
+        self.orders[action.value, "failed" if failed else "ok"].inc()
+        self.order_seconds.observe(held_s)
