@@ -263,6 +263,8 @@ def vllm_server(models: Any, make_server: Any, tmp_path: Path) -> Iterator[dict[
     sidecar, in vLLM's default layout: the engine core in a process of its own."""
     from vllm_engine import CPU_ENV, GAMMA_MAX
 
+    from vllm_client_patch.bench import process, wait_healthy
+
     sidecar = make_server()
     port = free_port()
     spec = {"method": "draft_model", "model": str(models.draft),
@@ -279,29 +281,13 @@ def vllm_server(models: Any, make_server: Any, tmp_path: Path) -> Iterator[dict[
                "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
                "--max-model-len", "512", "--enforce-eager", "--max-num-seqs", "8",
                "--seed", "0", "--speculative-config", json.dumps(spec)]  # fmt: skip
-    with log.open("wb") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited at start:\n{log.read_text()[-4000:]}")
-            try:
-                urllib.request.urlopen(f"{base}/health", timeout=2)
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"vLLM not healthy:\n{log.read_text()[-4000:]}") from None
-                time.sleep(1)
-        yield {"base": base, "port": port, "proc": proc, "sidecar": sidecar, "log": log}
-    finally:
-        proc.send_signal(signal.SIGTERM)
+    with process(command, log, env) as proc:
         try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+            wait_healthy(base, proc, timeout=300)
+        except RuntimeError as exc:
+            raise RuntimeError(f"{exc}:\n{log.read_text()[-4000:]}") from None
+        yield {"base": base, "port": port, "proc": proc, "sidecar": sidecar}
 
 
 @pytest.mark.slow
