@@ -42,8 +42,9 @@ $(VLLM_STAMP): $(STAMP)
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 
-# The packages' services are not needed (the tests start their own Prometheus on a free
-# loopback port); where policy-rc.d forbids starting them (containers) they stay stopped.
+# The packages' services are not needed: the tests start their own Prometheus on a free
+# loopback port. Where policy-rc.d forbids starting services (containers) the package's
+# stays stopped; elsewhere it runs on :9090, which the tests neither use nor disturb.
 $(APT_STAMP): Makefile
 	@dpkg -s $(APT_PACKAGES) >/dev/null 2>&1 || { \
 		$(SUDO) apt-get update && \
