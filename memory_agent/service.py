@@ -78,10 +78,15 @@ class MemoryAgentServicer(memory_pb2_grpc.MemoryAgentServiceServicer):  # type: 
         return status_to_pb(self.agent.status())
 
 
-def serve(agent: MemoryAgent, uds_path: str, admin_token: str | None = None) -> grpc.Server:
+def serve(
+    agent: MemoryAgent, uds_path: str, admin_token: str | None = None,
+    mode: int = uds.DEFAULT_MODE,
+) -> grpc.Server:  # fmt: skip
     """Start the service on ``unix:uds_path`` (a few threads: operators, not the hot path).
 
-    Raises SocketPathError when a live server already listens on the path (policy_server/uds.py).
+    The socket file gets ``mode`` (group-writable by default: operators' tools in the
+    engine's group connect). Raises SocketPathError when a live server already listens
+    on the path (policy_server/uds.py).
     """
     uds.claim(uds_path)
     server = grpc.server(
@@ -96,9 +101,9 @@ def serve(agent: MemoryAgent, uds_path: str, admin_token: str | None = None) -> 
     reflection.enable_server_reflection(
         (MEMORY_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
-    server.add_insecure_port(f"unix:{uds_path}")
+    uds.bind(server, uds_path, mode)
     server.start()
     for name in ("", MEMORY_SERVICE):
         health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("nightjar memory agent listening on unix:%s", uds_path)
+    log.info("nightjar memory agent listening on unix:%s (mode %04o)", uds_path, mode)
     return server

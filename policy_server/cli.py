@@ -28,7 +28,7 @@ log = logging.getLogger("nightjar.server")
 
 # Flags that override the config file's setting of the same name.
 FLAG_SETTINGS = (
-    "uds", "port", "host", "metrics_port", "metrics_host", "policy", "state_dir",
+    "uds", "uds_mode", "port", "host", "metrics_port", "metrics_host", "policy", "state_dir",
     "snapshot_interval_s", "admin_token_file", "decision_log", "log_level",
 )  # fmt: skip
 
@@ -37,6 +37,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="nightjar-server", description=__doc__)
     p.add_argument("--config", help="TOML configuration file (flags override it)")
     p.add_argument("--uds", help="listen on this Unix socket path")
+    p.add_argument("--uds-mode", help="the socket's file mode, octal (default 0660: owner "
+                   "and group may connect; run the engine in the socket's group)")  # fmt: skip
     p.add_argument("--port", type=int, help="listen on this TCP port (0 = any free port)")
     p.add_argument("--host", help="TCP bind address (default 127.0.0.1)")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
@@ -148,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             uds.claim(config.uds)  # never take the path over from a live server
         running = build_server(
             service, uds_path=config.uds or None, tcp_address=tcp, admin_token=token,
-            max_workers=config.max_workers,
+            max_workers=config.max_workers, uds_mode=config.uds_mode,
         )  # fmt: skip
     except (uds.SocketPathError, RuntimeError, OSError) as exc:
         # RuntimeError: gRPC could not bind (a TCP port in use).
@@ -158,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     if config.metrics_port is not None:
         stop_metrics = metrics.serve_http(config.metrics_port, config.metrics_host)
         log.info("metrics on http://%s:%d/metrics", config.metrics_host, config.metrics_port)
+    if config.uds:
+        log.info("socket %s has mode %04o (connecting needs write access)", config.uds,
+                 config.uds_mode)  # fmt: skip
     log.info(
         "nightjar-server %s listening on %s with policy %s (%s)",
         __version__, ", ".join(running.addresses), service.active.name, service.active.version,

@@ -7,6 +7,8 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from policy_server.uds import parse_mode
+
 
 class ConfigError(ValueError):
     """The configuration file or a flag is invalid."""
@@ -16,6 +18,8 @@ class ConfigError(ValueError):
 class ServerConfig:
     # Listening: a Unix socket and/or a TCP port (on `host`, loopback by default).
     uds: str = ""
+    # The socket's file mode: group-writable so an engine in the same group can connect.
+    uds_mode: int = 0o660
     port: int | None = None
     host: str = "127.0.0.1"
     # Prometheus /metrics over HTTP (None = off).
@@ -62,5 +66,9 @@ class ServerConfig:
             value = getattr(self, name)
             if value is not None and not 0 <= value <= 65535:
                 raise ConfigError(f"{name} must be in 0..65535, got {value}")
+        try:
+            self.uds_mode = parse_mode(self.uds_mode)
+        except ValueError as exc:
+            raise ConfigError(f"uds_mode: {exc}") from None
         if self.snapshot_interval_s <= 0:
             raise ConfigError("snapshot_interval_s must be > 0")

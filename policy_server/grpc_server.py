@@ -19,7 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from nightjar.v1 import admin_pb2, admin_pb2_grpc, policy_pb2, policy_pb2_grpc
 
-from policy_server import wire
+from policy_server import uds, wire
 from policy_server.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
@@ -253,8 +253,12 @@ def build_server(
     tcp_address: str | None = None,
     admin_token: str | None = None,
     max_workers: int = 16,
+    uds_mode: int = uds.DEFAULT_MODE,
 ) -> RunningServer:
-    """Create, bind and start the gRPC server; health turns SERVING once a policy is active."""
+    """Create, bind and start the gRPC server; health turns SERVING once a policy is active.
+
+    ``uds_mode``: the Unix socket's file mode (policy_server/uds.py), set before serving.
+    """
     if not uds_path and not tcp_address:
         raise ValueError("need a Unix socket path or a TCP address to listen on")
     server = grpc.server(
@@ -270,8 +274,7 @@ def build_server(
     )
     addresses = []
     if uds_path:
-        server.add_insecure_port(f"unix:{uds_path}")
-        addresses.append(f"unix:{uds_path}")
+        addresses.append(uds.bind(server, uds_path, uds_mode))
     if tcp_address:
         port = server.add_insecure_port(tcp_address)
         host = tcp_address.rsplit(":", 1)[0]

@@ -1,4 +1,12 @@
-"""Unix-domain sockets of the sidecar and of the memory agent: claiming the path.
+"""Unix-domain sockets of the sidecar and of the memory agent: claiming the path, binding
+with a mode.
+
+Mode: connecting to a Unix socket needs write permission on its file. The engine (vLLM)
+and the sidecar often run as different users, so the sockets are created group-writable,
+0660 by default, for a group both share (Kubernetes: the pod's ``fsGroup``, which owns the
+shared volume and, through its set-group-id bit, the sockets created in it). The process
+umask is narrowed while gRPC binds, so the file never exists with more than the mode,
+then set to exactly the mode before the server starts.
 
 gRPC removes whatever socket file is at the path when it binds, live or not: a second
 server started on the same path would silently take it over from a running one (which
@@ -14,11 +22,16 @@ import logging
 import os
 import socket
 import stat
+import threading
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
 PROBE_TIMEOUT_S = 1.0
+DEFAULT_MODE = 0o660
+# os.umask is process-wide: one bind at a time changes it.
+_UMASK_LOCK = threading.Lock()
 
 
 class SocketPathError(RuntimeError):
@@ -58,3 +71,39 @@ def claim(path: str | Path) -> None:
         raise SocketPathError(f"cannot tell whether {path} is in use ({error}): not replacing it")
     path.unlink(missing_ok=True)
     log.info("removed the stale socket %s (nothing listens on it)", path)
+
+
+def parse_mode(value: Any) -> int:
+    """A socket file mode from an octal string ("0660", "660", "0o660") or an int."""
+    if isinstance(value, bool):
+        raise ValueError(f"socket mode must be octal like 0660, got {value!r}")
+    if isinstance(value, int):
+        mode = value
+    else:
+        text = str(value).strip().lower().removeprefix("0o")
+        try:
+            mode = int(text, 8)
+        except ValueError:
+            raise ValueError(f"socket mode must be octal like 0660, got {value!r}") from None
+    if not 0 <= mode <= 0o777:
+        raise ValueError(f"socket mode must be in 0000..0777, got {oct(mode)}")
+    if mode & 0o600 != 0o600:
+        raise ValueError(f"socket mode {mode:04o} leaves the owner unable to use the socket")
+    return mode
+
+
+def bind(server: Any, path: str | Path, mode: int = DEFAULT_MODE) -> str:
+    """Add ``unix:path`` to the (not yet started) gRPC ``server``: the socket file is
+    created with at most ``mode``, then set to exactly ``mode``. Returns the address."""
+    address = f"unix:{os.fspath(path)}"
+    with _UMASK_LOCK:
+        # Reading the umask means setting it: 0o777 for the instant in between (files
+        # created meanwhile by other threads get fewer permissions, never more).
+        previous = os.umask(0o777)
+        os.umask(previous | (0o777 & ~mode))
+        try:
+            server.add_insecure_port(address)
+        finally:
+            os.umask(previous)
+    os.chmod(path, mode)
+    return address

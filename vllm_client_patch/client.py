@@ -19,6 +19,7 @@ import dataclasses
 import itertools
 import logging
 import queue
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -27,7 +28,7 @@ from typing import Any
 import grpc
 from nightjar.v1 import policy_pb2, policy_pb2_grpc
 
-from policy_server import wire
+from policy_server import uds, wire
 from policy_server.policies.fixed import DEFAULT_SCHEDULE, TablePolicy
 from policy_server.types import Decision, MemoryDirective, StepContext, StepOutcome
 
@@ -40,6 +41,18 @@ CHANNEL_OPTIONS = [
     ("grpc.max_reconnect_backoff_ms", 1000),
     ("grpc.enable_retries", 0),
 ]
+# grpc.channel_ready_future's poller wakes up this often (grpc/_channel.py), plus margin.
+POLLER_PERIOD_S = 0.25
+# A sidecar that accepts connections but gives no gRPC answer for this long is reported.
+UNREADY_WARNING_S = 2.0
+# What an operator should check, by the error connecting to the sidecar's address.
+_HINTS = {
+    PermissionError: "the engine's user needs write access to the socket: run it in the "
+    "socket's group (the sidecar creates it with mode 0660; Kubernetes: fsGroup)",
+    FileNotFoundError: "no socket there: is the sidecar running, and does the engine "
+    "mount the sidecar's socket directory?",
+    ConnectionRefusedError: "nothing listens there (a stopped sidecar's socket, or the wrong port)",
+}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -254,6 +267,11 @@ class NightjarClient:
         self._transport: _StreamTransport | _UnaryTransport | None = None
         self._closed = threading.Event()
         self._broken = threading.Event()
+        # Start-up diagnostics: one warning while the sidecar cannot be reached, one line
+        # when it first answers (the reconnect thread owns these).
+        self._started = time.monotonic()
+        self._warned_unreachable = False
+        self._ready_wait_ended = 0.0
         self._channel = grpc.insecure_channel(config.target, options=CHANNEL_OPTIONS)
         self._reconnector = threading.Thread(
             target=self._reconnect_loop, name="nightjar-reconnect", daemon=True
@@ -333,6 +351,11 @@ class NightjarClient:
         if self._transport is not None:
             self._transport.close()
         self._reconnector.join(timeout=2)
+        # gRPC's connectivity poller notices within one poll period (0.2 s) that the last
+        # readiness wait left; closing the channel under it makes it raise in its thread.
+        linger = self._ready_wait_ended + POLLER_PERIOD_S - time.monotonic()
+        if linger > 0:
+            time.sleep(linger)
         self._channel.close()
 
     def __enter__(self) -> NightjarClient:
@@ -438,9 +461,16 @@ class NightjarClient:
             self._broken.wait()
             if self._closed.is_set():
                 return
+            ready = grpc.channel_ready_future(self._channel)
             try:
-                grpc.channel_ready_future(self._channel).result(timeout=backoff)
+                ready.result(timeout=backoff)
             except grpc.FutureTimeoutError:
+                # Unsubscribe: a pending future keeps gRPC's connectivity poller running,
+                # which then races the channel's close.
+                ready.cancel()
+                self._ready_wait_ended = time.monotonic()
+                if self._transport is None:
+                    self._warn_unreachable()
                 backoff = min(backoff * 2, 1.0)
                 continue
             if self.config.use_stream:
@@ -451,14 +481,42 @@ class NightjarClient:
                 transport = _UnaryTransport(self._channel, self.config.deadline_s)
             if self._transport is not None:
                 self.stats.reconnects += 1
+                log.info("nightjar: reconnected to the sidecar at %s", self.config.target)
                 # A restarted sidecar does not know the old decision ids.
                 with self._lock:
                     self._pending_outcome = None
+            else:
+                self._log_first_connection()
             self._broken.clear()
             self._transport = transport
             backoff = 0.05
             if not self.config.use_stream:
                 self._watch_unary()
+
+    def _warn_unreachable(self) -> None:
+        """Once, at start: why the sidecar cannot be reached (the engine meanwhile runs on
+        the fallback table, which is easy to miss: it still serves)."""
+        if self._warned_unreachable:
+            return
+        error = connect_error(self.config.target)
+        if error is None and time.monotonic() - self._started < UNREADY_WARNING_S:
+            return  # it accepts connections: give gRPC a moment before complaining
+        self._warned_unreachable = True
+        if error is None:
+            reason = f"it accepts connections but gave no gRPC answer in {UNREADY_WARNING_S} s"
+        else:
+            hint = next((h for kind, h in _HINTS.items() if isinstance(error, kind)), "")
+            reason = f"{error}" + (f" ({hint})" if hint else "")
+        log.warning("nightjar: cannot connect to the sidecar at %s: %s. Until it answers, "
+                    "γ comes from the local fallback table; retrying in the background.",
+                    self.config.target, reason)  # fmt: skip
+
+    def _log_first_connection(self) -> None:
+        waited = time.monotonic() - self._started
+        # As loud as the warning it ends, so that both show up in a filtered log.
+        level = logging.WARNING if self._warned_unreachable else logging.INFO
+        log.log(level, "nightjar: connected to the sidecar at %s (%.1f s after start); γ "
+                "now comes from the sidecar", self.config.target, waited)  # fmt: skip
 
     def _watch_unary(self) -> None:
         """Unary mode has no stream to break: watch the channel's connectivity instead."""
@@ -477,3 +535,21 @@ class NightjarClient:
                 self._broken.set()
 
         self._channel.subscribe(on_change, try_to_connect=True)
+
+
+def connect_error(target: str, timeout: float = 0.5) -> OSError | None:
+    """Why a plain connection to a gRPC ``target`` fails (errno and all), or None when it
+    succeeds or the target's form is not one we can probe (gRPC's name resolvers)."""
+    if target.startswith("unix:"):
+        path = target.removeprefix("unix:")
+        # unix:///abs/path (the URI form) and unix:path are both gRPC syntax.
+        path = path.removeprefix("//") if path.startswith("///") else path
+        return uds.connect_error(path, timeout)
+    host, sep, port = target.removeprefix("dns:///").rpartition(":")
+    if not sep or not port.isdigit() or "/" in host:
+        return None
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as exc:
+        return exc
+    return None

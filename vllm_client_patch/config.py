@@ -13,6 +13,8 @@ Environment (wins over the file):
     NIGHTJAR_MEMORY_AGENT   1/true runs the memory agent (draft offload/reload, KV
                             expand/compact) in the engine; default off
     NIGHTJAR_MEMORY_SOCKET  Unix socket path of the memory agent's gRPC service (optional)
+    NIGHTJAR_MEMORY_SOCKET_MODE  its file mode, octal (default 0660: the engine's user and
+                            group may connect)
     NIGHTJAR_ADMIN_TOKEN_FILE  file holding the token that mutating memory-agent calls
                             must present (optional; as the sidecar's --admin-token-file)
     NIGHTJAR_CONFIG         a TOML file with the same keys, lower-case, in a [plugin] table
@@ -31,9 +33,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from policy_server.uds import DEFAULT_MODE, parse_mode
+
 ENV_PREFIX = "NIGHTJAR_"
 KEYS = ("sidecar", "enabled", "engine_id", "deadline_ms", "fallback_table", "stats_file",
-        "memory_agent", "memory_socket", "admin_token_file")  # fmt: skip
+        "memory_agent", "memory_socket", "memory_socket_mode", "admin_token_file")  # fmt: skip
 
 
 class PluginConfigError(ValueError):
@@ -50,6 +54,7 @@ class PluginConfig:
     stats_file: str = ""
     memory_agent: bool = False
     memory_socket: str = ""
+    memory_socket_mode: int = DEFAULT_MODE
     admin_token_file: str = ""
 
     @property
@@ -85,6 +90,11 @@ class PluginConfig:
             values["deadline_ms"] = _deadline(raw["deadline_ms"])
         if raw.get("fallback_table"):
             values["fallback_table"] = _table(raw["fallback_table"])
+        if "memory_socket_mode" in raw:
+            try:
+                values["memory_socket_mode"] = parse_mode(raw["memory_socket_mode"])
+            except ValueError as exc:
+                raise PluginConfigError(f"NIGHTJAR_MEMORY_SOCKET_MODE: {exc}") from None
         for key in ("stats_file", "memory_socket", "admin_token_file"):
             if key in raw:
                 values[key] = str(raw[key])

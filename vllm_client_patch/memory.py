@@ -159,7 +159,8 @@ class SchedulerMemory:
             from memory_agent.service import serve
             from policy_server.admin_token import read_token
 
-            self.server = serve(agent, config.memory_socket, read_token(config.admin_token_file))
+            token = read_token(config.admin_token_file)
+            self.server = serve(agent, config.memory_socket, token, config.memory_socket_mode)
 
     @classmethod
     def create(cls, config: PluginConfig, kv_cache_manager: Any) -> SchedulerMemory | None:
