@@ -17,11 +17,10 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 from nightjar.v1 import memory_pb2, memory_pb2_grpc
 
 from memory_agent.agent import Action, MemoryAgent, MemoryStatus, Order
-from policy_server import uds
+from policy_server import reflection, uds
 from policy_server.errors import NightjarError
 from policy_server.grpc_server import check_admin_token, status_of
 
@@ -98,9 +97,7 @@ def serve(
     )
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (MEMORY_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-    )
+    reflection.enable_server_reflection((MEMORY_SERVICE, health.SERVICE_NAME), server)
     uds.bind(server, uds_path, mode)
     server.start()
     for name in ("", MEMORY_SERVICE):

@@ -13,7 +13,7 @@ from typing import Any
 
 from policy_server import __version__, snapshot, uds
 from policy_server.admin_token import read_token
-from policy_server.config import ConfigError, ServerConfig
+from policy_server.config import LOG_LEVELS, ConfigError, ServerConfig
 from policy_server.decision_log import DecisionLog
 from policy_server.errors import NightjarError
 from policy_server.grpc_server import build_server
@@ -52,7 +52,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="seconds between periodic snapshots (default 30)")  # fmt: skip
     p.add_argument("--admin-token-file", help="file with the admin token for mutating calls")
     p.add_argument("--decision-log", help="write a JSON-lines decision log to this path")
-    p.add_argument("--log-level", help="DEBUG, INFO, WARNING, ERROR")
+    p.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS,
+                   help="the server's own log level (default INFO)")  # fmt: skip
     p.add_argument("--version", action="version", version=f"nightjar-server {__version__}")
     return p.parse_args(argv)
 
@@ -158,8 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     stop_metrics = None
     if config.metrics_port is not None:
-        stop_metrics = metrics.serve_http(config.metrics_port, config.metrics_host)
-        log.info("metrics on http://%s:%d/metrics", config.metrics_host, config.metrics_port)
+        metrics_port, stop_metrics = metrics.serve_http(config.metrics_port, config.metrics_host)
+        log.info("metrics on http://%s:%d/metrics", config.metrics_host, metrics_port)
     if config.uds:
         log.info("socket %s has mode %04o (connecting needs write access)", config.uds,
                  config.uds_mode)  # fmt: skip

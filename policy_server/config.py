@@ -9,6 +9,8 @@ from typing import Any
 
 from policy_server.uds import parse_mode
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
 
 class ConfigError(ValueError):
     """The configuration file or a flag is invalid."""
@@ -70,5 +72,8 @@ class ServerConfig:
             self.uds_mode = parse_mode(self.uds_mode)
         except ValueError as exc:
             raise ConfigError(f"uds_mode: {exc}") from None
+        if str(self.log_level).upper() not in LOG_LEVELS:
+            raise ConfigError(f"log_level must be one of {', '.join(LOG_LEVELS)}, "
+                              f"got {self.log_level!r}")  # fmt: skip
         if self.snapshot_interval_s <= 0:
             raise ConfigError("snapshot_interval_s must be > 0")

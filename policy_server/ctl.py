@@ -20,41 +20,58 @@ from policy_server.types import StepContext, StepOutcome
 DEFAULT_TARGET = "unix:/run/nightjar/nightjar.sock"
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="nightjarctl", description=__doc__)
-    p.add_argument(
+def _global_flags(parser: argparse.ArgumentParser, *, defaults: bool) -> None:
+    """--target, --token-file, --timeout. Added to every subcommand too (without defaults,
+    so that one given before the subcommand is not reset), to go either side of it."""
+
+    def default(value: Any) -> Any:
+        return value if defaults else argparse.SUPPRESS
+
+    parser.add_argument(
         "--target",
-        default=os.environ.get("NIGHTJAR_TARGET", DEFAULT_TARGET),
+        default=default(os.environ.get("NIGHTJAR_TARGET", DEFAULT_TARGET)),
         help="sidecar address: unix:PATH or HOST:PORT (env NIGHTJAR_TARGET)",
     )
-    p.add_argument(
+    parser.add_argument(
         "--token-file",
-        default=os.environ.get("NIGHTJAR_TOKEN_FILE"),
-        help="file with the admin token (env NIGHTJAR_TOKEN_FILE)",
+        default=default(os.environ.get("NIGHTJAR_TOKEN_FILE")),
+        help="file with the admin token, read by mutating calls only (env NIGHTJAR_TOKEN_FILE)",
     )
-    p.add_argument("--timeout", type=float, default=5.0, help="seconds per call")
-    sub = p.add_subparsers(dest="command", required=True)
+    parser.add_argument(
+        "--timeout", type=float, default=default(5.0), help="seconds per call (default 5)"
+    )
 
-    s = sub.add_parser("state", help="show the active policy and its learned state")
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="nightjarctl", description=__doc__)
+    _global_flags(p, defaults=True)
+    common = argparse.ArgumentParser(add_help=False)
+    _global_flags(common, defaults=False)
+    subcommands = p.add_subparsers(dest="command", required=True)
+
+    def command(name: str, **kwargs: Any) -> argparse.ArgumentParser:
+        return subcommands.add_parser(name, parents=[common], **kwargs)
+
+    s = command("state", help="show the active policy and its learned state")
     s.add_argument("--json", action="store_true", help="print the full state as JSON")
     s.add_argument("--engine", default="", help="only this engine's state")
-    sub.add_parser("policies", help="list the registered policies")
-    s = sub.add_parser("swap", help="activate a policy")
+    command("policies", help="list the registered policies")
+    s = command("swap", help="activate a policy")
     s.add_argument("name")
     s.add_argument("--params", default="", help="parameters as a JSON object")
     s.add_argument("--keep-state", action="store_true", help="carry the learned state over")
-    s = sub.add_parser("set-params", help="change parameters of the active policy")
+    s = command("set-params", help="change parameters of the active policy")
     s.add_argument("params", help="parameters to change, as a JSON object")
-    sub.add_parser("snapshot", help="write the learned state to the state directory now")
-    s = sub.add_parser("restore", help="restore a snapshot file")
+    command("snapshot", help="write the learned state to the state directory now")
+    s = command("restore", help="restore a snapshot file")
     s.add_argument("file", help="a snapshot file on this machine (sent to the sidecar)")
     s.add_argument(
         "--server-path", action="store_true", help="FILE is a path on the sidecar's disk instead"
     )
-    s = sub.add_parser("reset", help="forget learned state")
+    s = command("reset", help="forget learned state")
     s.add_argument("--engine", default="", help="only this engine's state")
-    sub.add_parser("health", help="gRPC health of the sidecar")
-    s = sub.add_parser("decide", help="ask for one decision (debugging)")
+    command("health", help="gRPC health of the sidecar")
+    s = command("decide", help="ask for one decision (debugging)")
     s.add_argument("--batch-size", type=int, required=True)
     s.add_argument("--engine-id", default="nightjarctl")
     s.add_argument("--step-index", type=int, default=0)
@@ -71,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="also report an outcome with this step time",
     )
     s.add_argument("--report-tokens", type=int, default=0, help="generated tokens to report")
-    s = sub.add_parser(
+    s = command(
         "memory",
         help="the memory agent in a vLLM engine (--target its NIGHTJAR_MEMORY_SOCKET)",
         description="Show or force the engine's elastic-memory state. A forcing call waits "
@@ -83,12 +100,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="expand/compact: the KV pool size to reach, in blocks")  # fmt: skip
     s.add_argument("--keep-kv", action="store_true",
                    help="offload without growing, reload without compacting the pool")  # fmt: skip
-    s = sub.add_parser("replay", help="rebuild learned state offline from decision logs")
+    s = command("replay", help="rebuild learned state offline from decision logs")
     s.add_argument("logs", nargs="+", help="decision-log files (rotated backups are included)")
     s.add_argument("--policy", default="nightjar")
     s.add_argument("--params", default="", help="parameters as a JSON object")
     s.add_argument("--out", help="write the rebuilt state as a snapshot file")
     return p
+
+
+# The service each command calls, and where an operator finds it.
+SIDECAR = "the sidecar's socket (nightjar-server --uds)"
+SERVICE_OF = {
+    "memory": ("MemoryAgentService", "the engine's memory-agent socket (NIGHTJAR_MEMORY_SOCKET)"),
+    "health": ("grpc.health.v1.Health", SIDECAR),
+    "decide": ("PolicyService", SIDECAR),
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -97,29 +123,43 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _replay(args)
     try:
         with grpc.insecure_channel(args.target) as channel:
-            return COMMANDS[args.command](args, channel, _metadata(args.token_file))
+            return COMMANDS[args.command](args, channel)
     except grpc.RpcError as exc:
-        print(f"nightjarctl: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+            service, where = SERVICE_OF.get(args.command, ("AdminService", SIDECAR))
+            print(f"nightjarctl: {args.target} serves no {service} ({exc.details()}); point "
+                  f"--target at {where}", file=sys.stderr)  # fmt: skip
+        else:
+            print(f"nightjarctl: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
     except (OSError, ValueError) as exc:
         print(f"nightjarctl: {exc}", file=sys.stderr)
         return 2
 
 
-def _metadata(token_file: str | None) -> list[tuple[str, str]]:
-    if not token_file:
-        return []
-    return [("authorization", f"Bearer {Path(token_file).read_text().strip()}")]
-
-
 Metadata = list[tuple[str, str]]
+
+
+def _auth(args: argparse.Namespace) -> Metadata:
+    """The admin token as call metadata; read only by the calls that mutate, so that a
+    missing token file does not stop health, state or policies."""
+    if not args.token_file:
+        return []
+    try:
+        token = Path(args.token_file).read_text().strip()
+    except OSError as exc:
+        raise OSError(
+            f"cannot read the admin token file {args.token_file} (--token-file or "
+            f"NIGHTJAR_TOKEN_FILE), which this call needs: {exc.strerror or exc}"
+        ) from None
+    return [("authorization", f"Bearer {token}")]
 
 
 def _admin(channel: grpc.Channel) -> Any:
     return admin_pb2_grpc.AdminServiceStub(channel)
 
 
-def _state(args: argparse.Namespace, channel: grpc.Channel, md: Metadata) -> int:
+def _state(args: argparse.Namespace, channel: grpc.Channel) -> int:
     reply = _admin(channel).GetState(
         admin_pb2.GetStateRequest(engine_id=args.engine), timeout=args.timeout
     )
@@ -152,7 +192,7 @@ def _state(args: argparse.Namespace, channel: grpc.Channel, md: Metadata) -> int
     return 0
 
 
-def _policies(args: argparse.Namespace, channel: grpc.Channel, md: Metadata) -> int:
+def _policies(args: argparse.Namespace, channel: grpc.Channel) -> int:
     reply = _admin(channel).ListPolicies(admin_pb2.ListPoliciesRequest(), timeout=args.timeout)
     for info in reply.policies:
         marker = "*" if info.active else " "
@@ -199,14 +239,14 @@ MUTATIONS: dict[str, tuple[str, Callable[[argparse.Namespace], Any], Callable[[A
 }
 
 
-def _mutate(args: argparse.Namespace, channel: grpc.Channel, md: Metadata) -> int:
+def _mutate(args: argparse.Namespace, channel: grpc.Channel) -> int:
     rpc, build, describe = MUTATIONS[args.command]
-    reply = getattr(_admin(channel), rpc)(build(args), metadata=md, timeout=args.timeout)
+    reply = getattr(_admin(channel), rpc)(build(args), metadata=_auth(args), timeout=args.timeout)
     print(describe(reply))
     return 0
 
 
-def _health(args: argparse.Namespace, channel: grpc.Channel, md: Metadata) -> int:
+def _health(args: argparse.Namespace, channel: grpc.Channel) -> int:
     stub = health_pb2_grpc.HealthStub(channel)
     reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=args.timeout)
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
@@ -214,7 +254,7 @@ def _health(args: argparse.Namespace, channel: grpc.Channel, md: Metadata) -> in
     return 0 if reply.status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
-def _decide(args: argparse.Namespace, channel: grpc.Channel, md: Metadata) -> int:
+def _decide(args: argparse.Namespace, channel: grpc.Channel) -> int:
     ctx = StepContext(
         engine_id=args.engine_id,
         batch_size=args.batch_size,
@@ -276,7 +316,7 @@ def _replay(args: argparse.Namespace) -> int:
     return 0
 
 
-def _memory(args: argparse.Namespace, channel: grpc.Channel, md: Metadata) -> int:
+def _memory(args: argparse.Namespace, channel: grpc.Channel) -> int:
     from google.protobuf import json_format
     from nightjar.v1 import memory_pb2, memory_pb2_grpc
 
@@ -291,6 +331,7 @@ def _memory(args: argparse.Namespace, channel: grpc.Channel, md: Metadata) -> in
         "compact": (stub.CompactKv, memory_pb2.CompactKvRequest(target_kv_blocks=args.blocks)),
     }
     method, request = calls[args.action]
+    md = [] if args.action == "status" else _auth(args)
     reply = method(request, metadata=md, timeout=args.timeout)
     status = json_format.MessageToDict(reply, always_print_fields_with_no_presence=True,
                                        preserving_proto_field_name=True)  # fmt: skip

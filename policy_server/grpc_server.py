@@ -16,10 +16,9 @@ from typing import Any, NoReturn, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 from nightjar.v1 import admin_pb2, admin_pb2_grpc, policy_pb2, policy_pb2_grpc
 
-from policy_server import uds, wire
+from policy_server import reflection, uds, wire
 from policy_server.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
@@ -270,7 +269,7 @@ def build_server(
     health_servicer = health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
-        (POLICY_SERVICE, ADMIN_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        (POLICY_SERVICE, ADMIN_SERVICE, health.SERVICE_NAME), server
     )
     addresses = []
     if uds_path:

@@ -137,8 +137,9 @@ class Metrics:
     def set_active_policy(self, name: str, version: str) -> None:
         self.policy_info.info({"name": name, "version": version})
 
-    def serve_http(self, port: int, addr: str = "127.0.0.1") -> Callable[[], None]:
-        """Expose /metrics over HTTP; returns a function that stops the server."""
+    def serve_http(self, port: int, addr: str = "127.0.0.1") -> tuple[int, Callable[[], None]]:
+        """Expose /metrics over HTTP; returns the bound port (``port`` 0 = any free one)
+        and a function that stops the server."""
         disable_created_metrics()  # process-wide in prometheus_client: the server's process
         server, thread = start_http_server(port, addr=addr, registry=self.registry)
 
@@ -147,4 +148,4 @@ class Metrics:
             server.server_close()
             thread.join(timeout=2)
 
-        return stop
+        return int(server.server_port), stop

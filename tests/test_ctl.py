@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
 import subprocess
 import sys
+import tempfile
+import urllib.request
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
+from grpc_reflection.v1alpha import reflection_pb2
+from test_server import reflect_v1
+
+from memory_agent import service
+from memory_agent.agent import MemoryAgent
 
 
 def ctl(server: Any, *args: str, token: bool = True) -> subprocess.CompletedProcess[str]:
@@ -112,3 +123,104 @@ def test_config_file_with_an_unknown_setting(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert result.returncode == 2 and "unknown setting(s) ['snapshot_every']" in result.stderr
+
+
+def run_ctl(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("NIGHTJAR_")}
+    return subprocess.run(
+        [sys.executable, "-m", "policy_server.ctl", *args],
+        capture_output=True, text=True, timeout=60, env={**environ, **(env or {})},
+    )  # fmt: skip
+
+
+def test_bad_log_level_is_a_usage_error(tmp_path: Path) -> None:
+    flag = subprocess.run(
+        [sys.executable, "-m", "policy_server.cli", "--uds", "x.sock", "--log-level", "verbose"],
+        capture_output=True, text=True, timeout=60, cwd=tmp_path,
+    )  # fmt: skip
+    assert flag.returncode == 2 and "Traceback" not in flag.stderr
+    assert "argument --log-level: invalid choice: 'VERBOSE'" in flag.stderr
+    config = tmp_path / "nightjar.toml"
+    config.write_text('uds = "x.sock"\nlog_level = "loud"\n')
+    from_file = subprocess.run(
+        [sys.executable, "-m", "policy_server.cli", "--config", str(config)],
+        capture_output=True, text=True, timeout=60, cwd=tmp_path,
+    )  # fmt: skip
+    assert from_file.returncode == 2 and "Traceback" not in from_file.stderr
+    assert "log_level must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL" in from_file.stderr
+
+
+def test_global_flags_go_either_side_of_the_subcommand(make_server: Any) -> None:
+    server = make_server()
+    after = run_ctl("state", "--target", server.target, "--timeout", "2", "--json")
+    assert after.returncode == 0, after.stderr
+    assert json.loads(after.stdout)["policy"] == "nightjar"
+    # Given on both sides, the one after the subcommand wins; given before only, it holds.
+    both = run_ctl("--target", "unix:/nonexistent.sock", "health", "--target", server.target)
+    assert both.returncode == 0 and both.stdout.strip() == "SERVING"
+    before = run_ctl("--target", server.target, "--timeout", "2", "policies")
+    assert before.returncode == 0 and "* nightjar" in before.stdout
+    swapped = run_ctl("swap", "static", "--target", server.target,
+                      "--token-file", str(server.token_file))  # fmt: skip
+    assert swapped.returncode == 0 and "active: static" in swapped.stdout
+
+
+def test_a_missing_token_file_only_stops_mutating_calls(make_server: Any, tmp_path: Path) -> None:
+    server = make_server()
+    missing = tmp_path / "no-such-token"
+    env = {"NIGHTJAR_TARGET": server.target, "NIGHTJAR_TOKEN_FILE": str(missing)}
+    assert run_ctl("health", env=env).stdout.strip() == "SERVING"
+    assert run_ctl("policies", env=env).returncode == 0
+    state = run_ctl("state", "--json", env=env)
+    assert state.returncode == 0 and json.loads(state.stdout)["policy"] == "nightjar"
+    decide = run_ctl("decide", "--batch-size", "4", env=env)
+    assert decide.returncode == 0, decide.stderr
+    swap = run_ctl("swap", "static", env=env)
+    assert swap.returncode == 2 and "Traceback" not in swap.stderr
+    assert f"cannot read the admin token file {missing}" in swap.stderr
+    assert "No such file or directory" in swap.stderr
+    assert json.loads(run_ctl("state", "--json", env=env).stdout)["policy"] == "nightjar"
+
+
+def test_the_wrong_socket_gets_a_pointer_to_the_right_one(make_server: Any) -> None:
+    server = make_server()
+    memory = run_ctl("--target", server.target, "memory", "status")
+    assert memory.returncode == 1
+    assert (
+        f"nightjarctl: {server.target} serves no MemoryAgentService (Method not found!); "
+        "point --target at the engine's memory-agent socket (NIGHTJAR_MEMORY_SOCKET)"
+    ) in memory.stderr
+    sock_dir = Path(tempfile.mkdtemp(prefix="nj-"))
+    agent_socket = sock_dir / "memory.sock"
+    agent = service.serve(MemoryAgent(64, 4096, 4 * 4096), str(agent_socket))
+    try:
+        target = f"unix:{agent_socket}"
+        state = run_ctl("--target", target, "state")
+        assert state.returncode == 1
+        assert f"{target} serves no AdminService" in state.stderr
+        assert "point --target at the sidecar's socket (nightjar-server --uds)" in state.stderr
+        decide = run_ctl("--target", target, "decide", "--batch-size", "2")
+        assert f"{target} serves no PolicyService" in decide.stderr
+        # The agent answers reflection under both names too.
+        with grpc.insecure_channel(target) as channel:
+            (listing,) = reflect_v1(
+                channel, reflection_pb2.ServerReflectionRequest(list_services="")
+            )
+        names = {s.name for s in listing.list_services_response.service}
+        assert "nightjar.v1.MemoryAgentService" in names
+        assert "grpc.reflection.v1.ServerReflection" in names
+    finally:
+        agent.stop(grace=0).wait()
+        shutil.rmtree(sock_dir, ignore_errors=True)
+
+
+def test_port_0_logs_the_ports_actually_bound(make_server: Any) -> None:
+    server = make_server("--port", "0", "--metrics-port", "0")
+    log = server.log()
+    (metrics_port,) = re.findall(r"metrics on http://127\.0\.0\.1:(\d+)/metrics", log)
+    (grpc_port,) = re.findall(r"listening on unix:\S+, 127\.0\.0\.1:(\d+) ", log)
+    assert int(metrics_port) > 0 and int(grpc_port) > 0
+    health = run_ctl("--target", f"127.0.0.1:{grpc_port}", "health")
+    assert health.stdout.strip() == "SERVING"
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as reply:
+        assert "nightjar_decisions_total" in reply.read().decode()

@@ -8,7 +8,7 @@ import urllib.request
 
 import grpc
 import pytest
-from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2
 from nightjar.v1 import admin_pb2, policy_pb2
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -78,18 +78,56 @@ def test_one_sidecar_serves_several_engines(make_server) -> None:
     assert list(json.loads(one.state_json)["engines"]) == ["pod-b/dp0"]
 
 
-def test_health_and_reflection(make_server) -> None:
-    server = make_server()
-    stub = reflection_pb2_grpc.ServerReflectionStub(server.channel)
-    replies = stub.ServerReflectionInfo(
-        iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5
+def reflect_v1(channel: grpc.Channel, *requests: reflection_pb2.ServerReflectionRequest) -> list:
+    """A grpc.reflection.v1 client: v1's method path; v1's messages are v1alpha's with the
+    same field numbers (grpc/grpc-proto), so v1alpha's classes write and read them."""
+    call = channel.stream_stream(
+        "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+        request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+        response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
     )
-    names = {s.name for r in replies for s in r.list_services_response.service}
-    assert {
-        "nightjar.v1.PolicyService",
-        "nightjar.v1.AdminService",
-        "grpc.health.v1.Health",
-    } <= names
+    return list(call(iter(requests), timeout=5))
+
+
+def test_health_and_reflection_v1alpha_and_v1(make_server) -> None:
+    from google.protobuf import descriptor_pb2, descriptor_pool
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+        ProtoReflectionDescriptorDatabase,
+    )
+
+    server = make_server()
+    expected = {
+        "nightjar.v1.PolicyService", "nightjar.v1.AdminService", "grpc.health.v1.Health",
+        "grpc.reflection.v1alpha.ServerReflection", "grpc.reflection.v1.ServerReflection",
+    }  # fmt: skip
+    # v1alpha with grpcio-reflection's own client, resolving a service into descriptors.
+    database = ProtoReflectionDescriptorDatabase(server.channel)
+    assert set(database.get_services()) == expected
+    pool = descriptor_pool.DescriptorPool(database)
+    methods = pool.FindServiceByName("nightjar.v1.PolicyService").methods_by_name
+    assert {"Decide", "Report", "Step", "StepStream"} <= set(methods)
+    # v1: listing, a symbol's file, and the v1 service describing itself in its package.
+    listing, policy_file, v1_file = reflect_v1(
+        server.channel,
+        reflection_pb2.ServerReflectionRequest(list_services=""),
+        reflection_pb2.ServerReflectionRequest(file_containing_symbol="nightjar.v1.AdminService"),
+        reflection_pb2.ServerReflectionRequest(
+            file_containing_symbol="grpc.reflection.v1.ServerReflection"
+        ),
+    )
+    assert {s.name for s in listing.list_services_response.service} == expected
+    files = [descriptor_pb2.FileDescriptorProto.FromString(b)
+             for b in policy_file.file_descriptor_response.file_descriptor_proto]  # fmt: skip
+    assert "AdminService" in {s.name for f in files for s in f.service}
+    (v1,) = [descriptor_pb2.FileDescriptorProto.FromString(b)
+             for b in v1_file.file_descriptor_response.file_descriptor_proto]  # fmt: skip
+    assert v1.package == "grpc.reflection.v1"
+    (method,) = v1.service[0].method
+    assert method.input_type == ".grpc.reflection.v1.ServerReflectionRequest"
+    unknown = reflect_v1(
+        server.channel, reflection_pb2.ServerReflectionRequest(file_containing_symbol="no.Such")
+    )
+    assert unknown[0].error_response.error_code == grpc.StatusCode.NOT_FOUND.value[0]
 
 
 def test_tcp_listener_is_loopback_by_default(make_server) -> None:
