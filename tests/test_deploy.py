@@ -13,6 +13,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import subprocess
 import sys
 import urllib.request
@@ -322,6 +323,9 @@ def test_sockets_and_secrets_are_shared(variant: str) -> None:
         assert volume_at(engine, plugin.memory_socket) == socket_volume
         assert plugin.admin_token_file == server.admin_token_file
         assert volume_at(engine, plugin.admin_token_file) == "nightjar-admin-token"
+    # Each side's socket is open to the other's user through the shared group only.
+    assert server.uds_mode & 0o077 == 0o060
+    assert plugin.memory_socket_mode & 0o077 == 0o060
     (token,) = [v for v in spec["volumes"] if v["name"] == "nightjar-admin-token"]
     assert token["secret"]["defaultMode"] == 0o440  # group-readable: both users, one group
 
@@ -358,7 +362,7 @@ RIG_FLAGS = ("--uds", "--metrics-port", "--metrics-host", "--state-dir", "--admi
 def test_sidecar_runs_with_the_manifest_settings(variant: str, make_server: Any) -> None:
     """A real nightjar-server with the manifest's settings: the probe's own command finds
     it SERVING within the kubelet's timeout, its metrics answer where the ServiceMonitor
-    scrapes."""
+    scrapes, and its socket is open to the pod's shared group only."""
     sidecar = container(pod_spec(variant), "nightjar")
     settings = [a for a in sidecar["args"] if not a.startswith(RIG_FLAGS)]
     server = make_server(*settings)
@@ -369,6 +373,8 @@ def test_sidecar_runs_with_the_manifest_settings(variant: str, make_server: Any)
     assert done.returncode == 0 and "SERVING" in done.stdout, done.stdout + done.stderr
     with urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics") as reply:
         assert "nightjar_" in reply.read().decode()
+    # The engine's user reaches the socket through the pod's shared group, nobody else.
+    assert stat.S_IMODE(server.uds.stat().st_mode) == 0o660
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
