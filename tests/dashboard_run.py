@@ -11,19 +11,26 @@ batches and the sidecar's memory controller offloads the draft and later reloads
 a snapshot on demand besides the periodic ones, and a step context the sidecar rejects.
 
 `python tests/dashboard_run.py --out docs/img/dashboard.png` (`make dashboard-screenshot`)
-runs it longer and draws the dashboard from the Prometheus with policy_server.ops.render.
+runs it longer, beside a real `vllm serve` of the tiny test models with the plugin steered
+by the same sidecar (under completion requests, so the engine-side panels have data; the
+sidecar is restarted once, so the engine falls back meanwhile), and draws the dashboard
+from the Prometheus with policy_server.ops.render.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
+import os
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Callable
+import urllib.request
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,6 +50,7 @@ from vllm_client_patch.client import ClientConfig, NightjarClient  # noqa: E402
 
 ENGINE = "dash-engine-0"
 SIDECAR_JOB = "nightjar-sidecar"
+ENGINE_JOB = "vllm"
 GAMMA_MAX = 4
 TOTAL_KV_BLOCKS = 4096
 BLOCKS_PER_REQUEST = 16
@@ -120,20 +128,19 @@ def batch_at(progress: float, cycles: float, rng: np.random.Generator) -> int:
 
 def drive(
     target: str,
-    auth: list[tuple[str, str]],
     seconds: float,
+    events: dict[float, Callable[[], None]],
+    summary: RunSummary | None = None,
     steps_per_second: float = 80.0,
     cycles: float = 2.0,
-    events: dict[float, Callable[[], None]] | None = None,
 ) -> RunSummary:
-    """Run the engine loop against the sidecar at `target` for `seconds` of wall time."""
+    """Run the engine loop against the sidecar at `target` for `seconds` of wall time;
+    `events` run when the run's progress (0 … 1) passes their key."""
     rng = np.random.default_rng(1)
-    model, memory, summary = StepModel(), EngineMemory(), RunSummary()
-    channel = grpc.insecure_channel(target)
-    admin = admin_pb2_grpc.AdminServiceStub(channel)
-    pending = dict(sorted((events or default_events(target, admin, auth, summary)).items()))
+    model, memory, summary = StepModel(), EngineMemory(), summary or RunSummary()
+    pending = dict(sorted(events.items()))
     client = NightjarClient(
-        ClientConfig(target=target, engine_id=ENGINE, deadline_s=0.05, connect_timeout_s=10)
+        ClientConfig(target=target, engine_id=ENGINE, deadline_s=0.25, connect_timeout_s=10)
     )
     summary.start = time.time()
     started = time.monotonic()
@@ -181,12 +188,21 @@ def drive(
         client.flush()
     finally:
         client.close()
-        channel.close()
     summary.end = time.time()
     summary.sidecar_decisions = client.stats.sidecar_decisions
     summary.fallbacks = dict(client.stats.fallbacks)
     summary.memory_orders = memory.orders
     return summary
+
+
+def standard_run(
+    target: str, auth: list[tuple[str, str]], seconds: float, steps_per_second: float = 80.0
+) -> RunSummary:
+    """`drive` with the default events (swaps, a snapshot, rejected requests)."""
+    summary = RunSummary()
+    with grpc.insecure_channel(target) as channel:
+        events = default_events(target, admin_pb2_grpc.AdminServiceStub(channel), auth, summary)
+        return drive(target, seconds, events, summary, steps_per_second)
 
 
 def default_events(
@@ -221,10 +237,10 @@ def default_events(
         0.15: reject,
         0.30: swap("nightjar", {"gamma_max": 0}),  # out of range: fails, old policy stays
         0.45: swap("static", {"gamma": 2}),
-        0.55: snapshot,
+        0.50: snapshot,
+        0.55: reject,
         0.60: unauthenticated_swap,
         0.65: swap("nightjar", {"gamma_max": GAMMA_MAX, "batch_bucketing": "pow2"}),
-        0.80: reject,
     }
 
 
@@ -237,40 +253,136 @@ def reject_one(target: str) -> str:
         return client.decide(bad).fallback_reason
 
 
-def screenshot(out: Path, seconds: float) -> None:
+@contextlib.contextmanager
+def vllm_engine(workdir: Path, sidecar: Any) -> Iterator[tuple[str, Path]]:
+    """`vllm serve` (the OpenAI server) of the tiny target/draft pair with the plugin and
+    the memory agent, steered by `sidecar`: yields its base URL and the agent's socket."""
+    from tests.conftest import free_port
+    from tests.vllm_engine import CPU_ENV
+    from tests.vllm_engine import GAMMA_MAX as ENGINE_GAMMA_MAX
+    from vllm_client_patch.bench import process, wait_healthy
+    from vllm_client_patch.tiny_models import Recipe, build
+
+    models = build(workdir / "models", Recipe(noise=0.05))
+    port, socket = free_port(), Path(tempfile.mkdtemp(prefix="nj-")) / "memory.sock"
+    spec = {"method": "draft_model", "model": str(models.draft),
+            "num_speculative_tokens": ENGINE_GAMMA_MAX,
+            "num_speculative_tokens_per_batch_size": [[1, 1024, ENGINE_GAMMA_MAX]]}  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NIGHTJAR_")}
+    env.update(CPU_ENV)
+    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="1", NIGHTJAR_SIDECAR=sidecar.target,
+               NIGHTJAR_ENGINE_ID="vllm-0", NIGHTJAR_DEADLINE_MS="50",
+               NIGHTJAR_MEMORY_AGENT="1", NIGHTJAR_MEMORY_SOCKET=str(socket),
+               NIGHTJAR_ADMIN_TOKEN_FILE=str(sidecar.token_file))  # fmt: skip
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+               "--model", str(models.target), "--served-model-name", "tiny",
+               "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
+               "--max-model-len", "512", "--enforce-eager", "--max-num-seqs", "8",
+               "--seed", "0", "--distributed-executor-backend", "uni",
+               "--speculative-config", json.dumps(spec)]  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    with process(command, workdir / "vllm.log", env) as proc:
+        wait_healthy(base, proc, 600)
+        yield base, socket
+
+
+def serve_load(base: str, stop: threading.Event, concurrency: int = 3) -> list[threading.Thread]:
+    """Completion requests to the vLLM server until `stop`, `concurrency` at a time."""
+
+    def loop(index: int) -> None:
+        while not stop.is_set():
+            body = json.dumps({"model": "tiny", "prompt": f"request {index} says hello",
+                               "max_tokens": 48, "temperature": 0, "ignore_eos": True})  # fmt: skip
+            request = urllib.request.Request(
+                f"{base}/v1/completions", body.encode(), {"Content-Type": "application/json"}
+            )
+            with contextlib.suppress(OSError):
+                urllib.request.urlopen(request, timeout=120).read()
+
+    threads = [threading.Thread(target=loop, args=(i,), daemon=True) for i in range(concurrency)]
+    for thread in threads:
+        thread.start()
+    return threads
+
+
+def engine_events(
+    socket: Path, server: Any, auth: list[tuple[str, str]]
+) -> dict[float, Callable[[], None]]:
+    """The engine's memory agent offloads and reloads its draft (one reload refused: it is
+    already resident) where the engine runs one, and the sidecar restarts (the engines
+    decide alone meanwhile)."""
+    from nightjar.v1 import memory_pb2, memory_pb2_grpc
+
+    agent = memory_pb2_grpc.MemoryAgentServiceStub(grpc.insecure_channel(f"unix:{socket}"))
+
+    def offload() -> None:
+        if not socket.exists():  # see docs/MEMORY.md: where the agent can run
+            print("the engine runs no memory agent (its log says why): no memory orders")
+            return
+        agent.OffloadDraft(memory_pb2.OffloadDraftRequest(), metadata=auth, timeout=60)
+
+    def reload() -> None:
+        if socket.exists():
+            agent.ReloadDraft(memory_pb2.ReloadDraftRequest(), metadata=auth, timeout=60)
+            with contextlib.suppress(grpc.RpcError):
+                agent.ReloadDraft(memory_pb2.ReloadDraftRequest(), metadata=auth, timeout=60)
+
+    def restart() -> None:
+        server.terminate()  # SIGTERM: a last snapshot, then exit
+        time.sleep(6)
+        server.start()
+
+    return {0.35: offload, 0.42: reload, 0.72: restart}
+
+
+def screenshot(out: Path, seconds: float, with_engine: bool, workdir: Path | None) -> None:
     from policy_server.ops import panels, render
     from tests.conftest import ADMIN_TOKEN, _server_factory
     from tests.prometheus_rig import PrometheusRig
 
-    with tempfile.TemporaryDirectory(prefix="nightjar-dash-") as tmp:
-        factory = _server_factory(Path(tmp))
-        start_server = next(factory)
-        try:
-            server = start_server(*SIDECAR_ARGS)
-            jobs = {SIDECAR_JOB: [f"127.0.0.1:{server.metrics_port}"]}
-            with PrometheusRig(Path(tmp) / "prometheus", jobs) as prom:
-                prom.wait_for(f'up{{job="{SIDECAR_JOB}"}} == 1')
-                reject_one(server.target)
-                summary = drive(server.target, [("authorization", f"Bearer {ADMIN_TOKEN}")],
-                                seconds)  # fmt: skip
-                time.sleep(3 * prom.scrape_interval_s)
-                print(json.dumps(summary.__dict__, default=str, indent=1))
-                board = panels.load(ROOT / "deploy" / "grafana" / "nightjar.json")
-                window = render.Window(summary.start - 5, summary.end, 2.0, prom.scrape_interval_s)
-                values = {"job": SIDECAR_JOB, "instance": ".*", "engine_job": ".*", "engine": ".*"}
-                drawn = render.render(board, prom, window, values, out)
-                print(f"wrote {out}; panels without data: "
-                      f"{[t for t, n in drawn.items() if n == 0]}")  # fmt: skip
-        finally:
-            next(factory, None)
+    auth = [("authorization", f"Bearer {ADMIN_TOKEN}")]
+    with contextlib.ExitStack() as stack:
+        if workdir is None:
+            workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="nj-dash-")))
+        tmp = workdir
+        tmp.mkdir(parents=True, exist_ok=True)
+        factory = _server_factory(tmp)
+        stack.callback(next, factory, None)  # stops the sidecar
+        server = next(factory)(*SIDECAR_ARGS)
+        jobs = {SIDECAR_JOB: [f"127.0.0.1:{server.metrics_port}"]}
+        events: dict[float, Callable[[], None]] = {}
+        stop_load = threading.Event()
+        if with_engine:
+            base, socket = stack.enter_context(vllm_engine(tmp, server))
+            jobs[ENGINE_JOB] = [base.removeprefix("http://")]
+            stack.callback(stop_load.set)
+            serve_load(base, stop_load)
+            events = engine_events(socket, server, auth)
+        prom = stack.enter_context(PrometheusRig(tmp / "prometheus", jobs))
+        prom.wait_for(f'up{{job="{SIDECAR_JOB}"}} == 1')
+        reject_one(server.target)
+        channel = stack.enter_context(grpc.insecure_channel(server.target))
+        admin = admin_pb2_grpc.AdminServiceStub(channel)
+        summary = RunSummary()
+        events.update(default_events(server.target, admin, auth, summary))
+        drive(server.target, seconds, events=events, summary=summary)
+        time.sleep(3 * prom.scrape_interval_s)
+        print(json.dumps(dataclasses.asdict(summary), indent=1))
+        board = panels.load(ROOT / "deploy" / "grafana" / "nightjar.json")
+        window = render.Window(summary.start - 5, summary.end, 1.0, prom.scrape_interval_s)
+        values = {"job": SIDECAR_JOB, "instance": ".*", "engine_job": ENGINE_JOB, "engine": ".*"}
+        drawn = render.render(board, prom, window, values, out)
+        print(f"wrote {out}; panels without data: {[t for t, n in drawn.items() if n == 0]}")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description="drive a sidecar and draw the dashboard")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "img" / "dashboard.png")
     parser.add_argument("--seconds", type=float, default=150.0)
+    parser.add_argument("--no-engine", action="store_true", help="without a vLLM engine")
+    parser.add_argument("--workdir", type=Path, help="keep the logs here (default: temporary)")
     args = parser.parse_args()
-    screenshot(args.out, args.seconds)
+    screenshot(args.out, args.seconds, not args.no_engine, args.workdir)
     return 0
 
 

@@ -274,7 +274,7 @@ def overview() -> list[stat.Panel | timeseries.Panel | statetimeline.Panel]:
         ),
         single(
             "Engines",
-            "Engines the sidecars have seen since they started.",
+            "Engines that asked the sidecars for a decision in the last 5 minutes.",
             target(f"sum({series('nightjar_engines', SIDECAR)})", "engines"),
             width=3,
         ),
@@ -427,7 +427,8 @@ def latency_row() -> list[timeseries.Panel]:
         graph(
             "Fallbacks by reason (engine)",
             "Steps the engines decided from their local table, by why the sidecar's "
-            "answer was not used (deadline, unavailable, …).",
+            "answer was not used: deadline (too slow), disconnected or unavailable (down), "
+            "rejected (bad step context).",
             targets(
                 (summed("rate", "nightjar_plugin_fallbacks_total", ENGINE, "reason"), "{{reason}}")
             ),
@@ -525,11 +526,9 @@ def policy_row() -> list[timeseries.Panel | statetimeline.Panel]:
         ),
         graph(
             "Snapshots",
-            "Learned-state snapshots written, by result (ok, failed).",
-            targets(
-                (summed("increase", "nightjar_snapshots_total", SIDECAR, "result"), "{{result}}")
-            ),
-            bars=True,
+            "Learned-state snapshots written per second, by result (ok, failed).",
+            targets((summed("rate", "nightjar_snapshots_total", SIDECAR, "result"), "{{result}}")),
+            unit="ops",
         ),
         graph(
             "Snapshot age per sidecar",

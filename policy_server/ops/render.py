@@ -34,10 +34,29 @@ DEFAULT_DASHBOARD = Path("deploy/grafana/nightjar.json")
 
 # Grafana's dark theme and classic palette.
 BACKGROUND, PANEL, GRID, TEXT, MUTED = "#111217", "#181b1f", "#2c3235", "#ccccdc", "#8e8e8e"
-PALETTE = ("#73bf69", "#f2cc0c", "#8ab8ff", "#ff780a", "#f2495c", "#5794f2", "#b877d9",
-           "#705da0", "#37872d", "#fade2a", "#447ebc", "#c15c17")  # fmt: skip
-NAMED = {"green": "#73bf69", "orange": "#ff9830", "red": "#f2495c", "blue": "#5794f2",
-         "yellow": "#fade2a", "purple": "#b877d9", "text": TEXT}  # fmt: skip
+PALETTE = (
+    "#73bf69",
+    "#f2cc0c",
+    "#8ab8ff",
+    "#ff780a",
+    "#f2495c",
+    "#5794f2",
+    "#b877d9",
+    "#705da0",
+    "#37872d",
+    "#fade2a",
+    "#447ebc",
+    "#c15c17",
+)
+NAMED = {
+    "green": "#73bf69",
+    "orange": "#ff9830",
+    "red": "#f2495c",
+    "blue": "#5794f2",
+    "yellow": "#fade2a",
+    "purple": "#b877d9",
+    "text": TEXT,
+}
 # Grid units in inches: 24 columns across; Grafana's rows are 30 px on a ~1800 px screen.
 COLUMN_IN, ROW_IN, DPI = 0.6, 0.3, 100
 RANGE_PANELS = ("timeseries", "state-timeline")
@@ -174,8 +193,15 @@ def render(
     fig = plt.figure(figsize=(width, height), facecolor=BACKGROUND)
     fig.text(0.006, 1 - 0.35 / height, board.title, color=TEXT, fontsize=16, va="center")
     span = datetime.fromtimestamp(window.start).strftime("%Y-%m-%d %H:%M:%S")
-    fig.text(0.994, 1 - 0.35 / height, f"{span} + {(window.end - window.start) / 60:.1f} min",
-             color=MUTED, fontsize=10, va="center", ha="right")  # fmt: skip
+    fig.text(
+        0.994,
+        1 - 0.35 / height,
+        f"{span} + {(window.end - window.start) / 60:.1f} min",
+        color=MUTED,
+        fontsize=10,
+        va="center",
+        ha="right",
+    )
     drawn: dict[str, int] = {}
 
     def box(grid: dash.Grid) -> tuple[float, float, float, float]:
@@ -191,8 +217,15 @@ def render(
     for panel in board.panels:
         x, y, w, h = box(panel.grid)
         if panel.type == "row":
-            fig.text(x + 0.004, y + h / 2, panel.title, color=TEXT, fontsize=13,
-                     fontweight="bold", va="center")  # fmt: skip
+            fig.text(
+                x + 0.004,
+                y + h / 2,
+                panel.title,
+                color=TEXT,
+                fontsize=13,
+                fontweight="bold",
+                va="center",
+            )
             continue
         pad_x, pad_y = 0.06 / width, 0.06 / height
         frame = fig.add_axes((x + pad_x, y + pad_y, w - 2 * pad_x, h - 2 * pad_y))
@@ -202,16 +235,41 @@ def render(
         for spine in frame.spines.values():
             spine.set_color(GRID)
         title_y = 1 - 0.22 / (h * height)
-        frame.text(0.012, title_y, panel.title, color=TEXT, fontsize=10.5,
-                   fontweight="bold", va="center", transform=frame.transAxes)  # fmt: skip
+        frame.text(
+            0.012,
+            title_y,
+            panel.title,
+            color=TEXT,
+            fontsize=10.5,
+            fontweight="bold",
+            va="center",
+            transform=frame.transAxes,
+        )
         series = fetch(source, panel, window, values)
         drawn[panel.title] = len(series)
         if not series:
-            frame.text(0.5, 0.45, "No data", color=MUTED, fontsize=12, ha="center",
-                       va="center", transform=frame.transAxes)  # fmt: skip
+            frame.text(
+                0.5,
+                0.45,
+                "No data",
+                color=MUTED,
+                fontsize=12,
+                ha="center",
+                va="center",
+                transform=frame.transAxes,
+            )
             continue
-        inner = (x + pad_x + 0.55 / width, y + pad_y + 0.5 / height,
-                 w - 2 * pad_x - 0.7 / width, h - 2 * pad_y - 0.95 / height)  # fmt: skip
+        # Left margin for the y labels: numbers on graphs, series names on lanes and bars.
+        left_in = 0.55
+        if panel.type in ("state-timeline", "bargauge"):
+            longest = max(len(s.name) for s in series)
+            left_in = min(0.45 * panel.grid.w * COLUMN_IN, 0.15 + 0.068 * longest)
+        inner = (
+            x + pad_x + left_in / width,
+            y + pad_y + 0.5 / height,
+            w - 2 * pad_x - (left_in + 0.15) / width,
+            h - 2 * pad_y - 0.95 / height,
+        )
         if panel.type == "stat":
             _stat(frame, panel, series)
         elif panel.type == "bargauge":
@@ -257,9 +315,17 @@ def _stat(frame: Any, panel: dash.Panel, series: list[Series]) -> None:
                 if bound is None or value >= bound:
                     colour = _colour(named)
         size = 20 if len(text) < 12 else 14 if len(text) < 22 else 11
-        frame.text(0.5, 0.42 - i * 0.22 + (len(shown) - 1) * 0.11, text, color=colour,
-                   fontsize=size, fontweight="bold", ha="center", va="center",
-                   transform=frame.transAxes)  # fmt: skip
+        frame.text(
+            0.5,
+            0.42 - i * 0.22 + (len(shown) - 1) * 0.11,
+            text,
+            color=colour,
+            fontsize=size,
+            fontweight="bold",
+            ha="center",
+            va="center",
+            transform=frame.transAxes,
+        )
 
 
 def _natural(name: str) -> tuple[float, str]:
@@ -278,8 +344,14 @@ def _bargauge(ax: Any, panel: dash.Panel, series: list[Series]) -> None:
     top = max(values, default=0.0) or 1.0
     ax.set_xlim(0, top * 1.2)
     for i, value in enumerate(values):
-        ax.text(value + top * 0.02, i, format_value(value, panel.unit, panel.decimals),
-                color=TEXT, fontsize=8, va="center")  # fmt: skip
+        ax.text(
+            value + top * 0.02,
+            i,
+            format_value(value, panel.unit, panel.decimals),
+            color=TEXT,
+            fontsize=8,
+            va="center",
+        )
 
 
 def _timeseries(ax: Any, panel: dash.Panel, series: list[Series], window: Window) -> None:
@@ -291,28 +363,48 @@ def _timeseries(ax: Any, panel: dash.Panel, series: list[Series], window: Window
     columns = [window.on_grid(item) for item in series]
     colours = [PALETTE[i % len(PALETTE)] for i in range(len(series))]
     if panel.stacked:
-        ax.stackplot(minutes, *[np.nan_to_num(c) for c in columns], colors=colours,
-                     labels=[s.name for s in series], alpha=0.75, linewidth=0)  # fmt: skip
+        ax.stackplot(
+            minutes,
+            *[np.nan_to_num(c) for c in columns],
+            colors=colours,
+            labels=[s.name for s in series],
+            alpha=0.75,
+            linewidth=0,
+        )
     elif panel.draw_style == "bars":
         bottom = np.zeros(len(minutes))
         for item, column, colour in zip(series, columns, colours, strict=True):
             height = np.nan_to_num(column)
-            ax.bar(minutes, height, bottom=bottom, width=window.step_s / 60, color=colour,
-                   label=item.name, align="edge")  # fmt: skip
+            ax.bar(
+                minutes,
+                height,
+                bottom=bottom,
+                width=window.step_s / 60,
+                color=colour,
+                label=item.name,
+                align="edge",
+            )
             bottom = bottom + height
     else:
         style = "steps-post" if panel.step_lines else "default"
         for item, column, colour in zip(series, columns, colours, strict=True):
-            ax.plot(minutes, column, color=colour, linewidth=1.4, label=item.name,
-                    drawstyle=style)  # fmt: skip
+            ax.plot(minutes, column, color=colour, linewidth=1.4, label=item.name, drawstyle=style)
     if panel.minimum is not None:
         ax.set_ylim(bottom=panel.minimum)
     if panel.maximum is not None:
         ax.set_ylim(top=panel.maximum)
     _time_axis(ax, window)
     ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: format_value(v, panel.unit)))
-    ax.legend(loc="upper left", fontsize=7, ncol=min(4, len(series)), frameon=False,
-              labelcolor=TEXT, handlelength=1.2, borderaxespad=0.1, columnspacing=1.0)  # fmt: skip
+    ax.legend(
+        loc="upper left",
+        fontsize=7,
+        ncol=min(4, len(series)),
+        frameon=False,
+        labelcolor=TEXT,
+        handlelength=1.2,
+        borderaxespad=0.1,
+        columnspacing=1.0,
+    )
 
 
 def _states(ax: Any, panel: dash.Panel, series: list[Series], window: Window) -> None:
@@ -337,8 +429,16 @@ def _states(ax: Any, panel: dash.Panel, series: list[Series], window: Window) ->
                 left, width = minutes[start], (i - start) * step
                 ax.barh(lane, width, left=left, height=0.8, color=colour, alpha=0.85)
                 if panel.mappings and width > 0.12 * (minutes[-1] - minutes[0] + step):
-                    ax.text(left + width / 2, lane, text, color=BACKGROUND, fontsize=8,
-                            ha="center", va="center", fontweight="bold")  # fmt: skip
+                    ax.text(
+                        left + width / 2,
+                        lane,
+                        text,
+                        color=BACKGROUND,
+                        fontsize=8,
+                        ha="center",
+                        va="center",
+                        fontweight="bold",
+                    )
             start = i
     ax.set_yticks(range(len(series)), [s.name for s in series], fontsize=8, color=TEXT)
     ax.set_ylim(len(series) - 0.5, -0.5)
@@ -373,8 +473,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--minutes", type=float, default=30.0, help="time range up to now")
     parser.add_argument("--step", type=float, default=0.0, help="seconds; 0 = range / 240")
     parser.add_argument("--scrape-interval", type=float, default=15.0, help="seconds")
-    parser.add_argument("--var", action="append", default=[], metavar="NAME=VALUE",
-                        help="template variable value (regex); default .* for each")  # fmt: skip
+    parser.add_argument(
+        "--var",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="template variable value (regex); default .* for each",
+    )
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     board = dash.load(args.dashboard)
