@@ -13,7 +13,7 @@ from typing import Any
 
 from policy_server import __version__, snapshot, uds
 from policy_server.admin_token import read_token
-from policy_server.config import LOG_LEVELS, ConfigError, ServerConfig
+from policy_server.config import LOG_FORMATS, LOG_LEVELS, ConfigError, ServerConfig
 from policy_server.decision_log import DecisionLog
 from policy_server.errors import NightjarError
 from policy_server.grpc_server import build_server
@@ -29,7 +29,7 @@ log = logging.getLogger("nightjar.server")
 # Flags that override the config file's setting of the same name.
 FLAG_SETTINGS = (
     "uds", "uds_mode", "port", "host", "metrics_port", "metrics_host", "policy", "state_dir",
-    "snapshot_interval_s", "admin_token_file", "decision_log", "log_level",
+    "snapshot_interval_s", "admin_token_file", "decision_log", "log_level", "log_format",
 )  # fmt: skip
 
 
@@ -54,6 +54,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--decision-log", help="write a JSON-lines decision log to this path")
     p.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS,
                    help="the server's own log level (default INFO)")  # fmt: skip
+    p.add_argument("--log-format", choices=LOG_FORMATS,
+                   help="the server's own log: text lines (default) or JSON objects")  # fmt: skip
     p.add_argument("--version", action="version", version=f"nightjar-server {__version__}")
     return p.parse_args(argv)
 
@@ -75,6 +77,21 @@ def load_config(args: argparse.Namespace) -> ServerConfig:
     config = config.merged(overrides, origin="command line")
     config.validate()
     return config
+
+
+def configure_logging(level: str, log_format: str) -> None:
+    """The server's own log on stderr, as text lines or one JSON object a line."""
+    handler = logging.StreamHandler()
+    if log_format == "json":
+        from pythonjsonlogger.json import JsonFormatter
+
+        handler.setFormatter(
+            JsonFormatter("{levelname}{name}{message}", style="{", timestamp="time",
+                          rename_fields={"levelname": "level", "name": "logger"})
+        )  # fmt: skip
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level.upper(), handlers=[handler])
 
 
 def restore_on_start(service: DecisionService, state_dir: Path, policy_from_flag: bool) -> None:
@@ -109,9 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"nightjar-server: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    configure_logging(config.log_level, config.log_format)
     if token is None:
         log.warning("no --admin-token-file: mutating admin calls are not authenticated")
 

@@ -10,6 +10,7 @@ from typing import Any
 from policy_server.uds import parse_mode
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+LOG_FORMATS = ("text", "json")
 
 
 class ConfigError(ValueError):
@@ -45,6 +46,8 @@ class ServerConfig:
     max_batch_size: int = 65536
     max_workers: int = 16
     log_level: str = "INFO"
+    # The server's own log on stderr: "text" lines or "json" objects, one a line.
+    log_format: str = "text"
 
     @classmethod
     def from_file(cls, path: str | Path) -> ServerConfig:
@@ -75,5 +78,10 @@ class ServerConfig:
         if str(self.log_level).upper() not in LOG_LEVELS:
             raise ConfigError(f"log_level must be one of {', '.join(LOG_LEVELS)}, "
                               f"got {self.log_level!r}")  # fmt: skip
+        if self.log_format not in LOG_FORMATS:
+            raise ConfigError(f"log_format must be one of {', '.join(LOG_FORMATS)}, "
+                              f"got {self.log_format!r}")  # fmt: skip
+        if self.decision_log_max_bytes <= 0 or self.decision_log_backups < 1:
+            raise ConfigError("decision_log_max_bytes must be > 0 and decision_log_backups >= 1")
         if self.snapshot_interval_s <= 0:
             raise ConfigError("snapshot_interval_s must be > 0")

@@ -8,8 +8,12 @@ Two record kinds share one stream, joined later by ``decision_id``
      "exploration": ..., "exploration_probability": ...}
     {"kind": "outcome", "ts": ..., "decision_id": ..., "outcome": {...}}
 
-Writing happens on a background thread so the decision path never waits on
-disk; when the writer falls behind, records are dropped and counted.
+Records are handed to a bounded queue and written by the standard library's
+``QueueListener`` into a ``RotatingFileHandler`` (size-based rotation, backups
+``PATH.1`` … ``PATH.N``, newest first), so the decision path never waits on disk or
+on JSON encoding. When the writer falls behind, records are dropped and counted. No
+``QueueHandler`` on the decision path: it would build and format a ``LogRecord`` there
+(~4 µs a record); the listener wraps each record in one on its own thread instead.
 """
 
 from __future__ import annotations
@@ -17,16 +21,46 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import os
+import logging.handlers
 import queue
-import threading
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
 
-_STOP = object()
+
+class _JsonLines(logging.Formatter):
+    """One record's dict as one compact JSON line (cached: the handler formats twice,
+    once to decide on rotation and once to write)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        line = getattr(record, "json_line", None)
+        if line is None:
+            line = json.dumps(record.msg, separators=(",", ":"), allow_nan=False)
+            record.json_line = line
+        return str(line)
+
+
+class _Listener(logging.handlers.QueueListener):
+    """Wraps each queued dict in a LogRecord on the listener's thread."""
+
+    def __init__(self, records: queue.Queue[Any], handler: logging.Handler) -> None:
+        super().__init__(records, handler)
+        self._records = records
+
+    def prepare(self, record: Any) -> logging.LogRecord:
+        return logging.makeLogRecord({"msg": record, "levelno": logging.INFO})
+
+    def enqueue_sentinel(self) -> None:
+        # Blocking, unlike the base class's put_nowait: the queue may be full at close.
+        self._records.put(getattr(self, "_sentinel", None))
+
+
+class _Handler(logging.handlers.RotatingFileHandler):
+    def handleError(self, record: logging.LogRecord) -> None:
+        # A record that cannot be encoded (or a full disk) must not kill the writer.
+        log.exception("decision log: cannot write record")
 
 
 class DecisionLog:
@@ -38,15 +72,18 @@ class DecisionLog:
         queue_size: int = 65536,
         on_drop: Callable[[], None] | None = None,
     ) -> None:
+        if max_bytes <= 0 or backup_count < 1:
+            raise ValueError("a decision log needs max_bytes > 0 and backup_count >= 1")
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.max_bytes = max_bytes
-        self.backup_count = backup_count
-        self._queue: queue.Queue[object] = queue.Queue(maxsize=queue_size)
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_size)
         self._on_drop = on_drop
-        self._file = self.path.open("a", encoding="utf-8")
-        self._thread = threading.Thread(target=self._run, name="decision-log", daemon=True)
-        self._thread.start()
+        self._handler = _Handler(
+            self.path, maxBytes=max_bytes, backupCount=backup_count, encoding="utf-8"
+        )
+        self._handler.setFormatter(_JsonLines())
+        self._listener = _Listener(self._queue, self._handler)
+        self._listener.start()
 
     def write(self, record: dict[str, Any]) -> None:
         """Queue one record; never blocks."""
@@ -61,38 +98,8 @@ class DecisionLog:
         self._queue.join()
 
     def close(self) -> None:
-        self._queue.put(_STOP)
-        self._thread.join(timeout=5)
-        self._file.close()
-
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            try:
-                if item is _STOP:
-                    return
-                line = json.dumps(item, separators=(",", ":"), allow_nan=False) + "\n"
-                if self._file.tell() + len(line) > self.max_bytes and self._file.tell() > 0:
-                    self._rotate()
-                self._file.write(line)
-                if self._queue.empty():
-                    self._file.flush()
-            except Exception:  # a bad record must not kill the writer
-                log.exception("decision log: cannot write record")
-            finally:
-                self._queue.task_done()
-
-    def _rotate(self) -> None:
-        self._file.close()
-        for index in range(self.backup_count - 1, 0, -1):
-            older = self.path.with_name(f"{self.path.name}.{index}")
-            if older.exists():
-                os.replace(older, self.path.with_name(f"{self.path.name}.{index + 1}"))
-        if self.backup_count > 0:
-            os.replace(self.path, self.path.with_name(f"{self.path.name}.1"))
-        else:
-            self.path.unlink(missing_ok=True)
-        self._file = self.path.open("a", encoding="utf-8")
+        self._listener.stop()  # writes what is queued, then ends the thread
+        self._handler.close()
 
 
 def log_files(path: str | Path) -> list[Path]:
