@@ -75,7 +75,8 @@ def migrate_reference(cache: torch.Tensor, layout: KVLayout, wave: Sequence[Move
     pages = layout.pages(cache.view(-1))
     src = torch.tensor([s for s, _ in wave], device=cache.device)
     dst = torch.tensor([d for _, d in wave], device=cache.device)
-    pages[:, dst] = pages[:, src].clone()
+    # Advanced indexing already gathers into a new tensor: no extra copy is needed.
+    pages[:, dst] = pages[:, src]
 
 
 def triton_available(cache: torch.Tensor) -> bool:
@@ -109,7 +110,15 @@ def migrate_triton(
         return
     src = torch.tensor([s for s, _ in wave], dtype=torch.int64, device=cache.device)
     dst = torch.tensor([d for _, d in wave], dtype=torch.int64, device=cache.device)
-    _kernel()[(len(wave),)](
+    launch(cache, layout, src, dst, block)
+
+
+def launch(
+    cache: torch.Tensor, layout: KVLayout, src: torch.Tensor, dst: torch.Tensor, block: int = 1024
+) -> None:
+    """The kernel alone, for one wave whose block ids are already int64 tensors on the
+    cache's device (unchecked: :func:`migrate_triton` validates a wave first)."""
+    _kernel()[(src.numel(),)](
         cache.view(-1), src, dst, layout.num_layers, layout.layer_stride,
         layout.block_stride, layout.page_numel, BLOCK=block,
     )  # fmt: skip
@@ -126,11 +135,13 @@ def _kernel() -> Any:
     import triton
     import triton.language as tl
 
+    # No annotations but tl.constexpr: Triton's compiler resolves each annotation as a
+    # global of the kernel, and a typing name such as Any fails to compile.
     @triton.jit  # type: ignore[untyped-decorator]
-    def migrate_blocks_kernel(
-        buf: Any, src_ids: Any, dst_ids: Any, num_layers: Any, layer_stride: Any,
-        block_stride: Any, page_numel: Any, BLOCK: tl.constexpr,
-    ) -> None:  # fmt: skip
+    def migrate_blocks_kernel(  # type: ignore[no-untyped-def]
+        buf, src_ids, dst_ids, num_layers, layer_stride, block_stride, page_numel,
+        BLOCK: tl.constexpr,
+    ):  # fmt: skip
         move = tl.program_id(0)
         src = tl.load(src_ids + move).to(tl.int64) * block_stride
         dst = tl.load(dst_ids + move).to(tl.int64) * block_stride
