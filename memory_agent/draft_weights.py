@@ -2,12 +2,13 @@
 
 Offload copies every parameter and buffer to host memory (pinned when CUDA exists),
 keeps that copy, fingerprints the device tensors, and releases the device memory by
-pointing each tensor at an empty one. Reload copies the host tensors back — on a side
-stream with non-blocking copies on CUDA, so the calling thread only pays the dispatch —
-and :meth:`DraftWeights.finish_reload` waits for the copies and checks every tensor's
-fingerprint before the draft counts as resident again. A mismatch (a stale or corrupted
-copy: the failure vLLM's sleep mode is known for) releases the reloaded tensors and
-raises, so speculation stays off.
+pointing each tensor at an empty one; a later offload of unchanged weights (same
+fingerprints) reuses the kept copy instead of copying again. Reload copies the host
+tensors back — on a side stream with non-blocking copies on CUDA, so the calling thread
+only pays the dispatch — and :meth:`DraftWeights.finish_reload` waits for the copies and
+checks every tensor's fingerprint before the draft counts as resident again. A mismatch
+(a stale or corrupted copy: the failure vLLM's sleep mode is known for) releases the
+reloaded tensors and raises, so speculation stays off.
 
 A draft can be given a *home* (:meth:`DraftWeights.settle`): fixed views its tensors
 live in — the KV buffer's top blocks (draft_slot.py). Then offloading copies and releases
@@ -50,20 +51,46 @@ class Transfer:
 _CHUNK = 1 << 20
 
 
+def _position_weights(device: torch.device) -> torch.Tensor:
+    return torch.arange(_CHUNK, device=device, dtype=torch.int64) % 251 + 1
+
+
+def _weighted_sum(tensor: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The fingerprint as a 0-d tensor on the tensor's device (nothing waits for it)."""
+    raw = tensor.detach().contiguous().view(-1).view(torch.uint8)
+    words = raw.view(torch.int32) if raw.numel() % 4 == 0 else raw
+    # Two kernels a chunk (the product promotes to int64 inside the multiplication): a
+    # draft has hundreds of small tensors, and launches are what verifying them costs.
+    parts = []
+    for start in range(0, words.numel(), _CHUNK):
+        chunk = words[start : start + _CHUNK]
+        parts.append((chunk * weights[: chunk.numel()]).sum())
+    if not parts:
+        return torch.zeros((), dtype=torch.int64, device=raw.device)
+    return parts[0] if len(parts) == 1 else torch.stack(parts).sum()
+
+
 def fingerprint(tensor: torch.Tensor) -> int:
     """Position-weighted sum of the tensor's 32-bit words (bytes when the size is not a
     multiple of 4), in 64-bit wrapping arithmetic, computed where the tensor lives, in
     chunks so that no full-size temporary is made."""
-    raw = tensor.detach().contiguous().view(-1).view(torch.uint8)
-    words = raw.view(torch.int32) if raw.numel() % 4 == 0 else raw
-    count = words.numel()
-    weights = torch.arange(min(_CHUNK, max(count, 1)), device=raw.device, dtype=torch.int64)
-    weights = weights % 251 + 1
-    total = torch.zeros((), dtype=torch.int64, device=raw.device)
-    for start in range(0, count, _CHUNK):
-        chunk = words[start : start + _CHUNK].to(torch.int64)
-        total += (chunk * weights[: chunk.numel()]).sum()
-    return int(total.item())
+    return fingerprints({"": tensor})[""]
+
+
+def fingerprints(tensors: dict[str, torch.Tensor]) -> dict[str, int]:
+    """:func:`fingerprint` of each tensor, read back with one synchronisation per device
+    rather than one per tensor (a draft has hundreds of tensors)."""
+    sums: dict[torch.device, dict[str, torch.Tensor]] = {}
+    weights: dict[torch.device, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        if tensor.device not in weights:
+            weights[tensor.device] = _position_weights(tensor.device)
+        sums.setdefault(tensor.device, {})[name] = _weighted_sum(tensor, weights[tensor.device])
+    prints: dict[str, int] = {}
+    for per_device in sums.values():
+        values = torch.stack(list(per_device.values())).tolist()
+        prints.update(zip(per_device, (int(v) for v in values), strict=True))
+    return prints
 
 
 def _tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -90,14 +117,28 @@ class DraftWeights:
         self._incoming: dict[str, torch.Tensor] = {}
         self._done: Any = None  # CUDA event of a pending reload
         self._home: dict[str, torch.Tensor] = {}  # fixed views the tensors live in, if any
+        # Every name of each moved tensor (tied weights: an LM head that is the embedding).
+        self._aliases: dict[str, list[str]] = {}
 
     def _own_tensors(self) -> dict[str, torch.Tensor]:
         return {name: t for name, t in _tensors(self.module).items()
                 if t.data_ptr() not in self._shared or not t.numel()}  # fmt: skip
 
+    def _alias_groups(self) -> dict[str, list[str]]:
+        """Each own, non-empty tensor's first name → all its names. Tied weights (one
+        Parameter under two names, or two Parameters over the same memory) are one
+        tensor: moved once, and every name gets it back."""
+        groups: dict[tuple[object, ...], list[str]] = {}
+        for name, t in self._own_tensors().items():
+            if t.numel():
+                key = (t.device, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
+                groups.setdefault(key, []).append(name)
+        return {names[0]: names for names in groups.values()}
+
     def movable_tensors(self) -> dict[str, torch.Tensor]:
-        """The draft's own, non-empty tensors: what an offload moves."""
-        return {name: t for name, t in self._own_tensors().items() if t.numel()}
+        """The draft's own, non-empty tensors, each once: what an offload moves."""
+        tensors = self._own_tensors()
+        return {name: tensors[name] for name in self._alias_groups()}
 
     @property
     def nbytes(self) -> int:
@@ -143,16 +184,28 @@ class DraftWeights:
             nbytes = sum(t.numel() * t.element_size() for t in self._host.values())
             return Transfer(len(self._host), nbytes, time.perf_counter() - started)
         total = 0
-        for name, tensor in self.movable_tensors().items():
-            self._prints[name] = fingerprint(tensor)
+        self._aliases = self._alias_groups()
+        tensors = _tensors(self.module)
+        movable = self.movable_tensors()
+        prints = fingerprints(movable)
+        kept, self._host = self._host, {}
+        for name, tensor in movable.items():
             self._device[name] = tensor.device
-            host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu",
-                               pin_memory=torch.cuda.is_available())  # fmt: skip
-            host.copy_(tensor.detach())
+            host = kept.get(name)
+            # The copy of an earlier offload still holds these bytes (weights do not change
+            # while serving; the fingerprint says whether they did): no copy.
+            if host is None or prints[name] != self._prints.get(name) or (
+                host.shape, host.dtype) != (tensor.shape, tensor.dtype):  # fmt: skip
+                host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu",
+                                   pin_memory=torch.cuda.is_available())  # fmt: skip
+                host.copy_(tensor.detach())
             self._host[name] = host
             total += host.numel() * host.element_size()
-            # Release the device memory; the module keeps its structure.
-            tensor.data = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+            # Release the device memory (under every name); the module keeps its structure.
+            empty = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+            for alias in self._aliases[name]:
+                tensors[alias].data = empty
+        self._prints = prints
         self.state = DraftState.OFFLOADED
         return Transfer(len(self._host), total, time.perf_counter() - started)
 
@@ -162,17 +215,20 @@ class DraftWeights:
             raise RuntimeError(f"cannot reload a draft that is {self.state.value}")
         started = time.perf_counter()
         on_cuda = any(device.type == "cuda" for device in self._device.values())
+        # Allocate on the calling stream, which uses the weights afterwards: memory taken
+        # on the side stream would go back to that stream's cache when freed.
+        for name, host in self._host.items():
+            target = self._home.get(name)
+            if target is None:
+                target = torch.empty(host.shape, dtype=host.dtype, device=self._device[name])
+            self._incoming[name] = target
         stream = torch.cuda.Stream() if on_cuda else None
         if stream is not None:
             # Work queued before (a KV migration out of the home) must finish first.
             stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for name, host in self._host.items():
-                target = self._home.get(name)
-                if target is None:
-                    target = torch.empty(host.shape, dtype=host.dtype, device=self._device[name])
-                target.copy_(host, non_blocking=on_cuda)
-                self._incoming[name] = target
+                self._incoming[name].copy_(host, non_blocking=on_cuda)
             if stream is not None:
                 self._done = torch.cuda.Event()
                 self._done.record(stream)
@@ -188,14 +244,16 @@ class DraftWeights:
         if self._done is not None:
             self._done.synchronize()
             self._done = None
-        bad = [name for name, t in self._incoming.items() if fingerprint(t) != self._prints[name]]
+        got = fingerprints(self._incoming)
+        bad = [name for name, value in got.items() if value != self._prints[name]]
         if bad:
             self._incoming.clear()
             self.state = DraftState.OFFLOADED
             raise ReloadError(f"reloaded draft weights differ from the offloaded ones: {bad[:5]}")
         tensors = _tensors(self.module)
         for name, incoming in self._incoming.items():
-            tensors[name].data = incoming
+            for alias in self._aliases.get(name, [name]):
+                tensors[alias].data = incoming
         self._incoming.clear()
         self.state = DraftState.RESIDENT
         nbytes = sum(t.numel() * t.element_size() for t in self._host.values())
