@@ -8,6 +8,7 @@ import math
 import re
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +17,7 @@ from typing import Any
 import pytest
 
 from policy_server.ops import panels, render
+from tests.test_prometheus import vllm_server  # noqa: F401 (fixture: vllm serve + a sidecar)
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "deploy" / "grafana" / "nightjar.json"
@@ -170,3 +172,65 @@ def test_renderer_draws_the_dashboard(run: Run, tmp_path: Path) -> None:
     height, width, _ = image.imread(out).shape
     assert width == round(24 * render.COLUMN_IN * render.DPI)
     assert height > width
+
+
+# -- the engine's panels, from a real `vllm serve` with the plugin -----------------------------
+
+
+def engine_panels(board: panels.Board) -> list[panels.Panel]:
+    return [
+        p for p in board.panels if p.targets and all("$engine_job" in t.expr for t in p.targets)
+    ]
+
+
+@pytest.mark.slow
+def test_engine_panels_return_data_from_a_live_vllm(
+    vllm_server: dict[str, Any],  # noqa: F811 (the fixture of tests/test_prometheus.py)
+    make_prometheus: Any,
+) -> None:
+    """Completions through a vLLM OpenAI server whose plugin asks the sidecar, which is
+    stopped for a few seconds midway: the engine falls back, then reconnects."""
+    from dashboard_run import ENGINE_JOB, SIDECAR_JOB, serve_load
+
+    sidecar = vllm_server["sidecar"]
+    prom = make_prometheus(
+        {
+            SIDECAR_JOB: [f"127.0.0.1:{sidecar.metrics_port}"],
+            ENGINE_JOB: [f"127.0.0.1:{vllm_server['port']}"],
+        }
+    )
+    stop = threading.Event()
+    start = time.time()
+    load = serve_load(vllm_server["base"], stop, concurrency=2)
+    try:
+        prom.wait_for('nightjar_plugin_decisions_total{source="sidecar"} > 0', timeout=60)
+        sidecar.terminate()
+        prom.wait_for(f'nightjar_plugin_fallbacks_total{{job="{ENGINE_JOB}"}} > 0', timeout=60)
+        sidecar.start()
+        prom.wait_for(
+            'increase(nightjar_plugin_decisions_total{source="sidecar"}[3s]) > 0', timeout=60
+        )
+    finally:
+        stop.set()
+        for thread in load:
+            thread.join(timeout=130)
+    time.sleep(3 * prom.scrape_interval_s)
+    board = panels.load(DASHBOARD)
+    window = render.Window(start, time.time(), 1.0, prom.scrape_interval_s)
+    values = {"job": SIDECAR_JOB, "instance": ".*", "engine_job": ENGINE_JOB, "engine": ".*"}
+    # The memory agent does not run under `vllm serve` on CPU (the model runs in a worker
+    # process of its own, docs/MEMORY.md): its panels are checked for valid PromQL only.
+    checked = [p for p in engine_panels(board) if "memory agent" not in p.title]
+    assert len(checked) >= 5
+    found: dict[str, dict[str, list[float]]] = {}
+    for panel in checked:
+        series = render.fetch(prom, panel, window, values)
+        found[panel.title] = {s.name: [v for v in s.values if math.isfinite(v)] for s in series}
+    assert not [title for title, series in found.items() if not any(series.values())], found
+    # The restart is in the engine's panels: fallbacks by reason, and by source.
+    fallbacks = found["Fallbacks by reason (engine)"]
+    assert max(max(fallbacks.get(r, [0.0])) for r in ("disconnected", "unavailable")) > 0
+    assert max(found["Engine decisions by source"]["fallback"]) > 0
+    assert max(found["Engine decisions by source"]["sidecar"]) > 0
+    hook = found["Plugin hook time (engine)"]
+    assert 0 < max(hook["p50"]) <= max(hook["p99"]) < 1.0
