@@ -48,6 +48,22 @@ def test_check_fails_on_a_stale_file(tmp_path: Path) -> None:
     assert "make dashboard" in result.stderr
 
 
+def test_template_variables_are_substituted_in_every_grafana_syntax() -> None:
+    values = {"job": "a|b", "__rate_interval": "4s"}
+    assert (
+        panels.expand('rate(x{job=~"$job"}[$__rate_interval]) + y{job=~"${job}"} + [[job]]', values)
+        == 'rate(x{job=~"a|b"}[4s]) + y{job=~"a|b"} + a|b'
+    )
+    with pytest.raises(KeyError, match=r"\$instance"):
+        panels.expand('up{instance=~"$instance"}', values)
+    assert panels.legend("{{name}} {{ version }}", {"name": "nightjar", "version": "r2"}) == (
+        "nightjar r2"
+    )
+    # Grafana's $__rate_interval: at least four scrapes, and one step more than a scrape.
+    assert panels.rate_interval(step_s=1, scrape_interval_s=15) == 60
+    assert panels.rate_interval(step_s=120, scrape_interval_s=15) == 135
+
+
 # -- the queries against a real Prometheus scraping a driven sidecar ---------------------------
 
 DRIVE_SECONDS = 24.0
