@@ -55,6 +55,7 @@ from grafana_foundation_sdk.models.dashboard import (
     ValueMapping,
     ValueMappingResult,
     VariableModel,
+    VariableOption,
     VariableRefresh,
     VariableSort,
 )
@@ -573,8 +574,9 @@ def variables() -> list[cogbuilder.Builder[VariableModel]]:
             .sort(VariableSort.ALPHABETICAL_ASC)
             .multi(True)
             .include_all(True)
-            # All = any value, also series without the label.
+            # All = any value, also series without the label; selected when opened.
             .all_value(".*")
+            .current(VariableOption(selected=True, text=["All"], value=["$__all"]))
         )
 
     return [
