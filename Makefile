@@ -82,7 +82,7 @@ dashboard: $(STAMP)
 	$(PY) -m policy_server.ops.dashboard --out deploy/grafana/nightjar.json
 	$(PY) deploy/kubernetes/render.py
 
-dashboard-screenshot: $(STAMP) $(APT_STAMP)
+dashboard-screenshot: $(VLLM_STAMP) $(APT_STAMP)
 	$(PY) tests/dashboard_run.py --out docs/img/dashboard.png
 
 # kustomize and Helm load nothing from outside their directories (deploy/README.md).
