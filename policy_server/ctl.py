@@ -74,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = command("decide", help="ask for one decision (debugging)")
     s.add_argument("--batch-size", type=int, required=True)
     s.add_argument("--engine-id", default="nightjarctl")
+    s.add_argument("--learner-key", default="", help="key the engine learns under")
     s.add_argument("--step-index", type=int, default=0)
     s.add_argument("--waiting", type=int, default=0)
     s.add_argument("--free-blocks", type=int, default=0)
@@ -257,6 +258,7 @@ def _health(args: argparse.Namespace, channel: grpc.Channel) -> int:
 def _decide(args: argparse.Namespace, channel: grpc.Channel) -> int:
     ctx = StepContext(
         engine_id=args.engine_id,
+        learner_key=args.learner_key,
         batch_size=args.batch_size,
         step_index=args.step_index,
         num_waiting=args.waiting,

@@ -14,6 +14,8 @@ from policy_server.types import StepContext, StepOutcome
 
 # γ is a small number of draft tokens; anything above this is a client bug.
 HARD_GAMMA_LIMIT = 64
+# Longest engine id and learner key the sidecar accepts.
+MAX_ID_LENGTH = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,11 +24,15 @@ class Limits:
 
     max_batch_size: int = 65536
     max_step_seconds: float = 600.0
-    max_engine_id_length: int = 256
+    max_engine_id_length: int = MAX_ID_LENGTH
 
 
 def check_context(ctx: StepContext, limits: Limits) -> None:
     _check_engine_id(ctx.engine_id, limits)
+    if len(ctx.learner_key) > limits.max_engine_id_length:
+        raise InvalidArgumentError(
+            f"learner_key is longer than {limits.max_engine_id_length} characters"
+        )
     if not 1 <= ctx.batch_size <= limits.max_batch_size:
         raise InvalidArgumentError(
             f"batch_size must be in 1..{limits.max_batch_size}, got {ctx.batch_size}"

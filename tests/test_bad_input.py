@@ -53,6 +53,7 @@ def expect(code: grpc.StatusCode, fragment: str, call: Any, *args: Any, **kw: An
         (context(free_kv_blocks=9, total_kv_blocks=4), "exceeds total_kv_blocks"),
         (context(num_waiting=-1), "num_waiting must be >= 0"),
         (context(previous_gamma=99), "previous_gamma"),
+        (context(learner_key="k" * 257), "learner_key is longer than 256 characters"),
     ],
 )
 def test_bad_contexts(server: Any, ctx: policy_pb2.StepContext, fragment: str) -> None:

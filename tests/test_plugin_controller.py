@@ -31,6 +31,12 @@ def test_config_from_environment_and_toml(tmp_path: Path) -> None:
     env = {"NIGHTJAR_MEMORY_AGENT": "true", "NIGHTJAR_MEMORY_SOCKET": "/run/nj-memory.sock"}
     config = PluginConfig.load(env)
     assert config.memory_agent and config.memory_socket == "/run/nj-memory.sock"
+    # No learner key: the scheduler derives one from the model and device.
+    assert PluginConfig.load({}).learner_key == ""
+    toml.write_text('[plugin]\nlearner_key = "llama@h100"\n')
+    assert PluginConfig.load({"NIGHTJAR_CONFIG": str(toml)}).learner_key == "llama@h100"
+    env = {"NIGHTJAR_CONFIG": str(toml), "NIGHTJAR_LEARNER_KEY": " Qwen3-8B@L4 "}
+    assert PluginConfig.load(env).learner_key == "Qwen3-8B@L4"
 
 
 @pytest.mark.parametrize(
@@ -45,6 +51,7 @@ def test_config_from_environment_and_toml(tmp_path: Path) -> None:
         ({"NIGHTJAR_CONFIG": "/nonexistent/nightjar.toml"}, "NIGHTJAR_CONFIG"),
         ({"NIGHTJAR_SIDECAR": "/run/nj.sock"}, "is a path: write unix:/run/nj.sock"),
         ({"NIGHTJAR_SIDECAR": "unix:"}, "needs a socket path"),
+        ({"NIGHTJAR_LEARNER_KEY": "k" * 257}, "NIGHTJAR_LEARNER_KEY is longer than 256"),
     ],
 )
 def test_bad_settings_name_the_variable(env: dict[str, str], message: str) -> None:
@@ -80,7 +87,7 @@ def test_each_decision_is_reported_with_the_step_that_verified_it(
     )
     stats_file = tmp_path / "plugin.json"
     config = PluginConfig(sidecar=server.target, engine_id="ctl", deadline_ms=200,
-                          stats_file=str(stats_file))  # fmt: skip
+                          stats_file=str(stats_file), learner_key="tiny@cpu")  # fmt: skip
     controller = GammaController(config)
     wait_for(lambda: controller.client.connected)
     verified = [VerifiedStep(0, 0, 4), VerifiedStep(8, 5, 9), VerifiedStep(8, 2, 6)]
@@ -102,6 +109,7 @@ def test_each_decision_is_reported_with_the_step_that_verified_it(
     assert [o["drafted_tokens"] for o in outcomes] == [8, 8, 6]
     assert [o["generated_tokens"] for o in outcomes] == [9, 6, 9]
     assert [decided[o["decision_id"]]["context"]["batch_size"] for o in outcomes] == [4, 4, 4]
+    assert {r["context"]["learner_key"] for r in decided.values()} == {"tiny@cpu"}
     controller.close()
     written = json.loads(stats_file.read_text())
     assert written["engine_id"] == "ctl" and written["reported"] == 3

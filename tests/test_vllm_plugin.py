@@ -154,7 +154,7 @@ def test_the_engine_runs_the_gamma_the_sidecar_decided(engine: Any, sidecar: Any
 
 
 def test_hot_swap_mid_run_without_restarting_the_engine(
-    engine: Any, sidecar: Any, reference: list[list[int]]
+    engine: Any, sidecar: Any, reference: list[list[int]], models: Any
 ) -> None:
     plugin = controller(engine)
     log = DecisionLog(sidecar.decision_log)
@@ -182,7 +182,12 @@ def test_hot_swap_mid_run_without_restarting_the_engine(
     assert decisions and {d["policy"] for d in decisions} == {"nightjar"}
     state = sidecar.state()
     assert state["policy"] == "nightjar"
-    learned = state["state"]["learners"][f"engine:{ENGINE}"]
+    # Learned under the engine's default learner key (model@device;draft=...), which a
+    # replacement engine with another engine id sends too.
+    key = f"{Path(models.target).name}@cpu;draft={Path(models.draft).name}"
+    assert controller(engine).config.learner_key == key
+    assert {d["context"]["learner_key"] for d in decisions} == {key}
+    learned = state["state"]["learners"][f"shared:{key}"]
     assert str(len(PROMPTS)) in learned  # the batch size the engine ran
 
 

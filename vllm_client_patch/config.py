@@ -4,7 +4,10 @@ Environment (wins over the file):
 
     NIGHTJAR_SIDECAR        sidecar address, e.g. unix:/run/nightjar/nightjar.sock; unset = off
     NIGHTJAR_ENABLED        0/false turns the plugin off even when a sidecar is set
-    NIGHTJAR_ENGINE_ID      engine id the sidecar learns under (default: host name)
+    NIGHTJAR_ENGINE_ID      engine id: the sidecar's per-engine bookkeeping (default: host name)
+    NIGHTJAR_LEARNER_KEY    key the sidecar keeps learned state under, shared by engines
+                            running the same model on the same hardware and kept across
+                            pod replacements (default: <model>@<device>, see scheduler.py)
     NIGHTJAR_DEADLINE_MS    how long a step may wait for the sidecar (default 2)
     NIGHTJAR_FALLBACK_TABLE JSON [[start_bs, end_bs, γ], ...] used when the sidecar is late
                             or down (default: the engine's dynamic-SD schedule if set,
@@ -34,10 +37,12 @@ from pathlib import Path
 from typing import Any
 
 from policy_server.uds import DEFAULT_MODE, parse_mode
+from policy_server.validation import MAX_ID_LENGTH
 
 ENV_PREFIX = "NIGHTJAR_"
-KEYS = ("sidecar", "enabled", "engine_id", "deadline_ms", "fallback_table", "stats_file",
-        "memory_agent", "memory_socket", "memory_socket_mode", "admin_token_file")  # fmt: skip
+KEYS = ("sidecar", "enabled", "engine_id", "learner_key", "deadline_ms", "fallback_table",
+        "stats_file", "memory_agent", "memory_socket", "memory_socket_mode",
+        "admin_token_file")  # fmt: skip
 
 
 class PluginConfigError(ValueError):
@@ -49,6 +54,8 @@ class PluginConfig:
     sidecar: str = ""
     enabled: bool = True
     engine_id: str = dataclasses.field(default_factory=socket.gethostname)
+    # "" = derived from the engine's model and device when the scheduler starts.
+    learner_key: str = ""
     deadline_ms: float = 2.0
     fallback_table: tuple[tuple[int, int, int], ...] | None = None
     stats_file: str = ""
@@ -86,6 +93,8 @@ class PluginConfig:
             values["memory_agent"] = _boolean(raw["memory_agent"], "NIGHTJAR_MEMORY_AGENT")
         if raw.get("engine_id"):
             values["engine_id"] = str(raw["engine_id"])
+        if raw.get("learner_key"):
+            values["learner_key"] = _learner_key(raw["learner_key"])
         if "deadline_ms" in raw:
             values["deadline_ms"] = _deadline(raw["deadline_ms"])
         if raw.get("fallback_table"):
@@ -121,6 +130,13 @@ def _target(value: Any) -> str:
     if target in ("unix:", "unix://"):
         raise PluginConfigError("NIGHTJAR_SIDECAR unix: needs a socket path")
     return target
+
+
+def _learner_key(value: Any) -> str:
+    key = str(value).strip()
+    if len(key) > MAX_ID_LENGTH:
+        raise PluginConfigError(f"NIGHTJAR_LEARNER_KEY is longer than {MAX_ID_LENGTH} characters")
+    return key
 
 
 def _boolean(value: Any, name: str) -> bool:

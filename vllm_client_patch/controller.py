@@ -125,6 +125,7 @@ class GammaController:
     def _context(self, view: EngineView, step_index: int) -> StepContext:
         return StepContext(
             engine_id=self.config.engine_id,
+            learner_key=self.config.learner_key,
             batch_size=max(1, view.batch_size),
             step_index=step_index,
             num_waiting=view.waiting,

@@ -28,6 +28,7 @@ fallback table says, and the step contexts carry the agent's pool size and draft
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Mapping
@@ -38,6 +39,7 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import ModelRunnerOutput
 
+from policy_server.validation import MAX_ID_LENGTH
 from vllm_client_patch.config import PluginConfig
 from vllm_client_patch.controller import EngineView, GammaController, VerifiedStep
 from vllm_client_patch.memory import ORDER_ATTR, SchedulerMemory
@@ -45,6 +47,33 @@ from vllm_client_patch.metrics import PluginMetrics
 from vllm_client_patch.plugin import SUPPORTED, vllm_release
 
 log = logging.getLogger(__name__)
+
+
+def default_learner_key(vllm_config: Any) -> str:
+    """``<model>@<device>``, plus ``;tp=N`` and ``;draft=<name>`` when they apply: what the
+    goodput of a γ depends on, stable across pod restarts (unlike the engine id). The
+    model is the served model name's last path part (a path or a Hugging Face id)."""
+    from vllm.platforms import current_platform
+
+    model_config = vllm_config.model_config
+    served = model_config.served_model_name or model_config.model
+    model = _basename(served[0] if isinstance(served, list | tuple) else served)
+    try:
+        device = current_platform.get_device_name()  # NVML on NVIDIA: no CUDA context
+    except Exception:  # a platform without it: its kind ("cuda", "cpu", ...)
+        device = str(current_platform.device_name)
+    key = f"{model}@{device}"
+    tensor_parallel = vllm_config.parallel_config.tensor_parallel_size
+    if tensor_parallel > 1:
+        key += f";tp={tensor_parallel}"
+    spec = vllm_config.speculative_config
+    if spec is not None:
+        key += f";draft={_basename(spec.model) if spec.model else spec.method}"
+    return key[:MAX_ID_LENGTH]
+
+
+def _basename(name: str) -> str:
+    return str(name).rstrip("/").rsplit("/", 1)[-1] or str(name)
 
 
 def drafting_requests(output: SchedulerOutput, requests: Mapping[str, Any]) -> int:
@@ -152,6 +181,8 @@ class _NightjarMixin:
         config = PluginConfig.load()
         if not config.active:
             return
+        if not config.learner_key:
+            config = dataclasses.replace(config, learner_key=default_learner_key(self.vllm_config))
         if vllm_release() not in SUPPORTED:  # also when selected with --scheduler-cls
             log.warning("nightjar: plugin idle: vLLM release not in %s", SUPPORTED)
             return
@@ -170,8 +201,9 @@ class _NightjarMixin:
         )
         self._memory = SchedulerMemory.create(config, self.kv_cache_manager)
         log.info(
-            "nightjar: γ per step from %s (engine %s, Γmax %d, deadline %.1f ms)",
-            config.sidecar, config.engine_id, self.num_spec_tokens, config.deadline_ms,
+            "nightjar: γ per step from %s (engine %s, learner key %r, Γmax %d, deadline %.1f ms)",
+            config.sidecar, config.engine_id, config.learner_key, self.num_spec_tokens,
+            config.deadline_ms,
         )  # fmt: skip
 
     def _engine_view(self: Any, batch_size: int) -> EngineView:

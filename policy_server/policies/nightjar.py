@@ -35,8 +35,11 @@ class NightjarParams:
     # "exact": one context per batch size; "pow2": contexts 1, 2-3, 4-7, ...
     batch_bucketing: str = "exact"
     seed: int = 0
-    # Engines that send the same StepContext.learner_key share one goodput table.
-    share_learner: bool = False
+    # Learned goodput is keyed by StepContext.learner_key when the engine sends one (the
+    # plugin sends model@device): engines of one model and hardware learn together, and a
+    # replaced pod (new engine id, same key) goes on from what was learned. False: one
+    # table per engine id. Engines that send no key always learn alone.
+    share_learner: bool = True
     # CSV of c_prefill(L_max, B) (see policy_server/prefill_cost.py); "" = no switching cost.
     prefill_cost_table: str = ""
 
@@ -232,10 +235,26 @@ class NightjarPolicy:
             )
             # Per-engine RNG streams keep decisions reproducible whatever the interleaving.
             rng = SplitMix64(f"{self._params.seed}:{ctx.engine_id}")
-            engine = self._engines[ctx.engine_id] = EngineState(rng=rng, learner_id=learner)
+            schedules = self._inherited_schedules(learner)
+            engine = EngineState(rng=rng, learner_id=learner, schedules=schedules)
+            self._engines[ctx.engine_id] = engine
         if ctx.previous_gamma is not None:
             engine.previous_gamma = ctx.previous_gamma
         return engine
+
+    def _inherited_schedules(self, learner_id: str) -> dict[int, BinSchedule]:
+        """A new engine on a learner with history (a replaced pod, another replica) starts
+        each context where the learner's furthest engine is, not at block 1, whose first
+        bins would explore again what the learner already knows (docs/POLICIES.md)."""
+        inherited: dict[int, BinSchedule] = {}
+        for other in self._engines.values():
+            if other.learner_id != learner_id:
+                continue
+            for key, schedule in other.schedules.items():
+                current = inherited.get(key)
+                if current is None or _progress(schedule) > _progress(current):
+                    inherited[key] = dataclasses.replace(schedule)
+        return inherited
 
     def _stats(self, learner_id: str, key: int) -> ArmStats:
         contexts = self._learners.setdefault(learner_id, {})
@@ -270,6 +289,10 @@ class NightjarPolicy:
         if self._prefill_cost is None:
             return 0.0
         return self._prefill_cost.seconds_at(lag_tokens, batch_size)
+
+
+def _progress(schedule: BinSchedule) -> tuple[int, int, int]:
+    return schedule.block, schedule.bin, schedule.round
 
 
 def _own_learner(engine_id: str) -> str:
