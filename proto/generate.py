@@ -2,13 +2,23 @@
 
 The stubs are checked in so that installing Nightjar needs no protoc; a test runs
 ``--check`` so they can never drift from the contract.
+
+They are generated with an old, pinned grpcio-tools on purpose: generated code demands a
+runtime at least as new as its generator (protobuf's gencode version check, grpc's
+``GRPC_GENERATED_VERSION``), so the generator sets the floor of ``grpcio`` and
+``protobuf`` in pyproject.toml. Old enough means Nightjar installs into a vLLM image
+without upgrading either (vLLM accepts protobuf >= 5.29). The toolchain is installed
+on first use into ``build/`` (pip, from PyPI), apart from the project's environment,
+whose newer protobuf and grpcio then load the stubs.
 """
 
 from __future__ import annotations
 
 import argparse
 import filecmp
+import os
 import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -16,22 +26,39 @@ from pathlib import Path
 PROTO_ROOT = Path(__file__).resolve().parent
 PACKAGE_DIR = PROTO_ROOT / "nightjar" / "v1"
 GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
+# protobuf gencode 5.29.0, GRPC_GENERATED_VERSION 1.70.0: the floors in pyproject.toml.
+GRPC_TOOLS = "grpcio-tools==1.70.0"
+TOOLCHAIN = PROTO_ROOT.parent / "build" / GRPC_TOOLS.replace("==", "-")
+
+
+def toolchain() -> Path:
+    """The pinned grpcio-tools (and the protobuf it needs), installed once into build/."""
+    if not (TOOLCHAIN / ".complete").exists():
+        shutil.rmtree(TOOLCHAIN, ignore_errors=True)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+             "--no-warn-conflicts",
+             "--target", str(TOOLCHAIN), GRPC_TOOLS],
+            check=True,
+        )  # fmt: skip
+        (TOOLCHAIN / ".complete").touch()
+    return TOOLCHAIN
 
 
 def generate(out_dir: Path) -> list[Path]:
     """Run protoc over every .proto of nightjar/v1 into ``out_dir``; return the files made."""
-    from grpc_tools import protoc  # dev dependency only
-
     protos = sorted(str(p.relative_to(PROTO_ROOT)) for p in PACKAGE_DIR.glob("*.proto"))
     args = [
-        "protoc",
         f"-I{PROTO_ROOT}",
         f"--python_out={out_dir}",
         f"--pyi_out={out_dir}",
         f"--grpc_python_out={out_dir}",
         *protos,
     ]
-    if protoc.main(args) != 0:
+    # The toolchain's own protobuf must win over the environment's: a separate process.
+    env = {**os.environ, "PYTHONPATH": str(toolchain()), "PYTHONNOUSERSITE": "1"}
+    done = subprocess.run([sys.executable, "-m", "grpc_tools.protoc", *args], env=env)
+    if done.returncode != 0:
         raise SystemExit("protoc failed")
     return sorted((out_dir / "nightjar" / "v1").glob("*_pb2*"))
 

@@ -15,7 +15,6 @@ import subprocess
 import sys
 import sysconfig
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -29,21 +28,39 @@ NOT_SOURCES = shutil.ignore_patterns(
 )  # fmt: skip
 
 
+# The oldest runtime the wheel declares (pyproject.toml; the stubs' generator sets the
+# gRPC and protobuf floors, proto/generate.py). Installed from PyPI, nothing newer.
+FLOORS = (
+    "grpcio==1.70.0", "grpcio-health-checking==1.70.0", "grpcio-reflection==1.70.0",
+    "protobuf==5.29.0", "numpy==1.26.4", "prometheus-client==0.20.0",
+    "python-json-logger==3.1.0",
+)  # fmt: skip
+PIP = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
+
+
 @pytest.fixture(scope="module")
-def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """A venv with the wheel installed; yields its bin/ directory."""
-    root = tmp_path_factory.mktemp("install")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel built from the working tree, as `pip wheel .` would build it."""
+    root = tmp_path_factory.mktemp("wheel")
     source = root / "source"
     shutil.copytree(REPO, source, ignore=NOT_SOURCES)
-    wheels = root / "wheels"
-    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
-    run([*pip, "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w", str(wheels),
+    run([*PIP, "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w", str(root),
          str(source)])  # fmt: skip
-    (wheel,) = wheels.glob("nightjar_sidecar-*.whl")
+    (built,) = root.glob("nightjar_sidecar-*.whl")
+    return built
 
-    venv = root / "venv"
-    run([sys.executable, "-m", "venv", "--without-pip", str(venv)])
-    python = venv / "bin" / "python"
+
+def new_venv(root: Path) -> Path:
+    """An empty virtual environment (pip runs from outside it); returns its python."""
+    run([sys.executable, "-m", "venv", "--without-pip", str(root)])
+    return root / "bin" / "python"
+
+
+@pytest.fixture(scope="module")
+def installed(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel in a stand-in for a stock vLLM image; returns the venv's bin/ directory."""
+    venv = tmp_path_factory.mktemp("image") / "venv"
+    python = new_venv(venv)
     # The "image": this suite's site-packages, behind the venv's own (a plain path line
     # in a .pth adds it without running its .pth files, so the checkout's editable
     # install stays invisible).
@@ -51,9 +68,18 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     Path(site.strip(), "stock_image.pth").write_text(sysconfig.get_path("purelib") + "\n")
     # --no-deps: the image already has the dependencies; test_dependencies_are_satisfied
     # checks that none would need an upgrade.
-    run([*pip, "--python", str(python), "install", "--quiet", "--no-deps", "--force-reinstall",
+    run([*PIP, "--python", str(python), "install", "--quiet", "--no-deps", "--force-reinstall",
          str(wheel)])  # fmt: skip
-    yield venv / "bin"
+    return venv / "bin"
+
+
+@pytest.fixture(scope="module")
+def floor(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The wheel with the oldest dependencies it accepts (PyPI); returns bin/."""
+    venv = tmp_path_factory.mktemp("floor") / "venv"
+    python = new_venv(venv)
+    run([*PIP, "--python", str(python), "install", "--quiet", str(wheel), *FLOORS])
+    return venv / "bin"
 
 
 def run(argv: list[str], cwd: Path | None = None, env: dict[str, str] | None = None) -> str:
@@ -109,36 +135,39 @@ def test_dependencies_are_satisfied_by_the_image(installed: Path, tmp_path: Path
     assert unmet == []
 
 
-def test_clis_run_from_an_unrelated_directory(installed: Path, tmp_path: Path) -> None:
+def serve_and_query(bin_dir: Path, workdir: Path, *commands: list[str]) -> list[str]:
+    """Start the wheel's nightjar-server (static γ = 2) on a socket in ``workdir``, wait
+    for SERVING, run each ``nightjarctl`` command against it; their outputs."""
     env = clean_env()
-    sock = tmp_path / "nightjar.sock"
-    argv = [str(installed / "nightjar-server"), "--uds", str(sock), "--policy", "static",
+    sock = workdir / "nightjar.sock"
+    argv = [str(bin_dir / "nightjar-server"), "--uds", str(sock), "--policy", "static",
             "--params", '{"gamma": 2}']  # fmt: skip
     server = subprocess.Popen(
-        argv,
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+        argv, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     try:
-        ctl = [str(installed / "nightjarctl"), "--target", f"unix:{sock}"]
+        ctl = [str(bin_dir / "nightjarctl"), "--target", f"unix:{sock}"]
         deadline = time.monotonic() + 30
         while True:
-            health = subprocess.run([*ctl, "health"], cwd=tmp_path, env=env,
+            health = subprocess.run([*ctl, "health"], cwd=workdir, env=env,
                                     capture_output=True, text=True, timeout=30)  # fmt: skip
             if health.returncode == 0 or time.monotonic() > deadline or server.poll() is not None:
                 break
             time.sleep(0.2)
         assert health.returncode == 0, f"{health.stdout}{health.stderr}"
         assert "SERVING" in health.stdout
-        state = json.loads(run([*ctl, "state", "--json"], tmp_path, env))
-        assert state["policy"] == "static"
+        outputs = [run([*ctl, *command], workdir, env) for command in commands]
     finally:
         server.terminate()
         output, _ = server.communicate(timeout=30)
     assert server.returncode == 0, output
+    return outputs
+
+
+def test_clis_run_from_an_unrelated_directory(installed: Path, tmp_path: Path) -> None:
+    env = clean_env()
+    (state,) = serve_and_query(installed, tmp_path, ["state", "--json"])
+    assert json.loads(state)["policy"] == "static"
 
     # The simulator's profiles and the demo trace are package data.
     trace = run(
@@ -177,3 +206,16 @@ def test_one_variable_turns_the_plugin_on(installed: Path, tmp_path: Path) -> No
     assert not off["active"]
     assert on["active"]
     assert Path(on["plugin"]).resolve().is_relative_to(installed.parent.resolve())
+
+
+def test_the_oldest_declared_dependencies_run_the_sidecar(floor: Path, tmp_path: Path) -> None:
+    """The floors in pyproject.toml are real: the stubs load and a decision round-trips."""
+    versions = run([str(floor / "python"), "-c",
+                    "import google.protobuf, grpc; print(google.protobuf.__version__, "
+                    "grpc.__version__)"], tmp_path, clean_env())  # fmt: skip
+    assert versions.split() == ["5.29.0", "1.70.0"]
+    policies, decision = serve_and_query(
+        floor, tmp_path, ["policies"], ["decide", "--batch-size", "4"]
+    )
+    assert "static" in policies
+    assert json.loads(decision)["gamma"] == 2

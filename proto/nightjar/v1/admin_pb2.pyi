@@ -1,8 +1,7 @@
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable, Mapping as _Mapping
-from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+from typing import ClassVar as _ClassVar, Iterable as _Iterable, Mapping as _Mapping, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -48,7 +47,7 @@ class PolicyInfo(_message.Message):
     description: str
     default_params_json: str
     active: bool
-    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., default_params_json: _Optional[str] = ..., active: _Optional[bool] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., description: _Optional[str] = ..., default_params_json: _Optional[str] = ..., active: bool = ...) -> None: ...
 
 class ListPoliciesResponse(_message.Message):
     __slots__ = ("policies",)
@@ -64,7 +63,7 @@ class SwapPolicyRequest(_message.Message):
     name: str
     params_json: str
     keep_state: bool
-    def __init__(self, name: _Optional[str] = ..., params_json: _Optional[str] = ..., keep_state: _Optional[bool] = ...) -> None: ...
+    def __init__(self, name: _Optional[str] = ..., params_json: _Optional[str] = ..., keep_state: bool = ...) -> None: ...
 
 class SwapPolicyResponse(_message.Message):
     __slots__ = ("policy_name", "policy_version")

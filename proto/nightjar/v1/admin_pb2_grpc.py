@@ -5,7 +5,7 @@ import warnings
 
 from nightjar.v1 import admin_pb2 as nightjar_dot_v1_dot_admin__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.70.0'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -18,14 +18,14 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in nightjar/v1/admin_pb2_grpc.py depends on'
+        + f' but the generated code in nightjar/v1/admin_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
 
 
-class AdminServiceStub:
+class AdminServiceStub(object):
     """Operator interface: inspect, swap, tune, snapshot and reset the policy.
     """
 
@@ -72,7 +72,7 @@ class AdminServiceStub:
                 _registered_method=True)
 
 
-class AdminServiceServicer:
+class AdminServiceServicer(object):
     """Operator interface: inspect, swap, tune, snapshot and reset the policy.
     """
 
@@ -171,7 +171,7 @@ def add_AdminServiceServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class AdminService:
+class AdminService(object):
     """Operator interface: inspect, swap, tune, snapshot and reset the policy.
     """
 

@@ -38,19 +38,19 @@ class MemoryStatus(_message.Message):
     failed_reloads: int
     migrated_blocks: int
     last_order_ms: float
-    def __init__(self, draft_resident: _Optional[bool] = ..., draft_state: _Optional[str] = ..., total_kv_blocks: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., draft_bytes: _Optional[int] = ..., draft_kv_blocks: _Optional[int] = ..., kv_capacity_blocks: _Optional[int] = ..., pending_action: _Optional[str] = ..., last_error: _Optional[str] = ..., offloads: _Optional[int] = ..., reloads: _Optional[int] = ..., failed_reloads: _Optional[int] = ..., migrated_blocks: _Optional[int] = ..., last_order_ms: _Optional[float] = ...) -> None: ...
+    def __init__(self, draft_resident: bool = ..., draft_state: _Optional[str] = ..., total_kv_blocks: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., draft_bytes: _Optional[int] = ..., draft_kv_blocks: _Optional[int] = ..., kv_capacity_blocks: _Optional[int] = ..., pending_action: _Optional[str] = ..., last_error: _Optional[str] = ..., offloads: _Optional[int] = ..., reloads: _Optional[int] = ..., failed_reloads: _Optional[int] = ..., migrated_blocks: _Optional[int] = ..., last_order_ms: _Optional[float] = ...) -> None: ...
 
 class OffloadDraftRequest(_message.Message):
     __slots__ = ("expand_kv",)
     EXPAND_KV_FIELD_NUMBER: _ClassVar[int]
     expand_kv: bool
-    def __init__(self, expand_kv: _Optional[bool] = ...) -> None: ...
+    def __init__(self, expand_kv: bool = ...) -> None: ...
 
 class ReloadDraftRequest(_message.Message):
     __slots__ = ("compact_kv",)
     COMPACT_KV_FIELD_NUMBER: _ClassVar[int]
     compact_kv: bool
-    def __init__(self, compact_kv: _Optional[bool] = ...) -> None: ...
+    def __init__(self, compact_kv: bool = ...) -> None: ...
 
 class ExpandKvRequest(_message.Message):
     __slots__ = ("target_kv_blocks",)

@@ -5,7 +5,7 @@ import warnings
 
 from nightjar.v1 import memory_pb2 as nightjar_dot_v1_dot_memory__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.70.0'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -18,14 +18,14 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in nightjar/v1/memory_pb2_grpc.py depends on'
+        + f' but the generated code in nightjar/v1/memory_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
 
 
-class MemoryAgentServiceStub:
+class MemoryAgentServiceStub(object):
     """Node-local memory actions (draft offload/reload, KV expand/compact). Each mutating call queues an order that the
     engine carries out at its next step boundary and waits for it (at most the
     call's deadline, capped at 30 s); an order that cannot run fails with
@@ -66,7 +66,7 @@ class MemoryAgentServiceStub:
                 _registered_method=True)
 
 
-class MemoryAgentServiceServicer:
+class MemoryAgentServiceServicer(object):
     """Node-local memory actions (draft offload/reload, KV expand/compact). Each mutating call queues an order that the
     engine carries out at its next step boundary and waits for it (at most the
     call's deadline, capped at 30 s); an order that cannot run fails with
@@ -145,7 +145,7 @@ def add_MemoryAgentServiceServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class MemoryAgentService:
+class MemoryAgentService(object):
     """Node-local memory actions (draft offload/reload, KV expand/compact). Each mutating call queues an order that the
     engine carries out at its next step boundary and waits for it (at most the
     call's deadline, capped at 30 s); an order that cannot run fails with

@@ -5,7 +5,7 @@ import warnings
 
 from nightjar.v1 import policy_pb2 as nightjar_dot_v1_dot_policy__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.70.0'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -18,14 +18,14 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in nightjar/v1/policy_pb2_grpc.py depends on'
+        + f' but the generated code in nightjar/v1/policy_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
 
 
-class PolicyServiceStub:
+class PolicyServiceStub(object):
     """Decides the speculative length γ of every decoding step of an engine.
     """
 
@@ -57,7 +57,7 @@ class PolicyServiceStub:
                 _registered_method=True)
 
 
-class PolicyServiceServicer:
+class PolicyServiceServicer(object):
     """Decides the speculative length γ of every decoding step of an engine.
     """
 
@@ -121,7 +121,7 @@ def add_PolicyServiceServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class PolicyService:
+class PolicyService(object):
     """Decides the speculative length γ of every decoding step of an engine.
     """
 
