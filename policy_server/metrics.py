@@ -125,6 +125,10 @@ class Metrics:
         for result in ("ok", "failed"):
             self.policy_swaps.labels(result)
             self.snapshots.labels(result)
+        # The usual rejections of the per-step RPCs, for the same reason.
+        for method in ("Decide", "Report", "Step", "StepStream"):
+            for code in ("INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECONDITION"):
+                self.invalid_requests.labels(method, code)
         # What the default registry would carry: process_*, python_info, python_gc_*.
         ProcessCollector(registry=r)
         PlatformCollector(registry=r)

@@ -28,7 +28,7 @@ from policy_server.errors import (
     InvalidArgumentError,
     NotFoundError,
 )
-from policy_server.memory import DraftState, MemoryController, MemoryParams
+from policy_server.memory import OFFLOAD, RELOAD, DraftState, MemoryController, MemoryParams
 from policy_server.metrics import Metrics, batch_bucket
 from policy_server.policies import (
     REGISTRY,
@@ -92,6 +92,8 @@ class DecisionService:
         self.state_dir = Path(state_dir) if state_dir else None
         # Elastic memory (DESIGN §4); disabled unless configured.
         self.memory = memory or MemoryController(MemoryParams())
+        # The draft state last published in nightjar_memory_draft_state, per engine.
+        self._published_draft_state: dict[str, DraftState] = {}
         self._max_pending = max_pending
         self._lock = threading.Lock()
         self._revisions = itertools.count(1)
@@ -181,16 +183,24 @@ class DecisionService:
         return decision
 
     def _memory_directive(self, ctx: StepContext, gamma: int) -> MemoryDirective:
-        before = self.memory.engines.get(ctx.engine_id)
-        old_state = before.state if before else None
         directive = self.memory.step(ctx, gamma)
-        after = self.memory.engines.get(ctx.engine_id)
+        memory = self.memory.engines.get(ctx.engine_id)
+        if memory is None:
+            return directive
+        published = self._published_draft_state.get(ctx.engine_id)
+        if published is None:
+            # Zero series from the engine's first step, so that increase() sees the first.
+            for action in (OFFLOAD, RELOAD):
+                self.metrics.memory_directives.labels(ctx.engine_id, action)
         if directive.action:
             self.metrics.memory_directives.labels(ctx.engine_id, directive.action).inc()
-        if after is not None and after.state != old_state:
+        # Compared with what was last published, not with the state before this call: the
+        # engine's own report (observe, before the policy decided) moves it too.
+        if memory.state is not published:
             for state in DraftState:
-                value = 1.0 if state is after.state else 0.0
+                value = 1.0 if state is memory.state else 0.0
                 self.metrics.memory_draft_state.labels(ctx.engine_id, state.value).set(value)
+            self._published_draft_state[ctx.engine_id] = memory.state
         return directive
 
     def _take_pending(self, outcome: StepOutcome) -> PendingDecision:

@@ -115,6 +115,12 @@ def test_the_server_attaches_directives_and_shows_memory_state(make_server, tmp_
                .memory_directive.action for i in range(3)]  # fmt: skip
     offload = policy_pb2.MemoryDirective.OFFLOAD_DRAFT_EXPAND_KV
     assert actions == [0, 0, offload]
+
+    def draft_state() -> dict[str, float]:
+        samples = scrape(server.metrics_port)["nightjar_memory_draft_state"]
+        return {s.labels["state"]: s.value for s in samples if s.labels["engine"] == "e"}
+
+    assert draft_state()["offloading"] == 1
     state = json.loads(server.admin.GetState(admin_pb2.GetStateRequest(), timeout=5).memory_json)
     assert state["engines"]["e"]["state"] == "offloading"
     # The static policy would say γ=0 anyway; switch to γ=3 and it is still held at 0.
@@ -130,8 +136,11 @@ def test_the_server_attaches_directives_and_shows_memory_state(make_server, tmp_
     reload = policy_pb2.MemoryDirective.COMPACT_KV_RELOAD_DRAFT
     assert [r.memory_directive.action for r in replies] == [0, 0, reload, 0]
     assert {r.gamma for r in replies} == {0}
+    assert draft_state()["reloading"] == 1
     back = {"free_kv_blocks": 700, "total_kv_blocks": TOTAL, "draft_resident": True}
     assert server.policy.Decide(context(step_index=8, **back), timeout=5).gamma == 3
+    # The engine's own report moved the state: the gauge follows it, one state at a time.
+    assert draft_state() == {"resident": 1, "offloading": 0, "offloaded": 0, "reloading": 0}
     state = json.loads(server.admin.GetState(admin_pb2.GetStateRequest(), timeout=5).memory_json)
     assert state["engines"]["e"]["state"] == "resident"
     assert state["engines"]["e"]["transitions"] == 2  # offloaded, then resident again
