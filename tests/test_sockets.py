@@ -23,6 +23,7 @@ from memory_agent import service
 from memory_agent.agent import MemoryAgent
 from policy_server import uds
 from policy_server.uds import SocketPathError
+from tests.test_client import wait_until
 from vllm_client_patch.client import ClientConfig, NightjarClient
 
 
@@ -180,7 +181,7 @@ def test_plugin_warns_once_when_it_cannot_connect_and_once_when_it_does(
     caplog.set_level(logging.INFO, logger="vllm_client_patch.client")
     client = NightjarClient(ClientConfig(target=server.target, engine_id="e"))
     try:
-        assert wait_for(lambda: any("cannot connect" in r.message for r in caplog.records))
+        assert wait_until(lambda: any("cannot connect" in r.message for r in caplog.records))
         time.sleep(1.0)  # more failed attempts: still one warning
         (warning,) = [r for r in caplog.records if "cannot connect" in r.message]
         assert warning.levelno == logging.WARNING
@@ -188,8 +189,8 @@ def test_plugin_warns_once_when_it_cannot_connect_and_once_when_it_does(
         assert "local fallback table" in warning.message
         server.start()
         assert client.wait_connected(10)
-        assert wait_for(lambda: any("connected to the sidecar" in r.message
-                                    for r in caplog.records))  # fmt: skip
+        assert wait_until(lambda: any("connected to the sidecar" in r.message
+                                      for r in caplog.records))  # fmt: skip
         (connected,) = [r for r in caplog.records if "connected to the sidecar" in r.message]
         assert connected.levelno == logging.WARNING  # as loud as the warning it ends
     finally:
@@ -201,7 +202,7 @@ def test_plugin_names_a_missing_socket(tmp_path: Path, caplog: pytest.LogCapture
     target = f"unix:{tmp_path}/absent.sock"
     client = NightjarClient(ClientConfig(target=target, engine_id="e"))
     try:
-        assert wait_for(lambda: any("cannot connect" in r.message for r in caplog.records))
+        assert wait_until(lambda: any("cannot connect" in r.message for r in caplog.records))
         (warning,) = [r for r in caplog.records if "cannot connect" in r.message]
         assert f"[Errno {errno.ENOENT}] No such file or directory" in warning.message
         assert "is the sidecar running" in warning.message
@@ -217,17 +218,8 @@ def test_plugin_logs_a_quiet_first_connection_at_info(
     client = NightjarClient(ClientConfig(target=server.target, engine_id="e", connect_timeout_s=5))
     try:
         assert client.connected
-        assert wait_for(lambda: any("connected to the sidecar" in r.message
-                                    for r in caplog.records))  # fmt: skip
+        assert wait_until(lambda: any("connected to the sidecar" in r.message
+                                      for r in caplog.records))  # fmt: skip
         assert [r.levelno for r in caplog.records if r.levelno >= logging.WARNING] == []
     finally:
         client.close()
-
-
-def wait_for(predicate: Any, timeout: float = 10.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if predicate():
-            return True
-        time.sleep(0.02)
-    return False
