@@ -223,3 +223,13 @@ def test_plugin_logs_a_quiet_first_connection_at_info(
         assert [r.levelno for r in caplog.records if r.levelno >= logging.WARNING] == []
     finally:
         client.close()
+
+
+def test_a_tcp_port_in_use_is_a_clear_error(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = run_server("--port", str(port), "--uds", str(tmp_path / "s.sock"))
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "nightjar-server: cannot listen:" in result.stderr
