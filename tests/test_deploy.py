@@ -469,6 +469,21 @@ def test_learned_state_survives_pod_replacement(variant: str) -> None:
     }
 
 
+def test_learner_key_is_derived_unless_set() -> None:
+    """No key in the manifests: the plugin derives <model>@<device> (stable across pod
+    replacement); the chart's learnerKey overrides it, and a key the plugin would refuse
+    is refused by the chart."""
+    for variant in VARIANTS:
+        assert plugin_config(container(pod_spec(variant), "vllm")).learner_key == ""
+    (documents,) = helm_render({"engine": {"learnerKey": "llama-3-8b@h100"}})
+    engine = container(one(documents, "StatefulSet")["spec"]["template"]["spec"], "vllm")
+    assert plugin_config(engine).learner_key == "llama-3-8b@h100"
+    (too_long,) = helm([{"values": {"engine": {"learnerKey": "k" * 257}}, "lint": False}])
+    assert "learnerKey" in too_long["error"]
+    with pytest.raises(ValueError):
+        PluginConfig.load({"NIGHTJAR_LEARNER_KEY": "k" * 257})
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_draft_offload_is_consistent_with_cuda_graphs(variant: str) -> None:
     spec = pod_spec(variant)
