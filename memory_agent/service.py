@@ -17,7 +17,7 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from nightjar.v1 import memory_pb2, memory_pb2_grpc
+from nightjar_proto.v1 import memory_pb2, memory_pb2_grpc
 
 from memory_agent.agent import Action, MemoryAgent, MemoryStatus, Order
 from policy_server import reflection, uds

@@ -12,7 +12,7 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from nightjar.v1 import admin_pb2, admin_pb2_grpc, policy_pb2_grpc
+from nightjar_proto.v1 import admin_pb2, admin_pb2_grpc, policy_pb2_grpc
 
 from policy_server import wire
 from policy_server.types import StepContext, StepOutcome
@@ -320,7 +320,7 @@ def _replay(args: argparse.Namespace) -> int:
 
 def _memory(args: argparse.Namespace, channel: grpc.Channel) -> int:
     from google.protobuf import json_format
-    from nightjar.v1 import memory_pb2, memory_pb2_grpc
+    from nightjar_proto.v1 import memory_pb2, memory_pb2_grpc
 
     stub = memory_pb2_grpc.MemoryAgentServiceStub(channel)
     if args.action in ("expand", "compact") and args.blocks <= 0:

@@ -28,7 +28,7 @@ from typing import Any
 
 import grpc
 import nightjar_data
-from nightjar.v1 import admin_pb2, admin_pb2_grpc
+from nightjar_proto.v1 import admin_pb2, admin_pb2_grpc
 
 from policy_server.sim.acceptance import WORKLOADS
 from policy_server.sim.bench import (

@@ -16,7 +16,7 @@ from typing import Any, NoReturn, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from nightjar.v1 import admin_pb2, admin_pb2_grpc, policy_pb2, policy_pb2_grpc
+from nightjar_proto.v1 import admin_pb2, admin_pb2_grpc, policy_pb2, policy_pb2_grpc
 
 from policy_server import reflection, uds, wire
 from policy_server.errors import (

@@ -5,7 +5,7 @@ Used by the server and by the client, so both read the contract the same way.
 
 from __future__ import annotations
 
-from nightjar.v1 import policy_pb2 as pb
+from nightjar_proto.v1 import policy_pb2 as pb
 
 from policy_server.types import (
     BinType,

@@ -10,6 +10,11 @@ runtime at least as new as its generator (protobuf's gencode version check, grpc
 without upgrading either (vLLM accepts protobuf >= 5.29). The toolchain is installed
 on first use into ``build/`` (pip, from PyPI), apart from the project's environment,
 whose newer protobuf and grpcio then load the stubs.
+
+The contract lives in ``proto/nightjar/v1/`` (the path of package ``nightjar.v1``, for
+other languages); the Python stubs are generated from a copy placed at
+``nightjar_proto/v1/`` so that they import as ``nightjar_proto.v1``, a name no other
+project on PyPI uses (``nightjar`` is one).
 """
 
 from __future__ import annotations
@@ -24,7 +29,9 @@ import tempfile
 from pathlib import Path
 
 PROTO_ROOT = Path(__file__).resolve().parent
-PACKAGE_DIR = PROTO_ROOT / "nightjar" / "v1"
+CONTRACT_DIR = PROTO_ROOT / "nightjar" / "v1"
+PYTHON_PACKAGE = "nightjar_proto"
+PACKAGE_DIR = PROTO_ROOT / PYTHON_PACKAGE / "v1"
 GENERATED_SUFFIXES = ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")
 # protobuf gencode 5.29.0, GRPC_GENERATED_VERSION 1.70.0: the floors in pyproject.toml.
 GRPC_TOOLS = "grpcio-tools==1.70.0"
@@ -46,10 +53,14 @@ def toolchain() -> Path:
 
 
 def generate(out_dir: Path) -> list[Path]:
-    """Run protoc over every .proto of nightjar/v1 into ``out_dir``; return the files made."""
-    protos = sorted(str(p.relative_to(PROTO_ROOT)) for p in PACKAGE_DIR.glob("*.proto"))
+    """Run protoc over every .proto of the contract into ``out_dir``; return the files made."""
+    sources = out_dir / "sources"
+    shutil.copytree(CONTRACT_DIR, sources / PYTHON_PACKAGE / "v1")
+    protos = sorted(
+        str(p.relative_to(sources)) for p in (sources / PYTHON_PACKAGE).rglob("*.proto")
+    )
     args = [
-        f"-I{PROTO_ROOT}",
+        f"-I{sources}",
         f"--python_out={out_dir}",
         f"--pyi_out={out_dir}",
         f"--grpc_python_out={out_dir}",
@@ -60,7 +71,7 @@ def generate(out_dir: Path) -> list[Path]:
     done = subprocess.run([sys.executable, "-m", "grpc_tools.protoc", *args], env=env)
     if done.returncode != 0:
         raise SystemExit("protoc failed")
-    return sorted((out_dir / "nightjar" / "v1").glob("*_pb2*"))
+    return sorted((out_dir / PYTHON_PACKAGE / "v1").glob("*_pb2*"))
 
 
 def stale_files() -> list[str]:

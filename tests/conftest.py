@@ -18,7 +18,7 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from nightjar.v1 import admin_pb2, admin_pb2_grpc, policy_pb2_grpc
+from nightjar_proto.v1 import admin_pb2, admin_pb2_grpc, policy_pb2_grpc
 
 ADMIN_TOKEN = "s3cret-test-token"
 

@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if __name__ == "__main__":  # run as a script: the repository's tests/ helpers import as tests.*
     sys.path.insert(0, str(ROOT))
 
-from nightjar.v1 import admin_pb2, admin_pb2_grpc  # noqa: E402
+from nightjar_proto.v1 import admin_pb2, admin_pb2_grpc  # noqa: E402
 
 from policy_server.memory import OFFLOAD, RELOAD  # noqa: E402
 from policy_server.types import StepContext, StepOutcome  # noqa: E402
@@ -311,7 +311,7 @@ def engine_events(
     """The engine's memory agent offloads and reloads its draft (one reload refused: it is
     already resident) where the engine runs one, and the sidecar restarts (the engines
     decide alone meanwhile)."""
-    from nightjar.v1 import memory_pb2, memory_pb2_grpc
+    from nightjar_proto.v1 import memory_pb2, memory_pb2_grpc
 
     agent = memory_pb2_grpc.MemoryAgentServiceStub(grpc.insecure_channel(f"unix:{socket}"))
 

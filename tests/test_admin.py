@@ -6,7 +6,7 @@ import json
 import threading
 from typing import Any
 
-from nightjar.v1 import admin_pb2
+from nightjar_proto.v1 import admin_pb2
 
 from policy_server.types import StepContext, StepOutcome
 from tests.test_server import context, outcome

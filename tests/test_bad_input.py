@@ -7,7 +7,7 @@ from typing import Any
 
 import grpc
 import pytest
-from nightjar.v1 import admin_pb2, policy_pb2
+from nightjar_proto.v1 import admin_pb2, policy_pb2
 
 from tests.test_server import context, outcome
 

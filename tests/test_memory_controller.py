@@ -104,7 +104,7 @@ def test_the_server_attaches_directives_and_shows_memory_state(make_server, tmp_
     import subprocess
     import sys
 
-    from nightjar.v1 import admin_pb2, policy_pb2
+    from nightjar_proto.v1 import admin_pb2, policy_pb2
     from test_server import context, scrape
 
     memory = {"enabled": True, "t_persist": 3, "draft_blocks": 200, "cooldown_steps": 1}

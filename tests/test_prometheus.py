@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 import pytest
 import yaml
-from nightjar.v1 import admin_pb2, policy_pb2
+from nightjar_proto.v1 import admin_pb2, policy_pb2
 from prometheus_client import CollectorRegistry
 from prometheus_client.multiprocess import MultiProcessCollector
 

@@ -9,7 +9,7 @@ import urllib.request
 import grpc
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2
-from nightjar.v1 import admin_pb2, policy_pb2
+from nightjar_proto.v1 import admin_pb2, policy_pb2
 from prometheus_client.parser import text_string_to_metric_families
 
 from policy_server import wire
@@ -137,7 +137,7 @@ def test_tcp_listener_is_loopback_by_default(make_server) -> None:
     server = make_server("--port", str(port))
     assert f"listening on unix:{server.uds}, 127.0.0.1:{port}" in server.log()
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        from nightjar.v1 import policy_pb2_grpc
+        from nightjar_proto.v1 import policy_pb2_grpc
 
         decision = policy_pb2_grpc.PolicyServiceStub(channel).Decide(context(), timeout=5)
         assert decision.decision_id

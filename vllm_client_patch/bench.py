@@ -33,7 +33,7 @@ from typing import Any
 
 import grpc
 import nightjar_data
-from nightjar.v1 import admin_pb2, admin_pb2_grpc
+from nightjar_proto.v1 import admin_pb2, admin_pb2_grpc
 from tqdm import tqdm
 
 from policy_server.policies import REGISTRY

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import grpc
-from nightjar.v1 import policy_pb2, policy_pb2_grpc
+from nightjar_proto.v1 import policy_pb2, policy_pb2_grpc
 
 from policy_server import uds, wire
 from policy_server.policies.fixed import DEFAULT_SCHEDULE, TablePolicy

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from nightjar.v1 import admin_pb2 as nightjar_dot_v1_dot_admin__pb2
+from nightjar_proto.v1 import admin_pb2 as nightjar__proto_dot_v1_dot_admin__pb2
 
 GRPC_GENERATED_VERSION = '1.70.0'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + f' but the generated code in nightjar/v1/admin_pb2_grpc.py depends on'
+        + f' but the generated code in nightjar_proto/v1/admin_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -37,38 +37,38 @@ class AdminServiceStub(object):
         """
         self.GetState = channel.unary_unary(
                 '/nightjar.v1.AdminService/GetState',
-                request_serializer=nightjar_dot_v1_dot_admin__pb2.GetStateRequest.SerializeToString,
-                response_deserializer=nightjar_dot_v1_dot_admin__pb2.GetStateResponse.FromString,
+                request_serializer=nightjar__proto_dot_v1_dot_admin__pb2.GetStateRequest.SerializeToString,
+                response_deserializer=nightjar__proto_dot_v1_dot_admin__pb2.GetStateResponse.FromString,
                 _registered_method=True)
         self.ListPolicies = channel.unary_unary(
                 '/nightjar.v1.AdminService/ListPolicies',
-                request_serializer=nightjar_dot_v1_dot_admin__pb2.ListPoliciesRequest.SerializeToString,
-                response_deserializer=nightjar_dot_v1_dot_admin__pb2.ListPoliciesResponse.FromString,
+                request_serializer=nightjar__proto_dot_v1_dot_admin__pb2.ListPoliciesRequest.SerializeToString,
+                response_deserializer=nightjar__proto_dot_v1_dot_admin__pb2.ListPoliciesResponse.FromString,
                 _registered_method=True)
         self.SwapPolicy = channel.unary_unary(
                 '/nightjar.v1.AdminService/SwapPolicy',
-                request_serializer=nightjar_dot_v1_dot_admin__pb2.SwapPolicyRequest.SerializeToString,
-                response_deserializer=nightjar_dot_v1_dot_admin__pb2.SwapPolicyResponse.FromString,
+                request_serializer=nightjar__proto_dot_v1_dot_admin__pb2.SwapPolicyRequest.SerializeToString,
+                response_deserializer=nightjar__proto_dot_v1_dot_admin__pb2.SwapPolicyResponse.FromString,
                 _registered_method=True)
         self.SetParameters = channel.unary_unary(
                 '/nightjar.v1.AdminService/SetParameters',
-                request_serializer=nightjar_dot_v1_dot_admin__pb2.SetParametersRequest.SerializeToString,
-                response_deserializer=nightjar_dot_v1_dot_admin__pb2.SwapPolicyResponse.FromString,
+                request_serializer=nightjar__proto_dot_v1_dot_admin__pb2.SetParametersRequest.SerializeToString,
+                response_deserializer=nightjar__proto_dot_v1_dot_admin__pb2.SwapPolicyResponse.FromString,
                 _registered_method=True)
         self.Snapshot = channel.unary_unary(
                 '/nightjar.v1.AdminService/Snapshot',
-                request_serializer=nightjar_dot_v1_dot_admin__pb2.SnapshotRequest.SerializeToString,
-                response_deserializer=nightjar_dot_v1_dot_admin__pb2.SnapshotResponse.FromString,
+                request_serializer=nightjar__proto_dot_v1_dot_admin__pb2.SnapshotRequest.SerializeToString,
+                response_deserializer=nightjar__proto_dot_v1_dot_admin__pb2.SnapshotResponse.FromString,
                 _registered_method=True)
         self.Restore = channel.unary_unary(
                 '/nightjar.v1.AdminService/Restore',
-                request_serializer=nightjar_dot_v1_dot_admin__pb2.RestoreRequest.SerializeToString,
-                response_deserializer=nightjar_dot_v1_dot_admin__pb2.RestoreResponse.FromString,
+                request_serializer=nightjar__proto_dot_v1_dot_admin__pb2.RestoreRequest.SerializeToString,
+                response_deserializer=nightjar__proto_dot_v1_dot_admin__pb2.RestoreResponse.FromString,
                 _registered_method=True)
         self.Reset = channel.unary_unary(
                 '/nightjar.v1.AdminService/Reset',
-                request_serializer=nightjar_dot_v1_dot_admin__pb2.ResetRequest.SerializeToString,
-                response_deserializer=nightjar_dot_v1_dot_admin__pb2.ResetResponse.FromString,
+                request_serializer=nightjar__proto_dot_v1_dot_admin__pb2.ResetRequest.SerializeToString,
+                response_deserializer=nightjar__proto_dot_v1_dot_admin__pb2.ResetResponse.FromString,
                 _registered_method=True)
 
 
@@ -130,38 +130,38 @@ def add_AdminServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'GetState': grpc.unary_unary_rpc_method_handler(
                     servicer.GetState,
-                    request_deserializer=nightjar_dot_v1_dot_admin__pb2.GetStateRequest.FromString,
-                    response_serializer=nightjar_dot_v1_dot_admin__pb2.GetStateResponse.SerializeToString,
+                    request_deserializer=nightjar__proto_dot_v1_dot_admin__pb2.GetStateRequest.FromString,
+                    response_serializer=nightjar__proto_dot_v1_dot_admin__pb2.GetStateResponse.SerializeToString,
             ),
             'ListPolicies': grpc.unary_unary_rpc_method_handler(
                     servicer.ListPolicies,
-                    request_deserializer=nightjar_dot_v1_dot_admin__pb2.ListPoliciesRequest.FromString,
-                    response_serializer=nightjar_dot_v1_dot_admin__pb2.ListPoliciesResponse.SerializeToString,
+                    request_deserializer=nightjar__proto_dot_v1_dot_admin__pb2.ListPoliciesRequest.FromString,
+                    response_serializer=nightjar__proto_dot_v1_dot_admin__pb2.ListPoliciesResponse.SerializeToString,
             ),
             'SwapPolicy': grpc.unary_unary_rpc_method_handler(
                     servicer.SwapPolicy,
-                    request_deserializer=nightjar_dot_v1_dot_admin__pb2.SwapPolicyRequest.FromString,
-                    response_serializer=nightjar_dot_v1_dot_admin__pb2.SwapPolicyResponse.SerializeToString,
+                    request_deserializer=nightjar__proto_dot_v1_dot_admin__pb2.SwapPolicyRequest.FromString,
+                    response_serializer=nightjar__proto_dot_v1_dot_admin__pb2.SwapPolicyResponse.SerializeToString,
             ),
             'SetParameters': grpc.unary_unary_rpc_method_handler(
                     servicer.SetParameters,
-                    request_deserializer=nightjar_dot_v1_dot_admin__pb2.SetParametersRequest.FromString,
-                    response_serializer=nightjar_dot_v1_dot_admin__pb2.SwapPolicyResponse.SerializeToString,
+                    request_deserializer=nightjar__proto_dot_v1_dot_admin__pb2.SetParametersRequest.FromString,
+                    response_serializer=nightjar__proto_dot_v1_dot_admin__pb2.SwapPolicyResponse.SerializeToString,
             ),
             'Snapshot': grpc.unary_unary_rpc_method_handler(
                     servicer.Snapshot,
-                    request_deserializer=nightjar_dot_v1_dot_admin__pb2.SnapshotRequest.FromString,
-                    response_serializer=nightjar_dot_v1_dot_admin__pb2.SnapshotResponse.SerializeToString,
+                    request_deserializer=nightjar__proto_dot_v1_dot_admin__pb2.SnapshotRequest.FromString,
+                    response_serializer=nightjar__proto_dot_v1_dot_admin__pb2.SnapshotResponse.SerializeToString,
             ),
             'Restore': grpc.unary_unary_rpc_method_handler(
                     servicer.Restore,
-                    request_deserializer=nightjar_dot_v1_dot_admin__pb2.RestoreRequest.FromString,
-                    response_serializer=nightjar_dot_v1_dot_admin__pb2.RestoreResponse.SerializeToString,
+                    request_deserializer=nightjar__proto_dot_v1_dot_admin__pb2.RestoreRequest.FromString,
+                    response_serializer=nightjar__proto_dot_v1_dot_admin__pb2.RestoreResponse.SerializeToString,
             ),
             'Reset': grpc.unary_unary_rpc_method_handler(
                     servicer.Reset,
-                    request_deserializer=nightjar_dot_v1_dot_admin__pb2.ResetRequest.FromString,
-                    response_serializer=nightjar_dot_v1_dot_admin__pb2.ResetResponse.SerializeToString,
+                    request_deserializer=nightjar__proto_dot_v1_dot_admin__pb2.ResetRequest.FromString,
+                    response_serializer=nightjar__proto_dot_v1_dot_admin__pb2.ResetResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -190,8 +190,8 @@ class AdminService(object):
             request,
             target,
             '/nightjar.v1.AdminService/GetState',
-            nightjar_dot_v1_dot_admin__pb2.GetStateRequest.SerializeToString,
-            nightjar_dot_v1_dot_admin__pb2.GetStateResponse.FromString,
+            nightjar__proto_dot_v1_dot_admin__pb2.GetStateRequest.SerializeToString,
+            nightjar__proto_dot_v1_dot_admin__pb2.GetStateResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -217,8 +217,8 @@ class AdminService(object):
             request,
             target,
             '/nightjar.v1.AdminService/ListPolicies',
-            nightjar_dot_v1_dot_admin__pb2.ListPoliciesRequest.SerializeToString,
-            nightjar_dot_v1_dot_admin__pb2.ListPoliciesResponse.FromString,
+            nightjar__proto_dot_v1_dot_admin__pb2.ListPoliciesRequest.SerializeToString,
+            nightjar__proto_dot_v1_dot_admin__pb2.ListPoliciesResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -244,8 +244,8 @@ class AdminService(object):
             request,
             target,
             '/nightjar.v1.AdminService/SwapPolicy',
-            nightjar_dot_v1_dot_admin__pb2.SwapPolicyRequest.SerializeToString,
-            nightjar_dot_v1_dot_admin__pb2.SwapPolicyResponse.FromString,
+            nightjar__proto_dot_v1_dot_admin__pb2.SwapPolicyRequest.SerializeToString,
+            nightjar__proto_dot_v1_dot_admin__pb2.SwapPolicyResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -271,8 +271,8 @@ class AdminService(object):
             request,
             target,
             '/nightjar.v1.AdminService/SetParameters',
-            nightjar_dot_v1_dot_admin__pb2.SetParametersRequest.SerializeToString,
-            nightjar_dot_v1_dot_admin__pb2.SwapPolicyResponse.FromString,
+            nightjar__proto_dot_v1_dot_admin__pb2.SetParametersRequest.SerializeToString,
+            nightjar__proto_dot_v1_dot_admin__pb2.SwapPolicyResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -298,8 +298,8 @@ class AdminService(object):
             request,
             target,
             '/nightjar.v1.AdminService/Snapshot',
-            nightjar_dot_v1_dot_admin__pb2.SnapshotRequest.SerializeToString,
-            nightjar_dot_v1_dot_admin__pb2.SnapshotResponse.FromString,
+            nightjar__proto_dot_v1_dot_admin__pb2.SnapshotRequest.SerializeToString,
+            nightjar__proto_dot_v1_dot_admin__pb2.SnapshotResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -325,8 +325,8 @@ class AdminService(object):
             request,
             target,
             '/nightjar.v1.AdminService/Restore',
-            nightjar_dot_v1_dot_admin__pb2.RestoreRequest.SerializeToString,
-            nightjar_dot_v1_dot_admin__pb2.RestoreResponse.FromString,
+            nightjar__proto_dot_v1_dot_admin__pb2.RestoreRequest.SerializeToString,
+            nightjar__proto_dot_v1_dot_admin__pb2.RestoreResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -352,8 +352,8 @@ class AdminService(object):
             request,
             target,
             '/nightjar.v1.AdminService/Reset',
-            nightjar_dot_v1_dot_admin__pb2.ResetRequest.SerializeToString,
-            nightjar_dot_v1_dot_admin__pb2.ResetResponse.FromString,
+            nightjar__proto_dot_v1_dot_admin__pb2.ResetRequest.SerializeToString,
+            nightjar__proto_dot_v1_dot_admin__pb2.ResetResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from nightjar.v1 import memory_pb2 as nightjar_dot_v1_dot_memory__pb2
+from nightjar_proto.v1 import memory_pb2 as nightjar__proto_dot_v1_dot_memory__pb2
 
 GRPC_GENERATED_VERSION = '1.70.0'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + f' but the generated code in nightjar/v1/memory_pb2_grpc.py depends on'
+        + f' but the generated code in nightjar_proto/v1/memory_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -41,28 +41,28 @@ class MemoryAgentServiceStub(object):
         """
         self.GetStatus = channel.unary_unary(
                 '/nightjar.v1.MemoryAgentService/GetStatus',
-                request_serializer=nightjar_dot_v1_dot_memory__pb2.MemoryStatusRequest.SerializeToString,
-                response_deserializer=nightjar_dot_v1_dot_memory__pb2.MemoryStatus.FromString,
+                request_serializer=nightjar__proto_dot_v1_dot_memory__pb2.MemoryStatusRequest.SerializeToString,
+                response_deserializer=nightjar__proto_dot_v1_dot_memory__pb2.MemoryStatus.FromString,
                 _registered_method=True)
         self.OffloadDraft = channel.unary_unary(
                 '/nightjar.v1.MemoryAgentService/OffloadDraft',
-                request_serializer=nightjar_dot_v1_dot_memory__pb2.OffloadDraftRequest.SerializeToString,
-                response_deserializer=nightjar_dot_v1_dot_memory__pb2.MemoryStatus.FromString,
+                request_serializer=nightjar__proto_dot_v1_dot_memory__pb2.OffloadDraftRequest.SerializeToString,
+                response_deserializer=nightjar__proto_dot_v1_dot_memory__pb2.MemoryStatus.FromString,
                 _registered_method=True)
         self.ReloadDraft = channel.unary_unary(
                 '/nightjar.v1.MemoryAgentService/ReloadDraft',
-                request_serializer=nightjar_dot_v1_dot_memory__pb2.ReloadDraftRequest.SerializeToString,
-                response_deserializer=nightjar_dot_v1_dot_memory__pb2.MemoryStatus.FromString,
+                request_serializer=nightjar__proto_dot_v1_dot_memory__pb2.ReloadDraftRequest.SerializeToString,
+                response_deserializer=nightjar__proto_dot_v1_dot_memory__pb2.MemoryStatus.FromString,
                 _registered_method=True)
         self.ExpandKv = channel.unary_unary(
                 '/nightjar.v1.MemoryAgentService/ExpandKv',
-                request_serializer=nightjar_dot_v1_dot_memory__pb2.ExpandKvRequest.SerializeToString,
-                response_deserializer=nightjar_dot_v1_dot_memory__pb2.MemoryStatus.FromString,
+                request_serializer=nightjar__proto_dot_v1_dot_memory__pb2.ExpandKvRequest.SerializeToString,
+                response_deserializer=nightjar__proto_dot_v1_dot_memory__pb2.MemoryStatus.FromString,
                 _registered_method=True)
         self.CompactKv = channel.unary_unary(
                 '/nightjar.v1.MemoryAgentService/CompactKv',
-                request_serializer=nightjar_dot_v1_dot_memory__pb2.CompactKvRequest.SerializeToString,
-                response_deserializer=nightjar_dot_v1_dot_memory__pb2.MemoryStatus.FromString,
+                request_serializer=nightjar__proto_dot_v1_dot_memory__pb2.CompactKvRequest.SerializeToString,
+                response_deserializer=nightjar__proto_dot_v1_dot_memory__pb2.MemoryStatus.FromString,
                 _registered_method=True)
 
 
@@ -114,28 +114,28 @@ def add_MemoryAgentServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'GetStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStatus,
-                    request_deserializer=nightjar_dot_v1_dot_memory__pb2.MemoryStatusRequest.FromString,
-                    response_serializer=nightjar_dot_v1_dot_memory__pb2.MemoryStatus.SerializeToString,
+                    request_deserializer=nightjar__proto_dot_v1_dot_memory__pb2.MemoryStatusRequest.FromString,
+                    response_serializer=nightjar__proto_dot_v1_dot_memory__pb2.MemoryStatus.SerializeToString,
             ),
             'OffloadDraft': grpc.unary_unary_rpc_method_handler(
                     servicer.OffloadDraft,
-                    request_deserializer=nightjar_dot_v1_dot_memory__pb2.OffloadDraftRequest.FromString,
-                    response_serializer=nightjar_dot_v1_dot_memory__pb2.MemoryStatus.SerializeToString,
+                    request_deserializer=nightjar__proto_dot_v1_dot_memory__pb2.OffloadDraftRequest.FromString,
+                    response_serializer=nightjar__proto_dot_v1_dot_memory__pb2.MemoryStatus.SerializeToString,
             ),
             'ReloadDraft': grpc.unary_unary_rpc_method_handler(
                     servicer.ReloadDraft,
-                    request_deserializer=nightjar_dot_v1_dot_memory__pb2.ReloadDraftRequest.FromString,
-                    response_serializer=nightjar_dot_v1_dot_memory__pb2.MemoryStatus.SerializeToString,
+                    request_deserializer=nightjar__proto_dot_v1_dot_memory__pb2.ReloadDraftRequest.FromString,
+                    response_serializer=nightjar__proto_dot_v1_dot_memory__pb2.MemoryStatus.SerializeToString,
             ),
             'ExpandKv': grpc.unary_unary_rpc_method_handler(
                     servicer.ExpandKv,
-                    request_deserializer=nightjar_dot_v1_dot_memory__pb2.ExpandKvRequest.FromString,
-                    response_serializer=nightjar_dot_v1_dot_memory__pb2.MemoryStatus.SerializeToString,
+                    request_deserializer=nightjar__proto_dot_v1_dot_memory__pb2.ExpandKvRequest.FromString,
+                    response_serializer=nightjar__proto_dot_v1_dot_memory__pb2.MemoryStatus.SerializeToString,
             ),
             'CompactKv': grpc.unary_unary_rpc_method_handler(
                     servicer.CompactKv,
-                    request_deserializer=nightjar_dot_v1_dot_memory__pb2.CompactKvRequest.FromString,
-                    response_serializer=nightjar_dot_v1_dot_memory__pb2.MemoryStatus.SerializeToString,
+                    request_deserializer=nightjar__proto_dot_v1_dot_memory__pb2.CompactKvRequest.FromString,
+                    response_serializer=nightjar__proto_dot_v1_dot_memory__pb2.MemoryStatus.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -168,8 +168,8 @@ class MemoryAgentService(object):
             request,
             target,
             '/nightjar.v1.MemoryAgentService/GetStatus',
-            nightjar_dot_v1_dot_memory__pb2.MemoryStatusRequest.SerializeToString,
-            nightjar_dot_v1_dot_memory__pb2.MemoryStatus.FromString,
+            nightjar__proto_dot_v1_dot_memory__pb2.MemoryStatusRequest.SerializeToString,
+            nightjar__proto_dot_v1_dot_memory__pb2.MemoryStatus.FromString,
             options,
             channel_credentials,
             insecure,
@@ -195,8 +195,8 @@ class MemoryAgentService(object):
             request,
             target,
             '/nightjar.v1.MemoryAgentService/OffloadDraft',
-            nightjar_dot_v1_dot_memory__pb2.OffloadDraftRequest.SerializeToString,
-            nightjar_dot_v1_dot_memory__pb2.MemoryStatus.FromString,
+            nightjar__proto_dot_v1_dot_memory__pb2.OffloadDraftRequest.SerializeToString,
+            nightjar__proto_dot_v1_dot_memory__pb2.MemoryStatus.FromString,
             options,
             channel_credentials,
             insecure,
@@ -222,8 +222,8 @@ class MemoryAgentService(object):
             request,
             target,
             '/nightjar.v1.MemoryAgentService/ReloadDraft',
-            nightjar_dot_v1_dot_memory__pb2.ReloadDraftRequest.SerializeToString,
-            nightjar_dot_v1_dot_memory__pb2.MemoryStatus.FromString,
+            nightjar__proto_dot_v1_dot_memory__pb2.ReloadDraftRequest.SerializeToString,
+            nightjar__proto_dot_v1_dot_memory__pb2.MemoryStatus.FromString,
             options,
             channel_credentials,
             insecure,
@@ -249,8 +249,8 @@ class MemoryAgentService(object):
             request,
             target,
             '/nightjar.v1.MemoryAgentService/ExpandKv',
-            nightjar_dot_v1_dot_memory__pb2.ExpandKvRequest.SerializeToString,
-            nightjar_dot_v1_dot_memory__pb2.MemoryStatus.FromString,
+            nightjar__proto_dot_v1_dot_memory__pb2.ExpandKvRequest.SerializeToString,
+            nightjar__proto_dot_v1_dot_memory__pb2.MemoryStatus.FromString,
             options,
             channel_credentials,
             insecure,
@@ -276,8 +276,8 @@ class MemoryAgentService(object):
             request,
             target,
             '/nightjar.v1.MemoryAgentService/CompactKv',
-            nightjar_dot_v1_dot_memory__pb2.CompactKvRequest.SerializeToString,
-            nightjar_dot_v1_dot_memory__pb2.MemoryStatus.FromString,
+            nightjar__proto_dot_v1_dot_memory__pb2.CompactKvRequest.SerializeToString,
+            nightjar__proto_dot_v1_dot_memory__pb2.MemoryStatus.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from nightjar.v1 import policy_pb2 as nightjar_dot_v1_dot_policy__pb2
+from nightjar_proto.v1 import policy_pb2 as nightjar__proto_dot_v1_dot_policy__pb2
 
 GRPC_GENERATED_VERSION = '1.70.0'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + f' but the generated code in nightjar/v1/policy_pb2_grpc.py depends on'
+        + f' but the generated code in nightjar_proto/v1/policy_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -37,23 +37,23 @@ class PolicyServiceStub(object):
         """
         self.Decide = channel.unary_unary(
                 '/nightjar.v1.PolicyService/Decide',
-                request_serializer=nightjar_dot_v1_dot_policy__pb2.StepContext.SerializeToString,
-                response_deserializer=nightjar_dot_v1_dot_policy__pb2.Decision.FromString,
+                request_serializer=nightjar__proto_dot_v1_dot_policy__pb2.StepContext.SerializeToString,
+                response_deserializer=nightjar__proto_dot_v1_dot_policy__pb2.Decision.FromString,
                 _registered_method=True)
         self.Report = channel.unary_unary(
                 '/nightjar.v1.PolicyService/Report',
-                request_serializer=nightjar_dot_v1_dot_policy__pb2.StepOutcome.SerializeToString,
-                response_deserializer=nightjar_dot_v1_dot_policy__pb2.ReportAck.FromString,
+                request_serializer=nightjar__proto_dot_v1_dot_policy__pb2.StepOutcome.SerializeToString,
+                response_deserializer=nightjar__proto_dot_v1_dot_policy__pb2.ReportAck.FromString,
                 _registered_method=True)
         self.Step = channel.unary_unary(
                 '/nightjar.v1.PolicyService/Step',
-                request_serializer=nightjar_dot_v1_dot_policy__pb2.StepRequest.SerializeToString,
-                response_deserializer=nightjar_dot_v1_dot_policy__pb2.StepReply.FromString,
+                request_serializer=nightjar__proto_dot_v1_dot_policy__pb2.StepRequest.SerializeToString,
+                response_deserializer=nightjar__proto_dot_v1_dot_policy__pb2.StepReply.FromString,
                 _registered_method=True)
         self.StepStream = channel.stream_stream(
                 '/nightjar.v1.PolicyService/StepStream',
-                request_serializer=nightjar_dot_v1_dot_policy__pb2.StepRequest.SerializeToString,
-                response_deserializer=nightjar_dot_v1_dot_policy__pb2.StepReply.FromString,
+                request_serializer=nightjar__proto_dot_v1_dot_policy__pb2.StepRequest.SerializeToString,
+                response_deserializer=nightjar__proto_dot_v1_dot_policy__pb2.StepReply.FromString,
                 _registered_method=True)
 
 
@@ -95,23 +95,23 @@ def add_PolicyServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Decide': grpc.unary_unary_rpc_method_handler(
                     servicer.Decide,
-                    request_deserializer=nightjar_dot_v1_dot_policy__pb2.StepContext.FromString,
-                    response_serializer=nightjar_dot_v1_dot_policy__pb2.Decision.SerializeToString,
+                    request_deserializer=nightjar__proto_dot_v1_dot_policy__pb2.StepContext.FromString,
+                    response_serializer=nightjar__proto_dot_v1_dot_policy__pb2.Decision.SerializeToString,
             ),
             'Report': grpc.unary_unary_rpc_method_handler(
                     servicer.Report,
-                    request_deserializer=nightjar_dot_v1_dot_policy__pb2.StepOutcome.FromString,
-                    response_serializer=nightjar_dot_v1_dot_policy__pb2.ReportAck.SerializeToString,
+                    request_deserializer=nightjar__proto_dot_v1_dot_policy__pb2.StepOutcome.FromString,
+                    response_serializer=nightjar__proto_dot_v1_dot_policy__pb2.ReportAck.SerializeToString,
             ),
             'Step': grpc.unary_unary_rpc_method_handler(
                     servicer.Step,
-                    request_deserializer=nightjar_dot_v1_dot_policy__pb2.StepRequest.FromString,
-                    response_serializer=nightjar_dot_v1_dot_policy__pb2.StepReply.SerializeToString,
+                    request_deserializer=nightjar__proto_dot_v1_dot_policy__pb2.StepRequest.FromString,
+                    response_serializer=nightjar__proto_dot_v1_dot_policy__pb2.StepReply.SerializeToString,
             ),
             'StepStream': grpc.stream_stream_rpc_method_handler(
                     servicer.StepStream,
-                    request_deserializer=nightjar_dot_v1_dot_policy__pb2.StepRequest.FromString,
-                    response_serializer=nightjar_dot_v1_dot_policy__pb2.StepReply.SerializeToString,
+                    request_deserializer=nightjar__proto_dot_v1_dot_policy__pb2.StepRequest.FromString,
+                    response_serializer=nightjar__proto_dot_v1_dot_policy__pb2.StepReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -140,8 +140,8 @@ class PolicyService(object):
             request,
             target,
             '/nightjar.v1.PolicyService/Decide',
-            nightjar_dot_v1_dot_policy__pb2.StepContext.SerializeToString,
-            nightjar_dot_v1_dot_policy__pb2.Decision.FromString,
+            nightjar__proto_dot_v1_dot_policy__pb2.StepContext.SerializeToString,
+            nightjar__proto_dot_v1_dot_policy__pb2.Decision.FromString,
             options,
             channel_credentials,
             insecure,
@@ -167,8 +167,8 @@ class PolicyService(object):
             request,
             target,
             '/nightjar.v1.PolicyService/Report',
-            nightjar_dot_v1_dot_policy__pb2.StepOutcome.SerializeToString,
-            nightjar_dot_v1_dot_policy__pb2.ReportAck.FromString,
+            nightjar__proto_dot_v1_dot_policy__pb2.StepOutcome.SerializeToString,
+            nightjar__proto_dot_v1_dot_policy__pb2.ReportAck.FromString,
             options,
             channel_credentials,
             insecure,
@@ -194,8 +194,8 @@ class PolicyService(object):
             request,
             target,
             '/nightjar.v1.PolicyService/Step',
-            nightjar_dot_v1_dot_policy__pb2.StepRequest.SerializeToString,
-            nightjar_dot_v1_dot_policy__pb2.StepReply.FromString,
+            nightjar__proto_dot_v1_dot_policy__pb2.StepRequest.SerializeToString,
+            nightjar__proto_dot_v1_dot_policy__pb2.StepReply.FromString,
             options,
             channel_credentials,
             insecure,
@@ -221,8 +221,8 @@ class PolicyService(object):
             request_iterator,
             target,
             '/nightjar.v1.PolicyService/StepStream',
-            nightjar_dot_v1_dot_policy__pb2.StepRequest.SerializeToString,
-            nightjar_dot_v1_dot_policy__pb2.StepReply.FromString,
+            nightjar__proto_dot_v1_dot_policy__pb2.StepRequest.SerializeToString,
+            nightjar__proto_dot_v1_dot_policy__pb2.StepReply.FromString,
             options,
             channel_credentials,
             insecure,
