@@ -13,7 +13,6 @@ binary is an error, never a skip: the tests need the real thing.
 
 from __future__ import annotations
 
-import json
 import shutil
 import socket
 import subprocess
@@ -28,6 +27,8 @@ from typing import Any
 
 import yaml
 
+from policy_server.ops.render import PrometheusHTTP
+
 Jobs = Mapping[str, Sequence[str]]
 
 
@@ -41,8 +42,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-class PrometheusRig:
-    """One `prometheus` process; use as a context manager or call start()/stop()."""
+class PrometheusRig(PrometheusHTTP):
+    """One `prometheus` process; use as a context manager or call start()/stop(). Its
+    HTTP API (api, query, query_range) is the dashboard renderer's client."""
 
     def __init__(
         self,
@@ -61,6 +63,7 @@ class PrometheusRig:
         self.evaluation_interval_s = evaluation_interval_s or scrape_interval_s
         self.binary = binary
         self.port = 0
+        self.timeout_s = 10.0  # PrometheusHTTP's; the URL is known once started (url)
         self.proc: subprocess.Popen[bytes] | None = None
         self.config_path = self.workdir / "prometheus.yml"
         self.log_path = self.workdir / "prometheus.log"
@@ -157,38 +160,6 @@ class PrometheusRig:
         self.config_path.write_text(yaml.safe_dump(config, sort_keys=False))
 
     # -- HTTP API -----------------------------------------------------------------------
-
-    def api(self, path: str, **params: Any) -> Any:
-        """GET /api/v1/<path>; the `data` of a successful answer, PrometheusError otherwise."""
-        query = urllib.parse.urlencode({k: v for k, v in params.items() if v is not None})
-        url = f"{self.url}/api/v1/{path}" + (f"?{query}" if query else "")
-        try:
-            with urllib.request.urlopen(url, timeout=10) as reply:
-                body = json.load(reply)
-        except urllib.error.HTTPError as exc:
-            # Bad PromQL is a 400 with Prometheus's error message in the body.
-            body = json.loads(exc.read() or b"{}")
-        if body.get("status") != "success":
-            raise PrometheusError(f"{path} {params}: {body.get('errorType')}: {body.get('error')}")
-        return body["data"]
-
-    def query(self, promql: str, at: float | None = None) -> list[dict[str, Any]]:
-        """Instant query: [{"metric": {labels}, "value": [ts, "v"]}, ...] (vectors), or
-        one [{"metric": {}, "value": [ts, "v"]}] for a scalar."""
-        data = self.api("query", query=promql, time=at)
-        if data["resultType"] in ("scalar", "string"):
-            return [{"metric": {}, "value": data["result"]}]
-        result: list[dict[str, Any]] = data["result"]
-        return result
-
-    def query_range(
-        self, promql: str, start: float, end: float, step: float = 1.0
-    ) -> list[dict[str, Any]]:
-        """Range query: [{"metric": {labels}, "values": [[ts, "v"], ...]}, ...]."""
-        result: list[dict[str, Any]] = self.api(
-            "query_range", query=promql, start=start, end=end, step=step
-        )["result"]
-        return result
 
     def values(self, promql: str) -> dict[tuple[tuple[str, str], ...], float]:
         """An instant query as {sorted label items: value}."""

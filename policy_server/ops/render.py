@@ -72,35 +72,45 @@ class PrometheusSource(Protocol):
     def query(self, promql: str, at: float | None = None) -> list[dict[str, Any]]: ...
 
 
+class PrometheusQueryError(ValueError):
+    """Prometheus answered an API call with an error (e.g. PromQL it cannot parse)."""
+
+
 class PrometheusHTTP:
-    """A Prometheus server's HTTP API (GET /api/v1/query and /api/v1/query_range)."""
+    """A Prometheus server's HTTP API (GET /api/v1/<path>), e.g. query and query_range."""
 
     def __init__(self, url: str, timeout_s: float = 30.0) -> None:
         self.url, self.timeout_s = url.rstrip("/"), timeout_s
 
-    def _get(self, path: str, **params: Any) -> Any:
+    def api(self, path: str, **params: Any) -> Any:
+        """GET /api/v1/<path>; the `data` of a successful answer, PrometheusQueryError
+        otherwise."""
         query = urllib.parse.urlencode({k: v for k, v in params.items() if v is not None})
+        url = f"{self.url}/api/v1/{path}" + (f"?{query}" if query else "")
         try:
-            with urllib.request.urlopen(
-                f"{self.url}/api/v1/{path}?{query}", timeout=self.timeout_s
-            ) as reply:
+            with urllib.request.urlopen(url, timeout=self.timeout_s) as reply:
                 body = json.load(reply)
         except urllib.error.HTTPError as exc:  # bad PromQL: 400 with the reason in the body
             body = json.loads(exc.read() or b"{}")
         if body.get("status") != "success":
-            raise ValueError(f"{params.get('query')!r}: {body.get('error', body)}")
+            raise PrometheusQueryError(
+                f"{path} {params}: {body.get('errorType')}: {body.get('error', body)}"
+            )
         return body["data"]
 
     def query_range(
         self, promql: str, start: float, end: float, step: float = 1.0
     ) -> list[dict[str, Any]]:
-        result: list[dict[str, Any]] = self._get(
+        """Range query: [{"metric": {labels}, "values": [[ts, "v"], ...]}, ...]."""
+        result: list[dict[str, Any]] = self.api(
             "query_range", query=promql, start=start, end=end, step=step
         )["result"]
         return result
 
     def query(self, promql: str, at: float | None = None) -> list[dict[str, Any]]:
-        data = self._get("query", query=promql, time=at)
+        """Instant query: [{"metric": {labels}, "value": [ts, "v"]}, ...] (vectors), or
+        one [{"metric": {}, "value": [ts, "v"]}] for a scalar."""
+        data = self.api("query", query=promql, time=at)
         if data["resultType"] in ("scalar", "string"):
             return [{"metric": {}, "value": data["result"]}]
         result: list[dict[str, Any]] = data["result"]
