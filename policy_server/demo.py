@@ -28,6 +28,7 @@ from typing import Any
 
 import grpc
 import nightjar_data
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from nightjar_proto.v1 import admin_pb2, admin_pb2_grpc
 
 from policy_server.sim.acceptance import WORKLOADS
@@ -95,7 +96,20 @@ def start_server(
         "--log-level", "WARNING", "--params", json.dumps(dict(params)),
     ]  # fmt: skip
     proc = subprocess.Popen(command, stderr=(workdir / "server.log").open("wb"))
-    return proc, f"unix:{sock}"
+    target = f"unix:{sock}"
+    # Serve the replay only once the sidecar answers (as a pod's startup probe would).
+    with grpc.insecure_channel(target) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                reply = health.Check(health_pb2.HealthCheckRequest(), timeout=1)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return proc, target
+            except grpc.RpcError:
+                time.sleep(0.1)
+    proc.kill()
+    raise SystemExit(f"the sidecar did not start:\n{(workdir / 'server.log').read_text()}")
 
 
 def run(
