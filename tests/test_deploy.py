@@ -566,7 +566,7 @@ def test_dockerfile_vllm_keeps_the_engine_packages_and_sets_the_plugin_on() -> N
     (base,) = re.findall(r"^ARG VLLM_IMAGE=vllm/vllm-openai:(\S+)$", text, re.M)
     assert vllm_release(base) in SUPPORTED
     assert re.search(r"^FROM \$\{VLLM_IMAGE\}$", text, re.M)
-    assert "--constraint /tmp/image-packages.txt" in text
+    assert "--constraint /opt/nightjar-install/image-packages.txt" in text
     (sidecar,) = re.findall(r"^ENV NIGHTJAR_SIDECAR=(\S+)$", text, re.M)
     assert PluginConfig.load({"NIGHTJAR_SIDECAR": sidecar}).active
 

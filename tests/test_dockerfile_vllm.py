@@ -21,7 +21,7 @@ from test_install import NOT_SOURCES, clean_env, run
 REPO = Path(__file__).resolve().parents[1]
 DOCKERFILE = REPO / "deploy" / "Dockerfile.vllm"
 # Where the Dockerfile's final stage puts the wheels and its scratch files.
-IMAGE_TMP = "/tmp/"
+IMAGE_TMP = "/opt/nightjar-install/"
 
 
 def install_step() -> str:
@@ -52,7 +52,7 @@ def packages(python: Path) -> dict[str, str]:
 def test_install_step_adds_nightjar_and_changes_nothing(tmp_path: Path) -> None:
     source = tmp_path / "source"
     shutil.copytree(REPO, source, ignore=NOT_SOURCES)
-    wheels = tmp_path / "nightjar-wheels"
+    wheels = tmp_path / "wheels"
     run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
          "-w", str(wheels), str(source)])  # fmt: skip
 
