@@ -48,6 +48,8 @@ class StepContext:
     max_gamma: int = 0
     learner_key: str = ""
     requests: tuple[RequestSignals, ...] = ()
+    # Tokens in the decode batch's context (KV read by the step); 0 = unknown.
+    context_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +64,8 @@ class StepOutcome:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     request_accepts: tuple[tuple[str, int], ...] = ()
+    # Prefill tokens computed in the same step (chunked prefill); 0 = none or unknown.
+    prefill_tokens: int = 0
 
     @property
     def goodput(self) -> float:

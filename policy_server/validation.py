@@ -37,7 +37,10 @@ def check_context(ctx: StepContext, limits: Limits) -> None:
         raise InvalidArgumentError(
             f"batch_size must be in 1..{limits.max_batch_size}, got {ctx.batch_size}"
         )
-    for name in ("num_waiting", "free_kv_blocks", "total_kv_blocks", "max_draft_lag_tokens"):
+    for name in (
+        "num_waiting", "free_kv_blocks", "total_kv_blocks", "max_draft_lag_tokens",
+        "context_tokens",
+    ):  # fmt: skip
         if getattr(ctx, name) < 0:
             raise InvalidArgumentError(f"{name} must be >= 0, got {getattr(ctx, name)}")
     if ctx.total_kv_blocks and ctx.free_kv_blocks > ctx.total_kv_blocks:
@@ -71,7 +74,7 @@ def check_outcome(outcome: StepOutcome, limits: Limits) -> None:
         raise InvalidArgumentError(
             f"step_seconds must be finite and in (0, {limits.max_step_seconds}], got {seconds}"
         )
-    for name in ("generated_tokens", "drafted_tokens", "accepted_tokens"):
+    for name in ("generated_tokens", "drafted_tokens", "accepted_tokens", "prefill_tokens"):
         if getattr(outcome, name) < 0:
             raise InvalidArgumentError(
                 f"{name} must be >= 0, got {getattr(outcome, name)} (negative goodput)"

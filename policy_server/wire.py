@@ -37,6 +37,7 @@ def context_from_pb(msg: pb.StepContext) -> StepContext:
         previous_gamma=msg.previous_gamma if msg.HasField("previous_gamma") else None,
         max_gamma=msg.max_gamma,
         learner_key=msg.learner_key,
+        context_tokens=msg.context_tokens,
         requests=tuple(
             RequestSignals(
                 request_id=r.request_id,
@@ -62,6 +63,7 @@ def context_to_pb(ctx: StepContext) -> pb.StepContext:
         draft_resident=ctx.draft_resident,
         max_gamma=ctx.max_gamma,
         learner_key=ctx.learner_key,
+        context_tokens=ctx.context_tokens,
     )
     if ctx.previous_gamma is not None:
         msg.previous_gamma = ctx.previous_gamma
@@ -88,6 +90,7 @@ def outcome_from_pb(msg: pb.StepOutcome) -> StepOutcome:
         drafted_tokens=msg.drafted_tokens,
         accepted_tokens=msg.accepted_tokens,
         request_accepts=tuple((r.request_id, r.accepted_tokens) for r in msg.requests),
+        prefill_tokens=msg.prefill_tokens,
     )
 
 
@@ -104,6 +107,7 @@ def outcome_to_pb(outcome: StepOutcome) -> pb.StepOutcome:
             pb.RequestAccepts(request_id=rid, accepted_tokens=n)
             for rid, n in outcome.request_accepts
         ],
+        prefill_tokens=outcome.prefill_tokens,
     )
 
 

@@ -250,7 +250,7 @@ def fake_request(prompt: int, computed: int, outputs: int = 0) -> Any:
 def test_the_batch_is_the_requests_that_draft() -> None:
     """Decodes and completing prefills draft after the step; partial prefill chunks do
     not (vLLM's dynamic-SD table would count them). Outcomes count as vLLM counts."""
-    from vllm_client_patch.scheduler import drafting_requests, verified_step
+    from vllm_client_patch.scheduler import batch_shape, verified_step
 
     requests = {
         "decode": fake_request(prompt=10, computed=11, outputs=2),
@@ -261,7 +261,10 @@ def test_the_batch_is_the_requests_that_draft() -> None:
     drafts = {"decode": [5, 6, 7]}
     output = SimpleNamespace(num_scheduled_tokens=scheduled, num_invalid_spec_tokens=None,
                              scheduled_spec_decode_tokens=drafts)  # fmt: skip
-    assert drafting_requests(output, requests) == 2
+    shape = batch_shape(output, requests)
+    assert shape.drafting == 2
+    # Contexts after the step of the two that sample; prefill = both chunks.
+    assert (shape.context_tokens, shape.prefill_tokens) == (11 + 4 + 256 + 44, 44 + 256)
     # The step's result: the decode accepted 2 of 3 drafts (+1 bonus), the last chunk
     # sampled its first token, the first chunk nothing; "gone" was aborted meanwhile.
     output.num_scheduled_tokens = {**scheduled, "gone": 4}

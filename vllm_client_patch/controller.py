@@ -52,6 +52,9 @@ class EngineView:
     total_kv_blocks: int
     max_gamma: int
     draft_resident: bool = True
+    # Tokens in the drafting requests' contexts, and prefill tokens sharing the step.
+    context_tokens: int = 0
+    prefill_tokens: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -70,6 +73,8 @@ class _InFlight:
     ctx: StepContext
     decision: GammaDecision
     started: float
+    # Prefill computed in the decided step: the outcome's step time includes it.
+    prefill_tokens: int = 0
 
 
 class GammaController:
@@ -137,6 +142,7 @@ class GammaController:
             draft_resident=view.draft_resident,
             previous_gamma=self._previous_gamma,
             max_gamma=view.max_gamma,
+            context_tokens=view.context_tokens,
         )
 
     def decide(self, view: EngineView, started: float | None = None) -> int:
@@ -150,7 +156,9 @@ class GammaController:
         decision = self.client.take(ctx)
         # No drafter to run while the draft is away, whatever the sidecar or the table said.
         gamma = max(0, min(decision.gamma, view.max_gamma if view.draft_resident else 0))
-        self._pending.append(_InFlight(ctx, dataclasses.replace(decision, gamma=gamma), started))
+        self._pending.append(
+            _InFlight(ctx, dataclasses.replace(decision, gamma=gamma), started, view.prefill_tokens)
+        )
         self._previous_gamma = gamma
         self._gammas[gamma] += 1
         self._sources[decision.source if view.draft_resident else "forced"] += 1
@@ -210,6 +218,7 @@ class GammaController:
                 drafted_tokens=verified.drafted_tokens,
                 accepted_tokens=verified.accepted_tokens,
                 request_accepts=verified.request_accepts,
+                prefill_tokens=flight.prefill_tokens,
             )
         )  # fmt: skip
         self._reported += 1

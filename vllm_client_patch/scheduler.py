@@ -76,19 +76,37 @@ def _basename(name: str) -> str:
     return str(name).rstrip("/").rsplit("/", 1)[-1] or str(name)
 
 
-def drafting_requests(output: SchedulerOutput, requests: Mapping[str, Any]) -> int:
-    """Scheduled requests that sample in this step, hence draft after it.
+@dataclasses.dataclass(frozen=True, slots=True)
+class BatchShape:
+    """The scheduled step as the policy sees it."""
+
+    # Requests that sample in the step, hence draft after it (the batch size B).
+    drafting: int
+    # Tokens in their contexts after the step (the KV their attention reads).
+    context_tokens: int
+    # Prompt tokens computed in the step (prefill chunks, also of completing prefills).
+    prefill_tokens: int
+
+
+def batch_shape(output: SchedulerOutput, requests: Mapping[str, Any]) -> BatchShape:
+    """Who drafts after this step, their context, and the prefill sharing the step.
 
     Called before ``_update_after_schedule`` advances ``num_computed_tokens``: the
     request samples when the scheduled tokens reach its end — vLLM's own
-    ``is_prefill_chunk`` test, taken one step early.
+    ``is_prefill_chunk`` test, taken one step early. A decode has all but its last
+    token computed; anything behind that is prefill.
     """
-    count = 0
+    drafting = context = prefill = 0
     for req_id, scheduled in output.num_scheduled_tokens.items():
         request = requests[req_id]
         end = request.num_tokens + request.num_output_placeholders
-        count += request.num_computed_tokens + scheduled >= end
-    return count
+        computed = request.num_computed_tokens
+        if computed < end - 1:
+            prefill += scheduled
+        if computed + scheduled >= end:
+            drafting += 1
+            context += computed + scheduled
+    return BatchShape(drafting, context, prefill)
 
 
 def verified_step(
@@ -144,10 +162,12 @@ class _NightjarMixin:
     def _update_after_schedule(self: Any, scheduler_output: SchedulerOutput) -> None:
         if self._nightjar is not None and scheduler_output.num_scheduled_tokens:
             started = time.perf_counter()
-            batch = drafting_requests(scheduler_output, self.requests)
+            shape = batch_shape(scheduler_output, self.requests)
             # No request samples (only partial prefill chunks): nothing drafts, nothing
             # to decide; the controller then forgets the decision this step would verify.
-            gamma = self._nightjar.decide(self._engine_view(batch), started) if batch else 0
+            gamma = (
+                self._nightjar.decide(self._engine_view(shape), started) if shape.drafting else 0
+            )
             if self._memory is not None:
                 for directive in self._nightjar.memory_directives():
                     self._memory.offer(directive)
@@ -206,11 +226,13 @@ class _NightjarMixin:
             config.deadline_ms,
         )  # fmt: skip
 
-    def _engine_view(self: Any, batch_size: int) -> EngineView:
+    def _engine_view(self: Any, shape: BatchShape) -> EngineView:
         pool = self.kv_cache_manager.block_pool
         memory = self._memory
         return EngineView(
-            batch_size=batch_size,
+            batch_size=shape.drafting,
+            context_tokens=shape.context_tokens,
+            prefill_tokens=shape.prefill_tokens,
             waiting=self.get_request_counts()[1],
             free_kv_blocks=pool.get_num_free_blocks(),
             # The usable pool (the memory agent resizes it); block 0 is vLLM's null block.

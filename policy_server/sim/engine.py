@@ -208,6 +208,7 @@ class Simulator:
                 draft_resident=self.config.draft_resident,
                 previous_gamma=self.previous_gamma,
                 max_gamma=self.config.gamma_max,
+                context_tokens=sum(r.context_tokens for r in decode),
             )
             self.pending_decode = decode
             if self.config.track_regret:
@@ -227,6 +228,7 @@ class Simulator:
             outcome = StepOutcome(
                 decision_id, ctx.engine_id, gamma, step_s, generated,
                 drafted_tokens=len(decode) * gamma, accepted_tokens=accepted,
+                prefill_tokens=prefill_tokens,
             )  # fmt: skip
             self.source.report(ctx, decision_id, outcome)
             self.previous_gamma = gamma

@@ -21,7 +21,7 @@ class RequestSignals(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., context_tokens: _Optional[int] = ..., recent_accepts: _Optional[_Iterable[int]] = ..., kl_divergence: _Optional[float] = ..., draft_entropy: _Optional[float] = ...) -> None: ...
 
 class StepContext(_message.Message):
-    __slots__ = ("engine_id", "step_index", "batch_size", "num_waiting", "free_kv_blocks", "total_kv_blocks", "max_draft_lag_tokens", "draft_resident", "previous_gamma", "max_gamma", "learner_key", "requests")
+    __slots__ = ("engine_id", "step_index", "batch_size", "num_waiting", "free_kv_blocks", "total_kv_blocks", "max_draft_lag_tokens", "draft_resident", "previous_gamma", "max_gamma", "learner_key", "requests", "context_tokens")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_INDEX_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +34,7 @@ class StepContext(_message.Message):
     MAX_GAMMA_FIELD_NUMBER: _ClassVar[int]
     LEARNER_KEY_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     step_index: int
     batch_size: int
@@ -46,10 +47,11 @@ class StepContext(_message.Message):
     max_gamma: int
     learner_key: str
     requests: _containers.RepeatedCompositeFieldContainer[RequestSignals]
-    def __init__(self, engine_id: _Optional[str] = ..., step_index: _Optional[int] = ..., batch_size: _Optional[int] = ..., num_waiting: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., max_draft_lag_tokens: _Optional[int] = ..., draft_resident: bool = ..., previous_gamma: _Optional[int] = ..., max_gamma: _Optional[int] = ..., learner_key: _Optional[str] = ..., requests: _Optional[_Iterable[_Union[RequestSignals, _Mapping]]] = ...) -> None: ...
+    context_tokens: int
+    def __init__(self, engine_id: _Optional[str] = ..., step_index: _Optional[int] = ..., batch_size: _Optional[int] = ..., num_waiting: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., max_draft_lag_tokens: _Optional[int] = ..., draft_resident: bool = ..., previous_gamma: _Optional[int] = ..., max_gamma: _Optional[int] = ..., learner_key: _Optional[str] = ..., requests: _Optional[_Iterable[_Union[RequestSignals, _Mapping]]] = ..., context_tokens: _Optional[int] = ...) -> None: ...
 
 class StepOutcome(_message.Message):
-    __slots__ = ("decision_id", "engine_id", "gamma", "step_seconds", "generated_tokens", "drafted_tokens", "accepted_tokens", "requests")
+    __slots__ = ("decision_id", "engine_id", "gamma", "step_seconds", "generated_tokens", "drafted_tokens", "accepted_tokens", "requests", "prefill_tokens")
     DECISION_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     GAMMA_FIELD_NUMBER: _ClassVar[int]
@@ -58,6 +60,7 @@ class StepOutcome(_message.Message):
     DRAFTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     decision_id: str
     engine_id: str
     gamma: int
@@ -66,7 +69,8 @@ class StepOutcome(_message.Message):
     drafted_tokens: int
     accepted_tokens: int
     requests: _containers.RepeatedCompositeFieldContainer[RequestAccepts]
-    def __init__(self, decision_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., gamma: _Optional[int] = ..., step_seconds: _Optional[float] = ..., generated_tokens: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[RequestAccepts, _Mapping]]] = ...) -> None: ...
+    prefill_tokens: int
+    def __init__(self, decision_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., gamma: _Optional[int] = ..., step_seconds: _Optional[float] = ..., generated_tokens: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[RequestAccepts, _Mapping]]] = ..., prefill_tokens: _Optional[int] = ...) -> None: ...
 
 class RequestAccepts(_message.Message):
     __slots__ = ("request_id", "accepted_tokens")
