@@ -20,6 +20,7 @@ from policy_server.policies.fixed import (
     TableParams,
     TablePolicy,
 )
+from policy_server.policies.goodput import GoodputModelPolicy, GoodputParams
 from policy_server.policies.nightjar import NightjarParams, NightjarPolicy
 
 __all__ = [
@@ -58,6 +59,13 @@ REGISTRY: dict[str, PolicySpec] = {
             "Per-batch-size bin-greedy bandit with switching cost (Nightjar, seed 001).",
             NightjarPolicy,
             NightjarParams,
+        ),
+        PolicySpec(
+            "goodput",
+            "Thompson sampling on a learned goodput model: one acceptance rate and one "
+            "step-time regression pooled over all batch sizes; optional TPOT SLO.",
+            GoodputModelPolicy,
+            GoodputParams,
         ),
         PolicySpec(
             "static",
@@ -104,7 +112,7 @@ def parse_params_json(text: str) -> dict[str, Any]:
         return {}
     try:
         value = json.loads(text)
-    except json.JSONDecodeError as exc:
+    except ValueError as exc:  # JSONDecodeError, or an integer of more than 4300 digits
         raise PolicyError(f"params are not valid JSON: {exc}") from exc
     if not isinstance(value, dict):
         raise PolicyError("params must be a JSON object")

@@ -7,12 +7,16 @@ Choice, and learns from StepOutcomes. It knows nothing of gRPC or vLLM.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import types
 import typing
 from collections.abc import Mapping
 from typing import Any, ClassVar, Protocol, TypeVar
 
+from policy_server.prefill_cost import PrefillCostError, PrefillCostTable
 from policy_server.types import BinType, Choice, StepContext, StepOutcome
+
+log = logging.getLogger(__name__)
 
 
 class PolicyError(ValueError):
@@ -68,6 +72,61 @@ def forced_choice_if_no_speculation(ctx: StepContext, gamma_max: int) -> Choice 
     if feasible_gamma_max(ctx, gamma_max) == 0:
         return Choice(gamma=0, bin_type=BinType.FORCED)
     return None
+
+
+def learner_id(ctx: StepContext, share_learner: bool) -> str:
+    """Whose learned state a step updates: the engine's learner key when it sends one and
+    sharing is on (engines of one model and hardware learn together), else its own."""
+    if share_learner and ctx.learner_key:
+        return f"shared:{ctx.learner_key}"
+    return own_learner(ctx.engine_id)
+
+
+def own_learner(engine_id: str) -> str:
+    return f"engine:{engine_id}"
+
+
+def load_prefill_cost(path: str, policy: str) -> PrefillCostTable | None:
+    """The c_prefill(L_max, B) table of a policy's ``prefill_cost_table`` ("" = none)."""
+    if not path:
+        log.warning("%s: no prefill_cost_table given; switching cost c_prefill = 0", policy)
+        return None
+    try:
+        return PrefillCostTable.from_csv(path)
+    except PrefillCostError as exc:
+        raise PolicyError(str(exc)) from exc
+
+
+# Metadata of a params field that names a file to read: the server confines such paths,
+# when a client gives them (SwapPolicy, SetParameters, Restore), to its state directory.
+FILE_PATH: Mapping[str, Any] = types.MappingProxyType({"file_path": True})
+
+
+def file_path_params(params_type: type[Any]) -> tuple[str, ...]:
+    """Names of the fields of a params dataclass that name files (marked FILE_PATH)."""
+    return tuple(f.name for f in dataclasses.fields(params_type) if f.metadata.get("file_path"))
+
+
+@typing.runtime_checkable
+class TentativePolicy(Protocol):
+    """Optional addition to Policy: lets the server decide tentatively.
+
+    An engine asking ahead does not know its next batch size, so it asks for several
+    (StepContext.candidate_batch_sizes) and later names the one it ran; only that
+    decision may count. The server decides each candidate between ``checkpoint`` and
+    ``restore``, and at the engine's word restores the chosen candidate's after-decide
+    checkpoint, so schedules, RNG draws and γ_prev advance exactly as if only that
+    decision had been asked for. A policy without these methods answers one decision,
+    committed at once (the engine then re-asks when its batch changed).
+    """
+
+    def checkpoint(self, ctx: StepContext) -> object:
+        """A copy of everything decide(ctx) may change (opaque to the server)."""
+        ...
+
+    def restore(self, ctx: StepContext, saved: object) -> None:
+        """Put back what checkpoint(ctx) returned (for the same ctx)."""
+        ...
 
 
 P = TypeVar("P")

@@ -39,10 +39,31 @@ class EmaParams:
             raise PolicyError("ema_alpha must be in (0, 1]")
         if self.update_interval < 1 or self.warmup_batches < 0:
             raise PolicyError("update_interval must be >= 1 and warmup_batches >= 0")
-        if not self.tiers or any(
-            len(t) != 2 or not isinstance(t[0], int) or not t[1] for t in self.tiers
-        ):
-            raise PolicyError("tiers must be [[min_batch_size, [steps...]], ...]")
+        # Bounded, so a client's parameters cannot make the server allocate at will.
+        if not 1 <= len(self.tiers) <= MAX_TIERS or not all(map(_valid_tier, self.tiers)):
+            raise PolicyError(
+                f"tiers must be 1..{MAX_TIERS} of [min_batch_size >= 0, [1..65 steps, "
+                "each in 0..64]]"
+            )
+
+
+MAX_TIERS = 64
+
+
+def _valid_tier(tier: Any) -> bool:
+    def is_int(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    if not isinstance(tier, list | tuple) or len(tier) != 2:
+        return False
+    low, steps = tier
+    return (
+        is_int(low)
+        and low >= 0
+        and isinstance(steps, list | tuple)
+        and 1 <= len(steps) <= 65
+        and all(is_int(s) and 0 <= s <= 64 for s in steps)
+    )
 
 
 @dataclasses.dataclass(slots=True)
@@ -91,6 +112,18 @@ class EmaPolicy:
             return Choice(gamma=0, bin_type=BinType.FORCED)
         step = min(self._slot(ctx.engine_id, ctx.batch_size).step, feasible_gamma_max(ctx, 64))
         return Choice(gamma=step, bin_type=BinType.FIXED)
+
+    def checkpoint(self, ctx: StepContext) -> object:
+        """decide() only creates the engine's slot for ctx's tier (and its table)."""
+        slots = self._slots.get(ctx.engine_id)
+        return None if slots is None else dict(slots)
+
+    def restore(self, ctx: StepContext, saved: object) -> None:
+        if saved is None:
+            self._slots.pop(ctx.engine_id, None)
+        else:
+            assert isinstance(saved, dict)
+            self._slots[ctx.engine_id] = dict(saved)
 
     def observe(self, ctx: StepContext, choice: Choice, outcome: StepOutcome) -> None:
         slot = self._slot(ctx.engine_id, ctx.batch_size)

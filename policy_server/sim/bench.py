@@ -62,7 +62,14 @@ def _nightjar(**params: object) -> SourceFactory:
     )
 
 
+def _goodput(**params: object) -> SourceFactory:
+    return lambda seed, table: PolicySource.named(
+        "goodput", {"seed": seed, "gamma_max": GAMMA_MAX, "prefill_cost_table": table, **params}
+    )
+
+
 POLICIES: dict[str, SourceFactory] = {
+    "goodput": _goodput(),
     "nightjar": _nightjar(),
     "nightjar-pow2": _nightjar(batch_bucketing="pow2"),
     "off": lambda seed, table: PolicySource.named("off"),

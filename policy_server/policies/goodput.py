@@ -1,0 +1,352 @@
+"""Goodput-model policy: γ = argmax of a learned goodput model, explored by Thompson sampling.
+
+Nightjar's Algorithm 1 (``nightjar.py``) treats every (batch size, γ) as an unrelated arm
+and explores whole bins uniformly; at the batch sizes a busy engine runs, that is
+minutes of random γ. This policy uses the structure of the problem instead
+(``models.py``): one acceptance rate α per learner and one step-time regression
+t(B, γ, context) pooled over every batch size, so each step informs every (B, γ). Each
+decision:
+
+1. while the learner has seen fewer than ``warmup_steps`` steps, γ comes from a prior
+   batch-size table (vLLM's dynamic-SD shape by default), so the first seconds are no
+   worse than the table;
+2. otherwise it draws α̃ and the regression weights w̃ from their posteriors (Thompson
+   sampling) and picks γ = argmax B·E(α̃, γ) / (t̃(B, γ) + switch(γ)), where switch is the
+   profiled catch-up c_prefill(L_max, B) when speculation was off. The draw only moves γ
+   where the posterior is still wide, never uniformly over all arms;
+3. with ``tpot_slo_ms`` > 0 (AdaSpec, arXiv:2503.05096) only γ whose predicted per-token
+   latency t(B, γ, P̄)/E(α, γ) meets the SLO are candidates (P̄: recent prefill tokens per
+   step); when none does, the lowest predicted latency wins.
+
+Both models forget exponentially (``acceptance_window_steps``, ``time_window_steps``), so
+the choice follows a change of the request mix or of the step-time curve.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+import numpy as np
+
+from policy_server.policies.base import (
+    PolicyError,
+    feasible_gamma_max,
+    learner_id,
+    load_prefill_cost,
+    own_learner,
+    parse_params,
+)
+from policy_server.policies.fixed import TablePolicy
+from policy_server.policies.models import (
+    FEATURES,
+    AcceptanceModel,
+    FloatArray,
+    StepTimeModel,
+    expected_tokens,
+    step_features,
+)
+from policy_server.policies.rng import SplitMix64
+from policy_server.types import BinType, Choice, StepContext, StepOutcome
+
+STATE_SCHEMA = "goodput/1"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GoodputParams:
+    gamma_max: int = 4
+    seed: int = 0
+    # Learn per StepContext.learner_key (model@device) when the engine sends one.
+    share_learner: bool = True
+    # Steps of a learner decided by the prior table before the model takes over.
+    warmup_steps: int = 32
+    # vLLM dynamic-SD shaped prior, [[start_bs, end_bs, gamma], ...] (see the table policy).
+    prior_schedule: list[list[int]] = dataclasses.field(
+        default_factory=lambda: [[1, 8, 3], [9, 24, 1], [25, 1 << 20, 0]]
+    )
+    # Prior α and its weight in pseudo-tokens (a weak prior: one step of a batch outweighs it).
+    prior_alpha: float = 0.6
+    prior_weight: float = 8.0
+    # Effective memory (steps) of the acceptance counts and of the step-time regression.
+    acceptance_window_steps: int = 256
+    time_window_steps: int = 2048
+    # Ridge ρ of the step-time regression (features are O(1); ms² per unit).
+    ridge: float = 0.01
+    # 0 = maximise goodput; > 0: only γ whose predicted TPOT (ms) meets it.
+    tpot_slo_ms: float = 0.0
+    # CSV of c_prefill(L_max, B) (policy_server/prefill_cost.py); "" = no switching cost.
+    prefill_cost_table: str = ""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.gamma_max <= 64:
+            raise PolicyError(f"gamma_max must be in 1..64, got {self.gamma_max}")
+        if not 0 <= self.warmup_steps <= 1_000_000:
+            raise PolicyError("warmup_steps must be in 0..1000000")
+        if not 0.0 < self.prior_alpha < 1.0:
+            raise PolicyError("prior_alpha must be in (0, 1)")
+        if not 0.0 < self.prior_weight <= 1e6:
+            raise PolicyError("prior_weight must be in (0, 1e6]")
+        for name in ("acceptance_window_steps", "time_window_steps"):
+            if not 1 <= getattr(self, name) <= 10_000_000:
+                raise PolicyError(f"{name} must be in 1..10000000")
+        if not 0.0 < self.ridge <= 1e6:
+            raise PolicyError("ridge must be in (0, 1e6]")
+        if not (math.isfinite(self.tpot_slo_ms) and 0.0 <= self.tpot_slo_ms <= 1e6):
+            raise PolicyError("tpot_slo_ms must be in 0..1e6 (0 = off)")
+
+
+@dataclasses.dataclass(slots=True)
+class Learner:
+    """What engines of one learner key share: the two models and a few running figures."""
+
+    acceptance: AcceptanceModel
+    step_time: StepTimeModel
+    steps: int = 0
+    # Forgotten mean of prefill tokens per step (for the TPOT prediction).
+    prefill_tokens: float = 0.0
+
+
+@dataclasses.dataclass(slots=True)
+class EngineState:
+    rng: SplitMix64
+    learner_id: str
+    previous_gamma: int | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Prediction:
+    """Per γ: expected tokens per request and step milliseconds, point or sampled."""
+
+    tokens: list[float]
+    step_ms: FloatArray
+
+
+class GoodputModelPolicy:
+    name: ClassVar[str] = "goodput"
+    state_schema: ClassVar[str] = STATE_SCHEMA
+
+    def __init__(self, params: Mapping[str, Any] | None = None) -> None:
+        self._params = parse_params(GoodputParams, params, self.name)
+        p = self._params
+        self._prior = TablePolicy({"schedule": p.prior_schedule, "default_gamma": 0})
+        self._prefill_cost = load_prefill_cost(p.prefill_cost_table, self.name)
+        self._acceptance_decay = 1.0 - 1.0 / p.acceptance_window_steps
+        self._time_decay = 1.0 - 1.0 / p.time_window_steps
+        self._engines: dict[str, EngineState] = {}
+        self._learners: dict[str, Learner] = {}
+
+    # -- Policy protocol -------------------------------------------------------------
+
+    @property
+    def gamma_max(self) -> int:
+        return self._params.gamma_max
+
+    def params(self) -> dict[str, Any]:
+        return dataclasses.asdict(self._params)
+
+    def decide(self, ctx: StepContext) -> Choice:
+        engine = self._engine(ctx)
+        top = feasible_gamma_max(ctx, self._params.gamma_max)
+        if top == 0:
+            engine.previous_gamma = 0
+            return Choice(gamma=0, bin_type=BinType.FORCED)
+        learner = self._learner(engine.learner_id)
+        if learner.steps < self._params.warmup_steps:
+            gamma = min(self._prior.gamma_for(ctx.batch_size), top)
+            engine.previous_gamma = gamma
+            return Choice(gamma=gamma, bin_type=BinType.EXPLOIT)
+        xs = np.stack([step_features(ctx.batch_size, g, 0, ctx.context_tokens)
+                       for g in range(top + 1)])  # fmt: skip
+        switch_ms = self._switch_ms(ctx, engine, top)
+        greedy = self._choose(ctx, learner, xs, switch_ms, self._point(learner, xs))
+        sampled = self._choose(ctx, learner, xs, switch_ms, self._sample(learner, engine, xs))
+        engine.previous_gamma = sampled
+        bin_type = BinType.EXPLOIT if sampled == greedy else BinType.EXPLORE
+        return Choice(gamma=sampled, bin_type=bin_type)
+
+    def observe(self, ctx: StepContext, choice: Choice, outcome: StepOutcome) -> None:
+        engine = self._engine(ctx)
+        learner = self._learner(engine.learner_id)
+        learner.acceptance.observe(
+            outcome.gamma, outcome.drafted_tokens, outcome.accepted_tokens,
+            [n for _, n in outcome.request_accepts],
+        )  # fmt: skip
+        x = step_features(ctx.batch_size, outcome.gamma, outcome.prefill_tokens,
+                          ctx.context_tokens)  # fmt: skip
+        learner.step_time.observe(x, 1000.0 * outcome.step_seconds)
+        learner.steps += 1
+        learner.prefill_tokens += (1.0 - self._acceptance_decay) * (
+            outcome.prefill_tokens - learner.prefill_tokens
+        )
+        if engine.previous_gamma == choice.gamma:
+            engine.previous_gamma = outcome.gamma
+
+    def state(self, engine_id: str | None = None) -> dict[str, Any]:
+        engines = {
+            eid: e for eid, e in self._engines.items() if engine_id is None or eid == engine_id
+        }
+        learner_ids = (
+            set(self._learners) if engine_id is None else {e.learner_id for e in engines.values()}
+        )
+        return {
+            "schema": STATE_SCHEMA,
+            "gamma_max": self._params.gamma_max,
+            "engines": {
+                eid: {
+                    "learner": e.learner_id,
+                    "previous_gamma": e.previous_gamma,
+                    "rng": e.rng.state,
+                }
+                for eid, e in sorted(engines.items())
+            },
+            "learners": {
+                lid: self._learner_to_json(self._learners[lid])
+                for lid in sorted(learner_ids)
+                if lid in self._learners
+            },
+        }
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        if state.get("schema") != STATE_SCHEMA:
+            raise PolicyError(f"state schema {state.get('schema')!r} is not {STATE_SCHEMA}")
+        if state.get("gamma_max") != self._params.gamma_max:
+            raise PolicyError(
+                f"state was learned with gamma_max={state.get('gamma_max')}, "
+                f"this policy has gamma_max={self._params.gamma_max}"
+            )
+        try:
+            engines = {
+                str(eid): EngineState(
+                    rng=SplitMix64(int(e["rng"])),
+                    learner_id=str(e["learner"]),
+                    previous_gamma=None
+                    if e["previous_gamma"] is None
+                    else int(e["previous_gamma"]),
+                )
+                for eid, e in dict(state["engines"]).items()
+            }
+            learners = {
+                str(lid): self._learner_from_json(data)
+                for lid, data in dict(state["learners"]).items()
+            }
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PolicyError(f"malformed goodput state: {exc!r}") from exc
+        self._engines, self._learners = engines, learners
+
+    def reset(self, engine_id: str | None = None) -> None:
+        if engine_id is None:
+            self._engines.clear()
+            self._learners.clear()
+            return
+        engine = self._engines.pop(engine_id, None)
+        if engine is not None and engine.learner_id == own_learner(engine_id):
+            self._learners.pop(engine.learner_id, None)
+
+    # -- what operators and tests look at ------------------------------------------------
+
+    def predicted_goodput(self, learner_id: str, ctx: StepContext) -> list[float]:
+        """Point-estimate goodput (tokens/s) per γ for a step like ``ctx`` (0..Γmax)."""
+        learner = self._learners[learner_id]
+        xs = np.stack([step_features(ctx.batch_size, g, 0, ctx.context_tokens)
+                       for g in range(self._params.gamma_max + 1)])  # fmt: skip
+        point = self._point(learner, xs)
+        return [
+            1000.0 * ctx.batch_size * point.tokens[g] / max(float(point.step_ms[g]), 1e-9)
+            for g in range(len(point.tokens))
+        ]
+
+    def learner_of(self, engine_id: str) -> str:
+        return self._engines[engine_id].learner_id
+
+    # -- internals ----------------------------------------------------------------------
+
+    def _engine(self, ctx: StepContext) -> EngineState:
+        engine = self._engines.get(ctx.engine_id)
+        if engine is None:
+            learner = learner_id(ctx, self._params.share_learner)
+            engine = EngineState(SplitMix64(f"{self._params.seed}:{ctx.engine_id}"), learner)
+            self._engines[ctx.engine_id] = engine
+        if ctx.previous_gamma is not None:
+            engine.previous_gamma = ctx.previous_gamma
+        return engine
+
+    def _learner(self, learner_id: str) -> Learner:
+        learner = self._learners.get(learner_id)
+        if learner is None:
+            p = self._params
+            learner = self._learners[learner_id] = Learner(
+                AcceptanceModel.with_prior(p.prior_alpha, p.prior_weight, self._acceptance_decay),
+                StepTimeModel(self._time_decay, p.ridge),
+            )
+        return learner
+
+    def _switch_ms(self, ctx: StepContext, engine: EngineState, top: int) -> list[float]:
+        """Catch-up milliseconds each γ pays this step (only when speculation was off)."""
+        cost = 0.0
+        if engine.previous_gamma == 0 and self._prefill_cost is not None:
+            cost = 1000.0 * self._prefill_cost.seconds_at(ctx.max_draft_lag_tokens, ctx.batch_size)
+        return [0.0] + [cost] * top
+
+    def _point(self, learner: Learner, xs: FloatArray) -> Prediction:
+        alpha = learner.acceptance.alpha
+        mean, _ = learner.step_time.predict(xs)
+        return Prediction([expected_tokens(alpha, g) for g in range(len(xs))], mean)
+
+    def _sample(self, learner: Learner, engine: EngineState, xs: FloatArray) -> Prediction:
+        rng = engine.rng
+        alpha = learner.acceptance.sample(rng.normal())
+        normals = np.array([rng.normal() for _ in range(FEATURES)])
+        weights = learner.step_time.sample_weights(normals)
+        return Prediction([expected_tokens(alpha, g) for g in range(len(xs))], xs @ weights)
+
+    def _choose(
+        self, ctx: StepContext, learner: Learner, xs: FloatArray, switch_ms: list[float],
+        prediction: Prediction,
+    ) -> int:  # fmt: skip
+        # A prediction below a tenth of the mean step time is extrapolation noise.
+        floor = 0.1 * max(learner.step_time.mean_ms, 1e-6)
+        goodput = [
+            prediction.tokens[g] / (max(float(prediction.step_ms[g]), floor) + switch_ms[g])
+            for g in range(len(xs))
+        ]
+        candidates = range(len(xs))
+        slo = self._params.tpot_slo_ms
+        if slo > 0:
+            tpot = self._tpot_ms(ctx, learner, len(xs))
+            meeting = [g for g in candidates if tpot[g] <= slo]
+            if not meeting:
+                return min(candidates, key=lambda g: (tpot[g], g))
+            candidates = meeting  # type: ignore[assignment]
+        # Ties go to the smaller γ (less draft work for the same predicted goodput).
+        return max(candidates, key=lambda g: (goodput[g], -g))
+
+    def _tpot_ms(self, ctx: StepContext, learner: Learner, arms: int) -> list[float]:
+        """Predicted ms per generated token of one request, with the recent prefill load."""
+        prefill = round(learner.prefill_tokens)
+        xs = np.stack([step_features(ctx.batch_size, g, prefill, ctx.context_tokens)
+                       for g in range(arms)])  # fmt: skip
+        mean, _ = learner.step_time.predict(xs)
+        alpha = learner.acceptance.alpha
+        return [float(mean[g]) / expected_tokens(alpha, g) for g in range(arms)]
+
+    def _learner_to_json(self, learner: Learner) -> dict[str, Any]:
+        return {
+            "alpha": learner.acceptance.alpha,
+            "acceptance": learner.acceptance.to_json(),
+            "step_time": learner.step_time.to_json(),
+            "steps": learner.steps,
+            "prefill_tokens": learner.prefill_tokens,
+        }
+
+    def _learner_from_json(self, data: Mapping[str, Any]) -> Learner:
+        learner = Learner(
+            AcceptanceModel.from_json(data["acceptance"], self._acceptance_decay),
+            StepTimeModel.from_json(data["step_time"], self._time_decay, self._params.ridge),
+            steps=int(data["steps"]),
+            prefill_tokens=float(data["prefill_tokens"]),
+        )
+        if learner.steps < 0 or not math.isfinite(learner.prefill_tokens):
+            raise ValueError("steps must be >= 0 and prefill_tokens finite")
+        return learner

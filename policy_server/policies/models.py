@@ -1,0 +1,229 @@
+"""Online models of the two things that decide goodput: draft acceptance and step time.
+
+Goodput of a step with γ draft tokens per request is B·E(α, γ) / t(B, γ): B requests each
+gain E(α, γ) = (1 − α^{γ+1}) / (1 − α) tokens (accepted drafts + the bonus token; Leviathan
+et al., arXiv:2211.17192) in a step that takes t(B, γ). Both factors are shared by every
+batch size, so they are learned once per learner from every step instead of per (B, γ)
+arm:
+
+- ``AcceptanceModel``: the per-token acceptance rate α, from exponentially forgotten
+  success/failure counts (exact for per-request accepts, moment-matched otherwise), with a
+  Beta-like posterior to sample from;
+- ``StepTimeModel``: ridge regression with exponential forgetting of the step's wall time
+  on a few features of the forward pass (tokens B·(γ+1) + prefill through a piecewise-linear
+  basis, draft passes γ and γ·B, attention over the batch's context), with its posterior
+  covariance for Thompson sampling.
+
+Pure numpy, no engine or gRPC knowledge. The state of both is plain JSON for snapshots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+FloatArray = npt.NDArray[np.float64]
+
+# Hinges of the piecewise-linear basis over forward-pass tokens: the GEMMs of a decoder are
+# flat (memory-bound) up to a knee and linear above it; the knee depends on the model and
+# the accelerator, so the basis has one every octave and the fit places it.
+TOKEN_KNOTS = (32, 64, 128, 256, 512, 1024, 2048, 4096)
+TOKEN_SCALE = 256.0
+CONTEXT_SCALE = 65536.0
+FEATURES = 1 + 1 + len(TOKEN_KNOTS) + 2 + 2
+
+
+def expected_tokens(alpha: float, gamma: int) -> float:
+    """E[accepted drafts + bonus] of one request in one verify step (truncated geometric)."""
+    if alpha >= 1.0:
+        return float(gamma + 1)
+    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+def expected_accepted(alpha: float, gamma: int) -> float:
+    """E[accepted drafts] of one request drafting γ tokens: Σ_{k=1..γ} α^k."""
+    return expected_tokens(alpha, gamma) - 1.0
+
+
+def step_features(
+    batch_size: int, gamma: int, prefill_tokens: int = 0, context_tokens: int = 0
+) -> FloatArray:
+    """The regression features of one step (see the module docstring)."""
+    tokens = batch_size * (gamma + 1) + prefill_tokens
+    x = np.empty(FEATURES)
+    x[0] = 1.0
+    x[1] = tokens / TOKEN_SCALE
+    for i, knot in enumerate(TOKEN_KNOTS):
+        x[2 + i] = max(0.0, tokens - knot) / TOKEN_SCALE
+    base = 2 + len(TOKEN_KNOTS)
+    # Draft passes: launch-bound per pass, plus a per-request part.
+    x[base] = gamma
+    x[base + 1] = gamma * batch_size / 64.0
+    # Attention reads the batch's KV once per query token (γ + 1 of them).
+    x[base + 2] = context_tokens / CONTEXT_SCALE
+    x[base + 3] = context_tokens * gamma / CONTEXT_SCALE
+    return x
+
+
+@dataclasses.dataclass(slots=True)
+class AcceptanceModel:
+    """Per-token acceptance α from forgotten counts of accepted (S) and rejected (F) drafts.
+
+    A request that drafted γ and accepted k contributes k successes and one failure when
+    k < γ: the MLE of a truncated geometric is S / (S + F). When the engine reports only
+    batch totals the failures are estimated from the current α (one EM step per outcome).
+    """
+
+    successes: float
+    failures: float
+    # Forgetting per observed step: counts are multiplied by it before each update.
+    decay: float
+
+    @classmethod
+    def with_prior(cls, alpha: float, weight: float, decay: float) -> AcceptanceModel:
+        return cls(alpha * weight, (1.0 - alpha) * weight, decay)
+
+    @property
+    def alpha(self) -> float:
+        total = self.successes + self.failures
+        return self.successes / total if total > 0 else 0.5
+
+    @property
+    def weight(self) -> float:
+        return self.successes + self.failures
+
+    def observe(
+        self, gamma: int, drafted: int, accepted: int, request_accepts: Sequence[int] = ()
+    ) -> None:
+        if gamma <= 0 or drafted <= 0:
+            return
+        self.successes *= self.decay
+        self.failures *= self.decay
+        if request_accepts:
+            self.successes += sum(request_accepts)
+            self.failures += sum(1 for k in request_accepts if k < gamma)
+            return
+        requests = drafted / gamma
+        self.successes += accepted
+        self.failures += requests * (1.0 - self.alpha**gamma)
+
+    def sample(self, normal: float) -> float:
+        """α from the posterior's normal approximation, given a standard normal draw."""
+        alpha = self.alpha
+        spread = math.sqrt(alpha * (1.0 - alpha) / (self.weight + 2.0))
+        return min(0.995, max(0.0, alpha + spread * normal))
+
+    def to_json(self) -> dict[str, float]:
+        return {"successes": self.successes, "failures": self.failures}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], decay: float) -> AcceptanceModel:
+        model = cls(float(data["successes"]), float(data["failures"]), decay)
+        if not (math.isfinite(model.weight) and model.successes >= 0 and model.failures >= 0):
+            raise ValueError("acceptance counts must be finite and >= 0")
+        return model
+
+
+class StepTimeModel:
+    """Step wall time (ms) as a ridge regression with exponential forgetting.
+
+    Keeps the forgotten normal equations (A = Σ λ^{n−i} x_i x_iᵀ, b = Σ λ^{n−i} x_i y_i) and
+    solves (A + ρI) w = b lazily (after ``observe``, at the next use). The ridge ρ keeps the
+    covariance bounded in directions the recent steps did not excite (plain RLS with
+    forgetting winds up there), and the residual variance σ² is tracked with the same
+    forgetting.
+    """
+
+    def __init__(self, decay: float, ridge: float) -> None:
+        self.decay = decay
+        self.ridge = ridge
+        self.gram = np.zeros((FEATURES, FEATURES))
+        self.moment = np.zeros(FEATURES)
+        # Forgotten count, sum of squared residuals (against the fit before each update).
+        self.count = 0.0
+        self.squared_error = 0.0
+        self._weights: FloatArray | None = None
+        self._covariance: FloatArray | None = None
+
+    def observe(self, x: FloatArray, milliseconds: float) -> None:
+        if self.count >= 2.0:
+            residual = milliseconds - float(self.weights @ x)
+            self.squared_error = self.decay * self.squared_error + residual * residual
+        self.gram *= self.decay
+        self.gram += np.outer(x, x)
+        self.moment *= self.decay
+        self.moment += milliseconds * x
+        self.count = self.decay * self.count + 1.0
+        self._weights = self._covariance = None
+
+    @property
+    def weights(self) -> FloatArray:
+        if self._weights is None:
+            self._solve()
+        assert self._weights is not None
+        return self._weights
+
+    @property
+    def covariance(self) -> FloatArray:
+        """(A + ρI)⁻¹: the posterior covariance of the weights per unit noise variance."""
+        if self._covariance is None:
+            self._solve()
+        assert self._covariance is not None
+        return self._covariance
+
+    @property
+    def mean_ms(self) -> float:
+        """Forgotten mean of the observed step times (the intercept feature is 1)."""
+        return float(self.moment[0] / self.gram[0, 0]) if self.gram[0, 0] > 0 else 0.0
+
+    @property
+    def noise_variance(self) -> float:
+        if self.count < 3.0:
+            return 1.0
+        return max(self.squared_error / self.count, 1e-6)
+
+    def _solve(self) -> None:
+        regularised = self.gram + self.ridge * np.eye(FEATURES)
+        covariance: FloatArray = np.linalg.inv(regularised).astype(np.float64)
+        self._covariance = covariance
+        self._weights = covariance @ self.moment
+
+    def predict(self, xs: FloatArray) -> tuple[FloatArray, FloatArray]:
+        """Mean and variance (ms, ms²) of the step time for each row of ``xs``."""
+        mean = xs @ self.weights
+        variance = self.noise_variance * np.einsum("ij,jk,ik->i", xs, self.covariance, xs)
+        return mean, variance
+
+    def sample_weights(self, normals: FloatArray) -> FloatArray:
+        """Weights drawn from the posterior N(w, σ²(A + ρI)⁻¹), given standard normals."""
+        factor = np.linalg.cholesky(self.noise_variance * self.covariance)
+        return self.weights + factor @ normals
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "gram": self.gram.tolist(),
+            "moment": self.moment.tolist(),
+            "count": self.count,
+            "squared_error": self.squared_error,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], decay: float, ridge: float) -> StepTimeModel:
+        model = cls(decay, ridge)
+        gram = np.asarray(data["gram"], dtype=np.float64)
+        moment = np.asarray(data["moment"], dtype=np.float64)
+        if gram.shape != (FEATURES, FEATURES) or moment.shape != (FEATURES,):
+            raise ValueError(f"step-time model needs {FEATURES} features")
+        if not (np.isfinite(gram).all() and np.isfinite(moment).all()):
+            raise ValueError("step-time model has non-finite entries")
+        model.gram, model.moment = gram, moment
+        model.count = float(data["count"])
+        model.squared_error = float(data["squared_error"])
+        if not (math.isfinite(model.count) and math.isfinite(model.squared_error)):
+            raise ValueError("step-time model has non-finite counters")
+        return model
