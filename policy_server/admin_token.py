@@ -8,13 +8,25 @@ reaches production is worse than no token at all (it looks protected), so the ru
 * it must be at least :data:`MIN_LENGTH` characters long (``openssl rand -hex 32`` gives 64);
 * it must not be a known placeholder (:data:`PLACEHOLDERS`, compared case-insensitively,
   also with ``-``/``_`` removed, so ``Change_Me`` is refused as well).
+
+The sidecar re-reads the file when it changes (:class:`AdminTokenFile`), so a token is
+rotated by rewriting the file (best atomically: write another file, rename it over; a
+Kubernetes Secret volume does so) without a restart. A rotated file that is unusable
+refuses every mutating call until it is fixed: never the old token, which may be the
+leaked one being rotated out.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import threading
 from pathlib import Path
 
 from policy_server.config import ConfigError
+from policy_server.errors import UnauthenticatedError
+
+log = logging.getLogger(__name__)
 
 MIN_LENGTH = 16
 PLACEHOLDERS = frozenset(
@@ -54,3 +66,42 @@ def read_token(path: str) -> str | None:
             f"least {MIN_LENGTH} characters, e.g. `openssl rand -hex 32`"
         )
     return token
+
+
+class AdminTokenFile:
+    """The admin token of a file, re-read whenever the file is replaced or rewritten."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+        self._seen: tuple[int, ...] | None = None
+        self._token: str | None = None
+        self._problem = ""
+        token = read_token(path)  # an unusable file at start stops the server (AdminTokenError)
+        self._seen, self._token = self._identity(), token
+
+    def _identity(self) -> tuple[int, ...] | None:
+        try:
+            st = os.stat(self.path)  # follows symbolic links (a Secret volume's ..data)
+        except OSError:
+            return None
+        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+    def current(self) -> str:
+        """The token now in force; UnauthenticatedError while the file is unusable."""
+        with self._lock:
+            seen = self._identity()
+            if seen is None or seen != self._seen:
+                self._seen = seen
+                try:
+                    self._token, self._problem = read_token(self.path), ""
+                    log.info("admin token file %s re-read (rotated)", self.path)
+                except AdminTokenError as exc:
+                    self._token, self._problem = None, str(exc)
+                    log.error("%s: mutating admin calls are refused until it is fixed", exc)
+            if self._token is None:
+                raise UnauthenticatedError(
+                    "the server's admin token file is unusable (see the server's log): "
+                    "mutating calls are refused until it is fixed"
+                )
+            return self._token

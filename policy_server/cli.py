@@ -11,8 +11,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from policy_server import __version__, snapshot, uds
-from policy_server.admin_token import read_token
+from policy_server import __version__, snapshot, tls, uds
+from policy_server.admin_token import AdminTokenFile
 from policy_server.config import LOG_FORMATS, LOG_LEVELS, ConfigError, ServerConfig
 from policy_server.decision_log import DecisionLog
 from policy_server.errors import NightjarError
@@ -30,6 +30,7 @@ log = logging.getLogger("nightjar.server")
 FLAG_SETTINGS = (
     "uds", "uds_mode", "port", "host", "metrics_port", "metrics_host", "policy", "state_dir",
     "snapshot_interval_s", "admin_token_file", "decision_log", "log_level", "log_format",
+    "tls_cert", "tls_key", "tls_client_ca",
 )  # fmt: skip
 
 
@@ -40,7 +41,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--uds-mode", help="the socket's file mode, octal (default 0660: owner "
                    "and group may connect; run the engine in the socket's group)")  # fmt: skip
     p.add_argument("--port", type=int, help="listen on this TCP port (0 = any free port)")
-    p.add_argument("--host", help="TCP bind address (default 127.0.0.1)")
+    p.add_argument(
+        "--host",
+        "--bind",
+        dest="host",
+        help="TCP bind address (default "
+        "127.0.0.1: this host only; e.g. 0.0.0.0 to accept others, with TLS)",
+    )
+    p.add_argument("--tls-cert", help="PEM certificate chain: serve TLS on the TCP port")
+    p.add_argument("--tls-key", help="PEM private key of --tls-cert")
+    p.add_argument("--tls-client-ca", help="PEM CA that clients' certificates must chain to "
+                   "(mutual TLS: clients without one are refused)")  # fmt: skip
     p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
     p.add_argument("--metrics-host", help="metrics bind address (default 127.0.0.1)")
     p.add_argument("--policy", help="policy to start with (default nightjar)")
@@ -109,7 +120,7 @@ def restore_on_start(service: DecisionService, state_dir: Path, policy_from_flag
                 path, document["policy"]["name"], configured, configured,
             )  # fmt: skip
             return
-        active = service.restore_document(document)
+        active = service.restore_document(document, from_client=False)
     except (snapshot.SnapshotError, NightjarError, KeyError, TypeError) as exc:
         moved = snapshot.quarantine(path)
         log.error("snapshot %s is unusable (%s); moved to %s, starting fresh", path, exc, moved)
@@ -122,13 +133,25 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         config = load_config(args)
-        token = read_token(config.admin_token_file)
-    except ConfigError as exc:
+        token = AdminTokenFile(config.admin_token_file) if config.admin_token_file else None
+        credentials = (
+            tls.server_credentials(
+                tls.ServerTls(config.tls_cert, config.tls_key, config.tls_client_ca)
+            )
+            if config.tls_cert
+            else None
+        )
+    except (ConfigError, tls.TlsError) as exc:
         print(f"nightjar-server: {exc}", file=sys.stderr)
         return 2
     configure_logging(config.log_level, config.log_format)
     if token is None:
         log.warning("no --admin-token-file: mutating admin calls are not authenticated")
+    if config.port is not None and credentials is None and not config.tcp_is_loopback:
+        log.warning(
+            "TCP port on %s without TLS: decisions and the admin token travel in the clear; "
+            "give --tls-cert/--tls-key (and --tls-client-ca)", config.host,
+        )  # fmt: skip
 
     metrics = Metrics()
     decision_log = None
@@ -158,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"nightjar-server: cannot start policy {config.policy!r}: {exc}", file=sys.stderr)
         return 2
     if config.state_dir:
+        for leftover in snapshot.remove_leftovers(Path(config.state_dir)):
+            log.info("removed %s, left by a snapshot writer that did not finish", leftover)
         restore_on_start(service, Path(config.state_dir), policy_from_flag=args.policy is not None)
 
     tcp = f"{config.host}:{config.port}" if config.port is not None else None
@@ -166,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
             uds.claim(config.uds)  # never take the path over from a live server
         running = build_server(
             service, uds_path=config.uds or None, tcp_address=tcp, admin_token=token,
-            max_workers=config.max_workers, uds_mode=config.uds_mode,
+            max_workers=config.max_workers, uds_mode=config.uds_mode, tls=credentials,
         )  # fmt: skip
     except (uds.SocketPathError, RuntimeError, OSError) as exc:
         # RuntimeError: gRPC could not bind (a TCP port in use).
@@ -179,9 +204,12 @@ def main(argv: list[str] | None = None) -> int:
     if config.uds:
         log.info("socket %s has mode %04o (connecting needs write access)", config.uds,
                  config.uds_mode)  # fmt: skip
+    tcp_security = "" if credentials is None else (
+        " (TCP with mutual TLS)" if config.tls_client_ca else " (TCP with TLS)"
+    )  # fmt: skip
     log.info(
-        "nightjar-server %s listening on %s with policy %s (%s)",
-        __version__, ", ".join(running.addresses), service.active.name, service.active.version,
+        "nightjar-server %s listening on %s%s with policy %s (%s)", __version__,
+        ", ".join(running.addresses), tcp_security, service.active.name, service.active.version,
     )  # fmt: skip
 
     stopping = threading.Event()

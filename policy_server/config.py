@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -19,12 +20,18 @@ class ConfigError(ValueError):
 
 @dataclasses.dataclass(slots=True)
 class ServerConfig:
-    # Listening: a Unix socket and/or a TCP port (on `host`, loopback by default).
+    # Listening: a Unix socket and/or a TCP port (on `host`, loopback by default: another
+    # host reaches the port only when `host` is set to widen it, best with TLS below).
     uds: str = ""
     # The socket's file mode: group-writable so an engine in the same group can connect.
     uds_mode: int = 0o660
     port: int | None = None
     host: str = "127.0.0.1"
+    # TLS on the TCP port: the server's PEM certificate chain and key; with `tls_client_ca`
+    # clients must present a certificate signed by that CA (mutual TLS).
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
     # Prometheus /metrics over HTTP (None = off).
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
@@ -85,3 +92,19 @@ class ServerConfig:
             raise ConfigError("decision_log_max_bytes must be > 0 and decision_log_backups >= 1")
         if self.snapshot_interval_s <= 0:
             raise ConfigError("snapshot_interval_s must be > 0")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError("TLS needs both tls_cert and tls_key (--tls-cert, --tls-key)")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ConfigError("tls_client_ca (mutual TLS) needs tls_cert and tls_key as well")
+        if self.tls_cert and self.port is None:
+            raise ConfigError("TLS applies to the TCP listener: give --port as well")
+
+    @property
+    def tcp_is_loopback(self) -> bool:
+        """Whether the TCP port is reachable from this host only."""
+        if self.host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(self.host.strip("[]")).is_loopback
+        except ValueError:
+            return False  # a host name: it may resolve to anything

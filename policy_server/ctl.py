@@ -14,14 +14,14 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from nightjar_proto.v1 import admin_pb2, admin_pb2_grpc, policy_pb2_grpc
 
-from policy_server import wire
+from policy_server import tls, wire
 from policy_server.types import StepContext, StepOutcome
 
 DEFAULT_TARGET = "unix:/run/nightjar/nightjar.sock"
 
 
 def _global_flags(parser: argparse.ArgumentParser, *, defaults: bool) -> None:
-    """--target, --token-file, --timeout. Added to every subcommand too (without defaults,
+    """--target, --token-file, --timeout, --tls-*. Added to every subcommand too (without defaults,
     so that one given before the subcommand is not reset), to go either side of it."""
 
     def default(value: Any) -> Any:
@@ -40,6 +40,25 @@ def _global_flags(parser: argparse.ArgumentParser, *, defaults: bool) -> None:
     parser.add_argument(
         "--timeout", type=float, default=default(5.0), help="seconds per call (default 5)"
     )
+    # TLS to a HOST:PORT target (nightjar-server --tls-cert ...); any of these turns it on.
+    parser.add_argument(
+        "--tls",
+        action="store_true",
+        default=default(False),
+        help="connect with TLS, the server checked against the system's CAs",
+    )
+    for flag, env, what in (
+        ("--tls-ca", "NIGHTJAR_TLS_CA", "PEM CA that signed the server's certificate"),
+        ("--tls-cert", "NIGHTJAR_TLS_CERT", "PEM client certificate (mutual TLS)"),
+        ("--tls-key", "NIGHTJAR_TLS_KEY", "PEM key of --tls-cert"),
+        (
+            "--tls-server-name",
+            "NIGHTJAR_TLS_SERVER_NAME",
+            "name to check the server's certificate against (default: the target's host)",
+        ),
+    ):
+        parser.add_argument(flag, default=default(os.environ.get(env, "")),
+                            help=f"{what} (env {env})")  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -123,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "replay":
         return _replay(args)
     try:
-        with grpc.insecure_channel(args.target) as channel:
+        with tls.open_channel(args.target, _client_tls(args)) as channel:
             return COMMANDS[args.command](args, channel)
     except grpc.RpcError as exc:
         if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
@@ -139,6 +158,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 Metadata = list[tuple[str, str]]
+
+
+def _client_tls(args: argparse.Namespace) -> tls.ClientTls | None:
+    files = tls.ClientTls(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
+    wanted = args.tls or any((files.ca, files.cert, files.key, files.server_name))
+    return files if wanted else None
 
 
 def _auth(args: argparse.Namespace) -> Metadata:

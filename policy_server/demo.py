@@ -37,6 +37,7 @@ from policy_server.sim.bench import (
     GAMMA_MAX,
     BenchConfig,
     Cell,
+    ProfileAssets,
     simulate,
     summarise,
     summary_table,
@@ -130,8 +131,9 @@ def run(
     say(f"replaying {len(specs)} requests of the Azure conv trace at {qps:g} req/s "
         f"on the {profile_name} profile")  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="nightjar-demo-") as tmp:
-        table = str(profile.write_prefill_cost_table(Path(tmp) / "c_prefill.csv"))
-        params = {"seed": seed, "gamma_max": GAMMA_MAX, "prefill_cost_table": table}
+        assets = ProfileAssets.build(profile, Path(tmp))
+        params = {"seed": seed, "gamma_max": GAMMA_MAX,
+                  "prefill_cost_table": assets.prefill_cost_table}  # fmt: skip
         metrics_port = free_port()
         proc, target = start_server(Path(tmp), metrics_port, params)
         try:
@@ -157,7 +159,7 @@ def run(
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=15)
-        bench = BenchConfig(data, [seed], quick=False, prefill_cost_tables={profile_name: table})
+        bench = BenchConfig(data, [seed], quick=False, assets={profile_name: assets})
         results = {"nightjar (sidecar)": sidecar_run}
         for policy in COMPARED:
             results[policy] = simulate(profile, specs, policy, bench, seed)

@@ -19,3 +19,8 @@ class FailedPreconditionError(NightjarError):
 
 class UnauthenticatedError(NightjarError):
     """A mutating admin call without a valid admin token (UNAUTHENTICATED)."""
+
+
+class PermissionDeniedError(NightjarError):
+    """The request names something the server must not touch, e.g. a file outside its state
+    directory (PERMISSION_DENIED)."""

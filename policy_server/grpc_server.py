@@ -19,11 +19,13 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from nightjar_proto.v1 import admin_pb2, admin_pb2_grpc, policy_pb2, policy_pb2_grpc
 
 from policy_server import reflection, uds, wire
+from policy_server.admin_token import AdminTokenFile
 from policy_server.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
     NightjarError,
     NotFoundError,
+    PermissionDeniedError,
     UnauthenticatedError,
 )
 from policy_server.metrics import Metrics
@@ -37,6 +39,7 @@ STATUS_OF: dict[type[NightjarError], grpc.StatusCode] = {
     NotFoundError: grpc.StatusCode.NOT_FOUND,
     FailedPreconditionError: grpc.StatusCode.FAILED_PRECONDITION,
     UnauthenticatedError: grpc.StatusCode.UNAUTHENTICATED,
+    PermissionDeniedError: grpc.StatusCode.PERMISSION_DENIED,
 }
 POLICY_SERVICE = policy_pb2.DESCRIPTOR.services_by_name["PolicyService"].full_name
 ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name
@@ -51,10 +54,14 @@ def status_of(exc: NightjarError) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
-def check_admin_token(context: grpc.ServicerContext, expected: str | None) -> None:
+def check_admin_token(
+    context: grpc.ServicerContext, configured: str | AdminTokenFile | None
+) -> None:
     """Mutating calls carry 'authorization: Bearer <token>' when a token is configured."""
-    if expected is None:
+    if configured is None:
         return
+    # A token file is re-read when it changes (rotation, policy_server/admin_token.py).
+    expected = configured.current() if isinstance(configured, AdminTokenFile) else configured
     metadata = dict(context.invocation_metadata())
     header = str(metadata.get("authorization", ""))
     if not header:
@@ -124,7 +131,7 @@ class PolicyServicer(_Servicer, policy_pb2_grpc.PolicyServiceServicer):  # type:
 
 
 class AdminServicer(_Servicer, admin_pb2_grpc.AdminServiceServicer):  # type: ignore[misc]
-    def __init__(self, service: DecisionService, admin_token: str | None) -> None:
+    def __init__(self, service: DecisionService, admin_token: str | AdminTokenFile | None) -> None:
         super().__init__(service)
         self._token = admin_token
 
@@ -250,13 +257,15 @@ def build_server(
     *,
     uds_path: str | None = None,
     tcp_address: str | None = None,
-    admin_token: str | None = None,
+    admin_token: str | AdminTokenFile | None = None,
     max_workers: int = 16,
     uds_mode: int = uds.DEFAULT_MODE,
+    tls: grpc.ServerCredentials | None = None,
 ) -> RunningServer:
     """Create, bind and start the gRPC server; health turns SERVING once a policy is active.
 
     ``uds_mode``: the Unix socket's file mode (policy_server/uds.py), set before serving.
+    ``tls``: credentials for the TCP port (policy_server/tls.py); None = plaintext.
     """
     if not uds_path and not tcp_address:
         raise ValueError("need a Unix socket path or a TCP address to listen on")
@@ -275,7 +284,10 @@ def build_server(
     if uds_path:
         addresses.append(uds.bind(server, uds_path, uds_mode))
     if tcp_address:
-        port = server.add_insecure_port(tcp_address)
+        if tls is None:
+            port = server.add_insecure_port(tcp_address)
+        else:
+            port = server.add_secure_port(tcp_address, tls)
         host = tcp_address.rsplit(":", 1)[0]
         addresses.append(f"{host}:{port}")
     server.start()

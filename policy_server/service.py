@@ -27,6 +27,7 @@ from policy_server.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
     NotFoundError,
+    PermissionDeniedError,
 )
 from policy_server.memory import OFFLOAD, RELOAD, DraftState, MemoryController, MemoryParams
 from policy_server.metrics import Metrics, batch_bucket
@@ -37,6 +38,7 @@ from policy_server.policies import (
     UnknownPolicyError,
     create_policy,
 )
+from policy_server.policies.base import file_path_params
 from policy_server.types import Choice, Decision, MemoryDirective, StepContext, StepOutcome
 from policy_server.validation import Limits, check_context, check_outcome, check_outcome_against
 
@@ -234,7 +236,7 @@ class DecisionService:
 
     def swap(self, name: str, params: Mapping[str, Any] | None, keep_state: bool) -> ActivePolicy:
         """Activate another policy; the current one stays active if anything fails."""
-        candidate = self._build(name, params)
+        candidate = self._build(name, self._confine_paths(name, params))
         with self._lock:
             if keep_state:
                 self._carry_state(self._active.policy, candidate)
@@ -244,7 +246,7 @@ class DecisionService:
         """New parameters for the active policy, keeping its learned state."""
         with self._lock:
             current = self._active
-            merged = {**current.policy.params(), **changes}
+            merged = {**current.policy.params(), **self._confine_paths(current.name, changes)}
         candidate = self._build(current.name, merged)
         with self._lock:
             self._carry_state(self._active.policy, candidate)
@@ -325,10 +327,18 @@ class DecisionService:
         self.metrics.snapshot_written(self.last_snapshot_unix)
         return path
 
-    def restore_document(self, document: Mapping[str, Any]) -> ActivePolicy:
-        """Activate the policy, params and state of a snapshot; all-or-nothing."""
+    def restore_document(
+        self, document: Mapping[str, Any], *, from_client: bool = True
+    ) -> ActivePolicy:
+        """Activate the policy, params and state of a snapshot; all-or-nothing.
+
+        ``from_client``: file paths in its params are confined to the state directory
+        (False only for the server's own snapshot at start)."""
         spec = document["policy"]
-        candidate = self._build(spec["name"], spec["params"])
+        params = spec["params"]
+        if from_client and isinstance(params, Mapping):
+            params = self._confine_paths(spec["name"], params)
+        candidate = self._build(spec["name"], params)
         try:
             candidate.load_state(spec["state"])
         except PolicyError as exc:
@@ -339,8 +349,12 @@ class DecisionService:
             self._engines.update(str(e) for e in document.get("engines", []))
             return self._activate(candidate)
 
-    def restore_path(self, path: str | Path) -> ActivePolicy:
-        path = Path(path)
+    def restore_path(self, given: str) -> ActivePolicy:
+        """Restore a snapshot file inside the state directory (relative paths start there)."""
+        try:
+            path = snapshot.confine(self.state_dir, given)
+        except snapshot.OutsideStateDirError as exc:
+            raise PermissionDeniedError(str(exc)) from exc
         if not path.exists():
             raise NotFoundError(f"snapshot file {path} does not exist")
         try:
@@ -350,6 +364,26 @@ class DecisionService:
         return self.restore_document(document)
 
     # -- internals ----------------------------------------------------------------------
+
+    def _confine_paths(self, name: str, params: Mapping[str, Any] | None) -> dict[str, Any]:
+        """Client-given params with every file path resolved inside the state directory;
+        PermissionDeniedError for one outside it. A path equal to the active policy's own
+        (the operator's, kept by SetParameters and snapshots) is left as it is."""
+        confined = dict(params or {})
+        spec = REGISTRY.get(name)
+        if spec is None:
+            return confined  # _build says it is unknown
+        active = self._active.policy.params() if self._active.name == name else {}
+        for key in file_path_params(spec.params_type):
+            given = confined.get(key)
+            if not isinstance(given, str) or not given or given == active.get(key):
+                continue  # "" = none; a wrong type is _build's to refuse
+            try:
+                confined[key] = str(snapshot.confine(self.state_dir, given))
+            except snapshot.OutsideStateDirError as exc:
+                self.metrics.policy_swaps.labels("failed").inc()
+                raise PermissionDeniedError(f"parameter {key!r}: {exc}") from exc
+        return confined
 
     def _build(self, name: str, params: Mapping[str, Any] | None) -> Policy:
         try:

@@ -3,7 +3,12 @@
 A snapshot is one JSON document written to a temporary file in the same
 directory, fsynced, then renamed over ``snapshot.json`` (and the directory
 fsynced), so a crash at any moment leaves either the old or the new snapshot.
-A snapshot that cannot be read is moved aside, never retried in a crash loop.
+A snapshot that cannot be read is moved aside, never retried in a crash loop; temporary
+files left by a writer that died half-way are removed at start (:func:`remove_leftovers`).
+
+Paths that reach the server from a client (a snapshot to restore, a policy parameter
+naming a file) are confined to the state directory (:func:`confine`): no RPC can make the
+server read or write anywhere else.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ log = logging.getLogger(__name__)
 
 FORMAT = "nightjar-snapshot/1"
 SNAPSHOT_NAME = "snapshot.json"
+TEMP_PREFIX = f".{SNAPSHOT_NAME}."
+TEMP_SUFFIX = ".tmp"
 
 
 class SnapshotError(ValueError):
@@ -29,7 +36,7 @@ class SnapshotError(ValueError):
 def write_atomic(path: Path, document: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     data = json.dumps(document, separators=(",", ":"), allow_nan=False).encode()
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
@@ -72,3 +79,44 @@ def quarantine(path: Path) -> Path:
     target = path.with_name(f"{path.name}.corrupt-{int(time.time())}")
     os.replace(path, target)
     return target
+
+
+def remove_leftovers(state_dir: Path) -> list[Path]:
+    """Remove the temporary files of writers that were killed before their rename (they
+    are never the current snapshot); returns what was removed."""
+    removed: list[Path] = []
+    try:
+        candidates = list(state_dir.glob(f"{TEMP_PREFIX}*{TEMP_SUFFIX}"))
+    except OSError:
+        return removed
+    for leftover in candidates:
+        try:
+            leftover.unlink()
+        except OSError as exc:
+            log.warning("cannot remove the leftover temporary file %s: %s", leftover, exc)
+            continue
+        removed.append(leftover)
+    return removed
+
+
+class OutsideStateDirError(ValueError):
+    """A client-given path that lies outside the state directory (or there is none)."""
+
+
+def confine(state_dir: Path | None, given: str) -> Path:
+    """The real path of ``given`` (relative paths are taken from the state directory) when
+    it lies inside ``state_dir``; OutsideStateDirError otherwise. Symbolic links are
+    resolved first, so a link inside the directory cannot lead out of it."""
+    if state_dir is None:
+        raise OutsideStateDirError(
+            f"{given!r}: the server has no state directory (--state-dir), so it reads no "
+            "file named by a client"
+        )
+    root = state_dir.resolve()
+    resolved = (root / given).resolve()
+    if not resolved.is_relative_to(root):
+        raise OutsideStateDirError(
+            f"{given!r} is outside the server's state directory: a client may only name "
+            "files inside it"
+        )
+    return resolved

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from policy_server.policies.base import Policy, PolicyError
+from policy_server.policies.dsd import DsdParams, DsdPolicy
 from policy_server.policies.ema import EmaParams, EmaPolicy
 from policy_server.policies.fixed import (
     OffParams,
@@ -22,6 +23,7 @@ from policy_server.policies.fixed import (
 )
 from policy_server.policies.goodput import GoodputModelPolicy, GoodputParams
 from policy_server.policies.nightjar import NightjarParams, NightjarPolicy
+from policy_server.policies.ucb import UcbParams, UcbPolicy
 
 __all__ = [
     "REGISTRY",
@@ -91,6 +93,19 @@ REGISTRY: dict[str, PolicySpec] = {
             "SGLang-style EMA of accepted length per batch-size tier, with hysteresis.",
             EmaPolicy,
             EmaParams,
+        ),
+        PolicySpec(
+            "dsd",
+            "SmartSpec/DSD: argmax goodput under an offline-fitted linear latency model, "
+            "α from the engine's counters.",
+            DsdPolicy,
+            DsdParams,
+        ),
+        PolicySpec(
+            "ucb",
+            "BanditSpec-style UCB over γ, one arm set per power-of-two batch bucket.",
+            UcbPolicy,
+            UcbParams,
         ),
     )
 }

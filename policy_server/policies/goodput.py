@@ -32,6 +32,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from policy_server.policies.base import (
+    FILE_PATH,
     PolicyError,
     feasible_gamma_max,
     learner_id,
@@ -77,7 +78,7 @@ class GoodputParams:
     # 0 = maximise goodput; > 0: only γ whose predicted TPOT (ms) meets it.
     tpot_slo_ms: float = 0.0
     # CSV of c_prefill(L_max, B) (policy_server/prefill_cost.py); "" = no switching cost.
-    prefill_cost_table: str = ""
+    prefill_cost_table: str = dataclasses.field(default="", metadata=FILE_PATH)
 
     def __post_init__(self) -> None:
         if not 1 <= self.gamma_max <= 64:

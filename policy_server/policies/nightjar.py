@@ -199,6 +199,11 @@ class NightjarPolicy:
         else:
             engine.schedules[saved.key] = dataclasses.replace(saved.schedule)
 
+    def forget_learner(self, learner_key: str) -> None:
+        """Drop the tables learned under ``learner_key`` (the server bounds how many it
+        holds, evicting the least recently used key; see policy_server/engines.py)."""
+        self._learners.pop(f"shared:{learner_key}", None)
+
     def state(self, engine_id: str | None = None) -> dict[str, Any]:
         engines = {
             eid: e for eid, e in self._engines.items() if engine_id is None or eid == engine_id

@@ -14,13 +14,19 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from collections.abc import Sequence
 
+# One formula for the simulator and the policies that model it.
+from policy_server.policies.models import expected_tokens
 
-def expected_tokens(alpha: float, gamma: int) -> float:
-    """E[accepted + bonus] for one request in one verify step."""
-    if alpha >= 1.0:
-        return float(gamma + 1)
-    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+__all__ = [
+    "WORKLOADS",
+    "AcceptanceModel",
+    "AcceptanceSchedule",
+    "accepted_run",
+    "alpha_for_acceptance_length",
+    "expected_tokens",
+]
 
 
 def alpha_for_acceptance_length(length: float, gamma: int) -> float:
@@ -58,6 +64,29 @@ class AcceptanceModel:
         a = self.mean * self.concentration
         b = (1 - self.mean) * self.concentration
         return min(0.99, rng.betavariate(a, b))
+
+    def at(self, arrival_s: float) -> AcceptanceModel:
+        """The model of a request arriving at ``arrival_s`` (the same at every time)."""
+        return self
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AcceptanceSchedule:
+    """A request mix that changes over time: requests arriving from ``start_s`` on draw
+    their α from that phase's model (a drift workload for adaptive policies)."""
+
+    phases: Sequence[tuple[float, AcceptanceModel]]
+
+    @property
+    def name(self) -> str:
+        return " → ".join(model.name for _, model in self.phases)
+
+    def at(self, arrival_s: float) -> AcceptanceModel:
+        current = self.phases[0][1]
+        for start_s, model in self.phases:
+            if arrival_s >= start_s:
+                current = model
+        return current
 
 
 # Spec-Bench leaderboard, Vicuna-7B, A100, SpS with vicuna-68m: AL 2.28; EAGLE: AL 3.58

@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING, NoReturn
 
 import nightjar_data
 
+from policy_server.policies.dsd import fit_latency
 from policy_server.report import write_section
-from policy_server.sim.acceptance import WORKLOADS
+from policy_server.sim.acceptance import WORKLOADS, AcceptanceModel, AcceptanceSchedule
 from policy_server.sim.engine import DecisionSource, SimConfig, SimResult, Simulator
 from policy_server.sim.profile import HardwareProfile, builtin_profiles, calibration_points
 from policy_server.sim.sources import OracleSource, PolicySource
@@ -47,36 +48,57 @@ GAMMA_MAX = 4
 DATA_HELP = "directory with calibration/, traces/ and prompts/ (default: nightjar_data, shipped)"
 
 
-# A factory gets the run's seed and the profile's c_prefill table (a CSV path).
-SourceFactory = Callable[[int, str], DecisionSource]
+@dataclasses.dataclass(frozen=True)
+class ProfileAssets:
+    """What an operator measures once per model and hardware before deploying a policy:
+    the c_prefill switching-cost table (Nightjar, goodput) and the linear latency model
+    SmartSpec/DSD fits offline."""
+
+    prefill_cost_table: str = ""
+    dsd_latency: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def build(cls, profile: HardwareProfile, directory: Path) -> ProfileAssets:
+        table = profile.write_prefill_cost_table(directory / f"{profile.name}.c_prefill.csv")
+        # DSD's offline profile: decode steps over a grid of batch sizes and γ, with a
+        # typical context of 1,000 tokens per request.
+        grid = [
+            (b, g, 1000 * b, 1000 * profile.step_seconds(b, g, 0, 1000 * b))
+            for b in (1, 2, 4, 8, 16, 32, 64, 128, 256)
+            for g in range(GAMMA_MAX + 1)
+        ]
+        return cls(str(table), fit_latency(grid))
+
+
+# A factory gets the run's seed and the profile's assets.
+SourceFactory = Callable[[int, ProfileAssets], DecisionSource]
 
 
 def _static(gamma: int) -> SourceFactory:
-    return lambda seed, table: PolicySource.named("static", {"gamma": gamma})
+    return lambda seed, assets: PolicySource.named("static", {"gamma": gamma})
 
 
-def _nightjar(**params: object) -> SourceFactory:
-    # Deployed as the paper runs it: with the engine's profiled switching cost.
-    return lambda seed, table: PolicySource.named(
-        "nightjar", {"seed": seed, "gamma_max": GAMMA_MAX, "prefill_cost_table": table, **params}
-    )
-
-
-def _goodput(**params: object) -> SourceFactory:
-    return lambda seed, table: PolicySource.named(
-        "goodput", {"seed": seed, "gamma_max": GAMMA_MAX, "prefill_cost_table": table, **params}
-    )
+def _learning(policy: str, **params: object) -> SourceFactory:
+    # Deployed as their papers run them: with the engine's profiled switching cost.
+    return lambda seed, assets: PolicySource.named(policy, {
+        "seed": seed, "gamma_max": GAMMA_MAX, "prefill_cost_table": assets.prefill_cost_table,
+        **params,
+    })  # fmt: skip
 
 
 POLICIES: dict[str, SourceFactory] = {
-    "goodput": _goodput(),
-    "nightjar": _nightjar(),
-    "nightjar-pow2": _nightjar(batch_bucketing="pow2"),
-    "off": lambda seed, table: PolicySource.named("off"),
+    "goodput": _learning("goodput"),
+    "nightjar": _learning("nightjar"),
+    "nightjar-pow2": _learning("nightjar", batch_bucketing="pow2"),
+    "off": lambda seed, assets: PolicySource.named("off"),
     **{f"static-{g}": _static(g) for g in range(1, GAMMA_MAX + 1)},
-    "table": lambda seed, table: PolicySource.named("table"),
-    "ema": lambda seed, table: PolicySource.named("ema", {"gamma_max": GAMMA_MAX}),
-    "oracle": lambda seed, table: OracleSource(),
+    "table": lambda seed, assets: PolicySource.named("table"),
+    "ema": lambda seed, assets: PolicySource.named("ema", {"gamma_max": GAMMA_MAX}),
+    "dsd": lambda seed, assets: PolicySource.named(
+        "dsd", {"gamma_max": GAMMA_MAX, **assets.dsd_latency}
+    ),
+    "ucb": lambda seed, assets: PolicySource.named("ucb", {"gamma_max": GAMMA_MAX}),
+    "oracle": lambda seed, assets: OracleSource(),
 }
 FIXED = ["off"] + [p for p in POLICIES if p.startswith("static-")]
 SWEEP_POLICIES = ["nightjar", "nightjar-pow2", "off", "static-1", "static-3", "table", "ema",
@@ -105,8 +127,8 @@ class BenchConfig:
     quick: bool
     chunked_prefill: bool = True
     acceptance: str = "chat-sps"
-    # Profile name -> its c_prefill CSV (written by main into a scratch directory).
-    prefill_cost_tables: dict[str, str] = dataclasses.field(default_factory=dict)
+    # Profile name -> its assets (written by main into a scratch directory).
+    assets: dict[str, ProfileAssets] = dataclasses.field(default_factory=dict)
 
     @property
     def sim(self) -> Callable[[int], SimConfig]:
@@ -114,6 +136,18 @@ class BenchConfig:
             seed=seed, gamma_max=GAMMA_MAX, chunked_prefill=self.chunked_prefill,
             track_regret=True,
         )  # fmt: skip
+
+
+# The drift workload: the request mix changes half-way from one a draft predicts well
+# (α = 0.8, e.g. code edits, EAGLE-class drafts) to one it predicts badly (α = 0.3).
+DRIFT_SECONDS = 240.0
+DRIFT_QPS = 3.0
+DRIFT_PHASES = (
+    AcceptanceModel("easy", 0.8, source="drift workload, first half"),
+    AcceptanceModel("hard", 0.3, source="drift workload, second half"),
+)
+# The long workload: the first 30 minutes of the Azure conv trace at 4 req/s.
+LONG_SECONDS = 1800.0
 
 
 def workloads(data: Path, seed: int, quick: bool) -> dict[str, list[RequestSpec]]:
@@ -126,14 +160,29 @@ def workloads(data: Path, seed: int, quick: bool) -> dict[str, list[RequestSpec]
     }  # fmt: skip
     # A slice of the real trace at its own burstiness, rescaled to 4 req/s.
     out["azure-conv"] = scale_to_qps(window(trace, 0, 600 * scale), 4.0)
+    out["drift"] = synthetic([RatePhase(DRIFT_SECONDS * scale, DRIFT_QPS)], trace, seed)
+    if not quick:
+        out["long"] = scale_to_qps(window(trace, 0, LONG_SECONDS), 4.0)
     return out
 
 
+def acceptance_of(
+    workload: str, specs: Sequence[RequestSpec], bench: BenchConfig
+) -> AcceptanceModel | AcceptanceSchedule:
+    """The request mix of a workload: the bench's model, or the drift schedule."""
+    if workload != "drift":
+        return WORKLOADS[bench.acceptance]
+    half = (specs[-1].arrival_s if specs else 0.0) / 2
+    return AcceptanceSchedule(((0.0, DRIFT_PHASES[0]), (half, DRIFT_PHASES[1])))
+
+
 def simulate(
-    profile: HardwareProfile, specs: list[RequestSpec], policy: str, bench: BenchConfig, seed: int
-) -> SimResult:
-    source = POLICIES[policy](seed, bench.prefill_cost_tables.get(profile.name, ""))
-    return Simulator(profile, WORKLOADS[bench.acceptance], specs, source, bench.sim(seed)).run()
+    profile: HardwareProfile, specs: list[RequestSpec], policy: str, bench: BenchConfig, seed: int,
+    workload: str = "",
+) -> SimResult:  # fmt: skip
+    source = POLICIES[policy](seed, bench.assets.get(profile.name, ProfileAssets()))
+    acceptance = acceptance_of(workload, specs, bench)
+    return Simulator(profile, acceptance, specs, source, bench.sim(seed)).run()
 
 
 def summarise(profile: str, workload: str, policy: str, result: SimResult) -> Cell:
@@ -178,14 +227,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     profiles = builtin_profiles(args.data / "calibration")
     with tempfile.TemporaryDirectory(prefix="nightjar-bench-") as scratch:
-        tables = {
-            name: str(profile.write_prefill_cost_table(Path(scratch) / f"{name}.csv"))
-            for name, profile in profiles.items()
+        assets = {
+            name: ProfileAssets.build(profile, Path(scratch)) for name, profile in profiles.items()
         }
         seeds = [1] if args.quick else [1, 2, 3]
         config = BenchConfig(
-            args.data, seeds, args.quick, chunked_prefill=args.chunked_prefill,
-            prefill_cost_tables=tables,
+            args.data, seeds, args.quick, chunked_prefill=args.chunked_prefill, assets=assets,
         )  # fmt: skip
         run(args, config, profiles)
     return 0
@@ -212,7 +259,8 @@ def run(
         for workload in names:
             for policy in POLICIES:
                 for seed in config.seeds:
-                    result = simulate(profile, per_seed[seed][workload], policy, config, seed)
+                    result = simulate(profile, per_seed[seed][workload], policy, config, seed,
+                                      workload)  # fmt: skip
                     cell = summarise(profile_name, workload, policy, result)
                     cells.setdefault((profile_name, workload, policy), []).append(cell)
                     if seed == config.seeds[0] and workload in ("step", "azure-conv"):

@@ -26,6 +26,7 @@ from policy_server.sim.bench import (
     POLICIES,
     BenchConfig,
     Cell,
+    ProfileAssets,
     simulate,
     summarise,
     summary_table,
@@ -100,10 +101,10 @@ def main(argv: Sequence[str] | None = None) -> int:
           file=sys.stderr)  # fmt: skip
     results: dict[str, SimResult] = {}
     with tempfile.TemporaryDirectory(prefix="nightjar-sim-") as scratch:
-        table = str(profile.write_prefill_cost_table(Path(scratch) / "c_prefill.csv"))
+        assets = ProfileAssets.build(profile, Path(scratch))
         bench = BenchConfig(args.data, [args.seed], quick=False,
                             chunked_prefill=args.chunked_prefill, acceptance=args.acceptance,
-                            prefill_cost_tables={args.profile: table})  # fmt: skip
+                            assets={args.profile: assets})  # fmt: skip
         for policy in policies:
             results[policy] = simulate(profile, specs, policy, bench, args.seed)
     if args.sidecar:

@@ -17,7 +17,12 @@ import random
 from collections.abc import Sequence
 from typing import Protocol
 
-from policy_server.sim.acceptance import AcceptanceModel, accepted_run, expected_tokens
+from policy_server.sim.acceptance import (
+    AcceptanceModel,
+    AcceptanceSchedule,
+    accepted_run,
+    expected_tokens,
+)
 from policy_server.sim.profile import HardwareProfile
 from policy_server.sim.workload import RequestSpec
 from policy_server.types import StepContext, StepOutcome
@@ -131,7 +136,7 @@ class Simulator:
     def __init__(
         self,
         profile: HardwareProfile,
-        acceptance: AcceptanceModel,
+        acceptance: AcceptanceModel | AcceptanceSchedule,
         specs: Sequence[RequestSpec],
         source: DecisionSource,
         config: SimConfig | None = None,
@@ -142,7 +147,7 @@ class Simulator:
         self._rng = random.Random(self.config.seed)
         alpha_rng = random.Random(self.config.seed + 1)
         self.requests = [
-            SimRequest(i, s, acceptance.sample_alpha(alpha_rng))
+            SimRequest(i, s, acceptance.at(s.arrival_s).sample_alpha(alpha_rng))
             for i, s in enumerate(sorted(specs, key=lambda s: s.arrival_s))
         ]
         self.total_blocks = profile.kv_blocks - (
