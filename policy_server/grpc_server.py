@@ -18,7 +18,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from nightjar_proto.v1 import admin_pb2, admin_pb2_grpc, policy_pb2, policy_pb2_grpc
 
-from policy_server import reflection, uds, wire
+from policy_server import decode_guard, reflection, uds, wire
 from policy_server.admin_token import AdminTokenFile
 from policy_server.errors import (
     FailedPreconditionError,
@@ -272,6 +272,7 @@ def build_server(
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
         options=[("grpc.so_reuseport", 0)],
+        interceptors=[decode_guard.DecodeGuard()],
     )
     policy_pb2_grpc.add_PolicyServiceServicer_to_server(PolicyServicer(service), server)
     admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(service, admin_token), server)

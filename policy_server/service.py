@@ -40,7 +40,13 @@ from policy_server.policies import (
 )
 from policy_server.policies.base import file_path_params
 from policy_server.types import Choice, Decision, MemoryDirective, StepContext, StepOutcome
-from policy_server.validation import Limits, check_context, check_outcome, check_outcome_against
+from policy_server.validation import (
+    Limits,
+    check_client_path,
+    check_context,
+    check_outcome,
+    check_outcome_against,
+)
 
 log = logging.getLogger(__name__)
 
@@ -351,6 +357,7 @@ class DecisionService:
 
     def restore_path(self, given: str) -> ActivePolicy:
         """Restore a snapshot file inside the state directory (relative paths start there)."""
+        check_client_path(given)
         try:
             path = snapshot.confine(self.state_dir, given)
         except snapshot.OutsideStateDirError as exc:
@@ -378,6 +385,7 @@ class DecisionService:
             given = confined.get(key)
             if not isinstance(given, str) or not given or given == active.get(key):
                 continue  # "" = none; a wrong type is _build's to refuse
+            check_client_path(given)
             try:
                 confined[key] = str(snapshot.confine(self.state_dir, given))
             except snapshot.OutsideStateDirError as exc:

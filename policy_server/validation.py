@@ -110,3 +110,22 @@ def _check_engine_id(engine_id: str, limits: Limits) -> None:
         raise InvalidArgumentError(
             f"engine_id is longer than {limits.max_engine_id_length} characters"
         )
+
+
+# Linux's PATH_MAX and NAME_MAX: longer client-given paths fail in the OS, not here.
+MAX_PATH_BYTES = 4096
+MAX_NAME_BYTES = 255
+
+
+def check_client_path(given: str) -> None:
+    """A file path from a client (Restore, a params field naming a file) must be one the
+    OS can look up: no NUL byte, within PATH_MAX and NAME_MAX (INVALID_ARGUMENT)."""
+    encoded = given.encode("utf-8", "surrogateescape")
+    if b"\0" in encoded:
+        raise InvalidArgumentError("a file path must not contain a NUL byte")
+    if len(encoded) > MAX_PATH_BYTES or any(
+        len(part) > MAX_NAME_BYTES for part in encoded.split(b"/")
+    ):
+        raise InvalidArgumentError(
+            f"file path too long (at most {MAX_PATH_BYTES} bytes, {MAX_NAME_BYTES} per name)"
+        )
