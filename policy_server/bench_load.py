@@ -308,7 +308,21 @@ class Sidecar:
         return self.process.pid
 
     def wait_ready(self, timeout: float) -> None:
-        grpc.channel_ready_future(self._channel).result(timeout=timeout)
+        """Until the sidecar answers; a sidecar that exits or stays silent is an error that
+        shows its log."""
+        ready = grpc.channel_ready_future(self._channel)
+        give_up = time.monotonic() + timeout
+        while self.process.poll() is None and time.monotonic() < give_up:
+            try:
+                ready.result(timeout=0.2)
+                return
+            except grpc.FutureTimeoutError:
+                continue
+        ready.cancel()
+        state = (f"exited with code {self.process.returncode}" if self.process.poll() is not None
+                 else f"gave no answer in {timeout:.0f} s")  # fmt: skip
+        log_tail = self.log_path.read_text(errors="replace")[-4000:]
+        raise RuntimeError(f"nightjar-server {state}; its log:\n{log_tail}")
 
     def admin(self) -> Any:
         return admin_pb2_grpc.AdminServiceStub(self._channel)
@@ -365,6 +379,8 @@ class ProcSample:
     at_s: float
     cpu_s: float
     rss_bytes: int
+    # The machine's 1-minute load average: how busy the cores were, by anything.
+    load_average: float
 
 
 def sample_process(pid: int, at_s: float) -> ProcSample:
@@ -379,7 +395,7 @@ def sample_process(pid: int, at_s: float) -> ProcSample:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines()
         if line.startswith("VmRSS:")
     )
-    return ProcSample(at_s, cpu_s, rss_kib * 1024)
+    return ProcSample(at_s, cpu_s, rss_kib * 1024, os.getloadavg()[0])
 
 
 # -- soak: swaps and snapshots ----------------------------------------------------------------
@@ -459,6 +475,8 @@ class LoadResult:
     rss_warm_bytes: int
     rss_end_bytes: int
     rss_max_bytes: int
+    load_average_mean: float
+    load_average_max: float
     admin_events: list[dict[str, Any]]
 
     @property
@@ -627,6 +645,8 @@ def _collect(
         rss_warm_bytes=warm.rss_bytes,
         rss_end_bytes=samples[-1].rss_bytes,
         rss_max_bytes=max(s.rss_bytes for s in samples),
+        load_average_mean=sum(s.load_average for s in samples) / len(samples),
+        load_average_max=max(s.load_average for s in samples),
         admin_events=[dataclasses.asdict(e) for e in events],
     )
 
@@ -692,6 +712,8 @@ def run_table(run: LoadResult) -> list[str]:
         f"{mib(run.rss_warm_bytes)} / {mib(run.rss_end_bytes)} / {mib(run.rss_max_bytes)} |",
         f"| RSS growth after warm-up ({run.config['duration_s'] * WARMUP_FRACTION:.0f} s, "
         f"≤ {MAX_WARMUP_S:.0f} s) | {100 * run.rss_growth:+.1f} % |",
+        f"| machine load average (1 min) during the run, mean / max | "
+        f"{run.load_average_mean:.1f} / {run.load_average_max:.1f} ({os.cpu_count()} cores) |",
     ]
 
 
@@ -703,7 +725,8 @@ def render_load(load: LoadResult, peak: LoadResult | None, header: dict[str, str
     lines = [
         "## Many engines on one sidecar (`make bench-load`)",
         "",
-        f"Measured {header['date']} on {header['machine']}, by `{header['command']}` "
+        f"Measured {header['date']} on {header['machine']} at commit {header['revision']}, by "
+        f"`{header['command']}` "
         "(`policy_server/bench_load.py`). A real `nightjar-server` process and the engine "
         "processes share the machine's cores; each engine runs the plugin's client "
         "(`NightjarClient`) with simulated step contexts (batch 1–64 as requests join and "
@@ -742,7 +765,8 @@ def render_soak(soak: LoadResult, header: dict[str, str]) -> str:
     lines = [
         "## Soak: swaps and snapshots under load (`make soak`)",
         "",
-        f"Measured {header['date']} on {header['machine']}, by `{header['command']}` "
+        f"Measured {header['date']} on {header['machine']} at commit {header['revision']}, by "
+        f"`{header['command']}` "
         f"(`policy_server/bench_load.py --soak`). {describe(soak)}; every "
         f"{soak.config['swap_every_s']:g} s a policy swap through the admin RPC (with the admin "
         "token), cycling "
@@ -815,6 +839,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--reliability-dir", type=Path, default=Path("docs/reliability"))
     p.add_argument("--json", type=Path, help="also write the raw figures here")
     p.add_argument("--note", default="", help="conditions to state in the report")
+    p.add_argument("--revision", help="the source revision measured (default: from git)")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     if args.quick and "--duration" not in (argv if argv is not None else sys.argv):
@@ -823,7 +848,25 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 # Where the results go and how they are shown: not part of the measured conditions.
-OUTPUT_OPTIONS = {"--out": 1, "--reliability-dir": 1, "--json": 1, "--note": 1, "--no-progress": 0}
+OUTPUT_OPTIONS = {
+    "--out": 1, "--reliability-dir": 1, "--json": 1, "--note": 1, "--no-progress": 0,
+    "--revision": 1,
+}  # fmt: skip
+
+
+def source_revision() -> str:
+    """The commit measured (with "+ local changes" when the checkout differs from it)."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True, check=True,
+                              timeout=10).stdout.strip()  # fmt: skip
+
+    try:
+        commit = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return f"{commit} + local changes" if dirty else commit
 
 
 def shown_command(argv: list[str]) -> str:
@@ -853,6 +896,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "machine": machine(),
         "command": shown_command(list(argv if argv is not None else sys.argv[1:])),
         "note": args.note,
+        "revision": args.revision or source_revision(),
     }
     config = LoadConfig(
         engines=args.engines, rate=args.rate, duration_s=args.duration, transport=args.transport,

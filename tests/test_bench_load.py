@@ -29,17 +29,18 @@ def run_main(tmp_path: Path, *args: str) -> dict[str, Any]:
 
 def assert_run_sane(run: dict[str, Any], engines: int, rate: float, seconds: float) -> None:
     # Paced engines hold most of the asked rate even on two busy cores.
-    assert 0.6 * engines * rate * seconds <= run["decisions"] <= engines * rate * seconds + engines
+    assert 0.5 * engines * rate * seconds <= run["decisions"] <= engines * rate * seconds + engines
     assert run["errors"] == 0, run["error_texts"]
-    # Blocking decide: every decision was sent, so the sidecar counted each one (a deadline
-    # fallback's request is still answered, late).
-    assert run["server_decisions"] == run["decisions"]
+    # Every answer an engine took was served by the sidecar; a deadline fallback's request
+    # may be answered late or (at the end of the run) not at all.
+    assert run["sidecar_decisions"] <= run["server_decisions"] <= run["decisions"]
     assert run["sidecar_decisions"] + sum(run["fallbacks"].values()) == run["decisions"]
     lat = run["latency_us"]
     assert 0 < lat["p50"] <= lat["p99"] <= lat["p999"] <= lat["max"]
     assert run["server_cpu_s"] > 0
     assert 0 < run["server_cpu_percent"] < 100 * (os.cpu_count() or 1)
     assert 10 * 2**20 < run["rss_start_bytes"] <= run["rss_max_bytes"] < 2**30
+    assert 0 < run["load_average_mean"] <= run["load_average_max"]
 
 
 def test_soak_quick_swaps_snapshots_and_reports(tmp_path: Path) -> None:
