@@ -121,6 +121,23 @@ class Metrics:
             ["engine", "state"], registry=r,
         )  # fmt: skip
         self.policy_info = Info("nightjar_policy", "The active policy.", registry=r)
+        self.evictions = Counter(
+            "nightjar_evictions",
+            "Entries evicted to keep memory bounded (least recently used first), by kind: "
+            "engine, learner_key, pending (a decision never reported).",
+            ["kind"], registry=r,
+        )  # fmt: skip
+        self.tentative = Counter(
+            "nightjar_tentative_decisions",
+            "Tentative candidate decisions (StepContext.candidate_batch_sizes), by what "
+            "became of them: committed (the engine ran it), dropped (it ran another "
+            "batch size), unknown (the engine named one no longer open).",
+            ["result"], registry=r,
+        )  # fmt: skip
+        for kind in ("engine", "learner_key", "pending"):
+            self.evictions.labels(kind)
+        for result in ("committed", "dropped", "unknown"):
+            self.tentative.labels(result)
         # Zero series from the start, so that increase() sees the first failure.
         for result in ("ok", "failed"):
             self.policy_swaps.labels(result)
@@ -133,6 +150,15 @@ class Metrics:
         ProcessCollector(registry=r)
         PlatformCollector(registry=r)
         GCCollector(registry=r)
+
+    def count_evictions(self, kind: str, count: int) -> None:
+        self.evictions.labels(kind).inc(count)
+
+    def forget_engine(self, engine_id: str) -> None:
+        """Drop an evicted engine's per-engine series (memory directives, draft state)."""
+        for metric in (self.memory_directives, self.memory_draft_state):
+            for labels in [k for k in metric._metrics if k[0] == engine_id]:
+                metric.remove(*labels)
 
     def snapshot_written(self, unix_time: float) -> None:
         self.snapshot_last_success.set(unix_time)

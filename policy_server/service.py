@@ -8,12 +8,13 @@ is atomic and leaves the last good policy in place when it fails.
 
 from __future__ import annotations
 
-import collections
+import copy
 import dataclasses
 import hashlib
 import itertools
 import json
 import logging
+import math
 import secrets
 import threading
 import time
@@ -23,6 +24,14 @@ from typing import Any
 
 from policy_server import snapshot
 from policy_server.decision_log import DecisionLog
+from policy_server.engines import (
+    Bounds,
+    Candidate,
+    CandidateSet,
+    EngineShard,
+    EngineTable,
+    PendingDecision,
+)
 from policy_server.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
@@ -38,7 +47,7 @@ from policy_server.policies import (
     UnknownPolicyError,
     create_policy,
 )
-from policy_server.policies.base import file_path_params
+from policy_server.policies.base import TentativePolicy, file_path_params
 from policy_server.types import Choice, Decision, MemoryDirective, StepContext, StepOutcome
 from policy_server.validation import (
     Limits,
@@ -50,6 +59,9 @@ from policy_server.validation import (
 
 log = logging.getLogger(__name__)
 
+# Candidate.after of a policy without checkpoints: decided again when the engine names it.
+DECIDE_AGAIN = object()
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ActivePolicy:
@@ -57,14 +69,6 @@ class ActivePolicy:
     name: str
     revision: int
     version: str
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class PendingDecision:
-    ctx: StepContext
-    choice: Choice
-    revision: int
-    gamma_max: int
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -90,7 +94,7 @@ class DecisionService:
         metrics: Metrics | None = None,
         decision_log: DecisionLog | None = None,
         state_dir: str | Path | None = None,
-        max_pending: int = 100_000,
+        bounds: Bounds | None = None,
         memory: MemoryController | None = None,
         engine_idle_s: float = 300.0,
     ) -> None:
@@ -102,17 +106,16 @@ class DecisionService:
         self.memory = memory or MemoryController(MemoryParams())
         # The draft state last published in nightjar_memory_draft_state, per engine.
         self._published_draft_state: dict[str, DraftState] = {}
-        self._max_pending = max_pending
+        # Guards the active policy (engines may share its learners) and the totals; the
+        # per-engine bookkeeping has one lock per engine (policy_server/engines.py).
+        # Order: an engine's lock, then this one.
         self._lock = threading.Lock()
         self._revisions = itertools.count(1)
         self._boot_id = secrets.token_hex(4)
         self._sequence = itertools.count(1)
-        self._pending: collections.OrderedDict[str, PendingDecision] = collections.OrderedDict()
-        # Engines whose state we may hold (snapshots carry them) / when each engine last
-        # asked for a decision (perf_counter): the nightjar_engines gauge counts those
-        # seen within engine_idle_s, so a replaced pod's engine drops out of it.
-        self._engines: set[str] = set()
-        self._last_seen: dict[str, float] = {}
+        self.engines = EngineTable(bounds or Bounds(), self.metrics.count_evictions)
+        # When an engine last asked counts for the nightjar_engines gauge within
+        # engine_idle_s, so a replaced pod's engine drops out of it.
         self.engine_idle_s = engine_idle_s
         self.metrics.engines.set_function(self.active_engines)
         self._decisions_total = 0
@@ -127,68 +130,173 @@ class DecisionService:
         return self._active
 
     def decide(self, ctx: StepContext) -> Decision:
-        check_context(ctx, self.limits)
-        with self._lock:
-            return self._decide_locked(ctx)
+        decision = self.step(None, ctx)
+        assert decision is not None
+        return decision
 
     def report(self, outcome: StepOutcome) -> bool:
         """Record an outcome; True when it updated the active policy's learner."""
         check_outcome(outcome, self.limits)
-        with self._lock:
-            pending = self._take_pending(outcome)
-            return self._apply_locked(pending, outcome)
+        shard, pending = self._locate(outcome)
+        with shard.lock:
+            shard, pending = self._locate(outcome)  # again, under the lock
+            with self._lock:
+                return self._report_locked(shard, pending, outcome)
 
     def step(self, outcome: StepOutcome | None, ctx: StepContext | None) -> Decision | None:
         """Report the previous outcome and decide the next step; all-or-nothing."""
         if outcome is None and ctx is None:
             raise InvalidArgumentError("a step request needs an outcome, a context or both")
-        if outcome is not None:
-            check_outcome(outcome, self.limits)
         if ctx is not None:
             check_context(ctx, self.limits)
-        with self._lock:
-            pending = self._take_pending(outcome) if outcome is not None else None
-            if pending is not None and outcome is not None:
-                self._apply_locked(pending, outcome)
-            return self._decide_locked(ctx) if ctx is not None else None
+        if outcome is not None:
+            check_outcome(outcome, self.limits)
+            self._locate(outcome)  # everything checked before anything is applied
+            if ctx is None or outcome.engine_id != ctx.engine_id:
+                self.report(outcome)  # its own engine's shard, before taking another's
+                outcome = None
+        if ctx is None:
+            return None
+        shard, evicted = self.engines.shard(ctx.engine_id)
+        self._forget(evicted)
+        self._forget_learners(self.engines.use_learner_key(ctx.learner_key))
+        with shard.lock, self._lock:
+            if ctx.ran_decision_id:
+                self._commit_locked(shard, ctx.ran_decision_id)
+            if outcome is not None:
+                _, pending = self._locate(outcome)
+                self._report_locked(shard, pending, outcome)
+            # A set still open now was not run (the engine asks afresh): dropped.
+            self._resolve_locked(shard, None)
+            return self._decide_locked(shard, ctx)
 
-    def _decide_locked(self, ctx: StepContext) -> Decision:
+    def _locate(self, outcome: StepOutcome) -> tuple[EngineShard, PendingDecision]:
+        """The decision an outcome answers, checked against it; changes nothing."""
+        engine_id = self.engines.decision_engine.get(outcome.decision_id)
+        shard = self.engines.get(engine_id) if engine_id is not None else None
+        pending = None
+        if shard is not None:
+            pending = shard.pending.get(outcome.decision_id)
+            if pending is None and shard.open is not None:
+                candidate = shard.open.members.get(outcome.decision_id)
+                pending = candidate.pending if candidate is not None else None
+        if shard is None or pending is None:
+            raise NotFoundError(
+                f"unknown decision_id {outcome.decision_id!r} (never issued, already "
+                "reported, or expired)"
+            )
+        check_outcome_against(outcome, pending.ctx.engine_id, pending.gamma_max)
+        return shard, pending
+
+    def _report_locked(
+        self, shard: EngineShard, pending: PendingDecision, outcome: StepOutcome
+    ) -> bool:
+        if not pending.committed:
+            self._commit_locked(shard, outcome.decision_id)  # the report names it
+        elif shard.open is not None:
+            shard.open.touched = True
+        self.engines.take_pending(shard, outcome.decision_id)
+        return self._apply_locked(pending, outcome)
+
+    def _commit_locked(self, shard: EngineShard, decision_id: str) -> None:
+        """The engine ran this tentative decision: keep it (its pending entry and what
+        deciding it did to the policy), drop the others of its set."""
+        candidates = shard.open
+        chosen = candidates.members.get(decision_id) if candidates is not None else None
+        if chosen is None:
+            # Not in the open set: committed already (its outcome named it), or dropped.
+            self.metrics.tentative.labels("unknown").inc()
+            return
+        assert candidates is not None
+        policy = self._active.policy
+        if candidates.revision == self._active.revision:
+            if candidates.touched or chosen.after is DECIDE_AGAIN:
+                # Decided again on the live policy: the same choice unless something else
+                # changed it meanwhile; the pending choice stays what the engine ran.
+                policy.decide(chosen.pending.ctx)
+            else:
+                assert isinstance(policy, TentativePolicy)
+                policy.restore(chosen.pending.ctx, chosen.after)
+        pending = dataclasses.replace(chosen.pending, committed=True)
+        self._resolve_locked(shard, decision_id)
+        self.engines.add_pending(shard, decision_id, pending)
+        self._count_decision(decision_id, pending)
+
+    def _resolve_locked(self, shard: EngineShard, keep: str | None) -> None:
+        """Close the open set, keeping ``keep``'s id (the one the engine ran) if any."""
+        candidates = self.engines.close_set(shard, keep)
+        if candidates is None:
+            return
+        dropped = len(candidates.members) - (keep is not None)
+        if dropped:
+            self.metrics.tentative.labels("dropped").inc(dropped)
+        if keep is not None:
+            self.metrics.tentative.labels("committed").inc()
+
+    def _decide_locked(self, shard: EngineShard, ctx: StepContext) -> Decision:
         started = time.perf_counter()
         active = self._active
         reported = ctx  # what the engine said; the memory controller tracks the draft by it
         self.memory.observe(reported)
+        if ctx.candidate_batch_sizes or ctx.ran_decision_id:
+            ctx = dataclasses.replace(ctx, candidate_batch_sizes=(), ran_decision_id="")
         if not self.memory.speculation_allowed(ctx):
             # The draft is (about to be) offloaded: the policy sees it as not resident.
             ctx = dataclasses.replace(ctx, draft_resident=False)
-        choice = active.policy.decide(ctx)
-        directive = self._memory_directive(reported, choice.gamma)
-        decision_id = f"{self._boot_id}-{next(self._sequence):x}"
-        self._pending[decision_id] = PendingDecision(
-            ctx, choice, active.revision, active.policy.gamma_max
-        )
-        if len(self._pending) > self._max_pending:
-            self._pending.popitem(last=False)
-            self.metrics.expired_decisions.inc()
-        self._engines.add(ctx.engine_id)
-        self._last_seen[ctx.engine_id] = started
-        self._decisions_total += 1
-        decision = Decision(
-            gamma=choice.gamma,
-            decision_id=decision_id,
-            bin_type=choice.bin_type,
-            exploration_probability=choice.exploration_probability,
-            policy_name=active.name,
-            policy_version=active.version,
-            step_index=ctx.step_index,
-            request_gammas=choice.request_gammas,
-            memory_directive=directive,
+        policy = active.policy
+        sizes = [b for b in dict.fromkeys(reported.candidate_batch_sizes) if b != ctx.batch_size]
+        tentative = bool(sizes)
+        if tentative:
+            decided = [
+                _decide_tentative(policy, ctx, batch_size)
+                for batch_size in (ctx.batch_size, *sizes)
+            ]
+        else:
+            decided = [(ctx, policy.decide(ctx), None)]
+        decisions = []
+        members: dict[str, Candidate] = {}
+        for candidate_ctx, choice, after in decided:
+            decision_id = f"{self._boot_id}-{next(self._sequence):x}"
+            pending = PendingDecision(
+                candidate_ctx, choice, active.revision, policy.gamma_max, not tentative
+            )
+            if tentative:
+                members[decision_id] = Candidate(pending, after)
+            else:
+                self.engines.add_pending(shard, decision_id, pending)
+                self._count_decision(decision_id, pending)
+            decisions.append(
+                Decision(
+                    gamma=choice.gamma,
+                    decision_id=decision_id,
+                    bin_type=choice.bin_type,
+                    exploration_probability=choice.exploration_probability,
+                    policy_name=active.name,
+                    policy_version=active.version,
+                    step_index=ctx.step_index,
+                    request_gammas=choice.request_gammas,
+                    batch_size=candidate_ctx.batch_size,
+                    tentative=tentative,
+                )
+            )
+        if tentative:
+            self.engines.open_set(shard, CandidateSet(active.revision, members))
+        directive = self._memory_directive(reported, decisions[0].gamma)
+        decision = dataclasses.replace(
+            decisions[0], memory_directive=directive, candidates=tuple(decisions[1:])
         )
         self.metrics.decision_latency.observe(time.perf_counter() - started)
+        return decision
+
+    def _count_decision(self, decision_id: str, pending: PendingDecision) -> None:
+        """Metrics and log of a decision the engine runs (tentative ones once named)."""
+        self._decisions_total += 1
+        choice, ctx = pending.choice, pending.ctx
+        active = self._active
         self.metrics.decisions.labels(active.name, str(choice.gamma), choice.bin_type.value).inc()
         self.metrics.gamma_chosen[batch_bucket(ctx.batch_size)].observe(choice.gamma)
         if self.decision_log is not None:
-            self.decision_log.write(_decision_record(decision, ctx))
-        return decision
+            self.decision_log.write(_decision_record(decision_id, choice, active, ctx))
 
     def _memory_directive(self, ctx: StepContext, gamma: int) -> MemoryDirective:
         directive = self.memory.step(ctx, gamma)
@@ -211,16 +319,26 @@ class DecisionService:
             self._published_draft_state[ctx.engine_id] = memory.state
         return directive
 
-    def _take_pending(self, outcome: StepOutcome) -> PendingDecision:
-        pending = self._pending.get(outcome.decision_id)
-        if pending is None:
-            raise NotFoundError(
-                f"unknown decision_id {outcome.decision_id!r} (never issued, already "
-                "reported, or expired)"
-            )
-        check_outcome_against(outcome, pending.ctx.engine_id, pending.gamma_max)
-        del self._pending[outcome.decision_id]
-        return pending
+    def _forget(self, engine_ids: list[str]) -> None:
+        """Evicted engines: their policy state, memory state and per-engine series go."""
+        if not engine_ids:
+            return
+        with self._lock:
+            for engine_id in engine_ids:
+                self._active.policy.reset(engine_id)
+                self.memory.engines.pop(engine_id, None)
+                if self._published_draft_state.pop(engine_id, None) is not None:
+                    self.metrics.forget_engine(engine_id)
+
+    def _forget_learners(self, keys: list[str]) -> None:
+        if not keys:
+            return
+        forget = getattr(self._active.policy, "forget_learner", None)
+        if forget is None:
+            return
+        with self._lock:
+            for key in keys:
+                forget(key)
 
     def _apply_locked(self, pending: PendingDecision, outcome: StepOutcome) -> bool:
         active = self._active
@@ -261,27 +379,23 @@ class DecisionService:
     def reset(self, engine_id: str | None = None) -> ActivePolicy:
         with self._lock:
             if engine_id is None:
-                self._pending.clear()
-                self._last_seen.clear()
+                self.engines.clear()
                 return self._activate(self._build(self._active.name, self._active.policy.params()))
-            if engine_id not in self._engines:
+            shard = self.engines.get(engine_id)
+            if shard is None:
                 raise NotFoundError(f"unknown engine {engine_id!r}")
             self._active.policy.reset(engine_id)
-            self._last_seen.pop(engine_id, None)
+            shard.last_seen = -math.inf
             return self._active
 
     def active_engines(self) -> int:
         """Engines that asked for a decision within the last ``engine_idle_s`` (and were
         not reset since)."""
-        since = time.perf_counter() - self.engine_idle_s
-        with self._lock:
-            for engine_id in [e for e, seen in self._last_seen.items() if seen < since]:
-                del self._last_seen[engine_id]  # gone quiet: forgotten here, state kept
-            return len(self._last_seen)
+        return self.engines.seen_since(time.perf_counter() - self.engine_idle_s)
 
     def state_view(self, engine_id: str | None = None) -> StateView:
         with self._lock:
-            if engine_id and engine_id not in self._engines:
+            if engine_id and engine_id not in self.engines:
                 raise NotFoundError(f"unknown engine {engine_id!r}")
             active = self._active
             return StateView(
@@ -291,7 +405,7 @@ class DecisionService:
                 state=active.policy.state(engine_id or None),
                 decisions_total=self._decisions_total,
                 reports_total=self._reports_total,
-                engine_ids=sorted(self._engines),
+                engine_ids=sorted(self.engines.engine_ids()),
                 last_snapshot_unix=self.last_snapshot_unix,
                 memory=self.memory.state(engine_id or None),
             )
@@ -316,7 +430,7 @@ class DecisionService:
                     "params": active.policy.params(),
                     "state": active.policy.state(),
                 },
-                "engines": sorted(self._engines),
+                "engines": sorted(self.engines.engine_ids()),
             }
 
     def write_snapshot(self) -> Path:
@@ -351,8 +465,10 @@ class DecisionService:
             self.metrics.policy_swaps.labels("failed").inc()
             raise FailedPreconditionError(f"snapshot state does not fit: {exc}") from exc
         with self._lock:
-            self._pending.clear()
-            self._engines.update(str(e) for e in document.get("engines", []))
+            self.engines.clear()
+            for engine_id in document.get("engines", []):
+                shard, _ = self.engines.shard(str(engine_id))
+                shard.last_seen = -math.inf  # known (its state is restored), not active
             return self._activate(candidate)
 
     def restore_path(self, given: str) -> ActivePolicy:
@@ -429,19 +545,38 @@ class DecisionService:
         return active
 
 
-def _decision_record(decision: Decision, ctx: StepContext) -> dict[str, Any]:
+def _decide_tentative(
+    policy: Policy, ctx: StepContext, batch_size: int
+) -> tuple[StepContext, Choice, object]:
+    """Decide for ``batch_size`` and leave the policy as it was: between the policy's own
+    checkpoints (TentativePolicy), else on a deep copy of it (any policy; the chosen one
+    is then decided again on the live policy when the engine names it)."""
+    if batch_size != ctx.batch_size:
+        ctx = dataclasses.replace(ctx, batch_size=batch_size)
+    if not isinstance(policy, TentativePolicy):
+        return ctx, copy.deepcopy(policy).decide(ctx), DECIDE_AGAIN
+    before = policy.checkpoint(ctx)
+    choice = policy.decide(ctx)
+    after = policy.checkpoint(ctx)
+    policy.restore(ctx, before)
+    return ctx, choice, after
+
+
+def _decision_record(
+    decision_id: str, choice: Choice, active: ActivePolicy, ctx: StepContext
+) -> dict[str, Any]:
     return {
         "kind": "decision",
         "ts": time.time(),
-        "decision_id": decision.decision_id,
+        "decision_id": decision_id,
         "engine_id": ctx.engine_id,
-        "policy": decision.policy_name,
-        "policy_version": decision.policy_version,
+        "policy": active.name,
+        "policy_version": active.version,
         "context": context_to_json(ctx),
-        "gamma": decision.gamma,
-        "bin_type": decision.bin_type.value,
-        "exploration": decision.exploration,
-        "exploration_probability": decision.exploration_probability,
+        "gamma": choice.gamma,
+        "bin_type": choice.bin_type.value,
+        "exploration": choice.exploration,
+        "exploration_probability": choice.exploration_probability,
     }
 
 
@@ -462,6 +597,7 @@ def context_from_json(data: Mapping[str, Any]) -> StepContext:
     from policy_server.types import RequestSignals
 
     fields = dict(data)
+    fields["candidate_batch_sizes"] = tuple(fields.get("candidate_batch_sizes", ()))
     fields["requests"] = tuple(
         RequestSignals(**{**r, "recent_accepts": tuple(r.get("recent_accepts", ()))})
         for r in fields.get("requests", ())

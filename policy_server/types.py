@@ -50,6 +50,11 @@ class StepContext:
     requests: tuple[RequestSignals, ...] = ()
     # Tokens in the decode batch's context (KV read by the step); 0 = unknown.
     context_tokens: int = 0
+    # Asking ahead: other batch sizes the step may run with, each decided tentatively;
+    # the engine later names the one it ran (ran_decision_id). Policies never see these:
+    # the server decides each candidate on a context with its batch size and none.
+    candidate_batch_sizes: tuple[int, ...] = ()
+    ran_decision_id: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +112,11 @@ class Decision:
     step_index: int = 0
     request_gammas: tuple[tuple[str, int], ...] = ()
     memory_directive: MemoryDirective = field(default_factory=MemoryDirective)
+    # The batch size decided for; with candidates, one tentative decision per other size.
+    batch_size: int = 0
+    candidates: tuple[Decision, ...] = ()
+    # Waits for the engine to name the decision it ran (StepContext.ran_decision_id).
+    tentative: bool = False
 
     @property
     def exploration(self) -> bool:

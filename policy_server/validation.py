@@ -16,6 +16,8 @@ from policy_server.types import StepContext, StepOutcome
 HARD_GAMMA_LIMIT = 64
 # Longest engine id and learner key the sidecar accepts.
 MAX_ID_LENGTH = 256
+# Candidate batch sizes one context may ask for (StepContext.candidate_batch_sizes).
+MAX_CANDIDATES = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +27,10 @@ class Limits:
     max_batch_size: int = 65536
     max_step_seconds: float = 600.0
     max_engine_id_length: int = MAX_ID_LENGTH
+    # Per-request sections (StepContext.requests, StepOutcome.requests) and each
+    # request's recent_accepts: bounded so one message cannot make the server hold much.
+    max_requests: int = 4096
+    max_recent_accepts: int = 256
 
 
 def check_context(ctx: StepContext, limits: Limits) -> None:
@@ -53,7 +59,33 @@ def check_context(ctx: StepContext, limits: Limits) -> None:
         )
     if not 0 <= ctx.max_gamma <= HARD_GAMMA_LIMIT:
         raise InvalidArgumentError(f"max_gamma must be in 0..{HARD_GAMMA_LIMIT}")
+    if len(ctx.candidate_batch_sizes) > MAX_CANDIDATES:
+        raise InvalidArgumentError(
+            f"candidate_batch_sizes has {len(ctx.candidate_batch_sizes)} entries, more than "
+            f"{MAX_CANDIDATES}"
+        )
+    for size in ctx.candidate_batch_sizes:
+        if not 1 <= size <= limits.max_batch_size:
+            raise InvalidArgumentError(
+                f"candidate_batch_sizes must be in 1..{limits.max_batch_size}, got {size}"
+            )
+    if len(ctx.ran_decision_id) > limits.max_engine_id_length:
+        raise InvalidArgumentError(
+            f"ran_decision_id is longer than {limits.max_engine_id_length} characters"
+        )
+    if len(ctx.requests) > limits.max_requests:
+        raise InvalidArgumentError(
+            f"{len(ctx.requests)} per-request sections, more than {limits.max_requests}"
+        )
     for req in ctx.requests:
+        if len(req.request_id) > limits.max_engine_id_length:
+            raise InvalidArgumentError(
+                f"a request_id is longer than {limits.max_engine_id_length} characters"
+            )
+        if len(req.recent_accepts) > limits.max_recent_accepts:
+            raise InvalidArgumentError(
+                f"request {req.request_id!r}: more than {limits.max_recent_accepts} recent_accepts"
+            )
         if req.context_tokens < 0 or any(a < 0 for a in req.recent_accepts):
             raise InvalidArgumentError(f"request {req.request_id!r}: negative token counts")
         for name in ("kl_divergence", "draft_entropy"):
@@ -86,6 +118,14 @@ def check_outcome(outcome: StepOutcome, limits: Limits) -> None:
         )
     if not math.isfinite(outcome.goodput):
         raise InvalidArgumentError("goodput (generated_tokens / step_seconds) is not finite")
+    if len(outcome.request_accepts) > limits.max_requests:
+        raise InvalidArgumentError(
+            f"{len(outcome.request_accepts)} per-request sections, more than {limits.max_requests}"
+        )
+    if any(len(rid) > limits.max_engine_id_length for rid, _ in outcome.request_accepts):
+        raise InvalidArgumentError(
+            f"a request_id is longer than {limits.max_engine_id_length} characters"
+        )
     if any(n < 0 for _, n in outcome.request_accepts):
         raise InvalidArgumentError("per-request accepted_tokens must be >= 0")
 

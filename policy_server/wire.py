@@ -38,6 +38,8 @@ def context_from_pb(msg: pb.StepContext) -> StepContext:
         max_gamma=msg.max_gamma,
         learner_key=msg.learner_key,
         context_tokens=msg.context_tokens,
+        candidate_batch_sizes=tuple(msg.candidate_batch_sizes),
+        ran_decision_id=msg.ran_decision_id,
         requests=tuple(
             RequestSignals(
                 request_id=r.request_id,
@@ -64,6 +66,8 @@ def context_to_pb(ctx: StepContext) -> pb.StepContext:
         max_gamma=ctx.max_gamma,
         learner_key=ctx.learner_key,
         context_tokens=ctx.context_tokens,
+        candidate_batch_sizes=ctx.candidate_batch_sizes,
+        ran_decision_id=ctx.ran_decision_id,
     )
     if ctx.previous_gamma is not None:
         msg.previous_gamma = ctx.previous_gamma
@@ -124,6 +128,9 @@ def decision_to_pb(decision: Decision) -> pb.Decision:
         request_gammas=[
             pb.RequestGamma(request_id=rid, gamma=g) for rid, g in decision.request_gammas
         ],
+        batch_size=decision.batch_size,
+        candidates=[decision_to_pb(c) for c in decision.candidates],
+        tentative=decision.tentative,
     )
     directive = decision.memory_directive
     if directive.action:
@@ -154,4 +161,7 @@ def decision_from_pb(msg: pb.Decision) -> Decision:
         step_index=msg.step_index,
         request_gammas=tuple((r.request_id, r.gamma) for r in msg.request_gammas),
         memory_directive=directive,
+        batch_size=msg.batch_size,
+        candidates=tuple(decision_from_pb(c) for c in msg.candidates),
+        tentative=msg.tentative,
     )

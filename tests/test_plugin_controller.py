@@ -94,7 +94,8 @@ def test_each_decision_is_reported_with_the_step_that_verified_it(
     for step in verified:  # three steps at batch 4, each verifying the previous γ = 2
         assert controller.decide(view(4)) == 2
         controller.end_step(step)
-    assert controller.decide(view(3)) == 2  # the batch changed: the prefetch missed
+    # The batch jumped outside the candidate window (2..6): the prefetch missed.
+    assert controller.decide(view(12)) == 2
     controller.end_step(VerifiedStep(6, 6, 9))
     controller.idle()  # the last decision is dropped, the queued outcome sent
     stats = controller.stats()

@@ -262,6 +262,8 @@ class NightjarClient:
         self._seq = itertools.count(1)
         self._lock = threading.Lock()
         self._pending_outcome: StepOutcome | None = None
+        # The tentative decision take() picked: named to the sidecar with the next context.
+        self._ran_decision_id = ""
         self._directives: list[MemoryDirective] = []
         self._prefetched: tuple[StepContext, PendingReply] | None = None
         self._transport: _StreamTransport | _UnaryTransport | None = None
@@ -299,27 +301,35 @@ class NightjarClient:
     def decide(self, ctx: StepContext) -> GammaDecision:
         """γ for the step described by ``ctx``, within the deadline or from the fallback."""
         future = self._send(ctx)
-        return self._resolve(ctx, future)
+        decision = self._resolve(ctx, future, ctx.batch_size)
+        assert decision is not None  # the answer for the asked batch size is the decision
+        return decision
 
     def prefetch(self, ctx: StepContext) -> None:
-        """Pipelined mode: ask now for a step that will run later (see :meth:`take`)."""
+        """Pipelined mode: ask now for a step that will run later (see :meth:`take`).
+
+        ``ctx.candidate_batch_sizes``: other batch sizes the step may turn out to have; the
+        sidecar decides each tentatively and learns only from the one the engine ran,
+        which :meth:`take` picks and names to it with the next request."""
         future = self._send(ctx)
         self._prefetched = (ctx, future) if future is not None else None
 
     def take(self, ctx: StepContext) -> GammaDecision:
-        """The prefetched decision when it was asked for this step, else a fresh decide."""
+        """The prefetched decision for this step's batch size, else a fresh decide."""
         prefetched, self._prefetched = self._prefetched, None
         if prefetched is not None:
             asked, future = prefetched
-            if (asked.engine_id, asked.step_index, asked.batch_size) == (
-                ctx.engine_id,
-                ctx.step_index,
-                ctx.batch_size,
-            ):
-                self.stats.prefetch_hits += 1
-                return self._resolve(ctx, future)
+            if (
+                (asked.engine_id, asked.step_index) == (ctx.engine_id, ctx.step_index)
+                and ctx.batch_size in (asked.batch_size, *asked.candidate_batch_sizes)
+            ):  # fmt: skip
+                decision = self._resolve(ctx, future, asked.batch_size)
+                if decision is not None:
+                    self.stats.prefetch_hits += 1
+                    return decision
+            else:
+                future.add_done_callback(self._count_late)
             self.stats.prefetch_misses += 1
-            future.add_done_callback(self._count_late)
         return self.decide(ctx)
 
     def discard_prefetch(self) -> None:
@@ -369,11 +379,16 @@ class NightjarClient:
     def _request(self, ctx: StepContext | None) -> policy_pb2.StepRequest:
         with self._lock:
             outcome, self._pending_outcome = self._pending_outcome, None
+            ran = ""
+            if ctx is not None:
+                ran, self._ran_decision_id = self._ran_decision_id, ""
         request = policy_pb2.StepRequest(seq=next(self._seq))
         if outcome is not None:
             request.outcome.CopyFrom(wire.outcome_to_pb(outcome))
         if ctx is not None:
             request.context.CopyFrom(wire.context_to_pb(ctx))
+            if ran:
+                request.context.ran_decision_id = ran
         return request
 
     def _send(self, ctx: StepContext) -> PendingReply | None:
@@ -419,7 +434,12 @@ class NightjarClient:
             self.stats.rejected_reports += 1
             log.warning("sidecar rejected an outcome: %s", reply.error.message)
 
-    def _resolve(self, ctx: StepContext, future: PendingReply | None) -> GammaDecision:
+    def _resolve(
+        self, ctx: StepContext, future: PendingReply | None, asked_batch_size: int
+    ) -> GammaDecision | None:
+        """The decision for ``ctx.batch_size`` from the reply to a request whose context
+        had ``asked_batch_size``; None when the reply has no answer for that size (a
+        sidecar without candidate support answers only the asked size)."""
         self.stats.decisions += 1
         if future is None:
             return self._fall_back(ctx, "disconnected")
@@ -436,8 +456,17 @@ class NightjarClient:
         if reply.HasField("error"):
             log.warning("sidecar rejected a step context: %s", reply.error.message)
             return self._fall_back(ctx, "rejected")
+        chosen = _pick(reply.decision, ctx.batch_size, asked_batch_size)
+        if chosen is None:
+            self.stats.decisions -= 1  # the caller asks again
+            return None
         self.stats.sidecar_decisions += 1
-        decision = wire.decision_from_pb(reply.decision)
+        if chosen.tentative:
+            with self._lock:
+                self._ran_decision_id = chosen.decision_id
+        decision = wire.decision_from_pb(chosen)
+        if chosen is reply.decision and decision.candidates:
+            decision = dataclasses.replace(decision, candidates=())
         return GammaDecision(gamma=decision.gamma, source="sidecar", decision=decision)
 
     def _fall_back(self, ctx: StepContext, reason: str) -> GammaDecision:
@@ -485,6 +514,7 @@ class NightjarClient:
                 # A restarted sidecar does not know the old decision ids.
                 with self._lock:
                     self._pending_outcome = None
+                    self._ran_decision_id = ""
             else:
                 self._log_first_connection()
             self._broken.clear()
@@ -535,6 +565,19 @@ class NightjarClient:
                 self._broken.set()
 
         self._channel.subscribe(on_change, try_to_connect=True)
+
+
+def _pick(
+    decision: policy_pb2.Decision, batch_size: int, asked_batch_size: int
+) -> policy_pb2.Decision | None:
+    """The decision (or candidate) made for ``batch_size``; a sidecar older than v1.2 sets
+    no batch_size, its decision is for the asked one."""
+    if (decision.batch_size or asked_batch_size) == batch_size:
+        return decision
+    for candidate in decision.candidates:
+        if candidate.batch_size == batch_size:
+            return candidate
+    return None
 
 
 def connect_error(target: str, timeout: float = 0.5) -> OSError | None:

@@ -7,11 +7,13 @@ the engine runs out of requests, or a step samples nothing, the pending decision
 dropped: nothing verified its drafts there.
 
 γ is decided once the step's batch is known (at the end of vLLM's schedule call).
-Right after, the decision for step k+1 is requested for the same batch size, so the
-round trip overlaps step k's forward pass and step k+1 normally finds the
-answer waiting. When the batch changed (a request finished or joined) or the answer
-is late, the client asks again and waits at most its deadline, then falls back to the
-local table.
+Right after, the decision for step k+1 is requested, so the round trip overlaps step
+k's forward pass and step k+1 normally finds the answer waiting. Step k+1's batch is
+not known yet (requests finish, waiting ones join), so the request asks for the batch
+sizes it can plausibly have (:func:`candidate_batch_sizes`); the sidecar decides each
+tentatively and learns only from the one that ran, which the client names with its
+next request. When the batch moved outside that window or the answer is late, the
+client asks again and waits at most its deadline, then falls back to the local table.
 """
 
 from __future__ import annotations
@@ -38,6 +40,17 @@ log = logging.getLogger(__name__)
 
 STATS_INTERVAL_S = 1.0
 _SAMPLES = 100_000
+# Batch sizes asked for ahead of a step besides the current one: up to this many requests
+# finishing, or joining (at most as many as wait) — steps rarely move by more.
+CANDIDATE_WINDOW = 2
+CANDIDATE_JOINS = 4
+
+
+def candidate_batch_sizes(batch_size: int, waiting: int) -> tuple[int, ...]:
+    """Other batch sizes the next step may have (StepContext.candidate_batch_sizes)."""
+    low = max(1, batch_size - CANDIDATE_WINDOW)
+    high = batch_size + max(CANDIDATE_WINDOW, min(waiting, CANDIDATE_JOINS))
+    return tuple(b for b in range(low, high + 1) if b != batch_size)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -162,8 +175,14 @@ class GammaController:
         self._previous_gamma = gamma
         self._gammas[gamma] += 1
         self._sources[decision.source if view.draft_resident else "forced"] += 1
-        # Ask for the next step now, assuming the batch stays as it is.
-        self.client.prefetch(self._context(view, self._step_index + 1))
+        # Ask for the next step now, for the batch as it is and as it may become.
+        ahead = self._context(view, self._step_index + 1)
+        self.client.prefetch(
+            dataclasses.replace(
+                ahead,
+                candidate_batch_sizes=candidate_batch_sizes(ahead.batch_size, view.waiting),
+            )
+        )
         self._hook_decide_s = time.perf_counter() - started
         return gamma
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1enightjar_proto/v1/policy.proto\x12\x0bnightjar.v1\"\xb0\x01\n\x0eRequestSignals\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_tokens\x18\x02 \x01(\x03\x12\x16\n\x0erecent_accepts\x18\x03 \x03(\x05\x12\x1a\n\rkl_divergence\x18\x04 \x01(\x01H\x00\x88\x01\x01\x12\x1a\n\rdraft_entropy\x18\x05 \x01(\x01H\x01\x88\x01\x01\x42\x10\n\x0e_kl_divergenceB\x10\n\x0e_draft_entropy\"\xe3\x02\n\x0bStepContext\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nstep_index\x18\x02 \x01(\x03\x12\x12\n\nbatch_size\x18\x03 \x01(\x03\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\x03\x12\x16\n\x0e\x66ree_kv_blocks\x18\x05 \x01(\x03\x12\x17\n\x0ftotal_kv_blocks\x18\x06 \x01(\x03\x12\x1c\n\x14max_draft_lag_tokens\x18\x07 \x01(\x03\x12\x16\n\x0e\x64raft_resident\x18\x08 \x01(\x08\x12\x1b\n\x0eprevious_gamma\x18\t \x01(\x05H\x00\x88\x01\x01\x12\x11\n\tmax_gamma\x18\n \x01(\x05\x12\x13\n\x0blearner_key\x18\x0b \x01(\t\x12-\n\x08requests\x18\x0c \x03(\x0b\x32\x1b.nightjar.v1.RequestSignals\x12\x16\n\x0e\x63ontext_tokens\x18\r \x01(\x03\x42\x11\n\x0f_previous_gamma\"\xec\x01\n\x0bStepOutcome\x12\x13\n\x0b\x64\x65\x63ision_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\r\n\x05gamma\x18\x03 \x01(\x05\x12\x14\n\x0cstep_seconds\x18\x04 \x01(\x01\x12\x18\n\x10generated_tokens\x18\x05 \x01(\x03\x12\x16\n\x0e\x64rafted_tokens\x18\x06 \x01(\x03\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x07 \x01(\x03\x12-\n\x08requests\x18\x08 \x03(\x0b\x32\x1b.nightjar.v1.RequestAccepts\x12\x16\n\x0eprefill_tokens\x18\t \x01(\x03\"=\n\x0eRequestAccepts\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x02 \x01(\x05\"1\n\x0cRequestGamma\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05gamma\x18\x02 \x01(\x05\"\xcc\x01\n\x0fMemoryDirective\x12\x33\n\x06\x61\x63tion\x18\x01 \x01(\x0e\x32#.nightjar.v1.MemoryDirective.Action\x12\x18\n\x10target_kv_blocks\x18\x02 \x01(\x03\x12\x0e\n\x06reason\x18\x03 \x01(\t\"Z\n\x06\x41\x63tion\x12\x16\n\x12\x41\x43TION_UNSPECIFIED\x10\x00\x12\x1b\n\x17OFFLOAD_DRAFT_EXPAND_KV\x10\x01\x12\x1b\n\x17\x43OMPACT_KV_RELOAD_DRAFT\x10\x02\"\xa0\x02\n\x08\x44\x65\x63ision\x12\r\n\x05gamma\x18\x01 \x01(\x05\x12\x31\n\x0erequest_gammas\x18\x02 \x03(\x0b\x32\x19.nightjar.v1.RequestGamma\x12\x13\n\x0b\x64\x65\x63ision_id\x18\x03 \x01(\t\x12\x13\n\x0b\x65xploration\x18\x04 \x01(\x08\x12\x1f\n\x17\x65xploration_probability\x18\x05 \x01(\x01\x12\x13\n\x0bpolicy_name\x18\x06 \x01(\t\x12\x16\n\x0epolicy_version\x18\x07 \x01(\t\x12\x36\n\x10memory_directive\x18\x08 \x01(\x0b\x32\x1c.nightjar.v1.MemoryDirective\x12\x0e\n\x06reason\x18\t \x01(\t\x12\x12\n\nstep_index\x18\n \x01(\x03\"p\n\x0bStepRequest\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12)\n\x07outcome\x18\x02 \x01(\x0b\x32\x18.nightjar.v1.StepOutcome\x12)\n\x07\x63ontext\x18\x03 \x01(\x0b\x32\x18.nightjar.v1.StepContext\"*\n\tStepError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"h\n\tStepReply\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\'\n\x08\x64\x65\x63ision\x18\x02 \x01(\x0b\x32\x15.nightjar.v1.Decision\x12%\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x16.nightjar.v1.StepError\"\x1c\n\tReportAck\x12\x0f\n\x07\x61pplied\x18\x01 \x01(\x08\x32\x84\x02\n\rPolicyService\x12\x39\n\x06\x44\x65\x63ide\x12\x18.nightjar.v1.StepContext\x1a\x15.nightjar.v1.Decision\x12:\n\x06Report\x12\x18.nightjar.v1.StepOutcome\x1a\x16.nightjar.v1.ReportAck\x12\x38\n\x04Step\x12\x18.nightjar.v1.StepRequest\x1a\x16.nightjar.v1.StepReply\x12\x42\n\nStepStream\x12\x18.nightjar.v1.StepRequest\x1a\x16.nightjar.v1.StepReply(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1enightjar_proto/v1/policy.proto\x12\x0bnightjar.v1\"\xb0\x01\n\x0eRequestSignals\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_tokens\x18\x02 \x01(\x03\x12\x16\n\x0erecent_accepts\x18\x03 \x03(\x05\x12\x1a\n\rkl_divergence\x18\x04 \x01(\x01H\x00\x88\x01\x01\x12\x1a\n\rdraft_entropy\x18\x05 \x01(\x01H\x01\x88\x01\x01\x42\x10\n\x0e_kl_divergenceB\x10\n\x0e_draft_entropy\"\x9b\x03\n\x0bStepContext\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x12\n\nstep_index\x18\x02 \x01(\x03\x12\x12\n\nbatch_size\x18\x03 \x01(\x03\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\x03\x12\x16\n\x0e\x66ree_kv_blocks\x18\x05 \x01(\x03\x12\x17\n\x0ftotal_kv_blocks\x18\x06 \x01(\x03\x12\x1c\n\x14max_draft_lag_tokens\x18\x07 \x01(\x03\x12\x16\n\x0e\x64raft_resident\x18\x08 \x01(\x08\x12\x1b\n\x0eprevious_gamma\x18\t \x01(\x05H\x00\x88\x01\x01\x12\x11\n\tmax_gamma\x18\n \x01(\x05\x12\x13\n\x0blearner_key\x18\x0b \x01(\t\x12-\n\x08requests\x18\x0c \x03(\x0b\x32\x1b.nightjar.v1.RequestSignals\x12\x16\n\x0e\x63ontext_tokens\x18\r \x01(\x03\x12\x1d\n\x15\x63\x61ndidate_batch_sizes\x18\x0e \x03(\x03\x12\x17\n\x0fran_decision_id\x18\x0f \x01(\tB\x11\n\x0f_previous_gamma\"\xec\x01\n\x0bStepOutcome\x12\x13\n\x0b\x64\x65\x63ision_id\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12\r\n\x05gamma\x18\x03 \x01(\x05\x12\x14\n\x0cstep_seconds\x18\x04 \x01(\x01\x12\x18\n\x10generated_tokens\x18\x05 \x01(\x03\x12\x16\n\x0e\x64rafted_tokens\x18\x06 \x01(\x03\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x07 \x01(\x03\x12-\n\x08requests\x18\x08 \x03(\x0b\x32\x1b.nightjar.v1.RequestAccepts\x12\x16\n\x0eprefill_tokens\x18\t \x01(\x03\"=\n\x0eRequestAccepts\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x02 \x01(\x05\"1\n\x0cRequestGamma\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05gamma\x18\x02 \x01(\x05\"\xcc\x01\n\x0fMemoryDirective\x12\x33\n\x06\x61\x63tion\x18\x01 \x01(\x0e\x32#.nightjar.v1.MemoryDirective.Action\x12\x18\n\x10target_kv_blocks\x18\x02 \x01(\x03\x12\x0e\n\x06reason\x18\x03 \x01(\t\"Z\n\x06\x41\x63tion\x12\x16\n\x12\x41\x43TION_UNSPECIFIED\x10\x00\x12\x1b\n\x17OFFLOAD_DRAFT_EXPAND_KV\x10\x01\x12\x1b\n\x17\x43OMPACT_KV_RELOAD_DRAFT\x10\x02\"\xf2\x02\n\x08\x44\x65\x63ision\x12\r\n\x05gamma\x18\x01 \x01(\x05\x12\x31\n\x0erequest_gammas\x18\x02 \x03(\x0b\x32\x19.nightjar.v1.RequestGamma\x12\x13\n\x0b\x64\x65\x63ision_id\x18\x03 \x01(\t\x12\x13\n\x0b\x65xploration\x18\x04 \x01(\x08\x12\x1f\n\x17\x65xploration_probability\x18\x05 \x01(\x01\x12\x13\n\x0bpolicy_name\x18\x06 \x01(\t\x12\x16\n\x0epolicy_version\x18\x07 \x01(\t\x12\x36\n\x10memory_directive\x18\x08 \x01(\x0b\x32\x1c.nightjar.v1.MemoryDirective\x12\x0e\n\x06reason\x18\t \x01(\t\x12\x12\n\nstep_index\x18\n \x01(\x03\x12\x12\n\nbatch_size\x18\x0b \x01(\x03\x12)\n\ncandidates\x18\x0c \x03(\x0b\x32\x15.nightjar.v1.Decision\x12\x11\n\ttentative\x18\r \x01(\x08\"p\n\x0bStepRequest\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12)\n\x07outcome\x18\x02 \x01(\x0b\x32\x18.nightjar.v1.StepOutcome\x12)\n\x07\x63ontext\x18\x03 \x01(\x0b\x32\x18.nightjar.v1.StepContext\"*\n\tStepError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"h\n\tStepReply\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12\'\n\x08\x64\x65\x63ision\x18\x02 \x01(\x0b\x32\x15.nightjar.v1.Decision\x12%\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x16.nightjar.v1.StepError\"\x1c\n\tReportAck\x12\x0f\n\x07\x61pplied\x18\x01 \x01(\x08\x32\x84\x02\n\rPolicyService\x12\x39\n\x06\x44\x65\x63ide\x12\x18.nightjar.v1.StepContext\x1a\x15.nightjar.v1.Decision\x12:\n\x06Report\x12\x18.nightjar.v1.StepOutcome\x1a\x16.nightjar.v1.ReportAck\x12\x38\n\x04Step\x12\x18.nightjar.v1.StepRequest\x1a\x16.nightjar.v1.StepReply\x12\x42\n\nStepStream\x12\x18.nightjar.v1.StepRequest\x1a\x16.nightjar.v1.StepReply(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,27 +34,27 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REQUESTSIGNALS']._serialized_start=48
   _globals['_REQUESTSIGNALS']._serialized_end=224
   _globals['_STEPCONTEXT']._serialized_start=227
-  _globals['_STEPCONTEXT']._serialized_end=582
-  _globals['_STEPOUTCOME']._serialized_start=585
-  _globals['_STEPOUTCOME']._serialized_end=821
-  _globals['_REQUESTACCEPTS']._serialized_start=823
-  _globals['_REQUESTACCEPTS']._serialized_end=884
-  _globals['_REQUESTGAMMA']._serialized_start=886
-  _globals['_REQUESTGAMMA']._serialized_end=935
-  _globals['_MEMORYDIRECTIVE']._serialized_start=938
-  _globals['_MEMORYDIRECTIVE']._serialized_end=1142
-  _globals['_MEMORYDIRECTIVE_ACTION']._serialized_start=1052
-  _globals['_MEMORYDIRECTIVE_ACTION']._serialized_end=1142
-  _globals['_DECISION']._serialized_start=1145
-  _globals['_DECISION']._serialized_end=1433
-  _globals['_STEPREQUEST']._serialized_start=1435
-  _globals['_STEPREQUEST']._serialized_end=1547
-  _globals['_STEPERROR']._serialized_start=1549
-  _globals['_STEPERROR']._serialized_end=1591
-  _globals['_STEPREPLY']._serialized_start=1593
-  _globals['_STEPREPLY']._serialized_end=1697
-  _globals['_REPORTACK']._serialized_start=1699
-  _globals['_REPORTACK']._serialized_end=1727
-  _globals['_POLICYSERVICE']._serialized_start=1730
-  _globals['_POLICYSERVICE']._serialized_end=1990
+  _globals['_STEPCONTEXT']._serialized_end=638
+  _globals['_STEPOUTCOME']._serialized_start=641
+  _globals['_STEPOUTCOME']._serialized_end=877
+  _globals['_REQUESTACCEPTS']._serialized_start=879
+  _globals['_REQUESTACCEPTS']._serialized_end=940
+  _globals['_REQUESTGAMMA']._serialized_start=942
+  _globals['_REQUESTGAMMA']._serialized_end=991
+  _globals['_MEMORYDIRECTIVE']._serialized_start=994
+  _globals['_MEMORYDIRECTIVE']._serialized_end=1198
+  _globals['_MEMORYDIRECTIVE_ACTION']._serialized_start=1108
+  _globals['_MEMORYDIRECTIVE_ACTION']._serialized_end=1198
+  _globals['_DECISION']._serialized_start=1201
+  _globals['_DECISION']._serialized_end=1571
+  _globals['_STEPREQUEST']._serialized_start=1573
+  _globals['_STEPREQUEST']._serialized_end=1685
+  _globals['_STEPERROR']._serialized_start=1687
+  _globals['_STEPERROR']._serialized_end=1729
+  _globals['_STEPREPLY']._serialized_start=1731
+  _globals['_STEPREPLY']._serialized_end=1835
+  _globals['_REPORTACK']._serialized_start=1837
+  _globals['_REPORTACK']._serialized_end=1865
+  _globals['_POLICYSERVICE']._serialized_start=1868
+  _globals['_POLICYSERVICE']._serialized_end=2128
 # @@protoc_insertion_point(module_scope)

@@ -21,7 +21,7 @@ class RequestSignals(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., context_tokens: _Optional[int] = ..., recent_accepts: _Optional[_Iterable[int]] = ..., kl_divergence: _Optional[float] = ..., draft_entropy: _Optional[float] = ...) -> None: ...
 
 class StepContext(_message.Message):
-    __slots__ = ("engine_id", "step_index", "batch_size", "num_waiting", "free_kv_blocks", "total_kv_blocks", "max_draft_lag_tokens", "draft_resident", "previous_gamma", "max_gamma", "learner_key", "requests", "context_tokens")
+    __slots__ = ("engine_id", "step_index", "batch_size", "num_waiting", "free_kv_blocks", "total_kv_blocks", "max_draft_lag_tokens", "draft_resident", "previous_gamma", "max_gamma", "learner_key", "requests", "context_tokens", "candidate_batch_sizes", "ran_decision_id")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_INDEX_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,8 @@ class StepContext(_message.Message):
     LEARNER_KEY_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATE_BATCH_SIZES_FIELD_NUMBER: _ClassVar[int]
+    RAN_DECISION_ID_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     step_index: int
     batch_size: int
@@ -48,7 +50,9 @@ class StepContext(_message.Message):
     learner_key: str
     requests: _containers.RepeatedCompositeFieldContainer[RequestSignals]
     context_tokens: int
-    def __init__(self, engine_id: _Optional[str] = ..., step_index: _Optional[int] = ..., batch_size: _Optional[int] = ..., num_waiting: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., max_draft_lag_tokens: _Optional[int] = ..., draft_resident: bool = ..., previous_gamma: _Optional[int] = ..., max_gamma: _Optional[int] = ..., learner_key: _Optional[str] = ..., requests: _Optional[_Iterable[_Union[RequestSignals, _Mapping]]] = ..., context_tokens: _Optional[int] = ...) -> None: ...
+    candidate_batch_sizes: _containers.RepeatedScalarFieldContainer[int]
+    ran_decision_id: str
+    def __init__(self, engine_id: _Optional[str] = ..., step_index: _Optional[int] = ..., batch_size: _Optional[int] = ..., num_waiting: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., max_draft_lag_tokens: _Optional[int] = ..., draft_resident: bool = ..., previous_gamma: _Optional[int] = ..., max_gamma: _Optional[int] = ..., learner_key: _Optional[str] = ..., requests: _Optional[_Iterable[_Union[RequestSignals, _Mapping]]] = ..., context_tokens: _Optional[int] = ..., candidate_batch_sizes: _Optional[_Iterable[int]] = ..., ran_decision_id: _Optional[str] = ...) -> None: ...
 
 class StepOutcome(_message.Message):
     __slots__ = ("decision_id", "engine_id", "gamma", "step_seconds", "generated_tokens", "drafted_tokens", "accepted_tokens", "requests", "prefill_tokens")
@@ -107,7 +111,7 @@ class MemoryDirective(_message.Message):
     def __init__(self, action: _Optional[_Union[MemoryDirective.Action, str]] = ..., target_kv_blocks: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class Decision(_message.Message):
-    __slots__ = ("gamma", "request_gammas", "decision_id", "exploration", "exploration_probability", "policy_name", "policy_version", "memory_directive", "reason", "step_index")
+    __slots__ = ("gamma", "request_gammas", "decision_id", "exploration", "exploration_probability", "policy_name", "policy_version", "memory_directive", "reason", "step_index", "batch_size", "candidates", "tentative")
     GAMMA_FIELD_NUMBER: _ClassVar[int]
     REQUEST_GAMMAS_FIELD_NUMBER: _ClassVar[int]
     DECISION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -118,6 +122,9 @@ class Decision(_message.Message):
     MEMORY_DIRECTIVE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     STEP_INDEX_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    CANDIDATES_FIELD_NUMBER: _ClassVar[int]
+    TENTATIVE_FIELD_NUMBER: _ClassVar[int]
     gamma: int
     request_gammas: _containers.RepeatedCompositeFieldContainer[RequestGamma]
     decision_id: str
@@ -128,7 +135,10 @@ class Decision(_message.Message):
     memory_directive: MemoryDirective
     reason: str
     step_index: int
-    def __init__(self, gamma: _Optional[int] = ..., request_gammas: _Optional[_Iterable[_Union[RequestGamma, _Mapping]]] = ..., decision_id: _Optional[str] = ..., exploration: bool = ..., exploration_probability: _Optional[float] = ..., policy_name: _Optional[str] = ..., policy_version: _Optional[str] = ..., memory_directive: _Optional[_Union[MemoryDirective, _Mapping]] = ..., reason: _Optional[str] = ..., step_index: _Optional[int] = ...) -> None: ...
+    batch_size: int
+    candidates: _containers.RepeatedCompositeFieldContainer[Decision]
+    tentative: bool
+    def __init__(self, gamma: _Optional[int] = ..., request_gammas: _Optional[_Iterable[_Union[RequestGamma, _Mapping]]] = ..., decision_id: _Optional[str] = ..., exploration: bool = ..., exploration_probability: _Optional[float] = ..., policy_name: _Optional[str] = ..., policy_version: _Optional[str] = ..., memory_directive: _Optional[_Union[MemoryDirective, _Mapping]] = ..., reason: _Optional[str] = ..., step_index: _Optional[int] = ..., batch_size: _Optional[int] = ..., candidates: _Optional[_Iterable[_Union[Decision, _Mapping]]] = ..., tentative: bool = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("seq", "outcome", "context")

@@ -1,0 +1,203 @@
+"""Per-engine bookkeeping of the decision service, one shard per engine, bounded.
+
+Each engine's pending decisions, its open set of tentative candidates and its last
+activity live in its own shard with its own lock, so engines do not wait on each other
+for bookkeeping (the policy, whose learners engines may share, has the service's lock).
+Everything a client can make the sidecar hold is bounded: engines, learner keys and
+pending decisions per engine; past a bound the least recently used entry is evicted
+and counted (``nightjar_evictions_total{kind}``), so a misbehaving client costs memory
+up to the bound, never more.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+
+from policy_server.types import Choice, StepContext
+
+# Eviction kinds, as counted in nightjar_evictions_total{kind}.
+ENGINE = "engine"
+LEARNER_KEY = "learner_key"
+PENDING = "pending"
+EVICTION_KINDS = (ENGINE, LEARNER_KEY, PENDING)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Bounds:
+    """How much a sidecar holds for its clients (docs/OPERATIONS.md, "Bounded memory")."""
+
+    # Engines with bookkeeping and policy state; a node runs a handful.
+    max_engines: int = 1024
+    # Distinct learner keys (model@device); a fleet has a few dozen.
+    max_learner_keys: int = 256
+    # Decisions awaiting their outcome, per engine; an engine has two or three in flight.
+    max_pending_per_engine: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("max_engines", "max_learner_keys", "max_pending_per_engine"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PendingDecision:
+    ctx: StepContext
+    choice: Choice
+    revision: int
+    gamma_max: int
+    # False for tentative candidates until the engine names the one it ran.
+    committed: bool = True
+
+
+@dataclasses.dataclass(slots=True)
+class Candidate:
+    pending: PendingDecision
+    # The policy's checkpoint right after deciding this candidate (TentativePolicy).
+    after: object
+
+
+@dataclasses.dataclass(slots=True)
+class CandidateSet:
+    """Tentative decisions for the batch sizes the engine's next step may have."""
+
+    revision: int
+    members: dict[str, Candidate]
+    # An outcome of this engine was applied while the set was open (the plugin sends
+    # none then, except when it idles and drops the set): the chosen candidate's
+    # checkpoint could undo what it taught, so the choice is decided afresh instead.
+    touched: bool = False
+
+
+@dataclasses.dataclass(slots=True)
+class EngineShard:
+    engine_id: str
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    pending: collections.OrderedDict[str, PendingDecision] = dataclasses.field(
+        default_factory=collections.OrderedDict
+    )
+    open: CandidateSet | None = None
+    # perf_counter of the engine's last request (the nightjar_engines gauge).
+    last_seen: float = 0.0
+
+
+class EngineTable:
+    """The shards, least recently used first, and the learner keys in use."""
+
+    def __init__(self, bounds: Bounds, count_eviction: Callable[[str, int], None]) -> None:
+        self.bounds = bounds
+        self._count = count_eviction
+        self._lock = threading.Lock()
+        self._shards: collections.OrderedDict[str, EngineShard] = collections.OrderedDict()
+        self._learner_keys: collections.OrderedDict[str, None] = collections.OrderedDict()
+        # decision id → engine, for every pending or tentative decision: tells "made for
+        # another engine" from "unknown" (dict operations are atomic under the GIL).
+        self.decision_engine: dict[str, str] = {}
+
+    def get(self, engine_id: str) -> EngineShard | None:
+        return self._shards.get(engine_id)
+
+    def __contains__(self, engine_id: str) -> bool:
+        return engine_id in self._shards
+
+    def engine_ids(self) -> list[str]:
+        with self._lock:
+            return list(self._shards)
+
+    def __len__(self) -> int:
+        return len(self._shards)
+
+    def learner_keys(self) -> int:
+        return len(self._learner_keys)
+
+    def shard(self, engine_id: str, learner_key: str = "") -> tuple[EngineShard, list[str]]:
+        """The engine's shard, created when new and marked most recently used; with the
+        engines and learner keys evicted to make room (the caller forgets their policy
+        state)."""
+        evicted: list[str] = []
+        with self._lock:
+            shard = self._shards.get(engine_id)
+            if shard is None:
+                shard = self._shards[engine_id] = EngineShard(engine_id)
+                while len(self._shards) > self.bounds.max_engines:
+                    _, old = self._shards.popitem(last=False)
+                    self._forget_decisions(old)
+                    evicted.append(old.engine_id)
+            else:
+                self._shards.move_to_end(engine_id)
+            shard.last_seen = time.perf_counter()
+        if evicted:
+            self._count(ENGINE, len(evicted))
+        return shard, evicted
+
+    def use_learner_key(self, key: str) -> list[str]:
+        """Mark ``key`` most recently used; the keys evicted to stay within the bound."""
+        if not key:
+            return []
+        evicted: list[str] = []
+        with self._lock:
+            if key in self._learner_keys:
+                self._learner_keys.move_to_end(key)
+                return []
+            self._learner_keys[key] = None
+            while len(self._learner_keys) > self.bounds.max_learner_keys:
+                evicted.append(self._learner_keys.popitem(last=False)[0])
+        if evicted:
+            self._count(LEARNER_KEY, len(evicted))
+        return evicted
+
+    def remove(self, engine_id: str) -> EngineShard | None:
+        with self._lock:
+            shard = self._shards.pop(engine_id, None)
+            if shard is not None:
+                self._forget_decisions(shard)
+            return shard
+
+    def clear(self) -> None:
+        with self._lock:
+            self._shards.clear()
+            self._learner_keys.clear()
+            self.decision_engine.clear()
+
+    def add_pending(self, shard: EngineShard, decision_id: str, pending: PendingDecision) -> None:
+        """Under the shard's lock: a committed decision awaits its outcome."""
+        shard.pending[decision_id] = pending
+        self.decision_engine[decision_id] = shard.engine_id
+        if len(shard.pending) > self.bounds.max_pending_per_engine:
+            old, _ = shard.pending.popitem(last=False)
+            self.decision_engine.pop(old, None)
+            self._count(PENDING, 1)
+
+    def take_pending(self, shard: EngineShard, decision_id: str) -> None:
+        del shard.pending[decision_id]
+        self.decision_engine.pop(decision_id, None)
+
+    def open_set(self, shard: EngineShard, candidates: CandidateSet) -> None:
+        shard.open = candidates
+        for decision_id in candidates.members:
+            self.decision_engine[decision_id] = shard.engine_id
+
+    def close_set(self, shard: EngineShard, keep: str | None = None) -> CandidateSet | None:
+        """Under the shard's lock: end the open set; the ids of all but ``keep`` are
+        forgotten. The set, or None when none was open."""
+        candidates, shard.open = shard.open, None
+        if candidates is not None:
+            for decision_id in candidates.members:
+                if decision_id != keep:
+                    self.decision_engine.pop(decision_id, None)
+        return candidates
+
+    def seen_since(self, since: float) -> int:
+        """Engines seen at or after ``since`` (perf_counter)."""
+        with self._lock:
+            return sum(1 for shard in self._shards.values() if shard.last_seen >= since)
+
+    def _forget_decisions(self, shard: EngineShard) -> None:
+        for decision_id in shard.pending:
+            self.decision_engine.pop(decision_id, None)
+        if shard.open is not None:
+            for decision_id in shard.open.members:
+                self.decision_engine.pop(decision_id, None)
