@@ -249,12 +249,16 @@ def run_engine(job: EngineJob, progress: Synchronized[int]) -> EngineResult:
             begin = time.perf_counter()
             decision = client.take(ctx) if config.pipelined else client.decide(ctx)
             latencies.append((time.perf_counter() - begin) * 1e6)
+            previous_gamma = decision.gamma
+            if config.pipelined:
+                # As the plugin: ask for the next step while this one runs, assuming the batch
+                # stays as it is (requests finishing or joining make that a miss).
+                client.prefetch(dataclasses.replace(
+                    ctx, step_index=ctx.step_index + 1, previous_gamma=previous_gamma
+                ))  # fmt: skip
             outcome = model.run_step(ctx, decision.gamma, decision.decision_id)
             # Rides on the next request, as in the plugin (fallback decisions: not sent).
             client.report(outcome)
-            previous_gamma = decision.gamma
-            if config.pipelined:
-                client.prefetch(model.context(previous_gamma))
             if len(latencies) % 100 == 0:
                 progress.value = len(latencies)
         result.elapsed_s = time.perf_counter() - started
