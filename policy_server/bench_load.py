@@ -53,6 +53,7 @@ from policy_server.policies import create_policy
 from policy_server.report import write_section
 from policy_server.types import StepContext, StepOutcome
 from vllm_client_patch.client import ClientConfig, NightjarClient
+from vllm_client_patch.controller import candidate_batch_sizes
 
 # Targets of the critical-path issue (8 engines × 1,000 decisions/s for 10 min) and of
 # the reliability issue's soak.
@@ -251,10 +252,11 @@ def run_engine(job: EngineJob, progress: Synchronized[int]) -> EngineResult:
             latencies.append((time.perf_counter() - begin) * 1e6)
             previous_gamma = decision.gamma
             if config.pipelined:
-                # As the plugin: ask for the next step while this one runs, assuming the batch
-                # stays as it is (requests finishing or joining make that a miss).
+                # As the plugin: ask for the next step while this one runs, for the batch as it
+                # is and the sizes it may take (a move outside that window is a miss).
                 client.prefetch(dataclasses.replace(
-                    ctx, step_index=ctx.step_index + 1, previous_gamma=previous_gamma
+                    ctx, step_index=ctx.step_index + 1, previous_gamma=previous_gamma,
+                    candidate_batch_sizes=candidate_batch_sizes(ctx.batch_size, ctx.num_waiting),
                 ))  # fmt: skip
             outcome = model.run_step(ctx, decision.gamma, decision.decision_id)
             # Rides on the next request, as in the plugin (fallback decisions: not sent).
@@ -931,7 +933,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         peak = None
         if args.max_rate > 0:
             peak_config = dataclasses.replace(
-                config, engines=args.max_rate_engines, rate=0.0, duration_s=args.max_rate
+                config,
+                engines=args.max_rate_engines,
+                rate=0.0,
+                duration_s=args.max_rate,
+                pipelined=False,
             )
             peak = run_load(peak_config, progress)
         raw["load"] = dataclasses.asdict(load) | {"verdicts": load_verdicts(load)}

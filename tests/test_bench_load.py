@@ -27,13 +27,20 @@ def run_main(tmp_path: Path, *args: str) -> dict[str, Any]:
     return result
 
 
-def assert_run_sane(run: dict[str, Any], engines: int, rate: float, seconds: float) -> None:
+def assert_run_sane(
+    run: dict[str, Any], engines: int, rate: float, seconds: float, pipelined: bool = False
+) -> None:
     # Paced engines hold most of the asked rate even on two busy cores.
     assert 0.5 * engines * rate * seconds <= run["decisions"] <= engines * rate * seconds + engines
     assert run["errors"] == 0, run["error_texts"]
     # Every answer an engine took was served by the sidecar; a deadline fallback's request
-    # may be answered late or (at the end of the run) not at all.
-    assert run["sidecar_decisions"] <= run["server_decisions"] <= run["decisions"]
+    # may be answered late or (at the end of the run) not at all. Pipelined engines also
+    # ask again when the batch left the prefetched window.
+    assert run["sidecar_decisions"] <= run["server_decisions"]
+    if pipelined:
+        assert 0 <= run["prefetch_misses"] < run["decisions"]
+    else:
+        assert run["server_decisions"] <= run["decisions"] and run["prefetch_misses"] == 0
     assert run["sidecar_decisions"] + sum(run["fallbacks"].values()) == run["decisions"]
     lat = run["latency_us"]
     assert 0 < lat["p50"] <= lat["p99"] <= lat["p999"] <= lat["max"]
@@ -69,8 +76,9 @@ def test_soak_quick_swaps_snapshots_and_reports(tmp_path: Path) -> None:
 
 def test_bench_load_quick_paced_and_max_rate(tmp_path: Path) -> None:
     raw = run_main(tmp_path, "--quick", "--engines", "2", "--rate", "200", "--duration", "8",
-                   "--max-rate", "5", "--max-rate-engines", "2", "--transport", "tcp")  # fmt: skip
-    assert_run_sane(raw["load"], engines=2, rate=200, seconds=8)
+                   "--max-rate", "5", "--max-rate-engines", "2", "--transport", "tcp",
+                   "--pipelined")  # fmt: skip
+    assert_run_sane(raw["load"], engines=2, rate=200, seconds=8, pipelined=True)
     peak = raw["max_rate"]
     # Unpaced engines go faster than the paced run asked for.
     assert peak["decisions_per_s"] > 400 and peak["errors"] == 0
