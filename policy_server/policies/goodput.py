@@ -47,6 +47,7 @@ from policy_server.policies.models import (
     FloatArray,
     StepTimeModel,
     expected_tokens,
+    predict_ms,
     step_features,
 )
 from policy_server.policies.rng import SplitMix64
@@ -111,7 +112,8 @@ class Learner:
 
 @dataclasses.dataclass(slots=True)
 class EngineState:
-    rng: SplitMix64
+    # Per-engine stream (PCG64): decisions reproducible whatever the interleaving.
+    rng: np.random.Generator
     learner_id: str
     previous_gamma: int | None = None
 
@@ -158,11 +160,9 @@ class GoodputModelPolicy:
             gamma = min(self._prior.gamma_for(ctx.batch_size), top)
             engine.previous_gamma = gamma
             return Choice(gamma=gamma, bin_type=BinType.EXPLOIT)
-        xs = np.stack([step_features(ctx.batch_size, g, 0, ctx.context_tokens)
-                       for g in range(top + 1)])  # fmt: skip
         switch_ms = self._switch_ms(ctx, engine, top)
-        greedy = self._choose(ctx, learner, xs, switch_ms, self._point(learner, xs))
-        sampled = self._choose(ctx, learner, xs, switch_ms, self._sample(learner, engine, xs))
+        greedy = self._choose(ctx, learner, switch_ms, self._point(learner, ctx, top))
+        sampled = self._choose(ctx, learner, switch_ms, self._sample(learner, engine, ctx, top))
         engine.previous_gamma = sampled
         bin_type = BinType.EXPLOIT if sampled == greedy else BinType.EXPLORE
         return Choice(gamma=sampled, bin_type=bin_type)
@@ -198,7 +198,7 @@ class GoodputModelPolicy:
                 eid: {
                     "learner": e.learner_id,
                     "previous_gamma": e.previous_gamma,
-                    "rng": e.rng.state,
+                    "rng": e.rng.bit_generator.state,
                 }
                 for eid, e in sorted(engines.items())
             },
@@ -220,7 +220,7 @@ class GoodputModelPolicy:
         try:
             engines = {
                 str(eid): EngineState(
-                    rng=SplitMix64(int(e["rng"])),
+                    rng=_generator_from_state(e["rng"]),
                     learner_id=str(e["learner"]),
                     previous_gamma=None
                     if e["previous_gamma"] is None
@@ -250,9 +250,7 @@ class GoodputModelPolicy:
     def predicted_goodput(self, learner_id: str, ctx: StepContext) -> list[float]:
         """Point-estimate goodput (tokens/s) per γ for a step like ``ctx`` (0..Γmax)."""
         learner = self._learners[learner_id]
-        xs = np.stack([step_features(ctx.batch_size, g, 0, ctx.context_tokens)
-                       for g in range(self._params.gamma_max + 1)])  # fmt: skip
-        point = self._point(learner, xs)
+        point = self._point(learner, ctx, self._params.gamma_max)
         return [
             1000.0 * ctx.batch_size * point.tokens[g] / max(float(point.step_ms[g]), 1e-9)
             for g in range(len(point.tokens))
@@ -267,7 +265,8 @@ class GoodputModelPolicy:
         engine = self._engines.get(ctx.engine_id)
         if engine is None:
             learner = learner_id(ctx, self._params.share_learner)
-            engine = EngineState(SplitMix64(f"{self._params.seed}:{ctx.engine_id}"), learner)
+            seed = SplitMix64(f"{self._params.seed}:{ctx.engine_id}").next_u64()
+            engine = EngineState(np.random.Generator(np.random.PCG64(seed)), learner)
             self._engines[ctx.engine_id] = engine
         if ctx.previous_gamma is not None:
             engine.previous_gamma = ctx.previous_gamma
@@ -290,32 +289,33 @@ class GoodputModelPolicy:
             cost = 1000.0 * self._prefill_cost.seconds_at(ctx.max_draft_lag_tokens, ctx.batch_size)
         return [0.0] + [cost] * top
 
-    def _point(self, learner: Learner, xs: FloatArray) -> Prediction:
+    def _point(self, learner: Learner, ctx: StepContext, top: int) -> Prediction:
         alpha = learner.acceptance.alpha
-        mean, _ = learner.step_time.predict(xs)
-        return Prediction([expected_tokens(alpha, g) for g in range(len(xs))], mean)
+        ms = predict_ms(learner.step_time.weights, ctx.batch_size, top, 0, ctx.context_tokens)
+        return Prediction([expected_tokens(alpha, g) for g in range(top + 1)], ms)
 
-    def _sample(self, learner: Learner, engine: EngineState, xs: FloatArray) -> Prediction:
-        rng = engine.rng
-        alpha = learner.acceptance.sample(rng.normal())
-        normals = np.array([rng.normal() for _ in range(FEATURES)])
-        weights = learner.step_time.sample_weights(normals)
-        return Prediction([expected_tokens(alpha, g) for g in range(len(xs))], xs @ weights)
+    def _sample(
+        self, learner: Learner, engine: EngineState, ctx: StepContext, top: int
+    ) -> Prediction:
+        normals = engine.rng.standard_normal(FEATURES + 1)
+        alpha = learner.acceptance.sample(float(normals[0]))
+        weights = learner.step_time.sample_weights(normals[1:])
+        ms = predict_ms(weights, ctx.batch_size, top, 0, ctx.context_tokens)
+        return Prediction([expected_tokens(alpha, g) for g in range(top + 1)], ms)
 
     def _choose(
-        self, ctx: StepContext, learner: Learner, xs: FloatArray, switch_ms: list[float],
-        prediction: Prediction,
+        self, ctx: StepContext, learner: Learner, switch_ms: list[float], prediction: Prediction,
     ) -> int:  # fmt: skip
         # A prediction below a tenth of the mean step time is extrapolation noise.
         floor = 0.1 * max(learner.step_time.mean_ms, 1e-6)
         goodput = [
             prediction.tokens[g] / (max(float(prediction.step_ms[g]), floor) + switch_ms[g])
-            for g in range(len(xs))
+            for g in range(len(switch_ms))
         ]
-        candidates = range(len(xs))
+        candidates = range(len(switch_ms))
         slo = self._params.tpot_slo_ms
         if slo > 0:
-            tpot = self._tpot_ms(ctx, learner, len(xs))
+            tpot = self._tpot_ms(ctx, learner, len(switch_ms) - 1)
             meeting = [g for g in candidates if tpot[g] <= slo]
             if not meeting:
                 return min(candidates, key=lambda g: (tpot[g], g))
@@ -323,14 +323,14 @@ class GoodputModelPolicy:
         # Ties go to the smaller γ (less draft work for the same predicted goodput).
         return max(candidates, key=lambda g: (goodput[g], -g))
 
-    def _tpot_ms(self, ctx: StepContext, learner: Learner, arms: int) -> list[float]:
-        """Predicted ms per generated token of one request, with the recent prefill load."""
-        prefill = round(learner.prefill_tokens)
-        xs = np.stack([step_features(ctx.batch_size, g, prefill, ctx.context_tokens)
-                       for g in range(arms)])  # fmt: skip
-        mean, _ = learner.step_time.predict(xs)
+    def _tpot_ms(self, ctx: StepContext, learner: Learner, top: int) -> list[float]:
+        """Predicted ms per generated token of one request, with the recent prefill load
+        (rounded to 64 tokens: the shape features are cached per prefill size)."""
+        prefill = 64 * round(learner.prefill_tokens / 64)
+        ms = predict_ms(learner.step_time.weights, ctx.batch_size, top, prefill,
+                        ctx.context_tokens)  # fmt: skip
         alpha = learner.acceptance.alpha
-        return [float(mean[g]) / expected_tokens(alpha, g) for g in range(arms)]
+        return [float(ms[g]) / expected_tokens(alpha, g) for g in range(top + 1)]
 
     def _learner_to_json(self, learner: Learner) -> dict[str, Any]:
         return {
@@ -351,3 +351,10 @@ class GoodputModelPolicy:
         if learner.steps < 0 or not math.isfinite(learner.prefill_tokens):
             raise ValueError("steps must be >= 0 and prefill_tokens finite")
         return learner
+
+
+def _generator_from_state(state: Mapping[str, Any]) -> np.random.Generator:
+    bit_generator = np.random.PCG64()
+    # numpy checks the layout (ValueError/TypeError on a malformed state).
+    bit_generator.state = dict(state)  # type: ignore[assignment]
+    return np.random.Generator(bit_generator)

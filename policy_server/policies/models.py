@@ -20,6 +20,7 @@ Pure numpy, no engine or gRPC knowledge. The state of both is plain JSON for sna
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -50,24 +51,53 @@ def expected_accepted(alpha: float, gamma: int) -> float:
     return expected_tokens(alpha, gamma) - 1.0
 
 
+_KNOTS = np.array(TOKEN_KNOTS, dtype=np.float64)
+# Features that depend on the batch shape alone; the last two scale with the context.
+SHAPE_FEATURES = FEATURES - 2
+
+
+@functools.lru_cache(maxsize=8192)
+def shape_features(batch_size: int, gamma_top: int, prefill_tokens: int = 0) -> FloatArray:
+    """Rows γ = 0..gamma_top of the context-free features: cached, because a decision
+    needs them for every γ and batch shapes repeat (a read-only array)."""
+    gamma = np.arange(gamma_top + 1, dtype=np.float64)
+    tokens = batch_size * (gamma + 1.0) + prefill_tokens
+    x = np.empty((len(gamma), SHAPE_FEATURES))
+    x[:, 0] = 1.0
+    x[:, 1] = tokens / TOKEN_SCALE
+    x[:, 2 : 2 + len(TOKEN_KNOTS)] = np.maximum(0.0, tokens[:, None] - _KNOTS) / TOKEN_SCALE
+    # Draft passes: launch-bound per pass, plus a per-request part.
+    x[:, -2] = gamma
+    x[:, -1] = gamma * batch_size / 64.0
+    x.flags.writeable = False
+    return x
+
+
 def step_features(
     batch_size: int, gamma: int, prefill_tokens: int = 0, context_tokens: int = 0
 ) -> FloatArray:
-    """The regression features of one step (see the module docstring)."""
+    """The regression features of one step (the row ``predict_ms`` evaluates for γ): the
+    shape features, then attention, which reads the batch's KV once per query token."""
     tokens = batch_size * (gamma + 1) + prefill_tokens
-    x = np.empty(FEATURES)
-    x[0] = 1.0
-    x[1] = tokens / TOKEN_SCALE
-    for i, knot in enumerate(TOKEN_KNOTS):
-        x[2 + i] = max(0.0, tokens - knot) / TOKEN_SCALE
-    base = 2 + len(TOKEN_KNOTS)
-    # Draft passes: launch-bound per pass, plus a per-request part.
-    x[base] = gamma
-    x[base + 1] = gamma * batch_size / 64.0
-    # Attention reads the batch's KV once per query token (γ + 1 of them).
-    x[base + 2] = context_tokens / CONTEXT_SCALE
-    x[base + 3] = context_tokens * gamma / CONTEXT_SCALE
-    return x
+    context = context_tokens / CONTEXT_SCALE
+    return np.array([
+        1.0, tokens / TOKEN_SCALE,
+        *(max(0.0, tokens - knot) / TOKEN_SCALE for knot in TOKEN_KNOTS),
+        gamma, gamma * batch_size / 64.0, context, context * gamma,
+    ])  # fmt: skip
+
+
+def predict_ms(
+    weights: FloatArray, batch_size: int, gamma_top: int, prefill_tokens: int = 0,
+    context_tokens: int = 0,
+) -> FloatArray:  # fmt: skip
+    """Step milliseconds for γ = 0..gamma_top under ``weights`` (the fast path of a
+    decision: one cached matrix product plus the two context terms)."""
+    shape = shape_features(batch_size, gamma_top, prefill_tokens)
+    context = context_tokens / CONTEXT_SCALE
+    head: FloatArray = shape @ weights[:SHAPE_FEATURES]
+    ms: FloatArray = head + context * (weights[-2] + weights[-1] * shape[:, -2])
+    return ms
 
 
 @dataclasses.dataclass(slots=True)
@@ -133,15 +163,20 @@ class StepTimeModel:
     """Step wall time (ms) as a ridge regression with exponential forgetting.
 
     Keeps the forgotten normal equations (A = Σ λ^{n−i} x_i x_iᵀ, b = Σ λ^{n−i} x_i y_i) and
-    solves (A + ρI) w = b lazily (after ``observe``, at the next use). The ridge ρ keeps the
+    solves (A + ρI) w = b lazily: at the first use after ``refit_every`` observations (a
+    solve costs tens of microseconds; the weights move little in a few steps). The ridge ρ
+    keeps the
     covariance bounded in directions the recent steps did not excite (plain RLS with
     forgetting winds up there), and the residual variance σ² is tracked with the same
     forgetting.
     """
 
-    def __init__(self, decay: float, ridge: float) -> None:
+    def __init__(self, decay: float, ridge: float, refit_every: int = 8) -> None:
         self.decay = decay
         self.ridge = ridge
+        self.refit_every = refit_every
+        # Observations since the last solve.
+        self._stale = 0
         self.gram = np.zeros((FEATURES, FEATURES))
         self.moment = np.zeros(FEATURES)
         # Forgotten count, sum of squared residuals (against the fit before each update).
@@ -149,8 +184,11 @@ class StepTimeModel:
         self.squared_error = 0.0
         self._weights: FloatArray | None = None
         self._covariance: FloatArray | None = None
+        self._factor: FloatArray | None = None
 
     def observe(self, x: FloatArray, milliseconds: float) -> None:
+        """Add one step: ``x`` its feature row, ``milliseconds`` its wall time."""
+        x = x.reshape(FEATURES)
         if self.count >= 2.0:
             residual = milliseconds - float(self.weights @ x)
             self.squared_error = self.decay * self.squared_error + residual * residual
@@ -159,7 +197,9 @@ class StepTimeModel:
         self.moment *= self.decay
         self.moment += milliseconds * x
         self.count = self.decay * self.count + 1.0
-        self._weights = self._covariance = None
+        self._stale += 1
+        if self._stale >= self.refit_every:
+            self._weights = self._covariance = self._factor = None
 
     @property
     def weights(self) -> FloatArray:
@@ -175,6 +215,10 @@ class StepTimeModel:
             self._solve()
         assert self._covariance is not None
         return self._covariance
+
+    def refit(self) -> None:
+        """Solve now (tests and snapshots want the fit of every observation)."""
+        self._weights = self._covariance = self._factor = None
 
     @property
     def mean_ms(self) -> float:
@@ -192,6 +236,7 @@ class StepTimeModel:
         covariance: FloatArray = np.linalg.inv(regularised).astype(np.float64)
         self._covariance = covariance
         self._weights = covariance @ self.moment
+        self._stale = 0
 
     def predict(self, xs: FloatArray) -> tuple[FloatArray, FloatArray]:
         """Mean and variance (ms, ms²) of the step time for each row of ``xs``."""
@@ -201,7 +246,11 @@ class StepTimeModel:
 
     def sample_weights(self, normals: FloatArray) -> FloatArray:
         """Weights drawn from the posterior N(w, σ²(A + ρI)⁻¹), given standard normals."""
-        factor = np.linalg.cholesky(self.noise_variance * self.covariance)
+        factor = self._factor
+        if factor is None:
+            factor = self._factor = np.linalg.cholesky(
+                self.noise_variance * self.covariance
+            ).astype(np.float64)
         return self.weights + factor @ normals
 
     def to_json(self) -> dict[str, Any]:

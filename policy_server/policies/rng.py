@@ -7,7 +7,6 @@ Policies snapshot their RNG with their learned state; Mersenne Twister's
 from __future__ import annotations
 
 import hashlib
-import math
 
 _MASK = (1 << 64) - 1
 
@@ -30,11 +29,6 @@ class SplitMix64:
     def random(self) -> float:
         """Uniform float in [0, 1) with 53 random bits."""
         return (self.next_u64() >> 11) * (1.0 / (1 << 53))
-
-    def normal(self) -> float:
-        """Standard normal draw (Box–Muller; one of the pair, two uniforms per call)."""
-        u = 1.0 - self.random()  # (0, 1]: log is finite
-        return math.sqrt(-2.0 * math.log(u)) * math.cos(2.0 * math.pi * self.random())
 
     def randint(self, low: int, high: int) -> int:
         """Uniform integer in [low, high] (multiply-shift; bias < 2^-58 for small ranges)."""

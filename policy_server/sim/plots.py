@@ -16,6 +16,9 @@ from policy_server.sim.profile import HardwareProfile
 
 # One colour per policy across every figure.
 COLOURS = {
+    "goodput": "tab:brown",
+    "dsd": "gold",
+    "ucb": "lime",
     "nightjar": "tab:red",
     "nightjar-pow2": "tab:pink",
     "off": "black",
