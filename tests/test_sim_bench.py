@@ -6,22 +6,28 @@ from pathlib import Path
 
 import pytest
 
-from policy_server.sim.bench import POLICIES, BenchConfig, Cell, main, render
+from policy_server.sim.bench import BenchConfig, Cell, main, render
 
 
 def test_render_marks_targets_from_the_figures() -> None:
-    cells = {}
-    for policy in POLICIES:
-        tput = {"oracle": 100.0, "nightjar": 90.0, "static-1": 95.0}.get(policy, 80.0)
-        regret = {"oracle": 0.0, "nightjar": 50.0}.get(policy, 10.0)
-        cells[("p", "w", policy)] = [Cell("p", "w", policy, tput, 1.0, 2.0, 10.0, 1000, regret)]
-    sweep = {"p": {"nightjar": [(1.0, 90.0, 2.5), (4.0, 300.0, 7.25)]}}
     config = BenchConfig(Path("data"), [1], quick=True)
+    cells = {}
+    for policy in config.policies:
+        tput = {"oracle": 100.0, "goodput": 99.0, "static-1": 99.5, "ema": 99.5}.get(policy, 80.0)
+        regret = {"oracle": 0.0, "goodput": 50.0}.get(policy, 10.0)
+        latency = {"goodput": 1.5, "table": 1.2}.get(policy, 3.0)
+        cells[("p", "w", policy)] = [
+            Cell("p", "w", policy, tput, latency, 2.0, 10.0, 1000, regret)
+        ]
+    sweep = {"p": {"goodput": [(1.0, 90.0, 2.5), (4.0, 300.0, 7.25)]}}
     text = render(cells, ["p"], ["w"], config, sweep, [Path("docs/img/a.png")], Path("docs"))
-    assert "| nightjar | 90 | 0.900 | 1.00 | 2.00 | 10.0 | 5.00 |" in text
-    # 0.90 < 0.95 × oracle and below static-1; above ema and table (80).
-    assert "| p | w | 0.900 | **no** | **no** | yes | yes | 0.800 |" in text
-    assert "| nightjar | 90 (2.5) | 300 (7.2) |" in text
+    assert "| goodput | 99 | 0.990 | 1.50 | 2.00 | 10.0 | 5.00 |" in text
+    # ≥ 0.98 oracle, ≥ 0.99 × static-1, ≥ 0.99 × off; below ema (99.5); above table (80);
+    # the table policy's 1.2 s mean latency beats goodput's 1.5 s.
+    assert "| p | w | 0.990 | yes | yes | yes | **no** | yes | 1.50 | 1.20 (table) **lower** |" in (
+        text
+    )
+    assert "| goodput | 90 (2.5) | 300 (7.2) |" in text
     assert "![a](img/a.png)" in text
     assert "make bench-quick" in text
 
@@ -33,10 +39,11 @@ def test_quick_bench_runs_end_to_end(tmp_path: Path) -> None:
     assert main(["--quick", "--out", str(report), "--plots", str(plots)]) == 0
     text = report.read_text()
     for profile in ("llama2-7b-a100", "llama2-70b-h100-tp4"):
-        for workload in ("low", "high", "step", "burst", "azure-conv"):
+        for workload in ("low", "high", "step", "burst", "azure-conv", "drift"):
             assert f"### {profile} — {workload}" in text
+        assert f"{profile} — step, SLO" in text
         assert f"sim_gamma_{profile}.png" in text
-    assert "Nightjar against the targets" in text and "Throughput vs offered load" in text
+    assert "against the targets" in text and "Throughput vs offered load" in text
     figures = sorted(plots.glob("*.png"))
     assert len(figures) == 8
     assert all(f.read_bytes().startswith(b"\x89PNG") for f in figures)

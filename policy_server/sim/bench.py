@@ -129,6 +129,9 @@ PLOTTED = ["goodput", "nightjar", "off", "static-1", "ema", "table", "oracle"]
 SLO_WORKLOADS = ("step", "azure-conv")
 SLO_POLICIES = ["goodput-slo", "goodput", "static-1", "static-2", "table", "ema", "dsd",
                 "oracle"]  # fmt: skip
+# `make bench-quick` (the CI smoke run): fewer policies, SLO on one workload, one rate.
+QUICK_POLICIES = ["goodput", "nightjar", "off", "static-1", "static-3", "table", "ema", "dsd",
+                  "oracle"]  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,6 +158,22 @@ class BenchConfig:
     acceptance: str = "chat-sps"
     # Profile name -> its assets (written by main into a scratch directory).
     assets: dict[str, ProfileAssets] = dataclasses.field(default_factory=dict)
+
+    @property
+    def policies(self) -> list[str]:
+        return QUICK_POLICIES if self.quick else list(POLICIES)
+
+    @property
+    def sweep_policies(self) -> list[str]:
+        return [p for p in SWEEP_POLICIES if p in self.policies]
+
+    @property
+    def slo_workloads(self) -> tuple[str, ...]:
+        return SLO_WORKLOADS[:1] if self.quick else SLO_WORKLOADS
+
+    @property
+    def fixed(self) -> list[str]:
+        return [p for p in FIXED if p in self.policies]
 
     @property
     def sim(self) -> Callable[[int], SimConfig]:
@@ -241,7 +260,7 @@ def summary_table(cells: Mapping[str, Cell], reference: str = "oracle") -> list[
 
 
 def sweep_rates(quick: bool) -> list[float]:
-    return [2.0, 8.0, 24.0] if quick else [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]
+    return [8.0] if quick else [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -280,10 +299,10 @@ def run(
     # Imported here, like matplotlib: `nightjar-sim` works without the `sim` extra.
     from tqdm import tqdm
 
-    slo_runs = len(SLO_WORKLOADS) * len(SLO_ONLY) * len(config.seeds)
+    slo_runs = len(config.slo_workloads) * len(SLO_ONLY) * len(config.seeds)
     progress = tqdm(
-        total=len(profiles) * (len(names) * len(POLICIES) * len(config.seeds) + slo_runs
-                               + len(rates) * len(SWEEP_POLICIES)),
+        total=len(profiles) * (len(names) * len(config.policies) * len(config.seeds) + slo_runs
+                               + len(rates) * len(config.sweep_policies)),
         unit="run", desc="bench-sim",
     )  # fmt: skip
 
@@ -291,13 +310,13 @@ def run(
     kept: dict[tuple[str, str, str], SimResult] = {}  # first seed's runs, for the plots
     for profile_name, profile in profiles.items():
         for workload in names:
-            extra = list(SLO_ONLY) if workload in SLO_WORKLOADS else []
-            for policy in [*POLICIES, *extra]:
+            slo = workload in config.slo_workloads
+            for policy in [*config.policies, *(SLO_ONLY if slo else ())]:
                 for seed in config.seeds:
                     result = simulate(profile, per_seed[seed][workload], policy, config, seed,
                                       workload)  # fmt: skip
                     cell = summarise(profile_name, workload, policy, result)
-                    if workload in SLO_WORKLOADS:
+                    if slo:
                         cell = dataclasses.replace(
                             cell, slo_attainment=attainment(result, SLO_MS[profile_name])
                         )
@@ -330,7 +349,7 @@ def run_sweep(
     for profile_name, profile in profiles.items():
         for rate in rates:
             specs = synthetic([RatePhase(seconds, rate)], trace, seed)
-            for policy in SWEEP_POLICIES:
+            for policy in config.sweep_policies:
                 result = simulate(profile, specs, policy, config, seed)
                 sweep.setdefault(profile_name, {}).setdefault(policy, []).append(
                     (rate, result.throughput, statistics.fmean(result.latencies()))
@@ -403,7 +422,7 @@ def render(
                       "| regret % |",
                       "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
             oracle = avg((profile, workload, "oracle"), "throughput")
-            for policy in POLICIES:
+            for policy in config.policies:
                 key = (profile, workload, policy)
                 generated = avg(key, "generated_tokens")
                 regret = 100 * avg(key, "regret_tokens") / generated if generated else 0.0
@@ -414,8 +433,8 @@ def render(
                     f"{regret:.2f} |"
                 )
             lines.append("")
-    lines += targets(cells, profiles, names)
-    lines += slo_table(cells, profiles, names)
+    lines += targets(cells, profiles, names, config)
+    lines += slo_table(cells, profiles, names, config)
     if sweep:
         lines += sweep_table(sweep)
     if figures:
@@ -442,8 +461,9 @@ def sweep_table(sweep: Sweep) -> list[str]:
 
 
 def targets(
-    cells: dict[tuple[str, str, str], list[Cell]], profiles: list[str], names: list[str]
-) -> list[str]:
+    cells: dict[tuple[str, str, str], list[Cell]], profiles: list[str], names: list[str],
+    config: BenchConfig,
+) -> list[str]:  # fmt: skip
     """Issue 11's targets per cell for the default policy, from the mean over seeds."""
 
     def avg(profile: str, workload: str, policy: str, field: str = "throughput") -> float:
@@ -464,7 +484,7 @@ def targets(
     for profile in profiles:
         for workload in names:
             mine = avg(profile, workload, DEFAULT)
-            best_fixed = max(avg(profile, workload, p) for p in FIXED)
+            best_fixed = max(avg(profile, workload, p) for p in config.fixed)
             marks = [
                 mine >= 0.98 * avg(profile, workload, "oracle"),
                 mine >= 0.99 * best_fixed,
@@ -472,7 +492,7 @@ def targets(
                 mine >= avg(profile, workload, "ema"),
                 mine >= avg(profile, workload, "table"),
             ]
-            others = [p for p in POLICIES if p not in (DEFAULT, "oracle")]
+            others = [p for p in config.policies if p not in (DEFAULT, "oracle")]
             rival = min(others, key=lambda p: avg(profile, workload, p, "mean_latency"))
             latency = avg(profile, workload, DEFAULT, "mean_latency")
             rival_latency = avg(profile, workload, rival, "mean_latency")
@@ -487,14 +507,15 @@ def targets(
 
 
 def slo_table(
-    cells: dict[tuple[str, str, str], list[Cell]], profiles: list[str], names: list[str]
-) -> list[str]:
+    cells: dict[tuple[str, str, str], list[Cell]], profiles: list[str], names: list[str],
+    config: BenchConfig,
+) -> list[str]:  # fmt: skip
     """TPOT-SLO attainment of the SLO workloads (mean over seeds)."""
     lines = ["### TPOT SLO mode (`goodput` with `tpot_slo_ms`)", "",
              "Share of requests whose TPOT met the SLO, and throughput; `goodput-slo` runs "
              "the default policy with `tpot_slo_ms` set to the SLO.", ""]  # fmt: skip
     for profile in profiles:
-        for workload in (w for w in SLO_WORKLOADS if w in names):
+        for workload in (w for w in config.slo_workloads if w in names):
             lines += [f"{profile} — {workload}, SLO {SLO_MS[profile]:g} ms", "",
                       "| policy | SLO attainment | tok/s | mean TPOT ms |",
                       "|---|---:|---:|---:|"]  # fmt: skip
