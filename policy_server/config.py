@@ -8,6 +8,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from policy_server.policies import DEFAULT_POLICY
 from policy_server.uds import parse_mode
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -36,7 +37,7 @@ class ServerConfig:
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
     # Policy at start (a snapshot in state_dir may override it; see README).
-    policy: str = "nightjar"
+    policy: str = DEFAULT_POLICY
     params: dict[str, Any] = dataclasses.field(default_factory=dict)
     # Elastic memory controller (policy_server/memory.py MemoryParams; {} = off).
     memory: dict[str, Any] = dataclasses.field(default_factory=dict)

@@ -15,6 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from nightjar_proto.v1 import admin_pb2, admin_pb2_grpc, policy_pb2_grpc
 
 from policy_server import tls, wire
+from policy_server.policies import DEFAULT_POLICY
 from policy_server.types import StepContext, StepOutcome
 
 DEFAULT_TARGET = "unix:/run/nightjar/nightjar.sock"
@@ -122,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="offload without growing, reload without compacting the pool")  # fmt: skip
     s = command("replay", help="rebuild learned state offline from decision logs")
     s.add_argument("logs", nargs="+", help="decision-log files (rotated backups are included)")
-    s.add_argument("--policy", default="nightjar")
+    s.add_argument("--policy", default=DEFAULT_POLICY)
     s.add_argument("--params", default="", help="parameters as a JSON object")
     s.add_argument("--out", help="write the rebuilt state as a snapshot file")
     return p
@@ -207,15 +208,30 @@ def _state(args: argparse.Namespace, channel: grpc.Channel) -> int:
     print(f"params   {reply.params_json}")
     print(f"served   {reply.decisions_total} decisions, {reply.reports_total} reports")
     print(f"engines  {', '.join(reply.engine_ids) or '-'}")
-    for learner, contexts in sorted(state.get("learners", {}).items()):
+    for learner, data in sorted(state.get("learners", {}).items()):
+        _print_learner(learner, data)
+    return 0
+
+
+def _print_learner(learner: str, data: Any) -> None:
+    """One learner's state for people: the model's view (goodput), the arm table
+    (nightjar), or the raw JSON of the other policies."""
+    if isinstance(data, dict) and "best_gamma" in data:
+        print(f"learner {learner}: α={data['alpha']:.3f} over {data['steps']} steps; "
+              "batch size -> best γ (predicted goodput tok/s)")  # fmt: skip
+        for key, (gamma, goodput) in sorted(data["best_gamma"].items(), key=lambda kv: int(kv[0])):
+            print(f"  B={int(key):>4}  γ={gamma} ({goodput:.1f})")
+        return
+    if isinstance(data, dict) and all(k.isdigit() for k in data):
         print(f"learner {learner}: batch size -> best γ (mean goodput tok/s, pulls per γ)")
-        for key, arms in sorted(contexts.items(), key=lambda kv: int(kv[0])):
+        for key, arms in sorted(data.items(), key=lambda kv: int(kv[0])):
             means, counts = arms["means"], arms["counts"]
             pulled = [g for g, n in enumerate(counts) if n]
             best = max(pulled, key=lambda g: means[g]) if pulled else None
             best_text = f"γ={best} ({means[best]:.1f})" if best is not None else "-"
             print(f"  B={int(key):>4}  {best_text:<18} pulls {counts}")
-    return 0
+        return
+    print(f"learner {learner}: {json.dumps(data, sort_keys=True)}")
 
 
 def _policies(args: argparse.Namespace, channel: grpc.Channel) -> int:

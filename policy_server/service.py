@@ -41,6 +41,7 @@ from policy_server.errors import (
 from policy_server.memory import OFFLOAD, RELOAD, DraftState, MemoryController, MemoryParams
 from policy_server.metrics import Metrics, batch_bucket
 from policy_server.policies import (
+    DEFAULT_POLICY,
     REGISTRY,
     Policy,
     PolicyError,
@@ -87,7 +88,7 @@ class StateView:
 class DecisionService:
     def __init__(
         self,
-        policy_name: str = "nightjar",
+        policy_name: str = DEFAULT_POLICY,
         params: Mapping[str, Any] | None = None,
         *,
         limits: Limits | None = None,

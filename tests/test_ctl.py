@@ -34,21 +34,21 @@ def test_operator_session(make_server, tmp_path: Path) -> None:
     assert ctl(server, "health").stdout.strip() == "SERVING"
 
     listing = ctl(server, "policies").stdout
-    assert "* nightjar" in listing and "table" in listing and '"gamma": 3' in listing
+    assert "* goodput" in listing and "  nightjar" in listing and '"gamma": 3' in listing
 
     for step in range(12):
         result = ctl(server, "decide", "--batch-size", "4", "--step-index", str(step),
                      "--report-step-seconds", "0.02", "--report-tokens", "9")  # fmt: skip
         assert result.returncode == 0, result.stderr
     decision = json.loads(result.stdout.splitlines()[0])
-    assert decision["policy"] == "nightjar" and 0 <= decision["gamma"] <= 4
+    assert decision["policy"] == "goodput" and 0 <= decision["gamma"] <= 4
     assert json.loads(result.stdout.splitlines()[1]) == {"reported": True, "applied": True}
 
     state = json.loads(ctl(server, "state", "--json").stdout)
     assert state["reports_total"] == 12 and state["engines"] == ["nightjarctl"]
-    assert sum(state["state"]["learners"]["engine:nightjarctl"]["4"]["counts"]) == 12
+    assert state["state"]["learners"]["engine:nightjarctl"]["steps"] == 12
     human = ctl(server, "state").stdout
-    assert "B=   4" in human and "pulls" in human
+    assert "learner engine:nightjarctl: α=" in human and "B=   4  γ=" in human
 
     snap = ctl(server, "snapshot")
     assert snap.returncode == 0 and "snapshot.json" in snap.stdout
@@ -64,7 +64,7 @@ def test_operator_session(make_server, tmp_path: Path) -> None:
     assert json.loads(ctl(server, "state", "--json").stdout)["policy"] == "static"
 
     restored = ctl(server, "restore", str(saved))
-    assert restored.returncode == 0 and "restored: nightjar" in restored.stdout
+    assert restored.returncode == 0 and "restored: goodput" in restored.stdout
     after = json.loads(ctl(server, "state", "--json").stdout)
     assert after["state"] == state["state"]
 
@@ -154,12 +154,12 @@ def test_global_flags_go_either_side_of_the_subcommand(make_server: Any) -> None
     server = make_server()
     after = run_ctl("state", "--target", server.target, "--timeout", "2", "--json")
     assert after.returncode == 0, after.stderr
-    assert json.loads(after.stdout)["policy"] == "nightjar"
+    assert json.loads(after.stdout)["policy"] == "goodput"
     # Given on both sides, the one after the subcommand wins; given before only, it holds.
     both = run_ctl("--target", "unix:/nonexistent.sock", "health", "--target", server.target)
     assert both.returncode == 0 and both.stdout.strip() == "SERVING"
     before = run_ctl("--target", server.target, "--timeout", "2", "policies")
-    assert before.returncode == 0 and "* nightjar" in before.stdout
+    assert before.returncode == 0 and "* goodput" in before.stdout
     swapped = run_ctl("swap", "static", "--target", server.target,
                       "--token-file", str(server.token_file))  # fmt: skip
     assert swapped.returncode == 0 and "active: static" in swapped.stdout
@@ -172,14 +172,14 @@ def test_a_missing_token_file_only_stops_mutating_calls(make_server: Any, tmp_pa
     assert run_ctl("health", env=env).stdout.strip() == "SERVING"
     assert run_ctl("policies", env=env).returncode == 0
     state = run_ctl("state", "--json", env=env)
-    assert state.returncode == 0 and json.loads(state.stdout)["policy"] == "nightjar"
+    assert state.returncode == 0 and json.loads(state.stdout)["policy"] == "goodput"
     decide = run_ctl("decide", "--batch-size", "4", env=env)
     assert decide.returncode == 0, decide.stderr
     swap = run_ctl("swap", "static", env=env)
     assert swap.returncode == 2 and "Traceback" not in swap.stderr
     assert f"cannot read the admin token file {missing}" in swap.stderr
     assert "No such file or directory" in swap.stderr
-    assert json.loads(run_ctl("state", "--json", env=env).stdout)["policy"] == "nightjar"
+    assert json.loads(run_ctl("state", "--json", env=env).stdout)["policy"] == "goodput"
 
 
 def test_the_wrong_socket_gets_a_pointer_to_the_right_one(make_server: Any) -> None:

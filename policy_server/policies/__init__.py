@@ -26,6 +26,7 @@ from policy_server.policies.nightjar import NightjarParams, NightjarPolicy
 from policy_server.policies.ucb import UcbParams, UcbPolicy
 
 __all__ = [
+    "DEFAULT_POLICY",
     "REGISTRY",
     "Policy",
     "PolicyError",
@@ -109,6 +110,11 @@ REGISTRY: dict[str, PolicySpec] = {
         ),
     )
 }
+
+
+# What `nightjar-server` runs without --policy: the winner of the benchmark matrix
+# (docs/BENCHMARKS.md); `nightjar` stays selectable as the paper's Algorithm 1.
+DEFAULT_POLICY = "goodput"
 
 
 def create_policy(name: str, params: Mapping[str, Any] | None = None) -> Policy:

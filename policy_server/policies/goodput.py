@@ -44,6 +44,7 @@ from policy_server.policies.fixed import TablePolicy
 from policy_server.policies.models import (
     FEATURES,
     AcceptanceModel,
+    Fit,
     FloatArray,
     StepTimeModel,
     expected_tokens,
@@ -72,7 +73,7 @@ class GoodputParams:
     prior_alpha: float = 0.6
     prior_weight: float = 8.0
     # Effective memory (steps) of the acceptance counts and of the step-time regression.
-    acceptance_window_steps: int = 256
+    acceptance_window_steps: int = 64
     time_window_steps: int = 2048
     # Ridge ρ of the step-time regression (features are O(1); ms² per unit).
     ridge: float = 0.01
@@ -106,8 +107,10 @@ class Learner:
     acceptance: AcceptanceModel
     step_time: StepTimeModel
     steps: int = 0
-    # Forgotten mean of prefill tokens per step (for the TPOT prediction).
+    # Forgotten means of prefill tokens per step (for the TPOT prediction) and of context
+    # tokens per request (for the summary in the state).
     prefill_tokens: float = 0.0
+    context_per_request: float = 0.0
 
 
 @dataclasses.dataclass(slots=True)
@@ -178,9 +181,10 @@ class GoodputModelPolicy:
                           ctx.context_tokens)  # fmt: skip
         learner.step_time.observe(x, 1000.0 * outcome.step_seconds)
         learner.steps += 1
-        learner.prefill_tokens += (1.0 - self._acceptance_decay) * (
-            outcome.prefill_tokens - learner.prefill_tokens
-        )
+        rate = 1.0 - self._acceptance_decay
+        learner.prefill_tokens += rate * (outcome.prefill_tokens - learner.prefill_tokens)
+        per_request = ctx.context_tokens / ctx.batch_size
+        learner.context_per_request += rate * (per_request - learner.context_per_request)
         if engine.previous_gamma == choice.gamma:
             engine.previous_gamma = outcome.gamma
 
@@ -256,6 +260,10 @@ class GoodputModelPolicy:
             for g in range(len(point.tokens))
         ]
 
+    def predicted_tpot_ms(self, learner_id: str, ctx: StepContext) -> list[float]:
+        """Point-estimate ms per token of one request per γ (what the SLO is checked on)."""
+        return self._tpot_ms(ctx, self._learners[learner_id], self._params.gamma_max)
+
     def learner_of(self, engine_id: str) -> str:
         return self._engines[engine_id].learner_id
 
@@ -289,9 +297,12 @@ class GoodputModelPolicy:
             cost = 1000.0 * self._prefill_cost.seconds_at(ctx.max_draft_lag_tokens, ctx.batch_size)
         return [0.0] + [cost] * top
 
-    def _point(self, learner: Learner, ctx: StepContext, top: int) -> Prediction:
+    def _point(
+        self, learner: Learner, ctx: StepContext, top: int, fit: Fit | None = None
+    ) -> Prediction:
         alpha = learner.acceptance.alpha
-        ms = predict_ms(learner.step_time.weights, ctx.batch_size, top, 0, ctx.context_tokens)
+        weights = (fit or learner.step_time.fit()).weights
+        ms = predict_ms(weights, ctx.batch_size, top, 0, ctx.context_tokens)
         return Prediction([expected_tokens(alpha, g) for g in range(top + 1)], ms)
 
     def _sample(
@@ -299,7 +310,7 @@ class GoodputModelPolicy:
     ) -> Prediction:
         normals = engine.rng.standard_normal(FEATURES + 1)
         alpha = learner.acceptance.sample(float(normals[0]))
-        weights = learner.step_time.sample_weights(normals[1:])
+        weights = learner.step_time.fit().sample(normals[1:])
         ms = predict_ms(weights, ctx.batch_size, top, 0, ctx.context_tokens)
         return Prediction([expected_tokens(alpha, g) for g in range(top + 1)], ms)
 
@@ -327,7 +338,7 @@ class GoodputModelPolicy:
         """Predicted ms per generated token of one request, with the recent prefill load
         (rounded to 64 tokens: the shape features are cached per prefill size)."""
         prefill = 64 * round(learner.prefill_tokens / 64)
-        ms = predict_ms(learner.step_time.weights, ctx.batch_size, top, prefill,
+        ms = predict_ms(learner.step_time.fit().weights, ctx.batch_size, top, prefill,
                         ctx.context_tokens)  # fmt: skip
         alpha = learner.acceptance.alpha
         return [float(ms[g]) / expected_tokens(alpha, g) for g in range(top + 1)]
@@ -339,7 +350,24 @@ class GoodputModelPolicy:
             "step_time": learner.step_time.to_json(),
             "steps": learner.steps,
             "prefill_tokens": learner.prefill_tokens,
+            "context_per_request": learner.context_per_request,
+            # Derived, for people (nightjarctl state): not read back by load_state.
+            "best_gamma": self._summary(learner) if learner.steps else {},
         }
+
+    def _summary(self, learner: Learner) -> dict[str, list[float]]:
+        """Batch size (powers of two) → [best γ, predicted goodput tok/s] at the learner's
+        recent context length, from a fit of every step (a read: the fit in use is kept)."""
+        fit = learner.step_time.solve()
+        out: dict[str, list[float]] = {}
+        for batch in (1 << k for k in range(9)):
+            ctx = StepContext("", batch, context_tokens=round(learner.context_per_request * batch))
+            point = self._point(learner, ctx, self._params.gamma_max, fit)
+            goodput = [1000.0 * batch * t / max(float(ms), 1e-9)
+                       for t, ms in zip(point.tokens, point.step_ms, strict=True)]  # fmt: skip
+            best = max(range(len(goodput)), key=lambda g: (goodput[g], -g))
+            out[str(batch)] = [best, round(goodput[best], 1)]
+        return out
 
     def _learner_from_json(self, data: Mapping[str, Any]) -> Learner:
         learner = Learner(
@@ -347,9 +375,12 @@ class GoodputModelPolicy:
             StepTimeModel.from_json(data["step_time"], self._time_decay, self._params.ridge),
             steps=int(data["steps"]),
             prefill_tokens=float(data["prefill_tokens"]),
+            context_per_request=float(data.get("context_per_request", 0.0)),
         )
-        if learner.steps < 0 or not math.isfinite(learner.prefill_tokens):
-            raise ValueError("steps must be >= 0 and prefill_tokens finite")
+        if learner.steps < 0 or not (
+            math.isfinite(learner.prefill_tokens) and math.isfinite(learner.context_per_request)
+        ):
+            raise ValueError("steps must be >= 0, token means finite")
         return learner
 
 

@@ -159,38 +159,48 @@ class AcceptanceModel:
         return model
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Fit:
+    """A solved regression: the weights and the Cholesky factor of their posterior
+    covariance σ²(A + ρI)⁻¹ (what Thompson sampling draws with)."""
+
+    weights: FloatArray
+    factor: FloatArray
+
+    def sample(self, normals: FloatArray) -> FloatArray:
+        """Weights drawn from the posterior, given standard normals."""
+        drawn: FloatArray = self.weights + self.factor @ normals
+        return drawn
+
+
 class StepTimeModel:
     """Step wall time (ms) as a ridge regression with exponential forgetting.
 
-    Keeps the forgotten normal equations (A = Σ λ^{n−i} x_i x_iᵀ, b = Σ λ^{n−i} x_i y_i) and
-    solves (A + ρI) w = b lazily: at the first use after ``refit_every`` observations (a
-    solve costs tens of microseconds; the weights move little in a few steps). The ridge ρ
-    keeps the
-    covariance bounded in directions the recent steps did not excite (plain RLS with
-    forgetting winds up there), and the residual variance σ² is tracked with the same
-    forgetting.
+    Keeps the forgotten normal equations (A = Σ λ^{n−i} x_i x_iᵀ, b = Σ λ^{n−i} x_i y_i).
+    The ridge ρ keeps the covariance bounded in directions the recent steps did not excite
+    (plain RLS with forgetting winds up there); the residual variance σ² is tracked with
+    the same forgetting. A decision uses the fit of at most ``refit_every`` observations
+    ago (a solve costs tens of microseconds; the weights move little in a few steps). The
+    fit in use is part of the state, so a restored policy decides exactly as the original.
     """
 
     def __init__(self, decay: float, ridge: float, refit_every: int = 8) -> None:
         self.decay = decay
         self.ridge = ridge
         self.refit_every = refit_every
-        # Observations since the last solve.
-        self._stale = 0
         self.gram = np.zeros((FEATURES, FEATURES))
         self.moment = np.zeros(FEATURES)
-        # Forgotten count, sum of squared residuals (against the fit before each update).
+        # Forgotten count, sum of squared residuals (against the fit in use).
         self.count = 0.0
         self.squared_error = 0.0
-        self._weights: FloatArray | None = None
-        self._covariance: FloatArray | None = None
-        self._factor: FloatArray | None = None
+        self._fit: Fit | None = None
+        # Observations since that fit.
+        self._stale = 0
 
     def observe(self, x: FloatArray, milliseconds: float) -> None:
         """Add one step: ``x`` its feature row, ``milliseconds`` its wall time."""
-        x = x.reshape(FEATURES)
-        if self.count >= 2.0:
-            residual = milliseconds - float(self.weights @ x)
+        if self._fit is not None:
+            residual = milliseconds - float(self._fit.weights @ x)
             self.squared_error = self.decay * self.squared_error + residual * residual
         self.gram *= self.decay
         self.gram += np.outer(x, x)
@@ -198,27 +208,20 @@ class StepTimeModel:
         self.moment += milliseconds * x
         self.count = self.decay * self.count + 1.0
         self._stale += 1
-        if self._stale >= self.refit_every:
-            self._weights = self._covariance = self._factor = None
 
-    @property
-    def weights(self) -> FloatArray:
-        if self._weights is None:
-            self._solve()
-        assert self._weights is not None
-        return self._weights
+    def fit(self) -> Fit:
+        """The fit decisions use: refreshed after ``refit_every`` new observations."""
+        if self._fit is None or self._stale >= self.refit_every:
+            self._fit = self.solve()
+            self._stale = 0
+        return self._fit
 
-    @property
-    def covariance(self) -> FloatArray:
-        """(A + ρI)⁻¹: the posterior covariance of the weights per unit noise variance."""
-        if self._covariance is None:
-            self._solve()
-        assert self._covariance is not None
-        return self._covariance
-
-    def refit(self) -> None:
-        """Solve now (tests and snapshots want the fit of every observation)."""
-        self._weights = self._covariance = self._factor = None
+    def solve(self) -> Fit:
+        """A fit of every observation so far (changes nothing: views and tests use it)."""
+        covariance = np.linalg.inv(self.gram + self.ridge * np.eye(FEATURES))
+        weights: FloatArray = (covariance @ self.moment).astype(np.float64)
+        factor: FloatArray = np.linalg.cholesky(self.noise_variance * covariance).astype(np.float64)
+        return Fit(weights, factor)
 
     @property
     def mean_ms(self) -> float:
@@ -231,48 +234,40 @@ class StepTimeModel:
             return 1.0
         return max(self.squared_error / self.count, 1e-6)
 
-    def _solve(self) -> None:
-        regularised = self.gram + self.ridge * np.eye(FEATURES)
-        covariance: FloatArray = np.linalg.inv(regularised).astype(np.float64)
-        self._covariance = covariance
-        self._weights = covariance @ self.moment
-        self._stale = 0
-
-    def predict(self, xs: FloatArray) -> tuple[FloatArray, FloatArray]:
-        """Mean and variance (ms, ms²) of the step time for each row of ``xs``."""
-        mean = xs @ self.weights
-        variance = self.noise_variance * np.einsum("ij,jk,ik->i", xs, self.covariance, xs)
-        return mean, variance
-
-    def sample_weights(self, normals: FloatArray) -> FloatArray:
-        """Weights drawn from the posterior N(w, σ²(A + ρI)⁻¹), given standard normals."""
-        factor = self._factor
-        if factor is None:
-            factor = self._factor = np.linalg.cholesky(
-                self.noise_variance * self.covariance
-            ).astype(np.float64)
-        return self.weights + factor @ normals
-
     def to_json(self) -> dict[str, Any]:
+        fit = None
+        if self._fit is not None:
+            fit = {"weights": self._fit.weights.tolist(), "factor": self._fit.factor.tolist(),
+                   "stale": self._stale}  # fmt: skip
         return {
             "gram": self.gram.tolist(),
             "moment": self.moment.tolist(),
             "count": self.count,
             "squared_error": self.squared_error,
+            "fit": fit,
         }
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any], decay: float, ridge: float) -> StepTimeModel:
         model = cls(decay, ridge)
-        gram = np.asarray(data["gram"], dtype=np.float64)
-        moment = np.asarray(data["moment"], dtype=np.float64)
-        if gram.shape != (FEATURES, FEATURES) or moment.shape != (FEATURES,):
-            raise ValueError(f"step-time model needs {FEATURES} features")
-        if not (np.isfinite(gram).all() and np.isfinite(moment).all()):
-            raise ValueError("step-time model has non-finite entries")
-        model.gram, model.moment = gram, moment
+        model.gram = _finite_array(data["gram"], (FEATURES, FEATURES), "gram")
+        model.moment = _finite_array(data["moment"], (FEATURES,), "moment")
         model.count = float(data["count"])
         model.squared_error = float(data["squared_error"])
         if not (math.isfinite(model.count) and math.isfinite(model.squared_error)):
             raise ValueError("step-time model has non-finite counters")
+        fit = data.get("fit")
+        if fit is not None:
+            model._fit = Fit(
+                _finite_array(fit["weights"], (FEATURES,), "weights"),
+                _finite_array(fit["factor"], (FEATURES, FEATURES), "factor"),
+            )
+            model._stale = int(fit["stale"])
         return model
+
+
+def _finite_array(data: Any, shape: tuple[int, ...], name: str) -> FloatArray:
+    array = np.asarray(data, dtype=np.float64)
+    if array.shape != shape or not np.isfinite(array).all():
+        raise ValueError(f"step-time model: {name} must be finite with shape {shape}")
+    return array

@@ -1,0 +1,269 @@
+"""The goodput-model policy: convergence, drift, the TPOT SLO, its state and its parameters.
+
+The environment here is synthetic and fully known (acceptance α, a kinked step-time curve
+like a GPU's GEMMs, 3 % timing noise), so the best γ of every batch size is computed
+exactly and the policy's choices are compared against it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+from collections import Counter
+from typing import Any
+
+import grpc
+import pytest
+from nightjar_proto.v1 import admin_pb2, policy_pb2
+
+from policy_server import wire
+from policy_server.policies import DEFAULT_POLICY, PolicyError, create_policy
+from policy_server.policies.goodput import GoodputModelPolicy
+from policy_server.policies.models import expected_tokens
+from policy_server.types import BinType, StepContext, StepOutcome
+
+GAMMA_MAX = 4
+BATCHES = (4, 24, 32, 64, 128)  # best γ 4, 3, 2, 1, 0 by ≥ 2.6 %
+
+
+@dataclasses.dataclass
+class Environment:
+    """A synthetic engine: per-token acceptance α and step ms = max(10, 2 + 0.08·n) + γ·(0.8 +
+    0.01·B) for n = B·(γ + 1) tokens, with multiplicative noise."""
+
+    alpha: float
+    rng: random.Random = dataclasses.field(default_factory=lambda: random.Random(7))
+
+    def step_ms(self, batch: int, gamma: int) -> float:
+        return max(10.0, 2.0 + 0.08 * batch * (gamma + 1)) + gamma * (0.8 + 0.01 * batch)
+
+    def best_gamma(self, batch: int) -> int:
+        def goodput(g: int) -> float:
+            return batch * expected_tokens(self.alpha, g) / self.step_ms(batch, g)
+
+        return max(range(GAMMA_MAX + 1), key=goodput)
+
+    def outcome(self, ctx: StepContext, gamma: int, decision_id: str = "d") -> StepOutcome:
+        runs = []
+        for _ in range(ctx.batch_size):
+            run = 0
+            while run < gamma and self.rng.random() < self.alpha:
+                run += 1
+            runs.append(run)
+        seconds = self.step_ms(ctx.batch_size, gamma) * self.rng.uniform(0.97, 1.03) / 1000
+        return StepOutcome(
+            decision_id, ctx.engine_id, gamma, seconds, sum(runs) + ctx.batch_size,
+            drafted_tokens=gamma * ctx.batch_size, accepted_tokens=sum(runs),
+            request_accepts=tuple((f"r{i}", k) for i, k in enumerate(runs)),
+        )  # fmt: skip
+
+
+def context(batch: int, step: int = 0) -> StepContext:
+    return StepContext("e", batch, step_index=step, max_gamma=GAMMA_MAX,
+                       context_tokens=600 * batch)  # fmt: skip
+
+
+def drive(
+    policy: GoodputModelPolicy, env: Environment, steps: int, batches: tuple[int, ...] = BATCHES,
+    start: int = 0,
+) -> list[tuple[int, int]]:  # fmt: skip
+    """Run `steps` decisions (batch sizes cycling); (batch, γ) of each."""
+    chosen = []
+    for i in range(start, start + steps):
+        ctx = context(batches[i % len(batches)], i)
+        choice = policy.decide(ctx)
+        policy.observe(ctx, choice, env.outcome(ctx, choice.gamma))
+        chosen.append((ctx.batch_size, choice.gamma))
+    return chosen
+
+
+def test_the_environment_has_a_different_best_gamma_per_batch_size() -> None:
+    env = Environment(alpha=0.7)
+    best = [env.best_gamma(b) for b in BATCHES]
+    assert best[0] == GAMMA_MAX and best[-1] == 0 and len(set(best)) >= 3
+
+
+def test_converges_to_the_best_gamma_of_every_batch_size() -> None:
+    """After N = 1,500 steps (300 per batch size) the point estimate's best γ is the true
+    best for every batch size, and ≥ 95 % of the next 500 decisions pick it."""
+    env = Environment(alpha=0.7)
+    policy = GoodputModelPolicy({"gamma_max": GAMMA_MAX, "seed": 3})
+    drive(policy, env, 1500)
+    learner = policy.learner_of("e")
+    for batch in BATCHES:
+        predicted = policy.predicted_goodput(learner, context(batch))
+        assert predicted.index(max(predicted)) == env.best_gamma(batch), batch
+    tail = drive(policy, env, 500, start=1500)
+    hits = sum(gamma == env.best_gamma(batch) for batch, gamma in tail)
+    assert hits >= 0.95 * len(tail)
+    assert abs(policy.state()["learners"][learner]["alpha"] - 0.7) < 0.05
+
+
+def test_explores_only_where_the_posterior_is_wide() -> None:
+    """Unlike Algorithm 1's uniform bins, a trained model rarely picks a γ far from the
+    best: at batch 128 (best γ = 0) γ ≥ 3 is almost never drawn."""
+    env = Environment(alpha=0.7)
+    policy = GoodputModelPolicy({"gamma_max": GAMMA_MAX, "seed": 4})
+    drive(policy, env, 1500)
+    tail = drive(policy, env, 1000, batches=(128,), start=1500)
+    counts = Counter(gamma for _, gamma in tail)
+    assert counts[0] >= 950 and counts[3] + counts[4] <= 10
+
+
+def test_follows_a_drop_in_acceptance_within_k_steps() -> None:
+    """α 0.8 → 0.3 at batch 16: the best γ falls from 4 to 1 (γ = 2 within 2 %). Within
+    K = 200 steps every decision of the next 100 is ≤ 2 and they reach ≥ 98 % of the best
+    goodput on average."""
+    batches = (16,)
+    env = Environment(alpha=0.8)
+    assert env.best_gamma(16) == GAMMA_MAX
+    policy = GoodputModelPolicy({"gamma_max": GAMMA_MAX, "seed": 5})
+    before = drive(policy, env, 1000, batches=batches)
+    assert Counter(g for _, g in before[-100:])[GAMMA_MAX] >= 90
+    env.alpha = 0.3
+    assert env.best_gamma(16) == 1
+    drive(policy, env, 200, batches=batches, start=1000)
+    window = [g for _, g in drive(policy, env, 100, batches=batches, start=1200)]
+    assert max(window) <= 2
+
+    def goodput(gamma: int) -> float:
+        return expected_tokens(env.alpha, gamma) / env.step_ms(16, gamma)
+
+    best = goodput(1)
+    assert sum(goodput(g) / best for g in window) / len(window) >= 0.98
+
+
+def test_warm_up_follows_the_prior_table() -> None:
+    policy = GoodputModelPolicy({"gamma_max": GAMMA_MAX, "warmup_steps": 10,
+                                 "prior_schedule": [[1, 8, 3], [9, 1000, 1]]})  # fmt: skip
+    env = Environment(alpha=0.7)
+    first = drive(policy, env, 10, batches=(4, 40))
+    assert first == [(4, 3), (40, 1)] * 5
+
+
+def test_slo_mode_never_picks_a_gamma_that_breaks_a_reachable_slo() -> None:
+    env = Environment(alpha=0.7)
+    trained = GoodputModelPolicy({"gamma_max": GAMMA_MAX, "seed": 6})
+    drive(trained, env, 1500)
+    learner = trained.learner_of("e")
+    for batch in (24, 64):
+        tpot = trained.predicted_tpot_ms(learner, context(batch))
+        # An SLO only the lower-latency half of the γ's meets.
+        slo = sorted(tpot)[len(tpot) // 2]
+        policy = GoodputModelPolicy({"gamma_max": GAMMA_MAX, "seed": 6, "tpot_slo_ms": slo})
+        policy.load_state(trained.state())
+        for _ in range(200):
+            gamma = policy.decide(context(batch)).gamma
+            assert tpot[gamma] <= slo, (batch, gamma, tpot, slo)
+        # An SLO no γ meets: the lowest predicted latency wins, every time.
+        strict = GoodputModelPolicy(
+            {"gamma_max": GAMMA_MAX, "seed": 6, "tpot_slo_ms": min(tpot) / 2}
+        )
+        strict.load_state(trained.state())
+        assert {strict.decide(context(batch)).gamma for _ in range(50)} == {tpot.index(min(tpot))}
+
+
+def test_forced_when_the_draft_is_away() -> None:
+    policy = GoodputModelPolicy({"gamma_max": GAMMA_MAX, "warmup_steps": 0})
+    ctx = dataclasses.replace(context(4), draft_resident=False)
+    assert policy.decide(ctx).bin_type is BinType.FORCED
+
+
+@pytest.mark.parametrize(
+    "params",
+    [{"gamma_max": 10**9}, {"ridge": -1.0}, {"prior_alpha": 1.5}, {"tpot_slo_ms": -3.0},
+     {"time_window_steps": 0}, {"warmup_steps": 10**9}, {"gama_max": 2}],
+)  # fmt: skip
+def test_bad_parameters_are_refused(params: dict[str, Any]) -> None:
+    with pytest.raises(PolicyError):
+        create_policy("goodput", params)
+
+
+def test_state_round_trips_and_decisions_continue_identically() -> None:
+    env = Environment(alpha=0.7)
+    policy = GoodputModelPolicy({"gamma_max": GAMMA_MAX, "seed": 8})
+    drive(policy, env, 400)
+    copy = GoodputModelPolicy({"gamma_max": GAMMA_MAX, "seed": 8})
+    copy.load_state(json.loads(json.dumps(policy.state())))
+    ctxs = [context(b, i) for i, b in enumerate(BATCHES * 20)]
+    assert [policy.decide(c).gamma for c in ctxs] == [copy.decide(c).gamma for c in ctxs]
+
+
+def test_malformed_state_is_refused_and_changes_nothing() -> None:
+    policy = GoodputModelPolicy({"gamma_max": GAMMA_MAX})
+    drive(policy, Environment(alpha=0.7), 50)
+    before = policy.state()
+    broken = json.loads(json.dumps(before))
+    broken["learners"]["engine:e"]["step_time"]["gram"] = [[1.0]]
+    with pytest.raises(PolicyError):
+        policy.load_state(broken)
+    assert policy.state() == before
+
+
+# -- through a real sidecar --------------------------------------------------------------
+
+
+def _admin_state(server: Any) -> dict[str, Any]:
+    return json.loads(server.admin.GetState(admin_pb2.GetStateRequest(), timeout=5).state_json)
+
+
+def test_the_sidecar_runs_it_by_default_and_decides_as_in_process(make_server: Any) -> None:
+    """The gRPC path and the in-process path decide identically for a seed."""
+    assert DEFAULT_POLICY == "goodput"
+    server = make_server("--params", json.dumps({"seed": 9, "warmup_steps": 8}))
+    local = GoodputModelPolicy({"seed": 9, "warmup_steps": 8})
+    env_remote, env_local = Environment(alpha=0.7), Environment(alpha=0.7)
+    remote_gammas, local_gammas = [], []
+    outcome = None
+    for i in range(120):
+        ctx = context(BATCHES[i % len(BATCHES)], i)
+        request = policy_pb2.StepRequest(context=wire.context_to_pb(ctx))
+        if outcome is not None:
+            request.outcome.CopyFrom(wire.outcome_to_pb(outcome))
+        decision = server.policy.Step(request, timeout=5).decision
+        assert decision.policy_name == "goodput"
+        remote_gammas.append(decision.gamma)
+        outcome = env_remote.outcome(ctx, decision.gamma, decision.decision_id)
+        choice = local.decide(ctx)
+        local.observe(ctx, choice, env_local.outcome(ctx, choice.gamma))
+        local_gammas.append(choice.gamma)
+    assert remote_gammas == local_gammas
+    assert len(set(remote_gammas)) > 1
+
+
+def test_state_survives_snapshot_kill9_restart_and_keep_state_swaps(make_server: Any) -> None:
+    server = make_server("--params", json.dumps({"seed": 2, "warmup_steps": 4}))
+    env = Environment(alpha=0.7)
+    outcome = None
+    for i in range(60):
+        ctx = context(BATCHES[i % len(BATCHES)], i)
+        request = policy_pb2.StepRequest(context=wire.context_to_pb(ctx))
+        if outcome is not None:
+            request.outcome.CopyFrom(wire.outcome_to_pb(outcome))
+        decision = server.policy.Step(request, timeout=5).decision
+        outcome = env.outcome(ctx, decision.gamma, decision.decision_id)
+    server.policy.Report(wire.outcome_to_pb(outcome), timeout=5)
+    server.admin.Snapshot(admin_pb2.SnapshotRequest(), metadata=server.auth, timeout=5)
+    learned = _admin_state(server)
+    assert learned["learners"]["engine:e"]["steps"] == 60
+    server.kill9()
+    server.start()
+    assert _admin_state(server)["learners"] == learned["learners"]
+    # A parameter change of the same policy keeps what was learned ...
+    server.admin.SwapPolicy(
+        admin_pb2.SwapPolicyRequest(name="goodput", params_json='{"tpot_slo_ms": 50.0}',
+                                    keep_state=True),
+        metadata=server.auth, timeout=5,
+    )  # fmt: skip
+    assert _admin_state(server)["learners"] == learned["learners"]
+    # ... bad parameters are refused, and nothing changes.
+    with pytest.raises(grpc.RpcError) as refused:
+        server.admin.SwapPolicy(
+            admin_pb2.SwapPolicyRequest(name="goodput", params_json='{"ridge": -1}'),
+            metadata=server.auth, timeout=5,
+        )  # fmt: skip
+    assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    after = server.state()
+    assert after["policy"] == "goodput" and after["params"]["tpot_slo_ms"] == 50.0
+    assert after["state"]["learners"] == learned["learners"]
