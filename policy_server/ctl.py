@@ -14,7 +14,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from nightjar_proto.v1 import admin_pb2, admin_pb2_grpc, policy_pb2_grpc
 
-from policy_server import tls, wire
+from policy_server import fleet, tls, wire
 from policy_server.policies import DEFAULT_POLICY
 from policy_server.types import StepContext, StepOutcome
 
@@ -88,6 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--server-path", action="store_true", help="FILE is a path on the sidecar's disk instead"
     )
+    s = command("export", help="write one learner's state to a file (fleet warm start)")
+    who = s.add_mutually_exclusive_group(required=True)
+    who.add_argument("--learner-key", default="", help="the engines' learner key (model@device)")
+    who.add_argument("--engine", default="", help="an engine that learns alone")
+    s.add_argument("--out", default="-", help="file to write (default: standard output)")
+    s = command("import", help="merge an exported learner into the active policy's state")
+    s.add_argument("file", help="a document written by `nightjarctl export`")
     s = command("reset", help="forget learned state")
     s.add_argument("--engine", default="", help="only this engine's state")
     command("health", help="gRPC health of the sidecar")
@@ -382,8 +389,37 @@ def _memory(args: argparse.Namespace, channel: grpc.Channel) -> int:
     return 0
 
 
+def _export(args: argparse.Namespace, channel: grpc.Channel) -> int:
+    reply = _admin(channel).GetState(admin_pb2.GetStateRequest(), timeout=args.timeout)
+    learner = fleet.learner_id_for(args.learner_key, args.engine)
+    document = fleet.export_learner(reply.policy_name, json.loads(reply.state_json), learner)
+    text = json.dumps(document, sort_keys=True)
+    if args.out == "-":
+        print(text)
+    else:
+        Path(args.out).write_text(text + "\n")
+        print(f"exported {learner} ({reply.policy_name}) to {args.out}", file=sys.stderr)
+    return 0
+
+
+def _import(args: argparse.Namespace, channel: grpc.Channel) -> int:
+    document = json.loads(Path(args.file).read_text())
+    admin = _admin(channel)
+    reply = admin.GetState(admin_pb2.GetStateRequest(), timeout=args.timeout)
+    merged = fleet.import_learner(reply.policy_name, json.loads(reply.params_json),
+                                  json.loads(reply.state_json), document)  # fmt: skip
+    # Learning between the read and the restore is lost: import before the engine serves.
+    restored = admin.Restore(admin_pb2.RestoreRequest(snapshot_json=json.dumps(merged)),
+                             metadata=_auth(args), timeout=args.timeout)  # fmt: skip
+    print(f"imported {document['learner']} into {restored.policy_name} "
+          f"({restored.policy_version})")  # fmt: skip
+    return 0
+
+
 COMMANDS = {
     "state": _state,
+    "export": _export,
+    "import": _import,
     "memory": _memory,
     "policies": _policies,
     **dict.fromkeys(MUTATIONS, _mutate),
