@@ -72,13 +72,14 @@ SAMPLE_EVERY_S = 1.0
 MAX_ERROR_TEXTS = 20
 # Client fallback reasons that mean something went wrong (a deadline miss does not).
 ERROR_FALLBACK_REASONS = ("rejected", "unavailable", "disconnected")
-# Soak: each swap activates the next of these; keep_state where the schema allows it
-# (nightjar → nightjar, ema → ema), fresh state across schemas.
-SWAP_PLAN: tuple[tuple[str, dict[str, Any], bool], ...] = (
-    ("nightjar", {"seed": 11}, True),
-    ("ema", {}, False),
-    ("ema", {"ema_alpha": 0.3}, True),
-    ("nightjar", {"seed": 12}, False),
+# Soak: each swap activates the next of these, then the sidecar's own starting policy
+# twice (its defaults); the learned state is kept whenever the new policy reads the active
+# one's state schema (nightjar → nightjar, ema → ema, ...), and starts fresh otherwise.
+SWAP_PLAN: tuple[tuple[str, dict[str, Any]], ...] = (
+    ("nightjar", {"seed": 11}),
+    ("nightjar", {"seed": 12}),
+    ("ema", {}),
+    ("ema", {"ema_alpha": 0.3}),
 )
 
 
@@ -308,6 +309,7 @@ class Sidecar:
         self.auth = [("authorization", f"Bearer {token}")]
         self.log_path = log_path
         self._channel = grpc.insecure_channel(target)
+        self._starting_policy: str | None = None
 
     @property
     def pid(self) -> int:
@@ -332,6 +334,13 @@ class Sidecar:
 
     def admin(self) -> Any:
         return admin_pb2_grpc.AdminServiceStub(self._channel)
+
+    @property
+    def starting_policy(self) -> str:
+        if self._starting_policy is None:
+            reply = self.admin().GetState(admin_pb2.GetStateRequest(), timeout=10)
+            self._starting_policy = str(reply.policy_name)
+        return self._starting_policy
 
     def decisions_total(self) -> int:
         reply = self.admin().GetState(admin_pb2.GetStateRequest(), timeout=10)
@@ -415,8 +424,22 @@ class AdminEvent:
     detail: str
 
 
-def swap(server: Sidecar, index: int) -> AdminEvent:
-    name, params, keep_state = SWAP_PLAN[index % len(SWAP_PLAN)]
+def swap_plan(starting_policy: str) -> list[tuple[str, dict[str, Any]]]:
+    return [*SWAP_PLAN, (starting_policy, {}), (starting_policy, {})]
+
+
+def state_schema(name: str) -> str:
+    return str(create_policy(name, {}).state_schema)
+
+
+def swap(server: Sidecar, index: int, plan: list[tuple[str, dict[str, Any]]]) -> AdminEvent:
+    """The plan's next policy, keeping the learned state when the schemas allow it."""
+    name, params = plan[index % len(plan)]
+    try:
+        active = server.admin().GetState(admin_pb2.GetStateRequest(), timeout=10).policy_name
+    except grpc.RpcError as exc:
+        return AdminEvent(0.0, f"swap to {name}", False, f"{exc.code().name}: {exc.details()}")
+    keep_state = state_schema(active) == state_schema(name)
     request = admin_pb2.SwapPolicyRequest(
         name=name, params_json=json.dumps(params) if params else "", keep_state=keep_state
     )
@@ -484,6 +507,8 @@ class LoadResult:
     load_average_mean: float
     load_average_max: float
     admin_events: list[dict[str, Any]]
+    # The sidecar's policy at start (its default).
+    starting_policy: str
 
     @property
     def fallback_fraction(self) -> float:
@@ -535,6 +560,7 @@ def _drive(config: LoadConfig, server: Sidecar, progress_bar: bool) -> LoadResul
     # Snapshots half a period after swaps, so each sees a policy that has served a while.
     next_snapshot = config.snapshot_every_s / 2 if config.snapshot_every_s else math.inf
     swaps = 0
+    plan = swap_plan(server.starting_policy) if config.swap_every_s else []
     expected = config.engines * config.rate * config.duration_s if config.rate else None
     bar = _progress(expected, config, enabled=progress_bar)
     try:
@@ -547,7 +573,7 @@ def _drive(config: LoadConfig, server: Sidecar, progress_bar: bool) -> LoadResul
             if warm is None and elapsed >= config.warmup_s:
                 warm = samples[-1]
             if elapsed >= next_swap:
-                events.append(dataclasses.replace(swap(server, swaps), at_s=elapsed))
+                events.append(dataclasses.replace(swap(server, swaps, plan), at_s=elapsed))
                 swaps += 1
                 next_swap += config.swap_every_s
             if elapsed >= next_snapshot:
@@ -654,6 +680,7 @@ def _collect(
         load_average_mean=sum(s.load_average for s in samples) / len(samples),
         load_average_max=max(s.load_average for s in samples),
         admin_events=[dataclasses.asdict(e) for e in events],
+        starting_policy=server.starting_policy,
     )
 
 
@@ -777,7 +804,8 @@ def render_soak(soak: LoadResult, header: dict[str, str]) -> str:
         f"(`policy_server/bench_load.py --soak`). {describe(soak)}; every "
         f"{soak.config['swap_every_s']:g} s a policy swap through the admin RPC (with the admin "
         "token), cycling "
-        + ", ".join(f"{n} {json.dumps(p)}{' keep-state' if k else ''}" for n, p, k in SWAP_PLAN)
+        + ", ".join(f"{n} {json.dumps(p)}" for n, p in swap_plan(soak.starting_policy))
+        + " (keep-state whenever the active policy's state schema allows it)"
         + f"; every {soak.config['snapshot_every_s']:g} s a snapshot through the admin RPC, "
         "whose file is then read back (`policy_server/snapshot.py`) and its state loaded into "
         "a fresh instance of its policy. " + header["note"],

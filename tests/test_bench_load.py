@@ -59,8 +59,13 @@ def test_soak_quick_swaps_snapshots_and_reports(tmp_path: Path) -> None:
     swaps = [e for e in events if e["action"].startswith("swap")]
     snapshots = [e for e in events if e["action"] == "snapshot"]
     assert len(swaps) == 3 and len(snapshots) == 3 and all(e["ok"] for e in events), events
-    # The plan crosses state schemas and keeps state within one.
-    assert [e["detail"].split()[0] for e in swaps] == ["nightjar", "ema", "ema"]
+    # The plan crosses state schemas (fresh state) and keeps state within one.
+    assert [e["detail"].split()[0] for e in swaps] == ["nightjar", "nightjar", "ema"]
+    assert [e["action"].endswith("keep-state") for e in swaps] == [
+        soak["starting_policy"] == "nightjar",
+        True,
+        False,
+    ]
     assert soak["verdicts"]["every snapshot readable and loadable"]
 
     record = json.loads((tmp_path / "reliability" / "soak.json").read_text())
