@@ -406,8 +406,10 @@ def _import(args: argparse.Namespace, channel: grpc.Channel) -> int:
     document = json.loads(Path(args.file).read_text())
     admin = _admin(channel)
     reply = admin.GetState(admin_pb2.GetStateRequest(), timeout=args.timeout)
-    merged = fleet.import_learner(reply.policy_name, json.loads(reply.params_json),
-                                  json.loads(reply.state_json), document)  # fmt: skip
+    merged = fleet.import_learner(
+        reply.policy_name, json.loads(reply.params_json), json.loads(reply.state_json),
+        reply.engine_ids, document,
+    )  # fmt: skip
     # Learning between the read and the restore is lost: import before the engine serves.
     restored = admin.Restore(admin_pb2.RestoreRequest(snapshot_json=json.dumps(merged)),
                              metadata=_auth(args), timeout=args.timeout)  # fmt: skip

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from policy_server import snapshot
@@ -51,10 +51,12 @@ def export_learner(policy: str, state: Mapping[str, Any], learner: str) -> dict[
 
 
 def import_learner(
-    policy: str, params: Mapping[str, Any], state: Mapping[str, Any], document: Mapping[str, Any]
-) -> dict[str, Any]:
-    """A snapshot document of the active policy with the learner merged in (replacing a
-    learner of the same id; other learners and engines untouched)."""
+    policy: str, params: Mapping[str, Any], state: Mapping[str, Any], engines: Sequence[str],
+    document: Mapping[str, Any],
+) -> dict[str, Any]:  # fmt: skip
+    """A snapshot document of the active policy (params, state, the sidecar's known
+    ``engines``) with the learner merged in, replacing a learner of the same id; other
+    learners and engines are untouched."""
     if document.get("format") != FORMAT:
         raise FleetError(f"not a {FORMAT} document")
     for field, have in (("policy", policy), ("schema", state.get("schema")),
@@ -69,5 +71,8 @@ def import_learner(
     if not isinstance(learners, dict):
         raise FleetError(f"policy {policy!r} keeps no per-learner state")
     learners[str(document["learner"])] = document["state"]
-    return {"format": snapshot.FORMAT, "policy": {"name": policy, "params": dict(params),
-                                                  "state": merged}}  # fmt: skip
+    return {
+        "format": snapshot.FORMAT,
+        "policy": {"name": policy, "params": dict(params), "state": merged},
+        "engines": list(engines),
+    }

@@ -70,6 +70,7 @@ def test_a_new_pods_sidecar_starts_from_an_exported_learner(
     assert after[f"shared:{KEY}"]["step_time"] == learned["step_time"]
     assert after[f"shared:{KEY}"]["steps"] == 80
     assert set(after) == set(other_before) | {f"shared:{KEY}"}
+    assert new.state()["state"]["engines"].keys() == {"pod-c"}
     # A new engine on the new pod decides from the model at once: past the prior table's
     # warm-up, so its first decision is the model's (exploit or explore), never the table's.
     first = serve_steps(new, "pod-b", 1)[0]

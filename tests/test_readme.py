@@ -85,7 +85,7 @@ def test_readme_nightjarctl_block_runs_in_order(root: Path) -> None:
             if line.startswith("nightjarctl health"):
                 assert done.stdout.strip() == "SERVING"
             if line.startswith("nightjarctl restore"):
-                assert "restored: nightjar" in done.stdout
+                assert "restored: goodput" in done.stdout
     finally:
         server.send_signal(signal.SIGTERM)
         assert server.wait(timeout=15) == 0, (root / "server.log").read_text()
