@@ -13,7 +13,7 @@ import grpc
 from nightjar_proto.v1 import admin_pb2, policy_pb2
 
 from policy_server.fuzz.runner import methods
-from tests.test_server import context
+from tests.test_server import context, outcome
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 
@@ -81,3 +81,15 @@ def test_unusable_file_paths_are_invalid_argument(make_server: Any) -> None:
         except grpc.RpcError as exc:
             assert exc.code() == INVALID, exc.details()
     assert server.state() == before
+
+
+def test_huge_token_counts_do_not_break_the_goodput_models_fit(make_server: Any) -> None:
+    """Found by the fuzzer: context tokens near 2^62 made the step-time regression's
+    normal equations numerically singular, and GetState and Decide answered UNKNOWN."""
+    server = make_server("--policy", "goodput")
+    for tokens in (10, 1 << 62, 5, 1 << 40, 7) * 4:
+        decision = server.policy.Decide(context(engine="e", context_tokens=tokens), timeout=5)
+        server.policy.Report(outcome(decision, prefill_tokens=tokens), timeout=5)
+    state = server.state()
+    assert state["policy"] == "goodput" and state["reports"] == 20
+    assert server.policy.Decide(context(engine="e"), timeout=5).decision_id

@@ -218,9 +218,20 @@ class StepTimeModel:
 
     def solve(self) -> Fit:
         """A fit of every observation so far (changes nothing: views and tests use it)."""
-        covariance = np.linalg.inv(self.gram + self.ridge * np.eye(FEATURES))
+        regularized = self.gram + self.ridge * np.eye(FEATURES)
+        try:
+            covariance = np.linalg.inv(regularized)
+            root = np.linalg.cholesky(self.noise_variance * covariance)
+        except np.linalg.LinAlgError:
+            # Too ill-conditioned for inv/Cholesky (steps with huge token counts, found by
+            # fuzzing): A + ρI is symmetric with eigenvalues >= ρ, so its eigenvectors give
+            # the covariance and a square root of it.
+            values, vectors = np.linalg.eigh(regularized)
+            inverse = 1.0 / np.maximum(values, max(self.ridge, 1e-12))
+            covariance = (vectors * inverse) @ vectors.T
+            root = vectors * np.sqrt(self.noise_variance * inverse)
         weights: FloatArray = (covariance @ self.moment).astype(np.float64)
-        factor: FloatArray = np.linalg.cholesky(self.noise_variance * covariance).astype(np.float64)
+        factor: FloatArray = root.astype(np.float64)
         return Fit(weights, factor)
 
     @property
