@@ -19,9 +19,11 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
 from hypothesis import strategies as st
 
+from policy_server.policies import REGISTRY
+
 MIB_STRING = "x" * (1 << 20)
 ENGINES = ("engine-a", "engine-b", "engine-c")
-POLICIES = ("nightjar", "static", "off", "random", "table", "ema")
+POLICIES = tuple(sorted(REGISTRY))  # every registered policy, the default included
 INT32 = (-(1 << 31), (1 << 31) - 1)
 INT64 = (-(1 << 63), (1 << 63) - 1)
 UINT64 = (0, (1 << 64) - 1)
