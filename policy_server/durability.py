@@ -146,14 +146,19 @@ def kill_loop(workdir: Path, iterations: int, engines: int = 200, seed: int = 0)
         writer.join()
         return journal.read_text().split()
 
-    calibration = run_writer(lambda: 2.0)
-    result.cycle_s = 2.0 / max(1, len(calibration) - 1)
+    calibration = run_writer(lambda: 4.0)
+    result.cycle_s = 4.0 / max(1, len(calibration) - 1)
     previous = hashlib.sha256(path.read_bytes()).hexdigest()
+
+    def temp_files() -> set[Path]:
+        return set(state_dir.glob(f"{snapshot.TEMP_PREFIX}*"))
+
     for kill in range(iterations):
+        left_before = temp_files()
         digests = run_writer(lambda: rng.uniform(0.0, 3 * result.cycle_s))
         result.kills += 1
         result.writes_journaled += len(digests)
-        result.temp_files_left += bool(list(state_dir.glob(f"{snapshot.TEMP_PREFIX}*")))
+        result.temp_files_left += bool(temp_files() - left_before)
         on_disk = path.read_bytes() if path.exists() else b""
         found = hashlib.sha256(on_disk).hexdigest()
         last_complete = digests[-2] if len(digests) > 1 else previous
@@ -173,7 +178,7 @@ def kill_loop(workdir: Path, iterations: int, engines: int = 200, seed: int = 0)
     with running_server(workdir, ["--state-dir", str(state_dir)]) as server:
         reply = server.admin.GetState(admin_pb2.GetStateRequest(), timeout=30)
         result.restored_identical = json.loads(reply.state_json) == json.loads(json.dumps(expected))
-        result.leftovers_after_start = len(list(state_dir.glob(f"{snapshot.TEMP_PREFIX}*")))
+        result.leftovers_after_start = len(temp_files())
     return result
 
 

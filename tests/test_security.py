@@ -116,7 +116,7 @@ def test_mutual_tls_admits_only_clients_with_a_certificate_of_the_ca(make_server
          "state"],
         capture_output=True, text=True, timeout=30,
     )  # fmt: skip
-    assert done.returncode == 0 and "nightjar" in done.stdout, done.stderr
+    assert done.returncode == 0 and "engines  tls" in done.stdout, done.stderr  # from Decide
     plain = subprocess.run(
         [sys.executable, "-m", "policy_server.ctl", "--target", target, "--timeout", "2",
          "state"],
@@ -221,7 +221,7 @@ def expect_denied(code: grpc.StatusCode, call: Any, request: Any, server: Any) -
 
 
 def test_restore_reads_no_file_outside_the_state_directory(make_server, tmp_path) -> None:
-    server = make_server()
+    server = make_server("--policy", "nightjar")
     server.admin.Snapshot(admin_pb2.SnapshotRequest(), metadata=server.auth, timeout=5)
     outside = tmp_path / "outside.json"
     outside.write_text((server.state_dir / "snapshot.json").read_text())
@@ -242,7 +242,7 @@ def test_restore_reads_no_file_outside_the_state_directory(make_server, tmp_path
 
 
 def test_path_parameters_are_confined_to_the_state_directory(make_server, tmp_path) -> None:
-    server = make_server()
+    server = make_server("--policy", "nightjar")
     outside = tmp_path / "cost.csv"
     outside.write_text(PREFILL_TABLE)
     server.state_dir.mkdir(parents=True, exist_ok=True)
@@ -315,7 +315,7 @@ def test_no_parameter_makes_the_server_allocate_a_client_chosen_size(make_server
     """gamma_max / max_batch_size of 10^9 are refused with the state unchanged; for every
     integer parameter of every registered policy 10^9 is refused, or accepted without the
     server's memory growing and with decisions going on (a seed, a counter's period)."""
-    server = make_server()
+    server = make_server("--policy", "nightjar")
     assert server.proc is not None
     invalid = grpc.StatusCode.INVALID_ARGUMENT
     for params in ({"gamma_max": 10**9}, {"max_batch_size": 10**9}):
