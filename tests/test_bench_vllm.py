@@ -72,9 +72,9 @@ def table(section: str, header: str) -> dict[str, list[str]]:
 @pytest.mark.slow
 def test_quick_run_reports_every_policy_from_vllm_result_files(quick_run: dict[str, Any]) -> None:
     runs = quick_run["runs"]
-    assert [(r["policy"], r["warm"]) for r in runs] == [("nightjar", False), ("off", False)]
+    assert [(r["policy"], r["warm"]) for r in runs] == [("goodput", False), ("off", False)]
     overall = table(quick_run["section"], "| policy | done | output tok/s")
-    assert set(overall) == {"nightjar", "off"}
+    assert set(overall) == {"goodput", "off"}
     prompts = sum(phase.prompts for phase in SCHEDULE)
     for run in runs:
         assert len(run["results"]) == len(SCHEDULE)
@@ -96,7 +96,7 @@ def test_quick_run_reports_every_policy_from_vllm_result_files(quick_run: dict[s
         assert row[1] == f"{tokens / seconds:.1f}"
         assert row[2] == f"{ServeResult.pool(files).mean_e2e_s:.2f}"
     per_phase = rows(quick_run["section"], "| phase | policy |")
-    assert [cells[1] for cells in per_phase] == ["nightjar", "off"] * len(SCHEDULE)
+    assert [cells[1] for cells in per_phase] == ["goodput", "off"] * len(SCHEDULE)
     for index, cells in enumerate(per_phase):
         phase = SCHEDULE[index // 2]
         assert cells[0].endswith(phase.label) and cells[2] == f"{phase.prompts}/{phase.prompts}"
@@ -111,18 +111,18 @@ def test_quick_run_counts_the_plugins_decisions_per_policy(quick_run: dict[str, 
         )
         for policy, r in by_policy.items()
     }
-    nightjar, off = by_policy["nightjar"]["plugin"], by_policy["off"]["plugin"]
-    # Nightjar decides through the sidecar and explores γ > 0; vLLM saw the drafts.
-    assert nightjar["sidecar_decisions"] > 0
-    assert sum(n for gamma, n in nightjar["gammas"].items() if gamma != "0") > 0
-    assert drafted["nightjar"] > 0
+    goodput, off = by_policy["goodput"]["plugin"], by_policy["off"]["plugin"]
+    # The default policy decides through the sidecar and speculates; vLLM saw the drafts.
+    assert goodput["sidecar_decisions"] > 0
+    assert sum(n for gamma, n in goodput["gammas"].items() if gamma != "0") > 0
+    assert drafted["goodput"] > 0
     # `off` is a sidecar policy too (it answers γ = 0): any γ > 0 step was a fallback.
     assert off["sidecar_decisions"] > 0
     fallbacks = sum(off["fallbacks"].values())
     assert sum(n for gamma, n in off["gammas"].items() if gamma != "0") <= fallbacks
     assert drafted["off"] == 0 or fallbacks > 0
     plugin = table(quick_run["section"], "| policy | engine steps |")
-    assert plugin["nightjar"][2] == str(nightjar["sidecar_decisions"])
+    assert plugin["goodput"][2] == str(goodput["sidecar_decisions"])
     assert plugin["off"][0] == str(off["steps"])
 
 

@@ -57,7 +57,7 @@ FALLBACK_TABLE = [[1, 8, 3], [9, 24, 1], [25, 4096, 0]]
 TOKEN = "bench-vllm-admin-token"
 MODEL_NAME = "tiny"
 # `--quick` (the CI smoke run): every option it sets can still be given explicitly.
-QUICK = {"schedule": "2x4,8x12,2x4", "policies": "nightjar,off", "warm": "",
+QUICK = {"schedule": "2x4,8x12,2x4", "policies": "goodput,off", "warm": "",
          "repetitions": 1, "output_len": 16}  # fmt: skip
 
 
@@ -168,8 +168,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--schedule", type=_schedule, default="0.5x16,8x160,0.5x16",
                         help="load phases RATExPROMPTS,... (req/s x prompts)")  # fmt: skip
     parser.add_argument("--policies", type=_policies,
-                        default="nightjar,off,static-1,static-3,table,ema")  # fmt: skip
-    parser.add_argument("--warm", type=_policies, default="nightjar,ema",
+                        default="goodput,nightjar,off,static-1,static-3,table,ema")  # fmt: skip
+    parser.add_argument("--warm", type=_policies, default="goodput,nightjar,ema",
                         help="those of --policies that run the schedule again right after, "
                         "keeping their learned state")  # fmt: skip
     parser.add_argument("--repetitions", type=int, default=2)
