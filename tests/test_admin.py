@@ -68,7 +68,7 @@ def test_swap_under_a_running_client_loop(make_server) -> None:
 
 
 def test_snapshot_kill9_restart_restores_identical_state(make_server) -> None:
-    server = make_server()
+    server = make_server("--policy", "nightjar")
     drive(server, 60)
     server.admin.Snapshot(admin_pb2.SnapshotRequest(), metadata=server.auth, timeout=5)
     before = server.state()
@@ -108,7 +108,7 @@ def test_corrupt_snapshot_gives_a_clear_log_line_and_a_fresh_start(make_server) 
 
 
 def test_keep_state_swap_set_params_and_reset(make_server) -> None:
-    server = make_server()
+    server = make_server("--policy", "nightjar")
     drive(server, 30)
     learned = server.state()["state"]["learners"]
     md = server.auth
@@ -136,11 +136,11 @@ def test_keep_state_swap_set_params_and_reset(make_server) -> None:
 
 
 def test_warm_start_from_another_replicas_snapshot(make_server) -> None:
-    donor = make_server(name="donor")
+    donor = make_server("--policy", "nightjar", name="donor")
     drive(donor, 40)
     donor.admin.Snapshot(admin_pb2.SnapshotRequest(), metadata=donor.auth, timeout=5)
     document = (donor.state_dir / "snapshot.json").read_text()
-    fresh = make_server(name="fresh")
+    fresh = make_server("--policy", "nightjar", name="fresh")
     reply = fresh.admin.Restore(
         admin_pb2.RestoreRequest(snapshot_json=document), metadata=fresh.auth, timeout=5
     )
@@ -155,7 +155,8 @@ def test_decision_log_is_written_rotated_and_replayable(make_server, tmp_path) -
     log_path = tmp_path / "decisions" / "log.jsonl"
     config = tmp_path / "server.toml"
     config.write_text(
-        f'decision_log = "{log_path}"\ndecision_log_max_bytes = 4000\ndecision_log_backups = 50\n'
+        f'policy = "nightjar"\ndecision_log = "{log_path}"\ndecision_log_max_bytes = 4000\n'
+        "decision_log_backups = 50\n"
     )
     server = make_server("--config", str(config))
     drive(server, 40)

@@ -137,7 +137,7 @@ def test_admin_calls_need_the_token(server: Any) -> None:
          "unknown parameter(s) ['gama_max']"),
         (admin_pb2.SwapPolicyRequest(name="static", keep_state=True),
          grpc.StatusCode.FAILED_PRECONDITION, "cannot keep state"),
-        (admin_pb2.SwapPolicyRequest(name="nightjar", params_json='{"gamma_max": 2}',
+        (admin_pb2.SwapPolicyRequest(name="goodput", params_json='{"gamma_max": 2}',
                                      keep_state=True),
          grpc.StatusCode.FAILED_PRECONDITION, "gamma_max"),
     ],

@@ -105,7 +105,7 @@ def test_outcomes_ride_on_the_next_request(make_server) -> None:
 
 
 def test_pipelined_prefetch_and_take(make_server) -> None:
-    server = make_server()
+    server = make_server("--policy", "nightjar")
     client = make_client(server.target, deadline_s=0.5, connect_timeout_s=5)
     try:
         next_ctx = StepContext("eng", batch_size=3, step_index=1)

@@ -35,7 +35,7 @@ def pulls(state: dict[str, Any], learner: str) -> int:
 
 
 def test_engines_with_one_learner_key_share_learned_state(make_server: Any) -> None:
-    server = make_server()
+    server = make_server("--policy", "nightjar")
     for index in range(30):
         step(server, "pod-a", KEY, index)
     for index in range(20):
@@ -69,7 +69,7 @@ def test_share_learner_false_keys_by_engine_id(make_server: Any) -> None:
 
 
 def test_a_replaced_pod_starts_warm_after_snapshot_and_restart(make_server: Any) -> None:
-    server = make_server()
+    server = make_server("--policy", "nightjar")
     for index in range(200):
         step(server, "pod-a", KEY, index)
     before = server.state()["state"]

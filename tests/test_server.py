@@ -33,7 +33,7 @@ def outcome(
 
 
 def test_decide_report_and_step_round_trip(make_server) -> None:
-    server = make_server()
+    server = make_server("--policy", "nightjar")
     decision = server.policy.Decide(context(), timeout=5)
     assert 0 <= decision.gamma <= 4
     assert decision.policy_name == "nightjar" and decision.policy_version
@@ -149,7 +149,7 @@ def scrape(port: int) -> dict[str, list]:
 
 
 def test_metrics_are_scraped_over_http_and_parse(make_server) -> None:
-    server = make_server()
+    server = make_server("--policy", "nightjar")
     for step in range(6):
         d = server.policy.Decide(context(step_index=step), timeout=5)
         server.policy.Report(outcome(d), timeout=5)
