@@ -256,6 +256,125 @@ def measure_rate(rate: float, seconds: float, pipelined: bool) -> dict[str, Any]
     }
 
 
+# -- 5. stock gRPC baseline ---------------------------------------------------------------
+
+ECHO_SERVICE = "nightjar.bench.Echo"
+ECHO_KINDS = ("sync", "aio")
+
+
+def _identity(data: bytes) -> bytes:
+    return data
+
+
+def serve_echo(address: str, kind: str) -> None:
+    """A bare echo (bytes in, the same bytes out; unary and a bidirectional stream), on
+    grpcio's thread-pool server ("sync") or its asyncio server ("aio"): what Python gRPC
+    costs with no work behind it. Runs until killed."""
+    import asyncio
+    from concurrent import futures
+
+    if kind == "sync":
+
+        def unary(request: bytes, context: Any) -> bytes:
+            return request
+
+        def stream(requests: Iterator[bytes], context: Any) -> Iterator[bytes]:
+            yield from requests
+
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
+        server.add_generic_rpc_handlers((_echo_handlers(unary, stream),))
+        server.add_insecure_port(address)
+        server.start()
+        server.wait_for_termination()
+        return
+
+    async def aio_unary(request: bytes, context: Any) -> bytes:
+        return request
+
+    async def aio_stream(requests: Any, context: Any) -> Any:
+        async for request in requests:
+            yield request
+
+    async def run() -> None:
+        server = grpc.aio.server()
+        server.add_generic_rpc_handlers((_echo_handlers(aio_unary, aio_stream),))
+        server.add_insecure_port(address)
+        await server.start()
+        await server.wait_for_termination()
+
+    asyncio.run(run())
+
+
+def _echo_handlers(unary: Any, stream: Any) -> Any:
+    return grpc.method_handlers_generic_handler(
+        ECHO_SERVICE,
+        {
+            "Unary": grpc.unary_unary_rpc_method_handler(unary, _identity, _identity),
+            "Stream": grpc.stream_stream_rpc_method_handler(stream, _identity, _identity),
+        },
+    )
+
+
+@contextmanager
+def echo_server(kind: str) -> Iterator[str]:
+    with tempfile.TemporaryDirectory(prefix="nj-echo-") as tmp:
+        target = f"unix:{tmp}/echo.sock"
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "policy_server.bench_rpc", "--echo-server", target,
+             "--echo-kind", kind],
+            stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        try:
+            grpc.channel_ready_future(grpc.insecure_channel(target)).result(timeout=20)
+            yield target
+        finally:
+            proc.terminate()
+            proc.wait(timeout=15)
+
+
+def measure_echo(kind: str, use_stream: bool, count: int) -> Measurement:
+    """Round trips of a StepRequest-sized payload to a bare echo server over a Unix socket,
+    from a plain grpcio client (a stream fed from a queue, read in the calling thread)."""
+    import queue
+
+    payload = wire_size_payload()
+    with echo_server(kind) as target, grpc.insecure_channel(target) as channel:
+        nanos: list[int] = []
+        if use_stream:
+            requests: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+            call: Any = channel.stream_stream(f"/{ECHO_SERVICE}/Stream", _identity, _identity)(
+                iter(requests.get, None)
+            )
+            for i in range(count + 300):
+                start = time.perf_counter_ns()
+                requests.put(payload)
+                next(call)
+                if i >= 300:
+                    nanos.append(time.perf_counter_ns() - start)
+            requests.put(None)
+        else:
+            unary = channel.unary_unary(f"/{ECHO_SERVICE}/Unary", _identity, _identity)
+            for i in range(count + 300):
+                start = time.perf_counter_ns()
+                unary(payload, timeout=5)
+                if i >= 300:
+                    nanos.append(time.perf_counter_ns() - start)
+    mode = "stream" if use_stream else "unary"
+    return summarise(f"stock echo, {kind} server, uds {mode}", nanos)
+
+
+def wire_size_payload() -> bytes:
+    """A StepRequest as the plugin sends it (context + piggybacked outcome), serialized."""
+    from nightjar_proto.v1 import policy_pb2
+
+    from policy_server import wire
+
+    ctx = contexts("engine-0", 1)[0]
+    request = policy_pb2.StepRequest(seq=12345, context=wire.context_to_pb(ctx))
+    request.outcome.CopyFrom(wire.outcome_to_pb(outcome_for("engine-0", "ab12cd34-1f2e", ctx, 3)))
+    return bytes(request.SerializeToString())
+
+
 # -- report -------------------------------------------------------------------------------
 
 
@@ -387,7 +506,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("docs/BENCHMARKS.md"))
     parser.add_argument("--json", type=Path, help="also write the raw figures here")
     parser.add_argument("--quick", action="store_true", help="small samples (smoke run)")
+    parser.add_argument("--echo-server", metavar="ADDRESS", help=argparse.SUPPRESS)
+    parser.add_argument("--echo-kind", choices=ECHO_KINDS, default="aio", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.echo_server:  # the baseline's server process (measure_echo starts it)
+        serve_echo(args.echo_server, args.echo_kind)
+        return 0
     scale = 0.1 if args.quick else 1.0
     results: dict[str, Any] = {
         "date": datetime.date.today().isoformat(),
@@ -403,6 +527,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"rpc {transport} stream 8 clients ...", file=sys.stderr)
         rpc.append(measure_rpc(transport, True, 8, int(1_500 * scale)))
     results["rpc"] = [dataclasses.asdict(m) for m in rpc]
+    print("stock gRPC echo baseline ...", file=sys.stderr)
+    results["baseline"] = [
+        dataclasses.asdict(measure_echo(kind, use_stream, int(5_000 * scale)))
+        for kind in ECHO_KINDS
+        for use_stream in (True, False)
+    ]
     print("pipelined ...", file=sys.stderr)
     results["pipelined"] = dataclasses.asdict(measure_pipelined(int(1_000 * scale)))
     print("sustained 1000/s ...", file=sys.stderr)

@@ -26,7 +26,8 @@ class Undecodable:
     reason: str
 
 
-def _message(method: str, marker: Undecodable) -> str:
+def describe(method: str, marker: Undecodable) -> str:
+    """The INVALID_ARGUMENT message for an undecodable request to ``method``."""
     return f"the request is not a valid message for {method}: {marker.reason}"
 
 
@@ -65,7 +66,7 @@ def _guarded(method: str, handler: Handler | None) -> Handler | None:
 
     def checked(request: Any, context: grpc.ServicerContext) -> Any:
         if isinstance(request, Undecodable):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, _message(method, request))
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, describe(method, request))
         return request
 
     def checked_stream(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:

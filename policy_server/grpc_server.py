@@ -2,20 +2,30 @@
 
 The servicers only translate: wire messages in, DecisionService calls, wire
 messages out, and NightjarError subclasses onto precise status codes.
+
+One ``grpc.aio`` server on one event loop (its own thread): a decision takes a few
+microseconds, so the per-step RPCs are answered on the loop itself, with no hand-off
+to a worker thread and back (the sync server's two thread switches per message were
+most of a round trip). Admin calls, which may write files or copy learned state, run
+in a thread pool so they never hold the loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import inspect
 import json
 import logging
-from collections.abc import Callable, Iterator
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent import futures
 from dataclasses import dataclass
 from typing import Any, NoReturn, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer as AioHealthServicer
 from nightjar_proto.v1 import admin_pb2, admin_pb2_grpc, policy_pb2, policy_pb2_grpc
 
 from policy_server import decode_guard, reflection, uds, wire
@@ -96,41 +106,59 @@ class _Servicer:
         raise AssertionError("unreachable")  # context.abort raises
 
 
-class PolicyServicer(_Servicer, policy_pb2_grpc.PolicyServiceServicer):  # type: ignore[misc]
-    def Decide(self, request: policy_pb2.StepContext, context: grpc.ServicerContext) -> Any:
-        ctx = wire.context_from_pb(request)
-        return self._call("Decide", context, lambda: wire.decision_to_pb(self.service.decide(ctx)))
+class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):  # type: ignore[misc]
+    """The per-step RPCs, answered on the event loop (the service call takes µs)."""
 
-    def Report(self, request: policy_pb2.StepOutcome, context: grpc.ServicerContext) -> Any:
-        outcome = wire.outcome_from_pb(request)
-        applied = self._call("Report", context, lambda: self.service.report(outcome))
+    def __init__(self, service: DecisionService) -> None:
+        self.service = service
+
+    async def Decide(self, request: policy_pb2.StepContext, context: Any) -> Any:
+        try:
+            return wire.decision_to_pb(self.service.decide(wire.context_from_pb(request)))
+        except NightjarError as exc:
+            await self._abort("Decide", context, exc)
+
+    async def Report(self, request: policy_pb2.StepOutcome, context: Any) -> Any:
+        try:
+            applied = self.service.report(wire.outcome_from_pb(request))
+        except NightjarError as exc:
+            await self._abort("Report", context, exc)
         return policy_pb2.ReportAck(applied=applied)
 
-    def Step(self, request: policy_pb2.StepRequest, context: grpc.ServicerContext) -> Any:
-        return self._call("Step", context, lambda: self._step(request))
+    async def Step(self, request: policy_pb2.StepRequest, context: Any) -> Any:
+        try:
+            return self._step(request)
+        except NightjarError as exc:
+            await self._abort("Step", context, exc)
 
-    def StepStream(
-        self, request_iterator: Iterator[policy_pb2.StepRequest], context: grpc.ServicerContext
-    ) -> Iterator[policy_pb2.StepReply]:
-        for request in request_iterator:
+    async def StepStream(
+        self, request_iterator: AsyncIterator[policy_pb2.StepRequest], context: Any
+    ) -> AsyncIterator[policy_pb2.StepReply]:
+        async for request in request_iterator:
             try:
-                yield self._step(request)
+                reply = self._step(request)
             except NightjarError as exc:
                 code = status_of(exc)
                 self.service.metrics.invalid_requests.labels("StepStream", code.name).inc()
-                yield policy_pb2.StepReply(
+                reply = policy_pb2.StepReply(
                     seq=request.seq,
                     error=policy_pb2.StepError(code=code.value[0], message=str(exc)),
                 )
+            yield reply
 
     def _step(self, request: policy_pb2.StepRequest) -> policy_pb2.StepReply:
         outcome = wire.outcome_from_pb(request.outcome) if request.HasField("outcome") else None
         ctx = wire.context_from_pb(request.context) if request.HasField("context") else None
         decision = self.service.step(outcome, ctx)
-        reply = policy_pb2.StepReply(seq=request.seq)
-        if decision is not None:
-            reply.decision.CopyFrom(wire.decision_to_pb(decision))
-        return reply
+        if decision is None:
+            return policy_pb2.StepReply(seq=request.seq)
+        return policy_pb2.StepReply(seq=request.seq, decision=wire.decision_to_pb(decision))
+
+    async def _abort(self, method: str, context: Any, exc: NightjarError) -> NoReturn:
+        code = status_of(exc)
+        self.service.metrics.invalid_requests.labels(method, code.name).inc()
+        await context.abort(code, str(exc))
+        raise AssertionError("unreachable")  # context.abort raises
 
 
 class AdminServicer(_Servicer, admin_pb2_grpc.AdminServiceServicer):  # type: ignore[misc]
@@ -236,10 +264,150 @@ def _swap_response(active: ActivePolicy) -> admin_pb2.SwapPolicyResponse:
     return admin_pb2.SwapPolicyResponse(policy_name=active.name, policy_version=active.version)
 
 
+class _Aborted(Exception):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+class _ThreadContext:
+    """What a synchronous servicer method uses of its context, from a worker thread."""
+
+    def __init__(self, context: Any) -> None:
+        self._context = context
+
+    def invocation_metadata(self) -> Any:
+        return self._context.invocation_metadata()
+
+    def peer(self) -> str:
+        return str(self._context.peer())
+
+    def auth_context(self) -> Any:
+        return self._context.auth_context()
+
+    def abort(self, code: grpc.StatusCode, details: str) -> NoReturn:
+        raise _Aborted(code, details)
+
+
+class _InThreads:
+    """A synchronous servicer's unary methods as coroutines that run them in the loop's
+    thread pool (admin calls write snapshots and copy learned state: not on the loop)."""
+
+    def __init__(self, servicer: Any) -> None:
+        self._servicer = servicer
+
+    def __getattr__(self, name: str) -> Callable[[Any, Any], Awaitable[Any]]:
+        method = getattr(self._servicer, name)
+
+        async def handler(request: Any, context: Any) -> Any:
+            try:
+                return await asyncio.to_thread(method, request, _ThreadContext(context))
+            except _Aborted as aborted:
+                await context.abort(aborted.code, aborted.details)
+
+        return handler
+
+
+class AioDecodeGuard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
+    """policy_server/decode_guard.py for the asyncio server: undecodable request bytes
+    get INVALID_ARGUMENT before the servicer sees anything (a stream ends with it)."""
+
+    def __init__(self) -> None:
+        # Only handlers that exist are kept: unknown method names cannot grow this.
+        self._handlers: dict[str, Any] = {}
+
+    async def intercept_service(
+        self, continuation: Callable[[Any], Awaitable[Any]], handler_call_details: Any
+    ) -> Any:
+        method = handler_call_details.method
+        handler = self._handlers.get(method)
+        if handler is None:
+            handler = _guarded(method, await continuation(handler_call_details))
+            if handler is not None:
+                self._handlers[method] = handler
+        return handler
+
+
+def _guarded(method: str, handler: Any) -> Any:
+    if handler is None or handler.request_deserializer is None:
+        return handler
+    parse = handler.request_deserializer
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except Exception as exc:  # protobuf raises DecodeError and others
+            return decode_guard.Undecodable(str(exc) or type(exc).__name__)
+
+    async def check(request: Any, context: Any) -> Any:
+        if isinstance(request, decode_guard.Undecodable):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, decode_guard.describe(method, request)
+            )
+        return request
+
+    async def checked_stream(requests: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
+        async for request in requests:
+            yield await check(request, context)
+
+    def wrap(behavior: Callable[..., Any], streaming_request: bool) -> Callable[..., Any]:
+        async def unary_result(request: Any, context: Any) -> Any:
+            if streaming_request:
+                return await behavior(checked_stream(request, context), context)
+            return await behavior(await check(request, context), context)
+
+        async def streamed_result(request: Any, context: Any) -> AsyncIterator[Any]:
+            request = (
+                checked_stream(request, context)
+                if streaming_request
+                else await check(request, context)
+            )
+            async for response in behavior(request, context):
+                yield response
+
+        return streamed_result if inspect.isasyncgenfunction(behavior) else unary_result
+
+    kinds = (
+        ("unary_unary", grpc.unary_unary_rpc_method_handler, False),
+        ("unary_stream", grpc.unary_stream_rpc_method_handler, False),
+        ("stream_unary", grpc.stream_unary_rpc_method_handler, True),
+        ("stream_stream", grpc.stream_stream_rpc_method_handler, True),
+    )
+    for name, make, streaming_request in kinds:
+        behavior = getattr(handler, name)
+        if behavior is not None:
+            return make(wrap(behavior, streaming_request), deserialize, handler.response_serializer)
+    return handler
+
+
+class _LoopServer:
+    """The asyncio server, driven from other threads: ``stop(grace).wait()`` as with
+    grpc.Server."""
+
+    def __init__(self, server: grpc.aio.Server, loop: asyncio.AbstractEventLoop) -> None:
+        self.aio = server
+        self.loop = loop
+        self._thread: threading.Thread | None = None
+
+    def run(self, coroutine: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
+
+    def stop(self, grace: float | None) -> threading.Event:
+        stopped = threading.Event()
+        try:
+            self.run(self.aio.stop(grace))
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            if self._thread is not None:
+                self._thread.join(timeout=5)
+            stopped.set()
+        return stopped
+
+
 @dataclass
 class RunningServer:
-    server: grpc.Server
-    health: health.HealthServicer
+    server: _LoopServer
+    health: AioHealthServicer
     addresses: list[str]
     metrics: Metrics | None = None  # its nightjar_serving gauge follows the health status
 
@@ -252,7 +420,7 @@ class RunningServer:
             else health_pb2.HealthCheckResponse.NOT_SERVING
         )
         for name in ("", POLICY_SERVICE, ADMIN_SERVICE):
-            self.health.set(name, status)
+            self.server.run(self.health.set(name, status))
 
 
 def bind_ports(
@@ -296,23 +464,43 @@ def build_server(
     """
     if not uds_path and not tcp_address:
         raise ValueError("need a Unix socket path or a TCP address to listen on")
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
-        options=[
-            ("grpc.so_reuseport", 0),
-            ("grpc.max_receive_message_length", max_receive_bytes),
-        ],
-        interceptors=[decode_guard.DecodeGuard()],
+    loop = asyncio.new_event_loop()
+    loop.set_default_executor(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc-admin")
     )
-    policy_pb2_grpc.add_PolicyServiceServicer_to_server(PolicyServicer(service), server)
-    admin_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(service, admin_token), server)
-    health_servicer = health.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (POLICY_SERVICE, ADMIN_SERVICE, health.SERVICE_NAME), server
-    )
-    addresses = bind_ports(server, uds_path, tcp_address, uds_mode, tls)
-    server.start()
-    running = RunningServer(server, health_servicer, addresses, service.metrics)
+    thread = threading.Thread(target=loop.run_forever, name="grpc-loop", daemon=True)
+    thread.start()
+
+    async def create() -> tuple[grpc.aio.Server, AioHealthServicer, list[str]]:
+        server = grpc.aio.server(
+            options=[
+                ("grpc.so_reuseport", 0),
+                ("grpc.max_receive_message_length", max_receive_bytes),
+            ],
+            interceptors=[AioDecodeGuard()],
+        )
+        policy_pb2_grpc.add_PolicyServiceServicer_to_server(PolicyServicer(service), server)
+        admin = _InThreads(AdminServicer(service, admin_token))
+        admin_pb2_grpc.add_AdminServiceServicer_to_server(admin, server)
+        health_servicer = AioHealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+        reflection.enable_server_reflection(
+            (POLICY_SERVICE, ADMIN_SERVICE, health.SERVICE_NAME), server
+        )
+        addresses = bind_ports(server, uds_path, tcp_address, uds_mode, tls)
+        await server.start()
+        return server, health_servicer, addresses
+
+    try:
+        server, health_servicer, addresses = asyncio.run_coroutine_threadsafe(
+            create(), loop
+        ).result()
+    except BaseException:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=5)
+        raise
+    looped = _LoopServer(server, loop)
+    looped._thread = thread
+    running = RunningServer(looped, health_servicer, addresses, service.metrics)
     running.set_serving(True)
     return running

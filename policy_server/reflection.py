@@ -15,6 +15,7 @@ from typing import Any
 
 import grpc
 from google.protobuf import descriptor_pb2, descriptor_pool
+from grpc_reflection.v1alpha import _async as reflection_aio
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 V1ALPHA_SERVICE: str = reflection.SERVICE_NAME
@@ -50,11 +51,15 @@ def _register_v1_descriptor() -> None:
     pool.Add(proto)
 
 
-def enable_server_reflection(service_names: Iterable[str], server: grpc.Server) -> None:
+def enable_server_reflection(
+    service_names: Iterable[str], server: grpc.Server | grpc.aio.Server
+) -> None:
     """Serve reflection for ``service_names`` (plus both reflection services) on ``server``."""
     _register_v1_descriptor()
     names = (*service_names, V1ALPHA_SERVICE, V1_SERVICE)
-    servicer: Any = reflection.ReflectionServicer(names)
+    # The asyncio server needs the library's asyncio servicer (same answers).
+    aio = isinstance(server, grpc.aio.Server)
+    servicer: Any = (reflection_aio if aio else reflection).ReflectionServicer(names)
     reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
     v1 = grpc.stream_stream_rpc_method_handler(
         servicer.ServerReflectionInfo,
