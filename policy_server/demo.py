@@ -31,6 +31,7 @@ import nightjar_data
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from nightjar_proto.v1 import admin_pb2, admin_pb2_grpc
 
+from policy_server.policies import DEFAULT_POLICY
 from policy_server.sim.acceptance import WORKLOADS
 from policy_server.sim.bench import (
     DATA_HELP,
@@ -50,7 +51,9 @@ from policy_server.types import StepContext, StepOutcome
 from vllm_client_patch.client import ClientConfig, NightjarClient
 
 ENGINE = "demo-engine"
-COMPARED = ("off", "static-1", "static-3", "table", "ema", "oracle")
+COMPARED = ("nightjar", "off", "static-1", "static-3", "table", "ema", "dsd", "oracle")
+# The sidecar runs its default policy; its row in the summary.
+SIDECAR = f"{DEFAULT_POLICY} (sidecar)"
 
 
 class LiveSource(ClientSource):
@@ -160,7 +163,7 @@ def run(
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=15)
         bench = BenchConfig(data, [seed], quick=False, assets={profile_name: assets})
-        results = {"nightjar (sidecar)": sidecar_run}
+        results = {SIDECAR: sidecar_run}
         for policy in COMPARED:
             results[policy] = simulate(profile, specs, policy, bench, seed)
     cells = {name: summarise(profile_name, "azure-conv", name, r) for name, r in results.items()}
@@ -187,7 +190,8 @@ def learned_best_gamma(target: str) -> dict[int, tuple[int, float]]:
         )
     contexts = json.loads(reply.state_json)["learners"].get(f"engine:{ENGINE}", {})
     if "best_gamma" in contexts:  # the goodput policy: its model's answer per batch size
-        return {int(b): (int(g), float(gp)) for b, (g, gp) in contexts["best_gamma"].items()}
+        summary = contexts["best_gamma"].items()
+        return dict(sorted((int(b), (int(g), float(gp))) for b, (g, gp) in summary))
     best = {}
     for key, arms in contexts.items():
         pulled = [g for g, n in enumerate(arms["counts"]) if n]
@@ -208,9 +212,9 @@ def write_plots(out: Path, profile: str, results: dict[str, SimResult]) -> list[
     from policy_server.sim import plots
 
     # The plots colour policies by name; the sidecar run is Nightjar.
-    named = {("nightjar" if k.startswith("nightjar") else k): r for k, r in results.items()}
+    named = {(DEFAULT_POLICY if k == SIDECAR else k): r for k, r in results.items()}
     return [
-        plots.plot_gamma_timeline({k: named[k] for k in ("nightjar", "ema", "oracle")},
+        plots.plot_gamma_timeline({k: named[k] for k in (DEFAULT_POLICY, "ema", "oracle")},
                                   out / "gamma.png", f"{profile}: γ chosen and decode batch"),
         plots.plot_throughput_over_time(named, out / "throughput.png",
                                         f"{profile}: throughput on the Azure conv slice"),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from policy_server.demo import COMPARED, run
+from policy_server.demo import COMPARED, SIDECAR, run
 
 
 def test_demo_replays_the_trace_through_a_real_sidecar(tmp_path: Path) -> None:
@@ -14,7 +14,7 @@ def test_demo_replays_the_trace_through_a_real_sidecar(tmp_path: Path) -> None:
     assert summary["sidecar_decisions"] + summary["fallbacks"] == summary["decided_steps"]
     assert summary["learned_best_gamma"]  # read back over the admin API
     cells = summary["cells"]
-    assert set(cells) == {"nightjar (sidecar)", *COMPARED}
+    assert set(cells) == {SIDECAR, *COMPARED}
     assert all(c.generated_tokens > 0 for c in cells.values())
     assert cells["oracle"].regret_tokens == 0.0
     for figure in summary["figures"]:
