@@ -1,6 +1,6 @@
 """`nightjar-sim`: replay your own trace against candidate policies before deploying.
 
-    nightjar-sim my_trace.csv --qps 6 --policies nightjar,off,static-1,ema,oracle
+    nightjar-sim my_trace.csv --qps 6 --policies goodput,nightjar,off,static-1,ema,oracle
     nightjar-sim my_trace.jsonl --sidecar unix:/run/nightjar/nightjar.sock   # + a live sidecar
 
 The trace is an Azure-format CSV (TIMESTAMP, ContextTokens, GeneratedTokens) or a generic
@@ -37,7 +37,7 @@ from policy_server.sim.sources import ClientSource
 from policy_server.sim.workload import RequestSpec, TraceError, read_trace, scale_to_qps, window
 from vllm_client_patch.client import ClientConfig, NightjarClient
 
-DEFAULT_POLICIES = "nightjar,off,static-1,static-3,table,ema,oracle"
+DEFAULT_POLICIES = "goodput,nightjar,off,static-1,static-3,table,ema,dsd,oracle"
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
