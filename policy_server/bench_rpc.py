@@ -430,6 +430,22 @@ def render(results: dict[str, Any]) -> str:
         f"{pipe.fallbacks} |",
         "",
     ]
+    baseline = [Measurement(**m) for m in results.get("baseline", [])]
+    if baseline:
+        lines += [
+            "Stock gRPC baseline, measured the same way: a bare echo (the same bytes back, "
+            "no work) of a plugin-sized StepRequest between two Python processes over a Unix "
+            "socket, on grpcio's thread-pool server and on its asyncio server (the sidecar "
+            "runs the latter), from a plain grpcio client reading replies in its own thread.",
+            "",
+            "| baseline | samples | p50 ms | p99 ms |",
+            "|---|---:|---:|---:|",
+            *[
+                f"| {m.case} | {m.samples} | {m.p50_us / 1000:.3f} | {m.p99_us / 1000:.3f} |"
+                for m in baseline
+            ],
+            "",
+        ]
     single = [m for m in rpc if m.case.endswith("1 client(s)")]
     best = min(single, key=lambda m: m.p99_us)
     best_ok = met(best.p99_us / 1000 <= TARGET_RPC_P99_MS)

@@ -78,8 +78,18 @@ def learner_id(ctx: StepContext, share_learner: bool) -> str:
     """Whose learned state a step updates: the engine's learner key when it sends one and
     sharing is on (engines of one model and hardware learn together), else its own."""
     if share_learner and ctx.learner_key:
-        return f"shared:{ctx.learner_key}"
+        return learner_id_of_key(ctx.learner_key)
     return own_learner(ctx.engine_id)
+
+
+def learner_id_of_key(learner_key: str) -> str:
+    """The learner id of engines sharing ``learner_key`` (what learner_id returns).
+
+    Policies that keep tables per learner key also have ``forget_learner(learner_key)``
+    (optional, like TentativePolicy): the server bounds how many keys it holds and calls
+    it for the least recently used one it evicts (policy_server/engines.py).
+    """
+    return f"shared:{learner_key}"
 
 
 def own_learner(engine_id: str) -> str:

@@ -36,6 +36,7 @@ from policy_server.policies.base import (
     PolicyError,
     feasible_gamma_max,
     learner_id,
+    learner_id_of_key,
     load_prefill_cost,
     own_learner,
     parse_params,
@@ -239,6 +240,11 @@ class GoodputModelPolicy:
         except (KeyError, TypeError, ValueError) as exc:
             raise PolicyError(f"malformed goodput state: {exc!r}") from exc
         self._engines, self._learners = engines, learners
+
+    def forget_learner(self, learner_key: str) -> None:
+        """Drop what was learned under ``learner_key`` (the server bounds how many keys it
+        holds and evicts the least recently used; see policies/base.py)."""
+        self._learners.pop(learner_id_of_key(learner_key), None)
 
     def reset(self, engine_id: str | None = None) -> None:
         if engine_id is None:

@@ -20,6 +20,7 @@ from policy_server.policies.base import (
     PolicyError,
     feasible_gamma_max,
     learner_id,
+    learner_id_of_key,
     load_prefill_cost,
     own_learner,
     parse_params,
@@ -202,7 +203,7 @@ class NightjarPolicy:
     def forget_learner(self, learner_key: str) -> None:
         """Drop the tables learned under ``learner_key`` (the server bounds how many it
         holds, evicting the least recently used key; see policy_server/engines.py)."""
-        self._learners.pop(f"shared:{learner_key}", None)
+        self._learners.pop(learner_id_of_key(learner_key), None)
 
     def state(self, engine_id: str | None = None) -> dict[str, Any]:
         engines = {
