@@ -72,6 +72,14 @@ class SimRequest:
     just_prefilled: bool = False
     first_token_s: float | None = None
     finish_s: float | None = None
+    _expected: list[float] = dataclasses.field(default_factory=list, repr=False)
+
+    def expected_tokens(self, gamma: int) -> float:
+        """E[accepted + bonus] of one verify step with γ, under the request's true α."""
+        cache = self._expected
+        while len(cache) <= gamma:
+            cache.append(expected_tokens(self.alpha, len(cache)))
+        return cache[gamma]
 
     @property
     def decoding(self) -> bool:
@@ -217,7 +225,7 @@ class Simulator:
             )
             self.pending_decode = decode
             if self.config.track_regret:
-                goodputs = [self.expected_goodput(g) for g in range(self.config.gamma_max + 1)]
+                goodputs = self.expected_goodputs(self.config.gamma_max)
             gamma, decision_id = self.source.decide(ctx, self)
             gamma = max(0, min(gamma, self.config.gamma_max))
             decode = self._reserve(decode, gamma)
@@ -340,8 +348,8 @@ class Simulator:
 
     # -- for the oracle -----------------------------------------------------------------------
 
-    def expected_goodput(self, gamma: int) -> float:
-        """Expected decode tokens per second of the pending step's decode work with γ.
+    def expected_goodputs(self, top: int) -> list[float]:
+        """Expected decode tokens per second of the pending step's decode work, γ = 0..top.
 
         Scored on the decode batch alone, from the true parameters: prefill chunks that
         share the step are left out of the time, because counting them makes speculation
@@ -349,8 +357,11 @@ class Simulator:
         throughput to γ = 0 under load (docs/SIMULATOR.md, "The oracle").
         """
         decode = self.pending_decode
-        tokens = sum(min(expected_tokens(r.alpha, gamma), r.remaining) for r in decode)
         catch_up = max((r.lag for r in decode), default=0) if self.previous_gamma == 0 else 0
         context = sum(r.context_tokens for r in decode)
-        seconds = self.profile.step_seconds(len(decode), gamma, 0, context, catch_up)
-        return tokens / seconds
+        out = []
+        for gamma in range(top + 1):
+            tokens = sum(min(r.expected_tokens(gamma), r.remaining) for r in decode)
+            seconds = self.profile.step_seconds(len(decode), gamma, 0, context, catch_up)
+            out.append(tokens / seconds)
+        return out

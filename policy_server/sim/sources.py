@@ -57,7 +57,8 @@ class OracleSource:
 
     def decide(self, ctx: StepContext, sim: Simulator) -> tuple[int, str]:
         top = ctx.max_gamma if ctx.draft_resident else 0
-        best = max(range(top + 1), key=sim.expected_goodput)
+        goodputs = sim.expected_goodputs(top)
+        best = max(range(top + 1), key=goodputs.__getitem__)
         return best, ""
 
     def report(self, ctx: StepContext, decision_id: str, outcome: StepOutcome) -> None:
