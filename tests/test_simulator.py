@@ -157,7 +157,7 @@ def test_trace_readers_and_time_scaling(tmp_path: Path) -> None:
 def test_grpc_path_gives_the_same_decisions_as_in_process(make_server, busy_specs) -> None:
     specs = busy_specs[:60]
     in_process = run(PolicySource.named("nightjar", {"seed": 2}), specs, engine_id="parity")
-    server = make_server("--params", '{"seed": 2}')
+    server = make_server("--policy", "nightjar", "--params", '{"seed": 2}')
     client = NightjarClient(
         ClientConfig(target=server.target, engine_id="parity", deadline_s=5.0, connect_timeout_s=10)
     )
