@@ -69,7 +69,8 @@ def test_nightjarctl_replay_reads_the_rotated_files(tmp_path: Path) -> None:
     assert len(log_files(path)) > 3
     out = tmp_path / "warm.json"
     replayed = subprocess.run(
-        [sys.executable, "-m", "policy_server.ctl", "replay", str(path), "--out", str(out)],
+        [sys.executable, "-m", "policy_server.ctl", "replay", str(path), "--policy", "nightjar",
+         "--out", str(out)],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert replayed.returncode == 0, replayed.stderr
