@@ -20,6 +20,7 @@ import dataclasses
 import datetime
 import json
 import multiprocessing
+import os
 import platform
 import random
 import socket
@@ -407,6 +408,8 @@ def render(results: dict[str, Any]) -> str:
         "next request, as the plugin does. RPC cases use a 50 ms deadline so the tail is measured "
         "rather than cut off; the sustained-rate case uses the default 2 ms deadline.",
         "",
+        load_line(results),
+        "",
         "### In process",
         "",
         "| what | samples | p50 µs | p99 µs |",
@@ -466,6 +469,17 @@ def render(results: dict[str, Any]) -> str:
         *interpretation(inproc, rpc, pipe, rates),
     ]
     return "\n".join(lines) + "\n"
+
+
+def load_line(results: dict[str, Any]) -> str:
+    """How busy the host was: other processes on the same cores show up as latency."""
+    if "load_note" in results:
+        return str(results["load_note"])
+    start, end = results.get("load_average", [0.0, 0.0])
+    return (
+        f"Host load average (1 min) {start:.1f} at the start, {end:.1f} at the end of the run "
+        "(2 cores: above 2, other processes competed for them)."
+    )
 
 
 def rate_row(r: dict[str, Any]) -> str:
@@ -532,6 +546,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     results: dict[str, Any] = {
         "date": datetime.date.today().isoformat(),
         "machine": machine(),
+        "load_average": [os.getloadavg()[0]],
     }
     print("in-process decide ...", file=sys.stderr)
     results["in_process"] = [dataclasses.asdict(m) for m in measure_in_process(int(20_000 * scale))]
@@ -553,6 +568,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     results["pipelined"] = dataclasses.asdict(measure_pipelined(int(1_000 * scale)))
     print("sustained 1000/s ...", file=sys.stderr)
     results["rate"] = [measure_rate(1000.0, 10.0 * scale, pipelined) for pipelined in (False, True)]
+    results["load_average"].append(os.getloadavg()[0])
     write_section(args.out, SECTION, render(results))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))

@@ -53,16 +53,22 @@ class DecodeGuard(grpc.ServerInterceptor):  # type: ignore[type-arg]
         return handler
 
 
-def _guarded(method: str, handler: Handler | None) -> Handler | None:
-    if handler is None or handler.request_deserializer is None:
-        return handler
-    parse = handler.request_deserializer
+def tolerant(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    """A request deserializer that returns an Undecodable marker instead of raising."""
 
     def deserialize(data: bytes) -> Any:
         try:
             return parse(data)
         except Exception as exc:  # protobuf raises DecodeError and others
             return Undecodable(str(exc) or type(exc).__name__)
+
+    return deserialize
+
+
+def _guarded(method: str, handler: Handler | None) -> Handler | None:
+    if handler is None or handler.request_deserializer is None:
+        return handler
+    deserialize = tolerant(handler.request_deserializer)
 
     def checked(request: Any, context: grpc.ServicerContext) -> Any:
         if isinstance(request, Undecodable):

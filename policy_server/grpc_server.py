@@ -331,13 +331,7 @@ class AioDecodeGuard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
 def _guarded(method: str, handler: Any) -> Any:
     if handler is None or handler.request_deserializer is None:
         return handler
-    parse = handler.request_deserializer
-
-    def deserialize(data: bytes) -> Any:
-        try:
-            return parse(data)
-        except Exception as exc:  # protobuf raises DecodeError and others
-            return decode_guard.Undecodable(str(exc) or type(exc).__name__)
+    deserialize = decode_guard.tolerant(handler.request_deserializer)
 
     async def check(request: Any, context: Any) -> Any:
         if isinstance(request, decode_guard.Undecodable):

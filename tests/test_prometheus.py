@@ -194,7 +194,8 @@ def context(engine: str, batch_size: int, step: int) -> policy_pb2.StepContext:
 def test_prometheus_scrapes_a_live_sidecar_and_evaluates_the_rules(
     make_server: Any, make_prometheus: Any
 ) -> None:
-    server = make_server("--snapshot-interval", "600")
+    # The rules are queried for policy="nightjar" below (goodput is the default policy).
+    server = make_server("--snapshot-interval", "600", "--policy", "nightjar")
     prom = make_prometheus({SIDECAR_JOB: [f"127.0.0.1:{server.metrics_port}"]},
                            rule_files=[RULES])  # fmt: skip
     prom.wait_for(f'nightjar_serving{{job="{SIDECAR_JOB}"}} == 1')
