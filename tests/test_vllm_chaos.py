@@ -323,7 +323,7 @@ def _write_results() -> None:
             "test": "Chaos: memory order failing half-way",
             "what": ("draft offloaded, host copy corrupted, ReloadDraft during the same "
                      f"{CHAOS_TOKENS}-token generation; then repaired and reloaded"),
-            "figure": (f"reload refused ({memory['reload_error'][:80]}), engine served on "
+            "figure": (f"reload refused ({memory['reload_error']}), engine served on "
                        f"with γ = 0 ({memory['gamma0_steps_while_offloaded']} steps, nothing "
                        "drafted), outputs token-identical, then a verified reload")
             if memory else failed,
