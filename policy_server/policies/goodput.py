@@ -24,6 +24,7 @@ the choice follows a change of the request mix or of the step-time curve.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from collections.abc import Mapping
@@ -170,6 +171,24 @@ class GoodputModelPolicy:
         engine.previous_gamma = sampled
         bin_type = BinType.EXPLOIT if sampled == greedy else BinType.EXPLORE
         return Choice(gamma=sampled, bin_type=bin_type)
+
+    def checkpoint(self, ctx: StepContext) -> object:
+        """What decide(ctx) may change (TentativePolicy): the engine's RNG and γ_prev (the
+        whole engine when decide would create it). Learners only change in observe()."""
+        engine = self._engines.get(ctx.engine_id)
+        if engine is None:
+            return None
+        return engine, copy.deepcopy(engine.rng.bit_generator.state), engine.previous_gamma
+
+    def restore(self, ctx: StepContext, saved: object) -> None:
+        if saved is None:
+            self._engines.pop(ctx.engine_id, None)
+            return
+        assert isinstance(saved, tuple)
+        engine, rng_state, previous_gamma = saved
+        engine.rng.bit_generator.state = copy.deepcopy(rng_state)
+        engine.previous_gamma = previous_gamma
+        self._engines[ctx.engine_id] = engine
 
     def observe(self, ctx: StepContext, choice: Choice, outcome: StepOutcome) -> None:
         engine = self._engine(ctx)
