@@ -39,8 +39,12 @@ def encode(document: dict[str, Any]) -> bytes:
 
 
 def write_atomic(path: Path, document: dict[str, Any]) -> None:
+    write_bytes_atomic(path, encode(document))
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` (an encoded document) as ``path``: old or new, never torn."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    data = encode(document)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as fh:
