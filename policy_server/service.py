@@ -254,9 +254,10 @@ class DecisionService:
             ]
         else:
             decided = [(ctx, policy.decide(ctx), None)]
-        decisions = []
         members: dict[str, Candidate] = {}
-        for candidate_ctx, choice, after in decided:
+
+        def stamp(index: int, **extra: Any) -> Decision:
+            candidate_ctx, choice, after = decided[index]
             decision_id = f"{self._boot_id}-{next(self._sequence):x}"
             pending = PendingDecision(
                 candidate_ctx, choice, active.revision, policy.gamma_max, not tentative
@@ -266,26 +267,26 @@ class DecisionService:
             else:
                 self.engines.add_pending(shard, decision_id, pending)
                 self._count_decision(decision_id, pending)
-            decisions.append(
-                Decision(
-                    gamma=choice.gamma,
-                    decision_id=decision_id,
-                    bin_type=choice.bin_type,
-                    exploration_probability=choice.exploration_probability,
-                    policy_name=active.name,
-                    policy_version=active.version,
-                    step_index=ctx.step_index,
-                    request_gammas=choice.request_gammas,
-                    batch_size=candidate_ctx.batch_size,
-                    tentative=tentative,
-                )
+            return Decision(
+                gamma=choice.gamma,
+                decision_id=decision_id,
+                bin_type=choice.bin_type,
+                exploration_probability=choice.exploration_probability,
+                policy_name=active.name,
+                policy_version=active.version,
+                step_index=ctx.step_index,
+                request_gammas=choice.request_gammas,
+                batch_size=candidate_ctx.batch_size,
+                tentative=tentative,
+                **extra,
             )
+
+        # Candidates first: the decision for batch_size carries them (built once).
+        candidates = tuple(stamp(index) for index in range(1, len(decided)))
+        directive = self._memory_directive(reported, decided[0][1].gamma)
+        decision = stamp(0, memory_directive=directive, candidates=candidates)
         if tentative:
             self.engines.open_set(shard, CandidateSet(active.revision, members))
-        directive = self._memory_directive(reported, decisions[0].gamma)
-        decision = dataclasses.replace(
-            decisions[0], memory_directive=directive, candidates=tuple(decisions[1:])
-        )
         self.metrics.decision_latency.observe(time.perf_counter() - started)
         return decision
 
