@@ -91,11 +91,11 @@ def test_each_decision_is_reported_with_the_step_that_verified_it(
     controller = GammaController(config)
     wait_for(lambda: controller.client.connected)
     verified = [VerifiedStep(0, 0, 4), VerifiedStep(8, 5, 9), VerifiedStep(8, 2, 6)]
-    for step in verified:  # three steps at batch 4, each verifying the previous γ = 2
-        assert controller.decide(view(4)) == 2
+    for k, step in enumerate(verified):  # three steps at batch 4, each verifying γ = 2
+        assert controller.decide(dataclasses.replace(view(4), prefill_tokens=10 * (k + 1))) == 2
         controller.end_step(step)
     # The batch jumped outside the candidate window (2..6): the prefetch missed.
-    assert controller.decide(view(12)) == 2
+    assert controller.decide(dataclasses.replace(view(12), prefill_tokens=40)) == 2
     controller.end_step(VerifiedStep(6, 6, 9))
     controller.idle()  # the last decision is dropped, the queued outcome sent
     stats = controller.stats()
@@ -109,6 +109,8 @@ def test_each_decision_is_reported_with_the_step_that_verified_it(
     # Outcome k carries what step k+1 verified, for decision k's context.
     assert [o["drafted_tokens"] for o in outcomes] == [8, 8, 6]
     assert [o["generated_tokens"] for o in outcomes] == [9, 6, 9]
+    # ... and the prefill that shared step k+1, whose time it reports.
+    assert [o["prefill_tokens"] for o in outcomes] == [20, 30, 40]
     assert [decided[o["decision_id"]]["context"]["batch_size"] for o in outcomes] == [4, 4, 4]
     assert {r["context"]["learner_key"] for r in decided.values()} == {"tiny@cpu"}
     controller.close()

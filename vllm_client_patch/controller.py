@@ -86,7 +86,8 @@ class _InFlight:
     ctx: StepContext
     decision: GammaDecision
     started: float
-    # Prefill computed in the decided step: the outcome's step time includes it.
+    # Prefill computed in the step: reported with the outcome whose time is this step's
+    # (the previous decision's, whose drafts this step verifies).
     prefill_tokens: int = 0
 
 
@@ -207,7 +208,8 @@ class GammaController:
             return
         step = self._pending.popleft()
         if self._in_flight is not None:
-            self._report(self._in_flight, verified, started - step.started)
+            # The time and the prefill are this step's: it verified the in-flight drafts.
+            self._report(self._in_flight, verified, started - step.started, step.prefill_tokens)
         self._in_flight = step
         self._step_index += 1
         ended = time.perf_counter()
@@ -225,7 +227,9 @@ class GammaController:
         self.client.discard_prefetch()  # asked for a step that may come much later
         self.client.flush()
 
-    def _report(self, flight: _InFlight, verified: VerifiedStep, seconds: float) -> None:
+    def _report(
+        self, flight: _InFlight, verified: VerifiedStep, seconds: float, prefill_tokens: int
+    ) -> None:
         decision_id = flight.decision.decision_id
         if not decision_id or seconds <= 0:
             return  # a fallback decision: the sidecar never saw it
@@ -237,7 +241,7 @@ class GammaController:
                 drafted_tokens=verified.drafted_tokens,
                 accepted_tokens=verified.accepted_tokens,
                 request_accepts=verified.request_accepts,
-                prefill_tokens=flight.prefill_tokens,
+                prefill_tokens=prefill_tokens,
             )
         )  # fmt: skip
         self._reported += 1
