@@ -10,8 +10,8 @@ import dataclasses
 import logging
 import types
 import typing
-from collections.abc import Mapping
-from typing import Any, ClassVar, Protocol, TypeVar
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from policy_server.prefill_cost import PrefillCostError, PrefillCostTable
 from policy_server.types import BinType, Choice, StepContext, StepOutcome
@@ -137,6 +137,65 @@ class TentativePolicy(Protocol):
     def restore(self, ctx: StepContext, saved: object) -> None:
         """Put back what checkpoint(ctx) returned (for the same ctx)."""
         ...
+
+
+L = TypeVar("L")
+
+
+class LearnerTable(Generic[L]):
+    """Which learner each engine updates and what each learner has learned: the
+    bookkeeping of policies whose whole state is per learner (dsd, ucb)."""
+
+    def __init__(self, share_learner: bool, new: Callable[[], L]) -> None:
+        self.share_learner = share_learner
+        self._new = new
+        self.engines: dict[str, str] = {}
+        self.learners: dict[str, L] = {}
+
+    def learner_of(self, ctx: StepContext) -> str:
+        learner = self.engines.get(ctx.engine_id)
+        if learner is None:
+            learner = self.engines[ctx.engine_id] = learner_id(ctx, self.share_learner)
+        return learner
+
+    def get(self, ctx: StepContext) -> L:
+        """The learned value of the step's learner (created on first use)."""
+        learner = self.learner_of(ctx)
+        value = self.learners.get(learner)
+        if value is None:
+            value = self.learners[learner] = self._new()
+        return value
+
+    def replace(self, ctx: StepContext, value: L) -> None:
+        self.learners[self.learner_of(ctx)] = value
+
+    def to_json(
+        self, engine_id: str | None, learner_json: Callable[[L], Any]
+    ) -> dict[str, dict[str, Any]]:
+        """``engines`` and ``learners`` of a policy state (one engine's part when given)."""
+        engines = {e: lid for e, lid in sorted(self.engines.items()) if engine_id in (None, e)}
+        learners = {lid: learner_json(self.learners[lid])
+                    for lid in sorted(set(engines.values())) if lid in self.learners}  # fmt: skip
+        return {"engines": engines, "learners": learners}
+
+    def load(self, state: Mapping[str, Any], learner_from_json: Callable[[Any], L]) -> None:
+        """Replace the table from a state's ``engines`` and ``learners``; raises KeyError,
+        TypeError or ValueError (and changes nothing) when they do not fit."""
+        engines = {str(e): str(lid) for e, lid in dict(state["engines"]).items()}
+        learners = {str(lid): learner_from_json(v) for lid, v in dict(state["learners"]).items()}
+        self.engines, self.learners = engines, learners
+
+    def forget_learner(self, learner_key: str) -> None:
+        self.learners.pop(learner_id_of_key(learner_key), None)
+
+    def reset(self, engine_id: str | None = None) -> None:
+        if engine_id is None:
+            self.engines.clear()
+            self.learners.clear()
+            return
+        learner = self.engines.pop(engine_id, None)
+        if learner == own_learner(engine_id):
+            self.learners.pop(learner, None)
 
 
 P = TypeVar("P")

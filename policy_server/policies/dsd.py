@@ -25,11 +25,9 @@ from typing import Any, ClassVar
 import numpy as np
 
 from policy_server.policies.base import (
+    LearnerTable,
     PolicyError,
     feasible_gamma_max,
-    learner_id,
-    learner_id_of_key,
-    own_learner,
     parse_params,
 )
 from policy_server.policies.models import AcceptanceModel, expected_tokens
@@ -88,8 +86,9 @@ class DsdPolicy:
     def __init__(self, params: Mapping[str, Any] | None = None) -> None:
         self._params = parse_params(DsdParams, params, self.name)
         self._decay = 1.0 - 1.0 / self._params.alpha_window_steps
-        self._alphas: dict[str, AcceptanceModel] = {}
-        self._learner_of: dict[str, str] = {}
+        self._table = LearnerTable(
+            self._params.share_learner, lambda: self._prior(self._params.start_alpha)
+        )
 
     @property
     def gamma_max(self) -> int:
@@ -102,7 +101,7 @@ class DsdPolicy:
         top = feasible_gamma_max(ctx, self._params.gamma_max)
         if top == 0:
             return Choice(gamma=0, bin_type=BinType.FORCED)
-        alpha = self._acceptance(ctx).alpha
+        alpha = self._table.get(ctx).alpha
         a, b, c = self._params.target_ms
         d, e = self._params.draft_ms
         batch = ctx.batch_size
@@ -115,61 +114,35 @@ class DsdPolicy:
         return Choice(gamma=max(range(top + 1), key=goodput), bin_type=BinType.EXPLOIT)
 
     def observe(self, ctx: StepContext, choice: Choice, outcome: StepOutcome) -> None:
-        model = self._acceptance(ctx)
+        model = self._table.get(ctx)
         model.observe(outcome.gamma, outcome.drafted_tokens, outcome.accepted_tokens,
                       [n for _, n in outcome.request_accepts])  # fmt: skip
         if model.alpha < RESET_BELOW:
-            self._alphas[self._learner_of[ctx.engine_id]] = self._prior(RESET_TO)
+            self._table.replace(ctx, self._prior(RESET_TO))
 
     def state(self, engine_id: str | None = None) -> dict[str, Any]:
-        learners = {lid for eid, lid in self._learner_of.items() if engine_id in (None, eid)}
         return {
             "schema": STATE_SCHEMA,
             "gamma_max": self._params.gamma_max,
-            "engines": {
-                eid: lid for eid, lid in sorted(self._learner_of.items())
-                if engine_id in (None, eid)
-            },
-            "learners": {lid: self._alphas[lid].to_json() for lid in sorted(learners)
-                         if lid in self._alphas},
-        }  # fmt: skip
+            **self._table.to_json(engine_id, AcceptanceModel.to_json),
+        }
 
     def load_state(self, state: Mapping[str, Any]) -> None:
         if state.get("schema") != STATE_SCHEMA or state.get("gamma_max") != self.gamma_max:
             raise PolicyError(f"state is not {STATE_SCHEMA} with gamma_max={self.gamma_max}")
         try:
-            engines = {str(k): str(v) for k, v in dict(state["engines"]).items()}
-            alphas = {
-                str(k): AcceptanceModel.from_json(v, self._decay)
-                for k, v in dict(state["learners"]).items()
-            }
+            self._table.load(state, lambda v: AcceptanceModel.from_json(v, self._decay))
         except (KeyError, TypeError, ValueError) as exc:
             raise PolicyError(f"malformed dsd state: {exc!r}") from exc
-        self._learner_of, self._alphas = engines, alphas
 
     def forget_learner(self, learner_key: str) -> None:
         """Drop what was learned under ``learner_key`` (the server bounds how many keys it
         holds and evicts the least recently used; see policies/base.py)."""
-        self._alphas.pop(learner_id_of_key(learner_key), None)
+        self._table.forget_learner(learner_key)
 
     def reset(self, engine_id: str | None = None) -> None:
-        if engine_id is None:
-            self._learner_of.clear()
-            self._alphas.clear()
-            return
-        learner = self._learner_of.pop(engine_id, None)
-        if learner == own_learner(engine_id):
-            self._alphas.pop(learner, None)
+        self._table.reset(engine_id)
 
     def _prior(self, alpha: float) -> AcceptanceModel:
         # A prior worth one small step: the first counters move it.
         return AcceptanceModel.with_prior(alpha, 4.0, self._decay)
-
-    def _acceptance(self, ctx: StepContext) -> AcceptanceModel:
-        learner = self._learner_of.get(ctx.engine_id)
-        if learner is None:
-            learner = self._learner_of[ctx.engine_id] = learner_id(ctx, self._params.share_learner)
-        model = self._alphas.get(learner)
-        if model is None:
-            model = self._alphas[learner] = self._prior(self._params.start_alpha)
-        return model

@@ -19,11 +19,9 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from policy_server.policies.base import (
+    LearnerTable,
     PolicyError,
     feasible_gamma_max,
-    learner_id,
-    learner_id_of_key,
-    own_learner,
     parse_params,
 )
 from policy_server.types import BinType, Choice, StepContext, StepOutcome
@@ -65,8 +63,10 @@ class UcbPolicy:
 
     def __init__(self, params: Mapping[str, Any] | None = None) -> None:
         self._params = parse_params(UcbParams, params, self.name)
-        self._arms: dict[str, dict[int, ArmSet]] = {}
-        self._learner_of: dict[str, str] = {}
+        # Per learner: power-of-two bucket -> its arms.
+        self._table: LearnerTable[dict[int, ArmSet]] = LearnerTable(
+            self._params.share_learner, dict
+        )
 
     @property
     def gamma_max(self) -> int:
@@ -105,61 +105,46 @@ class UcbPolicy:
         arms.best = max(arms.best, reward)
 
     def state(self, engine_id: str | None = None) -> dict[str, Any]:
-        learners = {lid for eid, lid in self._learner_of.items() if engine_id in (None, eid)}
         return {
             "schema": STATE_SCHEMA,
             "gamma_max": self._params.gamma_max,
-            "engines": {
-                eid: lid for eid, lid in sorted(self._learner_of.items())
-                if engine_id in (None, eid)
-            },
-            "learners": {
-                lid: {str(b): a.to_json() for b, a in sorted(self._arms[lid].items())}
-                for lid in sorted(learners) if lid in self._arms
-            },
-        }  # fmt: skip
+            **self._table.to_json(
+                engine_id, lambda buckets: {str(b): a.to_json() for b, a in sorted(buckets.items())}
+            ),
+        }
 
     def load_state(self, state: Mapping[str, Any]) -> None:
         if state.get("schema") != STATE_SCHEMA or state.get("gamma_max") != self.gamma_max:
             raise PolicyError(f"state is not {STATE_SCHEMA} with gamma_max={self.gamma_max}")
-        arms_per_set = self.gamma_max + 1
         try:
-            engines = {str(k): str(v) for k, v in dict(state["engines"]).items()}
-            learners: dict[str, dict[int, ArmSet]] = {}
-            for lid, buckets in dict(state["learners"]).items():
-                learners[str(lid)] = {}
-                for bucket, data in dict(buckets).items():
-                    sums = [float(x) for x in data["sums"]]
-                    counts = [int(x) for x in data["counts"]]
-                    arms = ArmSet(sums, counts, float(data["best"]))
-                    if len(arms.sums) != arms_per_set or len(arms.counts) != arms_per_set:
-                        raise ValueError(f"expected {arms_per_set} arms")
-                    if not all(math.isfinite(s) for s in arms.sums) or min(arms.counts) < 0:
-                        raise ValueError("non-finite sum or negative count")
-                    learners[str(lid)][int(bucket)] = arms
+            self._table.load(state, self._buckets_from_json)
         except (KeyError, TypeError, ValueError) as exc:
             raise PolicyError(f"malformed ucb state: {exc!r}") from exc
-        self._learner_of, self._arms = engines, learners
 
     def forget_learner(self, learner_key: str) -> None:
         """Drop what was learned under ``learner_key`` (the server bounds how many keys it
         holds and evicts the least recently used; see policies/base.py)."""
-        self._arms.pop(learner_id_of_key(learner_key), None)
+        self._table.forget_learner(learner_key)
 
     def reset(self, engine_id: str | None = None) -> None:
-        if engine_id is None:
-            self._learner_of.clear()
-            self._arms.clear()
-            return
-        learner = self._learner_of.pop(engine_id, None)
-        if learner == own_learner(engine_id):
-            self._arms.pop(learner, None)
+        self._table.reset(engine_id)
+
+    def _buckets_from_json(self, buckets: Any) -> dict[int, ArmSet]:
+        arms_per_set = self.gamma_max + 1
+        out: dict[int, ArmSet] = {}
+        for bucket, data in dict(buckets).items():
+            sums = [float(x) for x in data["sums"]]
+            counts = [int(x) for x in data["counts"]]
+            arms = ArmSet(sums, counts, float(data["best"]))
+            if len(arms.sums) != arms_per_set or len(arms.counts) != arms_per_set:
+                raise ValueError(f"expected {arms_per_set} arms")
+            if not all(math.isfinite(s) for s in arms.sums) or min(arms.counts) < 0:
+                raise ValueError("non-finite sum or negative count")
+            out[int(bucket)] = arms
+        return out
 
     def _arm_set(self, ctx: StepContext) -> ArmSet:
-        learner = self._learner_of.get(ctx.engine_id)
-        if learner is None:
-            learner = self._learner_of[ctx.engine_id] = learner_id(ctx, self._params.share_learner)
-        buckets = self._arms.setdefault(learner, {})
+        buckets = self._table.get(ctx)
         bucket = bucket_of(ctx.batch_size)
         arms = buckets.get(bucket)
         if arms is None:
