@@ -16,9 +16,7 @@ def test_render_marks_targets_from_the_figures() -> None:
         tput = {"oracle": 100.0, "goodput": 99.0, "static-1": 99.5, "ema": 99.5}.get(policy, 80.0)
         regret = {"oracle": 0.0, "goodput": 50.0}.get(policy, 10.0)
         latency = {"goodput": 1.5, "table": 1.2}.get(policy, 3.0)
-        cells[("p", "w", policy)] = [
-            Cell("p", "w", policy, tput, latency, 2.0, 10.0, 1000, regret)
-        ]
+        cells[("p", "w", policy)] = [Cell("p", "w", policy, tput, latency, 2.0, 10.0, 1000, regret)]
     sweep = {"p": {"goodput": [(1.0, 90.0, 2.5), (4.0, 300.0, 7.25)]}}
     text = render(cells, ["p"], ["w"], config, sweep, [Path("docs/img/a.png")], Path("docs"))
     assert "| goodput | 99 | 0.990 | 1.50 | 2.00 | 10.0 | 5.00 |" in text
