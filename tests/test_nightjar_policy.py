@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -174,6 +175,8 @@ def test_switching_cost_favours_longer_gamma_to_amortise(tmp_path: Path) -> None
 
 
 def test_without_a_table_the_switching_cost_is_zero(caplog: pytest.LogCaptureFixture) -> None:
+    # Whatever an earlier test left on the root logger, this logger warns.
+    caplog.set_level(logging.WARNING, logger="policy_server.policies.base")
     policy = NightjarPolicy()
     assert "c_prefill = 0" in caplog.text
     policy.load_state(exploit_state([100.0, 110.0, 112.0, 111.0, 105.0], previous_gamma=0))
