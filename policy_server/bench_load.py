@@ -923,9 +923,19 @@ def shown_command(argv: list[str]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
     # The snapshot check builds policies here; their start-up notes are not the report's.
-    logging.getLogger("policy_server.policies").setLevel(logging.ERROR)
+    # Put the level back after: main also runs inside other processes (the tests).
+    policies_log = logging.getLogger("policy_server.policies")
+    level = policies_log.level
+    policies_log.setLevel(logging.ERROR)
+    try:
+        return _main(argv)
+    finally:
+        policies_log.setLevel(level)
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    args = parse_args(argv)
     header = {
         "date": datetime.date.today().isoformat(),
         "machine": machine(),
