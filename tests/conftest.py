@@ -195,3 +195,21 @@ def make_prometheus(tmp_path: Path) -> Iterator[Any]:
     yield factory
     for rig in rigs:
         rig.stop()
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """A throwaway PKI (tests/tls_certs.py): "ca" with its "server" (localhost) and "client"
+    certificates, and "other", a second CA, with its client certificate "intruder"."""
+    from tls_certs import CertificateAuthority
+
+    root = tmp_path_factory.mktemp("pki")
+    ca = CertificateAuthority(root / "ca")
+    other = CertificateAuthority(root / "other", "other-ca")
+    return {
+        "ca": ca,
+        "server": ca.issue("server", server=True),
+        "client": ca.issue("client", server=False),
+        "intruder": other.issue("intruder", server=False),
+        "other": other,
+    }

@@ -24,7 +24,6 @@ from policy_server import tls
 from policy_server.policies import REGISTRY
 from policy_server.policies.base import file_path_params
 from tests.test_server import context, outcome
-from tests.tls_certs import CertificateAuthority
 
 PREFILL_TABLE = "lag_tokens,batch_size,c_prefill_ms\n0,1,1\n0,8,2\n64,1,3\n64,8,4\n"
 
@@ -70,20 +69,6 @@ def test_tcp_port_is_loopback_only_unless_widened(make_server) -> None:
     wide = make_server("--port", "0", "--bind", "0.0.0.0", name="wide")
     assert listening_addresses(tcp_port(wide)) <= {"0.0.0.0", "::"}
     assert "without TLS: decisions and the admin token travel in the clear" in wide.log()
-
-
-@pytest.fixture(scope="module")
-def pki(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    root = tmp_path_factory.mktemp("pki")
-    ca = CertificateAuthority(root / "ca")
-    other = CertificateAuthority(root / "other", "other-ca")
-    return {
-        "ca": ca,
-        "server": ca.issue("server", server=True),
-        "client": ca.issue("client", server=False),
-        "intruder": other.issue("intruder", server=False),
-        "other": other,
-    }
 
 
 def test_mutual_tls_admits_only_clients_with_a_certificate_of_the_ca(make_server, pki) -> None:

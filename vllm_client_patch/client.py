@@ -30,6 +30,7 @@ from nightjar_proto.v1 import policy_pb2, policy_pb2_grpc
 
 from policy_server import uds, wire
 from policy_server.policies.fixed import DEFAULT_SCHEDULE, TablePolicy
+from policy_server.tls import ClientTls, open_channel
 from policy_server.types import Decision, MemoryDirective, StepContext, StepOutcome
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,8 @@ class ClientConfig:
     use_stream: bool = True
     # How long to wait for a connection at start-up (0 = do not wait).
     connect_timeout_s: float = 0.0
+    # TLS (mutual with a client certificate) to a host:port sidecar; None = plaintext.
+    tls: ClientTls | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -274,7 +277,8 @@ class NightjarClient:
         self._started = time.monotonic()
         self._warned_unreachable = False
         self._ready_wait_ended = 0.0
-        self._channel = grpc.insecure_channel(config.target, options=CHANNEL_OPTIONS)
+        # TLS is the channel's business: calls over it are the same as over plaintext.
+        self._channel = open_channel(config.target, config.tls, CHANNEL_OPTIONS)
         self._reconnector = threading.Thread(
             target=self._reconnect_loop, name="nightjar-reconnect", daemon=True
         )
@@ -534,6 +538,13 @@ class NightjarClient:
         self._warned_unreachable = True
         if error is None:
             reason = f"it accepts connections but gave no gRPC answer in {UNREADY_WARNING_S} s"
+            if self.config.tls is not None:
+                # A refused handshake looks just like this from here.
+                reason += (
+                    " (with TLS: does the sidecar serve TLS, does its certificate chain "
+                    "to NIGHTJAR_TLS_CA and name the target or NIGHTJAR_TLS_SERVER_NAME, "
+                    "and with mutual TLS does NIGHTJAR_TLS_CERT chain to its client CA?)"
+                )
         else:
             hint = next((h for kind, h in _HINTS.items() if isinstance(error, kind)), "")
             reason = f"{error}" + (f" ({hint})" if hint else "")

@@ -20,9 +20,20 @@ Environment (wins over the file):
                             group may connect)
     NIGHTJAR_ADMIN_TOKEN_FILE  file holding the token that mutating memory-agent calls
                             must present (optional; as the sidecar's --admin-token-file)
+    NIGHTJAR_TLS_CA         PEM CA that signed the sidecar's certificate: TLS to a host:port
+                            sidecar (one on another host; the sidecar's --tls-cert)
+    NIGHTJAR_TLS_CERT       PEM client certificate, for mutual TLS (the sidecar's
+                            --tls-client-ca); needs NIGHTJAR_TLS_KEY
+    NIGHTJAR_TLS_KEY        PEM key of NIGHTJAR_TLS_CERT
+    NIGHTJAR_TLS_SERVER_NAME  name checked against the sidecar's certificate (default: the
+                            host of NIGHTJAR_SIDECAR)
     NIGHTJAR_CONFIG         a TOML file with the same keys, lower-case, in a [plugin] table
 
 Off means stock vLLM: the scheduler subclass then defers to vLLM in every step.
+
+TLS is on when any of NIGHTJAR_TLS_CA/CERT/KEY is set; a unix: sidecar takes none (the
+socket's file mode guards it). The TLS files are read at load while the plugin is active, so
+a missing or non-PEM file stops the engine at start-up instead of failing every step.
 """
 
 from __future__ import annotations
@@ -36,13 +47,18 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from policy_server.tls import ClientTls
 from policy_server.uds import DEFAULT_MODE, parse_mode
 from policy_server.validation import MAX_ID_LENGTH
 
 ENV_PREFIX = "NIGHTJAR_"
 KEYS = ("sidecar", "enabled", "engine_id", "learner_key", "deadline_ms", "fallback_table",
         "stats_file", "memory_agent", "memory_socket", "memory_socket_mode",
-        "admin_token_file")  # fmt: skip
+        "admin_token_file", "tls_ca", "tls_cert", "tls_key", "tls_server_name")  # fmt: skip
+# The TLS settings that are files, with what each holds (for the error messages).
+_TLS_FILES = {"tls_ca": "CA certificate", "tls_cert": "client certificate",
+              "tls_key": "client key"}  # fmt: skip
+_TLS_SETTINGS = (*_TLS_FILES, "tls_server_name")
 
 
 class PluginConfigError(ValueError):
@@ -63,10 +79,22 @@ class PluginConfig:
     memory_socket: str = ""
     memory_socket_mode: int = DEFAULT_MODE
     admin_token_file: str = ""
+    # PEM files for TLS to a host:port sidecar ("" = unset); see the module docstring.
+    tls_ca: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_server_name: str = ""
 
     @property
     def active(self) -> bool:
         return self.enabled and bool(self.sidecar)
+
+    @property
+    def tls(self) -> ClientTls | None:
+        """The client's TLS files; None = plaintext (no CA, certificate or key set)."""
+        if not (self.tls_ca or self.tls_cert or self.tls_key):
+            return None
+        return ClientTls(self.tls_ca, self.tls_cert, self.tls_key, self.tls_server_name)
 
     @classmethod
     def load(cls, environ: Mapping[str, str] | None = None) -> PluginConfig:
@@ -107,7 +135,12 @@ class PluginConfig:
         for key in ("stats_file", "memory_socket", "admin_token_file"):
             if key in raw:
                 values[key] = str(raw[key])
-        return cls(**values)
+        for key in _TLS_SETTINGS:
+            if key in raw:
+                values[key] = str(raw[key]).strip()  # "" or blanks: unset (Helm's defaults)
+        config = cls(**values)
+        _check_tls(config)
+        return config
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
@@ -130,6 +163,46 @@ def _target(value: Any) -> str:
     if target in ("unix:", "unix://"):
         raise PluginConfigError("NIGHTJAR_SIDECAR unix: needs a socket path")
     return target
+
+
+def _check_tls(config: PluginConfig) -> None:
+    """Refuse TLS settings that cannot work, at start-up: each would otherwise show only
+    as every step falling back (a failed handshake looks like a sidecar that is down)."""
+    if bool(config.tls_cert) != bool(config.tls_key):
+        given, missing = (
+            ("NIGHTJAR_TLS_CERT", "NIGHTJAR_TLS_KEY")
+            if config.tls_cert
+            else ("NIGHTJAR_TLS_KEY", "NIGHTJAR_TLS_CERT")
+        )
+        raise PluginConfigError(f"{given} is set without {missing}: mutual TLS needs both")
+    if config.tls is None:
+        if config.tls_server_name:
+            raise PluginConfigError(
+                "NIGHTJAR_TLS_SERVER_NAME is set but TLS is off: set NIGHTJAR_TLS_CA "
+                "(and NIGHTJAR_TLS_CERT/NIGHTJAR_TLS_KEY for mutual TLS)"
+            )
+        return
+    if config.sidecar.startswith("unix:"):
+        names = [f"NIGHTJAR_{key.upper()}" for key in _TLS_SETTINGS if getattr(config, key)]
+        raise PluginConfigError(
+            f"{', '.join(names)} set with the Unix socket NIGHTJAR_SIDECAR={config.sidecar}: "
+            "TLS is for a host:port sidecar (the socket's file mode guards it); unset them"
+        )
+    if not config.active:
+        return  # the plugin is off: its files are not needed (NIGHTJAR_ENABLED=0 kill switch)
+    for key, what in _TLS_FILES.items():
+        if path := getattr(config, key):
+            _check_pem(path, f"NIGHTJAR_{key.upper()}", what)
+
+
+def _check_pem(path: str, name: str, what: str) -> None:
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise PluginConfigError(f"{name}: cannot read the {what} {path}: {exc.strerror}") from None
+    # The check gRPC's own loader would fail later, per connection and quietly.
+    if b"-----BEGIN " not in data:
+        raise PluginConfigError(f"{name}: the {what} {path} is not a PEM file")
 
 
 def _learner_key(value: Any) -> str:

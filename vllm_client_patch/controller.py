@@ -108,6 +108,7 @@ class GammaController:
             target=config.sidecar, engine_id=config.engine_id,
             deadline_s=config.deadline_ms / 1000,
             fallback_schedule=config.fallback_table or fallback_table or DEFAULT_SCHEDULE,
+            tls=config.tls,
         )  # fmt: skip
         self.client = client_factory(client_config)
         self._step_index = 0
