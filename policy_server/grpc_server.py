@@ -13,6 +13,7 @@ in a thread pool so they never hold the loop.
 from __future__ import annotations
 
 import asyncio
+import collections
 import hmac
 import inspect
 import json
@@ -106,6 +107,71 @@ class _Servicer:
         raise AssertionError("unreachable")  # context.abort raises
 
 
+SUPERSEDED = (
+    "superseded: a newer context of this engine arrived on the stream before this one was "
+    "decided; its outcome and ran_decision_id were applied"
+)
+
+
+def _stream_error(seq: int, code: grpc.StatusCode, message: str) -> policy_pb2.StepReply:
+    return policy_pb2.StepReply(
+        seq=seq, error=policy_pb2.StepError(code=code.value[0], message=message)
+    )
+
+
+class _StreamInbox:
+    """The requests of one StepStream, read ahead by a task of their own.
+
+    Reading ahead lets the handler see that a context is already stale: an engine sends
+    its next context only once it stopped waiting for the previous one (it fell back at
+    its deadline), so when the sidecar is behind, deciding every queued context in turn
+    answers each one too late and the backlog never drains. The newest context of an
+    engine is decided; older ones are applied (outcome, ran decision) and answered ABORTED.
+    """
+
+    def __init__(self, requests: AsyncIterator[policy_pb2.StepRequest]) -> None:
+        self._queue: collections.deque[policy_pb2.StepRequest] = collections.deque()
+        self._arrived = asyncio.Event()
+        self._ended = False
+        self._error: BaseException | None = None
+        self._reader = asyncio.ensure_future(self._read(requests))
+
+    async def _read(self, requests: AsyncIterator[policy_pb2.StepRequest]) -> None:
+        try:
+            async for request in requests:
+                self._queue.append(request)
+                self._arrived.set()
+        except BaseException as exc:  # the call's end (cancelled, broken): the handler's too
+            self._error = exc
+        finally:
+            self._ended = True
+            self._arrived.set()
+
+    async def next(self) -> policy_pb2.StepRequest | None:
+        """The oldest unanswered request; None once the client half-closed."""
+        while not self._queue:
+            if self._ended:
+                if self._error is not None and not isinstance(self._error, asyncio.CancelledError):
+                    raise self._error
+                return None
+            self._arrived.clear()
+            await self._arrived.wait()
+        return self._queue.popleft()
+
+    def superseded(self, request: policy_pb2.StepRequest) -> bool:
+        """Whether a newer context of the same engine already waits behind ``request``."""
+        if not request.HasField("context") or not self._queue:
+            return False
+        engine_id = request.context.engine_id
+        return any(
+            later.HasField("context") and later.context.engine_id == engine_id
+            for later in self._queue
+        )
+
+    def close(self) -> None:
+        self._reader.cancel()
+
+
 class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):  # type: ignore[misc]
     """The per-step RPCs, answered on the event loop (the service call takes µs)."""
 
@@ -134,22 +200,28 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):  # type: ignore[mis
     async def StepStream(
         self, request_iterator: AsyncIterator[policy_pb2.StepRequest], context: Any
     ) -> AsyncIterator[policy_pb2.StepReply]:
-        async for request in request_iterator:
-            try:
-                reply = self._step(request)
-            except NightjarError as exc:
-                code = status_of(exc)
-                self.service.metrics.invalid_requests.labels("StepStream", code.name).inc()
-                reply = policy_pb2.StepReply(
-                    seq=request.seq,
-                    error=policy_pb2.StepError(code=code.value[0], message=str(exc)),
-                )
-            yield reply
+        inbox = _StreamInbox(request_iterator)
+        try:
+            while (request := await inbox.next()) is not None:
+                superseded = inbox.superseded(request)
+                try:
+                    reply = self._step(request, decide=not superseded)
+                except NightjarError as exc:
+                    code = status_of(exc)
+                    self.service.metrics.invalid_requests.labels("StepStream", code.name).inc()
+                    reply = _stream_error(request.seq, code, str(exc))
+                else:
+                    if superseded:
+                        self.service.metrics.superseded.inc()
+                        reply = _stream_error(request.seq, grpc.StatusCode.ABORTED, SUPERSEDED)
+                yield reply
+        finally:
+            inbox.close()
 
-    def _step(self, request: policy_pb2.StepRequest) -> policy_pb2.StepReply:
+    def _step(self, request: policy_pb2.StepRequest, decide: bool = True) -> policy_pb2.StepReply:
         outcome = wire.outcome_from_pb(request.outcome) if request.HasField("outcome") else None
         ctx = wire.context_from_pb(request.context) if request.HasField("context") else None
-        decision = self.service.step(outcome, ctx)
+        decision = self.service.step(outcome, ctx, decide)
         if decision is None:
             return policy_pb2.StepReply(seq=request.seq)
         return policy_pb2.StepReply(seq=request.seq, decision=wire.decision_to_pb(decision))
@@ -328,6 +400,10 @@ class AioDecodeGuard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         return handler
 
 
+class _UndecodableMessage(Exception):
+    """A streamed request that is not the method's message (decode_guard)."""
+
+
 def _guarded(method: str, handler: Any) -> Any:
     if handler is None or handler.request_deserializer is None:
         return handler
@@ -340,24 +416,33 @@ def _guarded(method: str, handler: Any) -> Any:
             )
         return request
 
-    async def checked_stream(requests: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
+    async def checked_stream(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
         async for request in requests:
-            yield await check(request, context)
+            if isinstance(request, decode_guard.Undecodable):
+                # Raised, not aborted here: a handler may read its requests in a task of
+                # its own (StepStream does), and an abort from there races its writes.
+                raise _UndecodableMessage(decode_guard.describe(method, request))
+            yield request
 
     def wrap(behavior: Callable[..., Any], streaming_request: bool) -> Callable[..., Any]:
         async def unary_result(request: Any, context: Any) -> Any:
-            if streaming_request:
-                return await behavior(checked_stream(request, context), context)
-            return await behavior(await check(request, context), context)
+            if not streaming_request:
+                return await behavior(await check(request, context), context)
+            try:
+                return await behavior(checked_stream(request), context)
+            except _UndecodableMessage as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
         async def streamed_result(request: Any, context: Any) -> AsyncIterator[Any]:
-            request = (
-                checked_stream(request, context)
-                if streaming_request
-                else await check(request, context)
-            )
-            async for response in behavior(request, context):
-                yield response
+            if streaming_request:
+                request = checked_stream(request)
+            else:
+                request = await check(request, context)
+            try:
+                async for response in behavior(request, context):
+                    yield response
+            except _UndecodableMessage as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
         return streamed_result if inspect.isasyncgenfunction(behavior) else unary_result
 

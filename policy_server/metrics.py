@@ -127,6 +127,12 @@ class Metrics:
             "engine, learner_key, pending (a decision never reported).",
             ["kind"], registry=r,
         )  # fmt: skip
+        self.superseded = Counter(
+            "nightjar_superseded_contexts",
+            "Step contexts not decided because a newer context of the same engine came "
+            "on the same stream first (the engine had stopped waiting: it was overloaded "
+            "or behind); answered ABORTED, their outcome applied.", registry=r,
+        )  # fmt: skip
         self.tentative = Counter(
             "nightjar_tentative_decisions",
             "Tentative candidate decisions (StepContext.candidate_batch_sizes), by what "

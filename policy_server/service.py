@@ -144,8 +144,15 @@ class DecisionService:
             with self._lock:
                 return self._report_locked(shard, pending, outcome)
 
-    def step(self, outcome: StepOutcome | None, ctx: StepContext | None) -> Decision | None:
-        """Report the previous outcome and decide the next step; all-or-nothing."""
+    def step(
+        self, outcome: StepOutcome | None, ctx: StepContext | None, decide: bool = True
+    ) -> Decision | None:
+        """Report the previous outcome and decide the next step; all-or-nothing.
+
+        ``decide=False``: apply what the request says happened (its outcome and the
+        tentative decision it names as run) but decide nothing: the engine has already
+        asked again (a superseded request on a stream, see grpc_server.py).
+        """
         if outcome is None and ctx is None:
             raise InvalidArgumentError("a step request needs an outcome, a context or both")
         if ctx is not None:
@@ -167,6 +174,8 @@ class DecisionService:
             if outcome is not None:
                 _, pending = self._locate(outcome)
                 self._report_locked(shard, pending, outcome)
+            if not decide:
+                return None
             # A set still open now was not run (the engine asks afresh): dropped.
             self._resolve_locked(shard, None)
             return self._decide_locked(shard, ctx)

@@ -57,14 +57,17 @@ def test_undecodable_requests_are_invalid_argument_and_change_nothing(make_serve
         assert raw_call(channel, "/nightjar.v1.AdminService/SwapPolicy", payload) == INVALID
     stream = channel.stream_stream("/nightjar.v1.PolicyService/StepStream", None, None)
     good = policy_pb2.StepRequest(seq=1, context=context(engine="e")).SerializeToString()
-    replies = stream(iter([good, b"\xff\xff\xff"]), timeout=5)
-    first = policy_pb2.StepReply.FromString(next(replies))
-    assert first.seq == 1 and first.decision.decision_id
-    try:
-        next(replies)
-        raise AssertionError("the stream went on after an undecodable message")
-    except grpc.RpcError as exc:
-        assert exc.code() == INVALID and "not a valid message" in (exc.details() or "")
+    # Repeated: the undecodable message is read while the reply to the first is being
+    # written, and the status must not race that write (it once hung the stream).
+    for first_payload in [good, b""] * 10:  # b"": an empty request, answered with an error
+        replies = stream(iter([first_payload, b"\xff\xff\xff"]), timeout=5)
+        first = policy_pb2.StepReply.FromString(next(replies))
+        assert first.decision.decision_id if first_payload else first.error.code == 3
+        try:
+            next(replies)
+            raise AssertionError("the stream went on after an undecodable message")
+        except grpc.RpcError as exc:
+            assert exc.code() == INVALID and "not a valid message" in (exc.details() or "")
     after = server.state()
     assert after["state"] == before["state"] and after["version"] == before["version"]
     assert decision.decision_id  # the server still decides

@@ -84,7 +84,12 @@ class PolicyServiceServicer(object):
 
     def StepStream(self, request_iterator, context):
         """Long-lived per-engine stream of Step calls; replies come in order, and a
-        bad request yields a StepReply.error without closing the stream.
+        bad request yields a StepReply.error without closing the stream. A context
+        still undecided when a newer context of the same engine has arrived on the
+        stream (the engine stopped waiting for it: the sidecar is behind) is not
+        decided: its outcome and ran_decision_id are applied and it is answered with
+        StepReply.error code 10 (ABORTED), so a backlog drains to the newest step.
+        Since v1.3.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
