@@ -71,6 +71,13 @@ class StepOutcome:
     request_accepts: tuple[tuple[str, int], ...] = ()
     # Prefill tokens computed in the same step (chunked prefill); 0 = none or unknown.
     prefill_tokens: int = 0
+    # γ drafted during the step (the next decision's, in vLLM); None = ``gamma``.
+    draft_gamma: int | None = None
+
+    @property
+    def drafted_gamma(self) -> int:
+        """γ whose draft passes ``step_seconds`` includes."""
+        return self.gamma if self.draft_gamma is None else self.draft_gamma
 
     @property
     def goodput(self) -> float:

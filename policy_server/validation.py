@@ -25,6 +25,9 @@ class Limits:
     """Bounds that separate plausible engine data from garbage."""
 
     max_batch_size: int = 65536
+    # The largest γ any policy accepts as gamma_max; a draft_gamma past it is garbage (the
+    # engine may draft past the policy's own Γmax when its fallback table says so).
+    max_gamma: int = 64
     max_step_seconds: float = 600.0
     max_engine_id_length: int = MAX_ID_LENGTH
     # Per-request sections (StepContext.requests, StepOutcome.requests) and each
@@ -111,6 +114,10 @@ def check_outcome(outcome: StepOutcome, limits: Limits) -> None:
             raise InvalidArgumentError(
                 f"{name} must be >= 0, got {getattr(outcome, name)} (negative goodput)"
             )
+    if outcome.draft_gamma is not None and not 0 <= outcome.draft_gamma <= limits.max_gamma:
+        raise InvalidArgumentError(
+            f"draft_gamma must be in 0..{limits.max_gamma}, got {outcome.draft_gamma}"
+        )
     if outcome.accepted_tokens > outcome.drafted_tokens:
         raise InvalidArgumentError(
             f"accepted_tokens ({outcome.accepted_tokens}) exceeds drafted_tokens "

@@ -95,6 +95,7 @@ def outcome_from_pb(msg: pb.StepOutcome) -> StepOutcome:
         accepted_tokens=msg.accepted_tokens,
         request_accepts=tuple((r.request_id, r.accepted_tokens) for r in msg.requests),
         prefill_tokens=msg.prefill_tokens,
+        draft_gamma=msg.draft_gamma if msg.HasField("draft_gamma") else None,
     )
 
 
@@ -112,6 +113,7 @@ def outcome_to_pb(outcome: StepOutcome) -> pb.StepOutcome:
             for rid, n in outcome.request_accepts
         ],
         prefill_tokens=outcome.prefill_tokens,
+        draft_gamma=outcome.draft_gamma,
     )
 
 

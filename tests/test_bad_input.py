@@ -77,6 +77,8 @@ def test_nan_signal_in_request_section(server: Any) -> None:
         ({"accepted_tokens": 9, "drafted_tokens": 2}, "exceeds drafted_tokens"),
         ({"gamma": 5}, "gamma must be in 0..4"),
         ({"gamma": -1}, "gamma must be in 0..4"),
+        ({"draft_gamma": -1}, "draft_gamma must be in 0..64"),
+        ({"draft_gamma": 65}, "draft_gamma must be in 0..64"),
         ({"engine_id": "someone-else"}, "was made for engine 'e'"),
         ({"decision_id": ""}, "decision_id is required"),
     ],

@@ -111,6 +111,8 @@ def test_each_decision_is_reported_with_the_step_that_verified_it(
     assert [o["generated_tokens"] for o in outcomes] == [9, 6, 9]
     # ... and the prefill that shared step k+1, whose time it reports.
     assert [o["prefill_tokens"] for o in outcomes] == [20, 30, 40]
+    # ... and the γ its drafter ran: the decision of step k+1 (None would mean "as gamma").
+    assert [o["draft_gamma"] for o in outcomes] == [2, 2, 2]
     assert [decided[o["decision_id"]]["context"]["batch_size"] for o in outcomes] == [4, 4, 4]
     assert {r["context"]["learner_key"] for r in decided.values()} == {"tiny@cpu"}
     controller.close()

@@ -209,8 +209,9 @@ class GammaController:
             return
         step = self._pending.popleft()
         if self._in_flight is not None:
-            # The time and the prefill are this step's: it verified the in-flight drafts.
-            self._report(self._in_flight, verified, started - step.started, step.prefill_tokens)
+            # The time and the prefill are this step's: it verified the in-flight drafts,
+            # and its drafter proposed this step's decision's (its γ's draft passes).
+            self._report(self._in_flight, verified, started - step.started, step)
         self._in_flight = step
         self._step_index += 1
         ended = time.perf_counter()
@@ -229,7 +230,7 @@ class GammaController:
         self.client.flush()
 
     def _report(
-        self, flight: _InFlight, verified: VerifiedStep, seconds: float, prefill_tokens: int
+        self, flight: _InFlight, verified: VerifiedStep, seconds: float, step: _InFlight
     ) -> None:
         decision_id = flight.decision.decision_id
         if not decision_id or seconds <= 0:
@@ -242,7 +243,7 @@ class GammaController:
                 drafted_tokens=verified.drafted_tokens,
                 accepted_tokens=verified.accepted_tokens,
                 request_accepts=verified.request_accepts,
-                prefill_tokens=prefill_tokens,
+                prefill_tokens=step.prefill_tokens, draft_gamma=step.decision.gamma,
             )
         )  # fmt: skip
         self._reported += 1

@@ -198,7 +198,7 @@ class GoodputModelPolicy:
             [n for _, n in outcome.request_accepts],
         )  # fmt: skip
         x = step_features(ctx.batch_size, outcome.gamma, outcome.prefill_tokens,
-                          ctx.context_tokens)  # fmt: skip
+                          ctx.context_tokens, outcome.drafted_gamma)  # fmt: skip
         learner.step_time.observe(x, 1000.0 * outcome.step_seconds)
         learner.steps += 1
         rate = 1.0 - self._acceptance_decay

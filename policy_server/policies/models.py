@@ -74,16 +74,22 @@ def shape_features(batch_size: int, gamma_top: int, prefill_tokens: int = 0) -> 
 
 
 def step_features(
-    batch_size: int, gamma: int, prefill_tokens: int = 0, context_tokens: int = 0
-) -> FloatArray:
+    batch_size: int, gamma: int, prefill_tokens: int = 0, context_tokens: int = 0,
+    draft_gamma: int | None = None,
+) -> FloatArray:  # fmt: skip
     """The regression features of one step (the row ``predict_ms`` evaluates for γ): the
-    shape features, then attention, which reads the batch's KV once per query token."""
+    shape features, then attention, which reads the batch's KV once per query token.
+
+    ``draft_gamma``: γ of the draft passes the step ran, when not ``gamma`` (the target
+    verified one decision's drafts while the drafter proposed the next's; a decision runs
+    both with its own γ, which is what ``predict_ms`` prices)."""
+    drafted = gamma if draft_gamma is None else draft_gamma
     tokens = batch_size * (gamma + 1) + prefill_tokens
     context = context_tokens / CONTEXT_SCALE
     return np.array([
         1.0, tokens / TOKEN_SCALE,
         *(max(0.0, tokens - knot) / TOKEN_SCALE for knot in TOKEN_KNOTS),
-        gamma, gamma * batch_size / 64.0, context, context * gamma,
+        drafted, drafted * batch_size / 64.0, context, context * gamma,
     ])  # fmt: skip
 
 
