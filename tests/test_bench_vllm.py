@@ -21,6 +21,7 @@ from vllm_client_patch.serve_load import ServeResult, parse_schedule, write_prom
 
 SCHEDULE = parse_schedule(str(QUICK["schedule"]))
 OUTPUT_LEN = int(str(QUICK["output_len"]))
+WARMUP_PROMPTS = 3
 # vLLM's own aggregates in a result file, and how ServeResult computes each from the
 # file's per-request records.
 AGGREGATES = {
@@ -40,7 +41,8 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     report, results = tmp / "BENCHMARKS.md", tmp / "results"
     command = [sys.executable, "-m", "vllm_client_patch.bench", "--quick", "--kind", "perturbed",
                "--models", str(tmp / "models"), "--out", str(report),
-               "--result-dir", str(results), "--port", str(free_port())]  # fmt: skip
+               "--result-dir", str(results), "--port", str(free_port()),
+               "--engine-warmup", str(WARMUP_PROMPTS)]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     begin, end = markers("bench-vllm")
@@ -103,6 +105,16 @@ def test_quick_run_reports_every_policy_from_vllm_result_files(quick_run: dict[s
 
 
 @pytest.mark.slow
+def test_the_engine_warm_up_phase_runs_first_and_is_not_reported(
+    quick_run: dict[str, Any],
+) -> None:
+    warmup = json.loads((quick_run["results"] / "engine-warmup.json").read_text())
+    assert warmup["completed"] == WARMUP_PROMPTS
+    assert warmup["request_rate"] == max(phase.rate for phase in SCHEDULE)
+    assert all("engine-warmup.json" not in run["results"] for run in quick_run["runs"])
+    assert f"unreported phase of {WARMUP_PROMPTS} requests" in quick_run["section"]
+
+
 def test_quick_run_counts_the_plugins_decisions_per_policy(quick_run: dict[str, Any]) -> None:
     by_policy = {r["policy"]: r for r in quick_run["runs"]}
     drafted = {

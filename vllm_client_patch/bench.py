@@ -58,7 +58,9 @@ TOKEN = "bench-vllm-admin-token"
 MODEL_NAME = "tiny"
 # `--quick` (the CI smoke run): every option it sets can still be given explicitly.
 QUICK = {"schedule": "2x4,8x12,2x4", "policies": "goodput,off", "warm": "",
-         "repetitions": 1, "output_len": 16}  # fmt: skip
+         "repetitions": 1, "output_len": 16, "engine_warmup": 0}  # fmt: skip
+# Runs the unreported engine warm-up phase: a mix of γ as the engine's dynamic-SD table.
+WARMUP_POLICY = "table"
 
 
 def policy_request(policy: str) -> tuple[str, dict[str, Any]]:
@@ -173,6 +175,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="those of --policies that run the schedule again right after, "
                         "keeping their learned state")  # fmt: skip
     parser.add_argument("--repetitions", type=int, default=2)
+    parser.add_argument("--engine-warmup", type=int, default=16, metavar="PROMPTS",
+                        help="an unreported phase of this many requests at the schedule's "
+                        "highest rate before the first pass, under `table` (0 = none); "
+                        "without it the first pass pays the engine's warm-up")  # fmt: skip
     parser.add_argument("--output-len", type=int, default=64, help="output tokens per request")
     parser.add_argument("--seed", type=int, default=0, help="phase i uses seed + i")
     parser.add_argument("--port", type=int, default=8765)
@@ -225,7 +231,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         process(server, work / "vllm.log", env) as vllm,
     ):
         startup = wait_healthy(base, vllm, 600)
-        stats = stats_after(stats_file, 0.0)
+        if args.engine_warmup > 0:
+            swap(f"unix:{sock}", WARMUP_POLICY)
+            warmup = Phase(max(p.rate for p in args.schedule), args.engine_warmup)
+            unused_seed = args.seed + len(args.schedule)
+            run_phase(bench_serve_argv(load, warmup, unused_seed, results / "engine-warmup.json",
+                                       warmup=True), work / "bench-serve.log")  # fmt: skip
+        stats = stats_after(stats_file, time.time() + 0.2)
         bar = tqdm(total=len(passes) * len(args.schedule), unit="phase", desc="bench-vllm")
         for run in passes:
             if not run.warm:

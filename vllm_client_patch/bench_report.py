@@ -151,7 +151,14 @@ def render(runs: Sequence[PassResult], stats: Mapping[str, Any], startup: float,
         "its last request has finished, so the high phase's backlog drains before the next "
         f"phase), Spec-Bench questions (first {args.prompt_chars} characters, `custom` "
         f"dataset, phase i drawn with seed {args.seed} + i, the same for every policy), "
-        f"greedy, {args.output_len} output tokens, streamed. Per policy: hot-swapped over the "
+        f"greedy, {args.output_len} output tokens, streamed. "
+        + (
+            f"Before the first pass an unreported phase of {args.engine_warmup} requests at "
+            f"{max(p.rate for p in schedule):g} req/s under `table` warms the engine up. "
+            if getattr(args, "engine_warmup", 0)
+            else ""
+        )
+        + "Per policy: hot-swapped over the "
         "admin API with empty learned state; `(warm)` rows ran the schedule again right "
         "after, keeping the state. "
         f"{args.repetitions} repetition(s), policy order alternating forward / backward; "
