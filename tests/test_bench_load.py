@@ -97,6 +97,20 @@ def test_bench_load_quick_paced_and_max_rate(tmp_path: Path) -> None:
     assert record["test"] == "load" and record["passed"] is False
 
 
+def test_bench_load_measures_the_bare_stream_baseline_the_same_way(tmp_path: Path) -> None:
+    raw = run_main(tmp_path, "--engines", "2", "--rate", "200", "--duration", "6",
+                   "--max-rate", "0", "--baseline", "6")  # fmt: skip
+    assert_run_sane(raw["load"], engines=2, rate=200, seconds=6)
+    baseline = raw["baseline"]
+    assert_run_sane(baseline, engines=2, rate=200, seconds=6)
+    assert baseline["starting_policy"] == "bare" and raw["load"]["starting_policy"] != "bare"
+    assert baseline["config"]["server"] == "bare" and baseline["config"]["rate"] == 200
+    text = (tmp_path / "BENCHMARKS.md").read_text()
+    assert "Stock gRPC baseline, measured the same way" in text
+    fallback_percent = 100 * sum(baseline["fallbacks"].values()) / baseline["decisions"]
+    assert f"bare server {fallback_percent:.3f} %" in text
+
+
 def test_snapshot_check_finds_a_damaged_file(tmp_path: Path) -> None:
     good = tmp_path / "snapshot.json"
     bad_state = tmp_path / "bad-state.json"
