@@ -94,7 +94,7 @@ def test_each_decision_is_reported_with_the_step_that_verified_it(
     for k, step in enumerate(verified):  # three steps at batch 4, each verifying γ = 2
         assert controller.decide(dataclasses.replace(view(4), prefill_tokens=10 * (k + 1))) == 2
         controller.end_step(step)
-    # The batch jumped outside the candidate window (2..6): the prefetch missed.
+    # The batch jumped outside the candidate window (1..6): the prefetch missed.
     assert controller.decide(dataclasses.replace(view(12), prefill_tokens=40)) == 2
     controller.end_step(VerifiedStep(6, 6, 9))
     controller.idle()  # the last decision is dropped, the queued outcome sent
