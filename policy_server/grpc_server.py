@@ -129,9 +129,14 @@ class _StreamInbox:
     engine is decided; older ones are applied (outcome, ran decision) and answered ABORTED.
     """
 
+    # Read at most this far ahead of the answers: past it the reader stops, and gRPC's flow
+    # control pushes back on the client as without read-ahead (memory stays bounded).
+    MAX_READ_AHEAD = 16
+
     def __init__(self, requests: AsyncIterator[policy_pb2.StepRequest]) -> None:
         self._queue: collections.deque[policy_pb2.StepRequest] = collections.deque()
         self._arrived = asyncio.Event()
+        self._room = asyncio.Event()
         self._ended = False
         self._error: BaseException | None = None
         self._reader = asyncio.ensure_future(self._read(requests))
@@ -141,6 +146,9 @@ class _StreamInbox:
             async for request in requests:
                 self._queue.append(request)
                 self._arrived.set()
+                while len(self._queue) >= self.MAX_READ_AHEAD:
+                    self._room.clear()
+                    await self._room.wait()
         except BaseException as exc:  # the call's end (cancelled, broken): the handler's too
             self._error = exc
         finally:
@@ -156,6 +164,7 @@ class _StreamInbox:
                 return None
             self._arrived.clear()
             await self._arrived.wait()
+        self._room.set()
         return self._queue.popleft()
 
     def superseded(self, request: policy_pb2.StepRequest) -> bool:

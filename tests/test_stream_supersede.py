@@ -122,3 +122,31 @@ def test_an_engine_that_waits_for_each_reply_is_never_superseded() -> None:
                                request(2, context("e0", 1, 4))])  # fmt: skip
     assert not replies[0].HasField("error") and replies[1].HasField("decision")
     assert counter(service, "nightjar_superseded_contexts_total") == 0
+
+
+def test_the_stream_reads_a_bounded_way_ahead_of_its_answers() -> None:
+    """Read-ahead stops at MAX_READ_AHEAD, so a client sending faster than the sidecar
+    answers meets gRPC's flow control instead of growing the sidecar's memory."""
+    from policy_server.grpc_server import _StreamInbox
+
+    pulled = 0
+
+    async def sent() -> AsyncIterator[policy_pb2.StepRequest]:
+        nonlocal pulled
+        for seq in range(100):
+            pulled += 1
+            yield policy_pb2.StepRequest(seq=seq)
+
+    async def run() -> list[int]:
+        inbox = _StreamInbox(sent())
+        for _ in range(10):  # the reader runs as far as it may
+            await asyncio.sleep(0)
+        assert pulled == _StreamInbox.MAX_READ_AHEAD
+        seqs = []
+        while (request := await inbox.next()) is not None:
+            seqs.append(request.seq)
+            assert pulled - len(seqs) <= _StreamInbox.MAX_READ_AHEAD
+        inbox.close()
+        return seqs
+
+    assert asyncio.run(run()) == list(range(100))
