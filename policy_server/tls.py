@@ -60,7 +60,8 @@ class ClientTls:
             raise TlsError("a client certificate needs its key and a key its certificate")
 
 
-def _read(path: str, what: str) -> bytes:
+def read_pem(path: str, what: str) -> bytes:
+    """The PEM file's bytes; TlsError saying what is wrong when it cannot be used."""
     try:
         data = Path(path).read_bytes()
     except OSError as exc:
@@ -71,9 +72,9 @@ def _read(path: str, what: str) -> bytes:
 
 
 def _certificate_configuration(files: ServerTls) -> Any:
-    cert = _read(files.cert, "TLS certificate")
-    key = _read(files.key, "TLS key")
-    ca = _read(files.client_ca, "client CA") if files.client_ca else None
+    cert = read_pem(files.cert, "TLS certificate")
+    key = read_pem(files.key, "TLS key")
+    ca = read_pem(files.client_ca, "client CA") if files.client_ca else None
     return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
 
 
@@ -121,9 +122,9 @@ def server_credentials(files: ServerTls) -> grpc.ServerCredentials:
 
 def channel_credentials(files: ClientTls) -> grpc.ChannelCredentials:
     return grpc.ssl_channel_credentials(
-        root_certificates=_read(files.ca, "CA certificate") if files.ca else None,
-        private_key=_read(files.key, "client key") if files.key else None,
-        certificate_chain=_read(files.cert, "client certificate") if files.cert else None,
+        root_certificates=read_pem(files.ca, "CA certificate") if files.ca else None,
+        private_key=read_pem(files.key, "client key") if files.key else None,
+        certificate_chain=read_pem(files.cert, "client certificate") if files.cert else None,
     )
 
 

@@ -47,7 +47,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from policy_server.tls import ClientTls
+from policy_server.tls import ClientTls, TlsError, read_pem
 from policy_server.uds import DEFAULT_MODE, parse_mode
 from policy_server.validation import MAX_ID_LENGTH
 
@@ -196,13 +196,11 @@ def _check_tls(config: PluginConfig) -> None:
 
 
 def _check_pem(path: str, name: str, what: str) -> None:
+    # Now rather than when gRPC's loader fails later, per connection and quietly.
     try:
-        data = Path(path).read_bytes()
-    except OSError as exc:
-        raise PluginConfigError(f"{name}: cannot read the {what} {path}: {exc.strerror}") from None
-    # The check gRPC's own loader would fail later, per connection and quietly.
-    if b"-----BEGIN " not in data:
-        raise PluginConfigError(f"{name}: the {what} {path} is not a PEM file")
+        read_pem(path, what)
+    except TlsError as exc:
+        raise PluginConfigError(f"{name}: {exc}") from None
 
 
 def _learner_key(value: Any) -> str:
