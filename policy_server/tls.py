@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import ssl
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -75,6 +76,14 @@ def _certificate_configuration(files: ServerTls) -> Any:
     cert = read_pem(files.cert, "TLS certificate")
     key = read_pem(files.key, "TLS key")
     ca = read_pem(files.client_ca, "client CA") if files.client_ca else None
+    # gRPC takes a key that does not match the certificate and fails each handshake later;
+    # the stdlib's loader checks the pair now, so a half-rotated Secret keeps the last good.
+    try:
+        ssl.create_default_context().load_cert_chain(files.cert, files.key)
+    except (ssl.SSLError, OSError) as exc:
+        raise TlsError(
+            f"the TLS key {files.key} does not fit the certificate {files.cert}: {exc}"
+        ) from exc
     return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
 
 

@@ -54,7 +54,12 @@ class ServerProcess:
             stdout=log,
             stderr=subprocess.STDOUT,
         )
-        self.channel = grpc.insecure_channel(self.target)
+        # Retry the connection every 100-500 ms while the server starts: gRPC's default
+        # backoff (1 s, growing) can outlast the start-up wait on a loaded machine.
+        self.channel = grpc.insecure_channel(self.target, options=[
+            ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 500),
+        ])  # fmt: skip
         deadline = time.monotonic() + timeout
         health = health_pb2_grpc.HealthStub(self.channel)
         while time.monotonic() < deadline:

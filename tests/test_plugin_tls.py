@@ -170,11 +170,13 @@ def test_a_rotated_certificate_that_cannot_be_used_keeps_the_last_good(
     # Garbage over the certificate: tls.py refuses it and says so.
     replace(cert, b"this is not a certificate\n")
     assert serves_to(ca) and not serves_to(other)
-    wait_for(lambda: "TLS files changed but cannot be used" in server.log())
-    # A real certificate that does not match the key: gRPC cannot use it either.
+    wait_for(lambda: "TLS files changed but cannot be used" in server.log(), timeout=15)
+    # A real certificate that does not match the key: refused too, and the log says why.
     renewed = other.issue("server-renewed", server=True)
     replace(cert, renewed.cert.read_bytes())
     assert serves_to(ca) and not serves_to(other)
+    wait_for(lambda: "does not fit the certificate" in server.log(), timeout=15)
+    assert "serving the new ones" not in server.log()
     # The matching key arrives: the renewed certificate is served from the next handshake.
     replace(key, renewed.key.read_bytes())
     wait_for(lambda: serves_to(other))
