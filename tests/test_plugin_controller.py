@@ -120,29 +120,6 @@ def test_each_decision_is_reported_with_the_step_that_verified_it(
     assert written["engine_id"] == "ctl" and written["reported"] == 3
 
 
-def test_the_first_step_after_an_idle_gap_finds_its_answer_prefetched(
-    make_server: Any, tmp_path: Path
-) -> None:
-    server = make_server("--policy", "static", "--params", '{"gamma": 2}')
-    config = PluginConfig(sidecar=server.target, engine_id="idler", deadline_ms=500)
-    controller = GammaController(config)
-    wait_for(lambda: controller.client.connected)
-    hits = []
-    for joining in (1, 3, 1):  # a lone request, then three together, then one again
-        assert controller.decide(view(joining)) == 2
-        hits.append(controller.stats()["prefetch_hits"])
-        controller.end_step(VerifiedStep(0, 0, joining))
-        assert controller.decide(view(joining)) == 2
-        controller.end_step(VerifiedStep(2 * joining, joining, 2 * joining))
-        controller.idle()  # every request finished
-    # Only the very first step had nothing asked ahead (a blocking round trip); after each
-    # idle gap the first step's answer was there, for one request or three.
-    assert hits == [0, 2, 4]
-    stats = controller.stats()
-    assert (stats["prefetch_hits"], stats["prefetch_misses"]) == (5, 0)
-    controller.close()
-
-
 def test_fails_open_to_the_fallback_table_without_a_sidecar(tmp_path: Path) -> None:
     config = PluginConfig(sidecar=f"unix:{tmp_path}/none.sock", engine_id="alone")
     controller = GammaController(config, fallback_table=((1, 2, 3), (3, 64, 1)))
