@@ -119,6 +119,13 @@ def _stream_error(seq: int, code: grpc.StatusCode, message: str) -> policy_pb2.S
     )
 
 
+@dataclass(frozen=True, slots=True)
+class _PolicyNotice:
+    """A policy activation to tell a stream about, queued among its requests."""
+
+    version: str
+
+
 class _StreamInbox:
     """The requests of one StepStream, read ahead by a task of their own.
 
@@ -134,7 +141,8 @@ class _StreamInbox:
     MAX_READ_AHEAD = 16
 
     def __init__(self, requests: AsyncIterator[policy_pb2.StepRequest]) -> None:
-        self._queue: collections.deque[policy_pb2.StepRequest] = collections.deque()
+        self._queue: collections.deque[policy_pb2.StepRequest | _PolicyNotice] = collections.deque()
+        self.loop = asyncio.get_running_loop()
         self._arrived = asyncio.Event()
         self._room = asyncio.Event()
         self._ended = False
@@ -155,8 +163,14 @@ class _StreamInbox:
             self._ended = True
             self._arrived.set()
 
-    async def next(self) -> policy_pb2.StepRequest | None:
-        """The oldest unanswered request; None once the client half-closed."""
+    def notify(self, version: str) -> None:
+        """Queue a policy notice behind the requests already read (on the loop's thread):
+        every reply before it was decided by an older version or this one."""
+        self._queue.append(_PolicyNotice(version))
+        self._arrived.set()
+
+    async def next(self) -> policy_pb2.StepRequest | _PolicyNotice | None:
+        """The oldest unanswered request or notice; None once the client half-closed."""
         while not self._queue:
             if self._ended:
                 if self._error is not None and not isinstance(self._error, asyncio.CancelledError):
@@ -173,7 +187,9 @@ class _StreamInbox:
             return False
         engine_id = request.context.engine_id
         return any(
-            later.HasField("context") and later.context.engine_id == engine_id
+            isinstance(later, policy_pb2.StepRequest)
+            and later.HasField("context")
+            and later.context.engine_id == engine_id
             for later in self._queue
         )
 
@@ -186,6 +202,26 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):  # type: ignore[mis
 
     def __init__(self, service: DecisionService) -> None:
         self.service = service
+        # Streams that asked for policy notices (StepRequest.policy_notices); the set is
+        # changed on the loop, read from the admin threads that activate policies.
+        self._subscribers: set[_StreamInbox] = set()
+        self._subscribers_lock = threading.Lock()
+        service.on_activate(self._notify_streams)
+
+    def _notify_streams(self, active: ActivePolicy) -> None:
+        with self._subscribers_lock:
+            inboxes = tuple(self._subscribers)
+        for inbox in inboxes:
+            inbox.loop.call_soon_threadsafe(inbox.notify, active.version)
+
+    def _subscribe(self, inbox: _StreamInbox) -> None:
+        with self._subscribers_lock:
+            self._subscribers.add(inbox)
+        inbox.notify(self.service.active.version)  # confirms that notices come
+
+    def _unsubscribe(self, inbox: _StreamInbox) -> None:
+        with self._subscribers_lock:
+            self._subscribers.discard(inbox)
 
     async def Decide(self, request: policy_pb2.StepContext, context: Any) -> Any:
         try:
@@ -210,8 +246,15 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):  # type: ignore[mis
         self, request_iterator: AsyncIterator[policy_pb2.StepRequest], context: Any
     ) -> AsyncIterator[policy_pb2.StepReply]:
         inbox = _StreamInbox(request_iterator)
+        subscribed = False
         try:
             while (request := await inbox.next()) is not None:
+                if isinstance(request, _PolicyNotice):
+                    yield policy_pb2.StepReply(seq=0, policy_version=request.version)
+                    continue
+                if request.policy_notices and not subscribed:
+                    self._subscribe(inbox)
+                    subscribed = True
                 superseded = inbox.superseded(request)
                 try:
                     reply = self._step(request, decide=not superseded)
@@ -225,6 +268,7 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):  # type: ignore[mis
                         reply = _stream_error(request.seq, grpc.StatusCode.ABORTED, SUPERSEDED)
                 yield reply
         finally:
+            self._unsubscribe(inbox)
             inbox.close()
 
     def _step(self, request: policy_pb2.StepRequest, decide: bool = True) -> policy_pb2.StepReply:

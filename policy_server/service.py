@@ -18,7 +18,7 @@ import math
 import secrets
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -122,6 +122,8 @@ class DecisionService:
         self._decisions_total = 0
         self._reports_total = 0
         self.last_snapshot_unix = 0.0
+        # Told of every activation after the first (the gRPC front notifies its streams).
+        self._activation_listeners: list[Callable[[ActivePolicy], None]] = []
         self._active = self._activate(self._build(policy_name, params))
 
     # -- decisions ----------------------------------------------------------------------
@@ -399,6 +401,12 @@ class DecisionService:
             shard.last_seen = -math.inf
             return self._active
 
+    def on_activate(self, listener: Callable[[ActivePolicy], None]) -> None:
+        """Call ``listener`` with every policy activated from now on (swap, parameter
+        change, restore, full reset). It runs under the service's lock: it must not block
+        or call back into the service."""
+        self._activation_listeners.append(listener)
+
     def active_engines(self) -> int:
         """Engines that asked for a decision within the last ``engine_idle_s`` (and were
         not reset since)."""
@@ -553,6 +561,8 @@ class DecisionService:
         self.metrics.policy_swaps.labels("ok").inc()
         self.metrics.set_active_policy(active.name, active.version)
         log.info("activated policy %s version %s", active.name, active.version)
+        for listener in self._activation_listeners:
+            listener(active)
         return active
 
 

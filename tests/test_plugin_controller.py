@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from nightjar_proto.v1 import admin_pb2
 
 from vllm_client_patch.config import PluginConfig, PluginConfigError
 from vllm_client_patch.controller import EngineView, GammaController, VerifiedStep
@@ -118,6 +119,64 @@ def test_each_decision_is_reported_with_the_step_that_verified_it(
     controller.close()
     written = json.loads(stats_file.read_text())
     assert written["engine_id"] == "ctl" and written["reported"] == 3
+
+
+def test_the_first_step_after_an_idle_gap_finds_its_answer_prefetched(
+    make_server: Any, tmp_path: Path
+) -> None:
+    server = make_server("--policy", "static", "--params", '{"gamma": 2}')
+    config = PluginConfig(sidecar=server.target, engine_id="idler", deadline_ms=500)
+    controller = GammaController(config)
+    wait_for(lambda: controller.client.connected)
+    hits = []
+    for joining in (1, 3, 1):  # a lone request, then three together, then one again
+        assert controller.decide(view(joining)) == 2
+        hits.append(controller.stats()["prefetch_hits"])
+        controller.end_step(VerifiedStep(0, 0, joining))
+        assert controller.decide(view(joining)) == 2
+        controller.end_step(VerifiedStep(2 * joining, joining, 2 * joining))
+        # The sidecar confirmed policy notices after the stream's first request.
+        wait_for(lambda: controller.client.follows_policy_changes)
+        controller.idle()  # every request finished
+    # Only the very first step had nothing asked ahead (a blocking round trip); after each
+    # idle gap the first step's answer was there, for one request or three.
+    assert hits == [0, 2, 4]
+    stats = controller.stats()
+    assert (stats["prefetch_hits"], stats["prefetch_misses"]) == (5, 0)
+    controller.close()
+
+
+def test_a_policy_swapped_in_while_the_engine_idles_decides_its_next_step(
+    make_server: Any, tmp_path: Path
+) -> None:
+    log = tmp_path / "decisions.jsonl"
+    server = make_server(
+        "--policy", "static", "--params", '{"gamma": 2}', "--decision-log", str(log)
+    )
+    config = PluginConfig(sidecar=server.target, engine_id="idler", deadline_ms=500)
+    controller = GammaController(config)
+    wait_for(lambda: controller.client.connected)
+    assert controller.decide(view(2)) == 2
+    controller.end_step(VerifiedStep(0, 0, 2))
+    wait_for(lambda: controller.client.follows_policy_changes)
+    controller.idle()  # asks ahead for the step that ends the idle time (static γ = 2)
+    # Let its answer arrive first (decided by static γ = 2); had the swap come first the
+    # answer would be `off`'s, and the client drops it all the same (asked before a notice).
+    time.sleep(0.3)
+    notices = controller.client.stats.policy_notices
+    reply = server.admin.SwapPolicy(
+        admin_pb2.SwapPolicyRequest(name="off"), metadata=server.auth, timeout=5
+    )
+    wait_for(lambda: controller.client.stats.policy_notices == notices + 1)
+    # The answer kept from before the swap is dropped: `off` decides the step.
+    assert controller.decide(view(1)) == 0
+    stats = controller.stats()
+    assert (stats["prefetch_hits"], stats["prefetch_misses"]) == (0, 1)
+    assert stats["sidecar_decisions"] == 2 and stats["fallbacks_total"] == 0
+    controller.close()
+    wait_for(lambda: log.read_text().count(reply.policy_version) >= 1)
+    versions = [json.loads(line).get("policy_version") for line in log.read_text().splitlines()]
+    assert versions[-1] == reply.policy_version
 
 
 def test_fails_open_to_the_fallback_table_without_a_sidecar(tmp_path: Path) -> None:

@@ -219,6 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "num_speculative_tokens_per_batch_size": FALLBACK_TABLE}  # fmt: skip
     sidecar = [sys.executable, "-m", "policy_server.cli", "--uds", str(sock),
                "--admin-token-file", str(work / "token"), "--state-dir", str(work / "state"),
+               "--decision-log", str(work / "decisions.jsonl"),
                "--log-level", "WARNING"]  # fmt: skip
     server = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
               "--model", str(pair.target), "--served-model-name", MODEL_NAME,

@@ -99,6 +99,8 @@ class ClientStats:
     reconnects: int = 0
     prefetch_hits: int = 0
     prefetch_misses: int = 0
+    # Policy notices received (the first on each stream confirms that they come).
+    policy_notices: int = 0
 
     @property
     def fallbacks_total(self) -> int:
@@ -169,13 +171,20 @@ class PendingReply:
 class _StreamTransport:
     """One StepStream: requests go on a queue, replies resolve futures by seq."""
 
-    def __init__(self, channel: grpc.Channel, on_broken: Any) -> None:
+    def __init__(
+        self, channel: grpc.Channel, on_broken: Any, on_notice: Callable[[str], None]
+    ) -> None:
         self._stub = policy_pb2_grpc.PolicyServiceStub(channel)
         self._requests: queue.SimpleQueue[policy_pb2.StepRequest | None] = queue.SimpleQueue()
         self._futures: dict[int, PendingReply] = {}
         self._lock = threading.Lock()
         self._on_broken = on_broken
+        self._on_notice = on_notice
         self.alive = True
+        # Whether the sidecar sends policy notices on this stream (it confirms with the
+        # first one; a sidecar older than v1.4 never does).
+        self.notices = False
+        self._asked_notices = False
         self._call = self._stub.StepStream(self._request_iter())
         self._reader = threading.Thread(target=self._read, name="nightjar-stream", daemon=True)
         self._reader.start()
@@ -194,6 +203,8 @@ class _StreamTransport:
                 future.resolve(error=ConnectionError("stream closed"))
                 return future
             self._futures[request.seq] = future
+            if not self._asked_notices:
+                request.policy_notices = self._asked_notices = True
         self._requests.put(request)
         return future
 
@@ -201,6 +212,10 @@ class _StreamTransport:
         error: BaseException = ConnectionError("stream ended")
         try:
             for reply in self._call:
+                if reply.seq == 0 and reply.policy_version:
+                    self.notices = True
+                    self._on_notice(reply.policy_version)
+                    continue
                 with self._lock:
                     future = self._futures.pop(reply.seq, None)
                 if future is not None:
@@ -268,7 +283,11 @@ class NightjarClient:
         # The tentative decision take() picked: named to the sidecar with the next context.
         self._ran_decision_id = ""
         self._directives: list[MemoryDirective] = []
-        self._prefetched: tuple[StepContext, PendingReply] | None = None
+        self._prefetched: tuple[StepContext, PendingReply, int] | None = None
+        # Policy changes announced by notices: a prefetched answer asked for before the
+        # latest may have been decided by a policy that is no longer active.
+        self._policy_epoch = 0
+        self._policy_version: str | None = None
         self._transport: _StreamTransport | _UnaryTransport | None = None
         self._closed = threading.Event()
         self._broken = threading.Event()
@@ -302,6 +321,13 @@ class NightjarClient:
             time.sleep(0.01)
         return self.connected
 
+    @property
+    def follows_policy_changes(self) -> bool:
+        """Whether the sidecar tells this client of policy changes (StepStream notices,
+        nightjar.v1.4), so that an answer kept for a step much later stays current."""
+        transport = self._transport
+        return isinstance(transport, _StreamTransport) and transport.alive and transport.notices
+
     def decide(self, ctx: StepContext) -> GammaDecision:
         """γ for the step described by ``ctx``, within the deadline or from the fallback."""
         future = self._send(ctx)
@@ -315,17 +341,20 @@ class NightjarClient:
         ``ctx.candidate_batch_sizes``: other batch sizes the step may turn out to have; the
         sidecar decides each tentatively and learns only from the one the engine ran,
         which :meth:`take` picks and names to it with the next request."""
+        epoch = self._policy_epoch
         future = self._send(ctx)
-        self._prefetched = (ctx, future) if future is not None else None
+        self._prefetched = (ctx, future, epoch) if future is not None else None
 
     def take(self, ctx: StepContext) -> GammaDecision:
-        """The prefetched decision for this step's batch size, else a fresh decide."""
+        """The prefetched decision for this step's batch size, else a fresh decide (also
+        when a policy notice came after the prefetch was sent: its answer may be stale)."""
         prefetched, self._prefetched = self._prefetched, None
         if prefetched is not None:
-            asked, future = prefetched
+            asked, future, epoch = prefetched
             if (
                 (asked.engine_id, asked.step_index) == (ctx.engine_id, ctx.step_index)
                 and ctx.batch_size in (asked.batch_size, *asked.candidate_batch_sizes)
+                and epoch == self._policy_epoch
             ):  # fmt: skip
                 decision = self._resolve(ctx, future, asked.batch_size)
                 if decision is not None:
@@ -482,6 +511,15 @@ class NightjarClient:
         if not future.failed:
             self.stats.late_replies += 1
 
+    def _on_policy_notice(self, version: str) -> None:
+        # The reader thread is the only writer. The first notice (on the first stream)
+        # confirms the version that decided the answers so far: no change.
+        self.stats.policy_notices += 1
+        if self._policy_version is not None and version != self._policy_version:
+            self._policy_epoch += 1
+        self._policy_version = version
+        log.debug("nightjar: sidecar policy version %s", version)
+
     def _on_broken(self, transport: _StreamTransport) -> None:
         if not self._closed.is_set():
             log.warning("lost the sidecar stream; falling back and reconnecting")
@@ -508,7 +546,7 @@ class NightjarClient:
                 continue
             if self.config.use_stream:
                 transport: _StreamTransport | _UnaryTransport = _StreamTransport(
-                    self._channel, self._on_broken
+                    self._channel, self._on_broken, self._on_policy_notice
                 )
             else:
                 transport = _UnaryTransport(self._channel, self.config.deadline_s)

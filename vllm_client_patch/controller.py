@@ -117,6 +117,8 @@ class GammaController:
         self.client = client_factory(client_config)
         self._step_index = 0
         self._previous_gamma: int | None = None
+        # The engine as last scheduled: what an idle engine's next step will resemble.
+        self._last_view: EngineView | None = None
         # Decided at schedule calls whose step has not ended (one with synchronous
         # scheduling, two with async) / the last ended one, awaiting its verify step.
         self._pending: collections.deque[_InFlight] = collections.deque()
@@ -171,6 +173,7 @@ class GammaController:
         hook time counts the caller's own work (default: now).
         """
         started = time.perf_counter() if started is None else started
+        self._last_view = view
         ctx = self._context(view, self._step_index)
         decision = self.client.take(ctx)
         # No drafter to run while the draft is away, whatever the sidecar or the table said.
@@ -227,11 +230,24 @@ class GammaController:
                 self._hook_unexported.append(hook)
 
     def idle(self) -> None:
-        """The engine ran out of requests: drop the unverifiable last decision and send
-        the queued outcome now rather than with the next request (maybe much later)."""
+        """The engine ran out of requests: drop the unverifiable last decision, send the
+        queued outcome now rather than with the next request (maybe much later), and ask
+        ahead for the step that ends the idle time: one request joining, or a few together.
+        Without it the first step after every idle gap waits a round trip (at low load,
+        most of the prefetch misses). Only where the sidecar sends policy notices: the
+        answer may be taken minutes later, and a policy swapped in meanwhile must decide
+        that step (the client drops the answer on a notice)."""
         self._in_flight = None
-        self.client.discard_prefetch()  # asked for a step that may come much later
+        self.client.discard_prefetch()  # asked for a batch that has finished
         self.client.flush()
+        if self._last_view is None or not self.client.follows_policy_changes:
+            return
+        resumed = dataclasses.replace(
+            self._last_view, batch_size=1, waiting=0, context_tokens=0, prefill_tokens=0
+        )
+        ahead = self._context(resumed, self._step_index)
+        joins = tuple(range(2, 2 + CANDIDATE_JOINS))
+        self.client.prefetch(dataclasses.replace(ahead, candidate_batch_sizes=joins))
 
     def _report(
         self, flight: _InFlight, verified: VerifiedStep, seconds: float, step: _InFlight

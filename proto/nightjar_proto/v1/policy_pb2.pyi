@@ -143,14 +143,16 @@ class Decision(_message.Message):
     def __init__(self, gamma: _Optional[int] = ..., request_gammas: _Optional[_Iterable[_Union[RequestGamma, _Mapping]]] = ..., decision_id: _Optional[str] = ..., exploration: bool = ..., exploration_probability: _Optional[float] = ..., policy_name: _Optional[str] = ..., policy_version: _Optional[str] = ..., memory_directive: _Optional[_Union[MemoryDirective, _Mapping]] = ..., reason: _Optional[str] = ..., step_index: _Optional[int] = ..., batch_size: _Optional[int] = ..., candidates: _Optional[_Iterable[_Union[Decision, _Mapping]]] = ..., tentative: bool = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("seq", "outcome", "context")
+    __slots__ = ("seq", "outcome", "context", "policy_notices")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    POLICY_NOTICES_FIELD_NUMBER: _ClassVar[int]
     seq: int
     outcome: StepOutcome
     context: StepContext
-    def __init__(self, seq: _Optional[int] = ..., outcome: _Optional[_Union[StepOutcome, _Mapping]] = ..., context: _Optional[_Union[StepContext, _Mapping]] = ...) -> None: ...
+    policy_notices: bool
+    def __init__(self, seq: _Optional[int] = ..., outcome: _Optional[_Union[StepOutcome, _Mapping]] = ..., context: _Optional[_Union[StepContext, _Mapping]] = ..., policy_notices: bool = ...) -> None: ...
 
 class StepError(_message.Message):
     __slots__ = ("code", "message")
@@ -161,14 +163,16 @@ class StepError(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class StepReply(_message.Message):
-    __slots__ = ("seq", "decision", "error")
+    __slots__ = ("seq", "decision", "error", "policy_version")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     DECISION_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     seq: int
     decision: Decision
     error: StepError
-    def __init__(self, seq: _Optional[int] = ..., decision: _Optional[_Union[Decision, _Mapping]] = ..., error: _Optional[_Union[StepError, _Mapping]] = ...) -> None: ...
+    policy_version: str
+    def __init__(self, seq: _Optional[int] = ..., decision: _Optional[_Union[Decision, _Mapping]] = ..., error: _Optional[_Union[StepError, _Mapping]] = ..., policy_version: _Optional[str] = ...) -> None: ...
 
 class ReportAck(_message.Message):
     __slots__ = ("applied",)
