@@ -191,13 +191,17 @@ def test_a_policy_swapped_in_while_the_engine_idles_decides_its_next_step(
         admin_pb2.SwapPolicyRequest(name="off"), metadata=server.auth, timeout=5
     )
     wait_for(lambda: controller.client.stats.policy_notices == notices + 1)
-    # The answer kept from before the swap is dropped: `off` decides the step.
+    # The answer kept from before the swap was asked for again on the notice: `off`
+    # decides the step, and its answer is there when the engine wakes.
+    time.sleep(0.3)
     assert controller.decide(view(1)) == 0
     stats = controller.stats()
-    assert (stats["prefetch_hits"], stats["prefetch_misses"]) == (0, 1)
+    assert (stats["prefetch_hits"], stats["prefetch_misses"]) == (1, 0)
     assert stats["sidecar_decisions"] == 2 and stats["fallbacks_total"] == 0
-    controller.close()
+    controller.end_step(VerifiedStep(0, 0, 1))
+    controller.idle()  # names the decision it ran to the sidecar, which logs it
     wait_for(lambda: log.read_text().count(reply.policy_version) >= 1)
+    controller.close()
     versions = [json.loads(line).get("policy_version") for line in log.read_text().splitlines()]
     assert versions[-1] == reply.policy_version
 

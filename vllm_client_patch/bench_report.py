@@ -214,9 +214,9 @@ def render(runs: Sequence[PassResult], stats: Mapping[str, Any], startup: float,
     lines += [
         "",
         "Plugin overhead over the whole benchmark (the stats file keeps percentiles over all "
-        "steps, not per pass): time inside the hook per engine step — building the step "
-        "context, taking the decision, queuing the outcome, prefetching the next decision — "
-        "against the engine's step:",
+        "steps, not per pass, in 2 % log buckets): time inside the hook per engine step — "
+        "building the step context, taking the decision, queuing the outcome, prefetching the "
+        "next decision — against the engine's step:",
         "",
         "| | p50 | p99 | samples |",
         "|---|---:|---:|---:|",

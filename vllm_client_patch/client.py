@@ -283,7 +283,10 @@ class NightjarClient:
         # The tentative decision take() picked: named to the sidecar with the next context.
         self._ran_decision_id = ""
         self._directives: list[MemoryDirective] = []
+        # Swapped by the engine's thread (prefetch, take) and by the stream's reader thread
+        # (asking again after a policy notice), under _prefetch_lock.
         self._prefetched: tuple[StepContext, PendingReply, int] | None = None
+        self._prefetch_lock = threading.Lock()
         # Policy changes announced by notices: a prefetched answer asked for before the
         # latest may have been decided by a policy that is no longer active.
         self._policy_epoch = 0
@@ -341,14 +344,16 @@ class NightjarClient:
         ``ctx.candidate_batch_sizes``: other batch sizes the step may turn out to have; the
         sidecar decides each tentatively and learns only from the one the engine ran,
         which :meth:`take` picks and names to it with the next request."""
-        epoch = self._policy_epoch
-        future = self._send(ctx)
-        self._prefetched = (ctx, future, epoch) if future is not None else None
+        with self._prefetch_lock:
+            epoch = self._policy_epoch
+            future = self._send(ctx)
+            self._prefetched = (ctx, future, epoch) if future is not None else None
 
     def take(self, ctx: StepContext) -> GammaDecision:
         """The prefetched decision for this step's batch size, else a fresh decide (also
         when a policy notice came after the prefetch was sent: its answer may be stale)."""
-        prefetched, self._prefetched = self._prefetched, None
+        with self._prefetch_lock:
+            prefetched, self._prefetched = self._prefetched, None
         if prefetched is not None:
             asked, future, epoch = prefetched
             if (
@@ -367,7 +372,8 @@ class NightjarClient:
 
     def discard_prefetch(self) -> None:
         """Forget a prefetched decision that will not be taken (e.g. the engine idled)."""
-        prefetched, self._prefetched = self._prefetched, None
+        with self._prefetch_lock:
+            prefetched, self._prefetched = self._prefetched, None
         if prefetched is not None:
             prefetched[1].add_done_callback(self._count_late)
 
@@ -512,13 +518,23 @@ class NightjarClient:
             self.stats.late_replies += 1
 
     def _on_policy_notice(self, version: str) -> None:
-        # The reader thread is the only writer. The first notice (on the first stream)
-        # confirms the version that decided the answers so far: no change.
+        """On the stream's reader thread. The first notice (on the first stream) confirms
+        the version that decided the answers so far: no change. After a change a kept
+        answer is asked for again, so that the step after a swap (often the first after an
+        idle gap: operators swap while the engine waits) still finds its answer."""
         self.stats.policy_notices += 1
-        if self._policy_version is not None and version != self._policy_version:
-            self._policy_epoch += 1
+        changed = self._policy_version is not None and version != self._policy_version
         self._policy_version = version
         log.debug("nightjar: sidecar policy version %s", version)
+        if not changed:
+            return
+        with self._prefetch_lock:
+            self._policy_epoch += 1
+            if self._prefetched is None:
+                return
+            ctx = self._prefetched[0]
+            future = self._send(ctx)
+            self._prefetched = (ctx, future, self._policy_epoch) if future is not None else None
 
     def _on_broken(self, transport: _StreamTransport) -> None:
         if not self._closed.is_set():

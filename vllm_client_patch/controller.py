@@ -23,7 +23,6 @@ import dataclasses
 import json
 import logging
 import os
-import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -35,11 +34,11 @@ from policy_server.types import MemoryDirective, StepContext, StepOutcome
 from vllm_client_patch.client import ClientConfig, GammaDecision, NightjarClient
 from vllm_client_patch.config import PluginConfig
 from vllm_client_patch.metrics import PluginMetrics, Totals
+from vllm_client_patch.quantiles import DurationHistogram
 
 log = logging.getLogger(__name__)
 
 STATS_INTERVAL_S = 1.0
-_SAMPLES = 100_000
 # Batch sizes asked for ahead of a step besides the current one (the protocol allows 16 in
 # all). Requests admitted together finish together (a benchmark's fixed output length, a
 # burst): up to CANDIDATE_DROPS finishing, CANDIDATE_WINDOW or as many as wait joining. A
@@ -143,8 +142,8 @@ class GammaController:
         self._gammas: collections.Counter[int] = collections.Counter()
         # Where each step's γ came from: sidecar, fallback, forced (draft not resident).
         self._sources: collections.Counter[str] = collections.Counter()
-        self._hook_s: collections.deque[float] = collections.deque(maxlen=_SAMPLES)
-        self._step_s: collections.deque[float] = collections.deque(maxlen=_SAMPLES)
+        self._hook_s = DurationHistogram()
+        self._step_s = DurationHistogram()
         # Hook times not yet exported to the metrics (swapped out by each flush).
         self._hook_unexported: list[float] = []
         self._hook_decide_s = 0.0
@@ -237,10 +236,10 @@ class GammaController:
         self._step_index += 1
         ended = time.perf_counter()
         hook = self._hook_decide_s + hook_s + ended - started
-        with self._lock:
-            self._step_s.append(ended - step.started)
-            self._hook_s.append(hook)
-            if self.metrics is not None:
+        self._step_s.record(ended - step.started)
+        self._hook_s.record(hook)
+        if self.metrics is not None:
+            with self._lock:
                 self._hook_unexported.append(hook)
 
     def idle(self) -> None:
@@ -285,8 +284,6 @@ class GammaController:
 
     def stats(self) -> dict[str, Any]:
         client = self.client.stats
-        with self._lock:
-            hook, steps = list(self._hook_s), list(self._step_s)
         return {
             "engine_id": self.config.engine_id,
             "steps": self._step_index,
@@ -304,8 +301,8 @@ class GammaController:
             "prefetch_misses": client.prefetch_misses,
             "late_replies": client.late_replies,
             "connected": self.client.connected,
-            "hook_us": _percentiles(hook, 1e6),
-            "step_ms": _percentiles(steps, 1e3),
+            "hook_us": _percentiles(self._hook_s, 1e6),
+            "step_ms": _percentiles(self._step_s, 1e3),
         }
 
     def write_stats(self) -> None:
@@ -350,10 +347,9 @@ class GammaController:
         self.client.close()
 
 
-def _percentiles(samples: list[float], scale: float) -> dict[str, float]:
-    if not samples:
-        return {"p50": 0.0, "p99": 0.0, "n": 0}
-    cuts = statistics.quantiles(samples, n=100, method="inclusive") if len(samples) > 1 else None
-    p50 = cuts[49] if cuts else samples[0]
-    p99 = cuts[98] if cuts else samples[0]
-    return {"p50": p50 * scale, "p99": p99 * scale, "n": len(samples)}
+def _percentiles(histogram: DurationHistogram, scale: float) -> dict[str, float]:
+    return {
+        "p50": histogram.quantile(0.5) * scale,
+        "p99": histogram.quantile(0.99) * scale,
+        "n": histogram.count,
+    }
