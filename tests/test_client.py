@@ -118,6 +118,11 @@ def test_pipelined_prefetch_and_take(make_server) -> None:
         client.prefetch(StepContext("eng", batch_size=3, step_index=2))
         miss = client.take(StepContext("eng", batch_size=7, step_index=2))
         assert miss.source == "sidecar" and client.stats.prefetch_misses == 1
+        assert client.stats.prefetch_miss_reasons == {"batch_size": 1}
+        # Asked for one step, taken at another (a step the engine skipped deciding).
+        client.prefetch(StepContext("eng", batch_size=3, step_index=4))
+        assert client.take(StepContext("eng", batch_size=3, step_index=3)).source == "sidecar"
+        assert client.stats.prefetch_miss_reasons == {"batch_size": 1, "step": 1}
         decided = server.state()["state"]["learners"]
         assert decided == {}  # nothing reported yet: prefetching alone learns nothing
     finally:

@@ -107,6 +107,7 @@ def test_each_decision_is_reported_with_the_step_that_verified_it(
     stats = controller.stats()
     assert stats["sidecar_decisions"] == 4 and stats["fallbacks_total"] == 0
     assert (stats["prefetch_hits"], stats["prefetch_misses"]) == (2, 1)
+    assert stats["prefetch_miss_reasons"] == {"batch_size": 1}
     assert stats["reported"] == 3 and stats["drafted_tokens"] == 22
     wait_for(lambda: log.exists() and log.read_text().count('"kind":"outcome"') == 3)
     records = [json.loads(line) for line in log.read_text().splitlines()]

@@ -44,6 +44,7 @@ class PluginCounts:
     prefetch_misses: int = 0
     fallbacks: Mapping[str, int] = dataclasses.field(default_factory=dict)
     gammas: Mapping[str, int] = dataclasses.field(default_factory=dict)  # γ → steps
+    miss_reasons: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def between(cls, before: Mapping[str, Any], after: Mapping[str, Any]) -> PluginCounts:
@@ -57,6 +58,7 @@ class PluginCounts:
         return cls(
             delta("steps"), delta("sidecar_decisions"), delta("prefetch_hits"),
             delta("prefetch_misses"), delta_map("fallbacks"), delta_map("gammas"),
+            delta_map("prefetch_miss_reasons"),
         )  # fmt: skip
 
     def __add__(self, other: PluginCounts) -> PluginCounts:
@@ -68,6 +70,7 @@ class PluginCounts:
             self.prefetch_hits + other.prefetch_hits,
             self.prefetch_misses + other.prefetch_misses,
             merged(self.fallbacks, other.fallbacks), merged(self.gammas, other.gammas),
+            merged(self.miss_reasons, other.miss_reasons),
         )  # fmt: skip
 
     @property
@@ -200,7 +203,7 @@ def render(runs: Sequence[PassResult], stats: Mapping[str, Any], startup: float,
         "`off` can show drafted tokens.",
         "",
         f"| policy | engine steps | steps at γ = {' / '.join(map(str, gammas))} "
-        "| sidecar decisions | fallback steps | prefetch hits / misses |",
+        "| sidecar decisions | fallback steps | prefetch hits / misses (why) |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     for label, rs in grouped.items():
@@ -209,7 +212,8 @@ def render(runs: Sequence[PassResult], stats: Mapping[str, Any], startup: float,
             label, c.steps, " / ".join(str(c.gammas.get(str(g), 0)) for g in gammas),
             c.sidecar_decisions,
             f"{c.fallbacks_total} {dict(c.fallbacks) if c.fallbacks else ''}".strip(),
-            f"{c.prefetch_hits} / {c.prefetch_misses}",
+            f"{c.prefetch_hits} / {c.prefetch_misses} "
+            f"{dict(c.miss_reasons) if c.miss_reasons else ''}".strip(),
         ))  # fmt: skip
     lines += [
         "",

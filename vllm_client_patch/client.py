@@ -99,6 +99,12 @@ class ClientStats:
     reconnects: int = 0
     prefetch_hits: int = 0
     prefetch_misses: int = 0
+    # Why: the batch size was not among those asked for ("batch_size"), the answer was for
+    # another step ("step"), a policy notice came after it ("policy"), or the sidecar had no
+    # answer for that batch size ("answer": one without candidate support).
+    prefetch_miss_reasons: collections.Counter[str] = dataclasses.field(
+        default_factory=collections.Counter
+    )
     # Policy notices received (the first on each stream confirms that they come).
     policy_notices: int = 0
 
@@ -356,18 +362,22 @@ class NightjarClient:
             prefetched, self._prefetched = self._prefetched, None
         if prefetched is not None:
             asked, future, epoch = prefetched
-            if (
-                (asked.engine_id, asked.step_index) == (ctx.engine_id, ctx.step_index)
-                and ctx.batch_size in (asked.batch_size, *asked.candidate_batch_sizes)
-                and epoch == self._policy_epoch
-            ):  # fmt: skip
+            if (asked.engine_id, asked.step_index) != (ctx.engine_id, ctx.step_index):
+                reason = "step"
+            elif ctx.batch_size not in (asked.batch_size, *asked.candidate_batch_sizes):
+                reason = "batch_size"
+            elif epoch != self._policy_epoch:
+                reason = "policy"
+            else:
                 decision = self._resolve(ctx, future, asked.batch_size)
                 if decision is not None:
                     self.stats.prefetch_hits += 1
                     return decision
-            else:
+                reason = "answer"
+            if reason != "answer":
                 future.add_done_callback(self._count_late)
             self.stats.prefetch_misses += 1
+            self.stats.prefetch_miss_reasons[reason] += 1
         return self.decide(ctx)
 
     def discard_prefetch(self) -> None:

@@ -299,6 +299,7 @@ class GammaController:
             "fallbacks_total": client.fallbacks_total,
             "prefetch_hits": client.prefetch_hits,
             "prefetch_misses": client.prefetch_misses,
+            "prefetch_miss_reasons": dict(client.prefetch_miss_reasons),
             "late_replies": client.late_replies,
             "connected": self.client.connected,
             "hook_us": _percentiles(self._hook_s, 1e6),
