@@ -13,7 +13,7 @@ APT_PACKAGES := prometheus
 APT_STAMP := $(VENV)/.apt-installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: help install install-vllm install-apt demo test lint proto check-proto k8s dashboard dashboard-screenshot bench bench-quick bench-rpc bench-vllm bench-memory bench-memory-gpu bench-load soak fuzz chaos reliability-report reliability-durable reliability-security bounds-check clean
+.PHONY: help install install-vllm install-apt demo test lint proto check-proto k8s dashboard dashboard-screenshot bench bench-quick bench-traces bench-rpc bench-vllm bench-memory bench-memory-gpu bench-load soak fuzz chaos reliability-report reliability-durable reliability-security bounds-check clean
 
 help:
 	@echo "make demo       start the sidecar and drive it with a synthetic engine loop"
@@ -25,6 +25,7 @@ help:
 	@echo "make dashboard-screenshot  drive a sidecar under a real Prometheus, draw docs/img/dashboard.png"
 	@echo "make bench      policies x workloads x profiles in the serving simulator -> docs/BENCHMARKS.md"
 	@echo "make bench-quick  the same, reduced (< 2 min)"
+	@echo "make bench-traces  the same policies on two traces they were not tuned on (Azure code, Mooncake) -> docs/BENCHMARKS.md"
 	@echo "make bench-rpc  measure decide cost and RPC round trips -> docs/BENCHMARKS.md"
 	@echo "make bounds-check  flood the sidecar with 100,000 engine ids; RSS must stay flat"
 	@echo "make bench-load 8 engine processes x 1,000 decisions/s for 10 min on one sidecar, then its peak rate and a bare-gRPC baseline -> docs/BENCHMARKS.md"
@@ -102,6 +103,9 @@ bench: $(STAMP)
 
 bench-quick: $(STAMP)
 	$(PY) -m policy_server.sim.bench --quick --out docs/BENCHMARKS.md
+
+bench-traces: $(STAMP)
+	$(PY) -m policy_server.sim.bench_traces --out docs/BENCHMARKS.md
 
 # Options of vllm_client_patch/bench.py (--help), e.g. BENCH_VLLM_ARGS="--repetitions 3".
 bench-vllm: $(VLLM_STAMP)

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from policy_server.sim import bench_traces
 from policy_server.sim.bench import BenchConfig, Cell, main, render
 
 
@@ -45,3 +46,17 @@ def test_quick_bench_runs_end_to_end(tmp_path: Path) -> None:
     figures = sorted(plots.glob("*.png"))
     assert len(figures) == 8
     assert all(f.read_bytes().startswith(b"\x89PNG") for f in figures)
+
+
+@pytest.mark.slow
+def test_unseen_traces_bench_runs_end_to_end(tmp_path: Path) -> None:
+    """`make bench-traces` on the first 20 s of each trace: both traces are read from the
+    shipped data, every policy runs on both profiles, and the targets are judged."""
+    report = tmp_path / "BENCHMARKS.md"
+    assert bench_traces.main(["--out", str(report), "--seeds", "1", "--seconds", "20"]) == 0
+    text = report.read_text()
+    for profile in ("llama2-7b-a100", "llama2-70b-h100-tp4"):
+        for workload in ("azure-code", "mooncake-conv"):
+            assert f"### {profile} — {workload}" in text
+            assert f"| {profile} | {workload} | " in text
+    assert text.count("| oracle | ") == 4 and "| dsd | " in text

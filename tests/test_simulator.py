@@ -66,6 +66,19 @@ def test_invariants_hold_under_pressure(busy_specs, policy, chunked) -> None:
     assert all(r.finish_s >= r.first_token_s >= r.spec.arrival_s for r in result.requests)
 
 
+def test_a_request_longer_than_the_kv_cache_is_refused_and_the_run_ends() -> None:
+    """The Mooncake trace has 100k-token prompts; one that cannot fit the KV cache even
+    alone used to wait forever (the run never ended). It is refused at arrival."""
+    profile = dataclasses.replace(PROFILES["llama2-7b-a100"], kv_blocks=200, draft_kv_blocks=0)
+    capacity = 200 * profile.block_size
+    specs = [RequestSpec(0.0, 100, 20), RequestSpec(0.1, capacity, 10),
+             RequestSpec(0.2, 200, 20)]  # fmt: skip
+    result = Simulator(profile, SPS, specs, PolicySource.named("off"), SimConfig()).run()
+    assert [r.rejected for r in result.requests] == [False, True, False]
+    assert result.rejected == 1 and result.generated_tokens == 40
+    assert len(result.latencies()) == 2
+
+
 def test_identical_results_per_seed(busy_specs) -> None:
     a = run(PolicySource.named("nightjar", {"seed": 4}), busy_specs[:150], seed=9)
     b = run(PolicySource.named("nightjar", {"seed": 4}), busy_specs[:150], seed=9)

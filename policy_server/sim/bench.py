@@ -158,9 +158,13 @@ class BenchConfig:
     acceptance: str = "chat-sps"
     # Profile name -> its assets (written by main into a scratch directory).
     assets: dict[str, ProfileAssets] = dataclasses.field(default_factory=dict)
+    # Run only these policies (default: the full matrix, or the quick one).
+    only: tuple[str, ...] = ()
 
     @property
     def policies(self) -> list[str]:
+        if self.only:
+            return list(self.only)
         return QUICK_POLICIES if self.quick else list(POLICIES)
 
     @property
@@ -390,9 +394,6 @@ def render(
     config: BenchConfig, sweep: Sweep | None = None, figures: Sequence[Path] = (),
     relative_to: Path | None = None,
 ) -> str:  # fmt: skip
-    def avg(key: tuple[str, str, str], field: str) -> float:
-        return statistics.fmean(getattr(c, field) for c in cells[key])
-
     command = "make bench-quick" if config.quick else "make bench"
     lines = [
         "## Serving simulator: policies on traces (`make bench`)",
@@ -415,24 +416,7 @@ def render(
         "α = 0.8 to α = 0.3; `long` is the first 30 minutes of the trace at 4 req/s.",
         "",
     ]
-    for profile in profiles:
-        for workload in names:
-            lines += [f"### {profile} — {workload}", "",
-                      "| policy | tok/s | vs oracle | mean e2e s | p99 e2e s | mean TPOT ms "
-                      "| regret % |",
-                      "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
-            oracle = avg((profile, workload, "oracle"), "throughput")
-            for policy in config.policies:
-                key = (profile, workload, policy)
-                generated = avg(key, "generated_tokens")
-                regret = 100 * avg(key, "regret_tokens") / generated if generated else 0.0
-                lines.append(
-                    f"| {policy} | {avg(key, 'throughput'):.0f} | "
-                    f"{avg(key, 'throughput') / oracle:.3f} | {avg(key, 'mean_latency'):.2f} | "
-                    f"{avg(key, 'p99_latency'):.2f} | {avg(key, 'mean_tpot_ms'):.1f} | "
-                    f"{regret:.2f} |"
-                )
-            lines.append("")
+    lines += cell_tables(cells, profiles, names, config.policies)
     lines += targets(cells, profiles, names, config)
     lines += slo_table(cells, profiles, names, config)
     if sweep:
@@ -444,6 +428,37 @@ def render(
             lines.append(f"![{figure.stem}]({link.as_posix()})")
         lines.append("")
     return "\n".join(lines)
+
+
+def cell_tables(
+    cells: dict[tuple[str, str, str], list[Cell]], profiles: list[str], names: list[str],
+    policies: list[str],
+) -> list[str]:  # fmt: skip
+    """One table per (profile, workload): every policy, means over seeds."""
+
+    def avg(key: tuple[str, str, str], field: str) -> float:
+        return statistics.fmean(getattr(c, field) for c in cells[key])
+
+    lines: list[str] = []
+    for profile in profiles:
+        for workload in names:
+            lines += [f"### {profile} — {workload}", "",
+                      "| policy | tok/s | vs oracle | mean e2e s | p99 e2e s | mean TPOT ms "
+                      "| regret % |",
+                      "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+            oracle = avg((profile, workload, "oracle"), "throughput")
+            for policy in policies:
+                key = (profile, workload, policy)
+                generated = avg(key, "generated_tokens")
+                regret = 100 * avg(key, "regret_tokens") / generated if generated else 0.0
+                lines.append(
+                    f"| {policy} | {avg(key, 'throughput'):.0f} | "
+                    f"{avg(key, 'throughput') / oracle:.3f} | {avg(key, 'mean_latency'):.2f} | "
+                    f"{avg(key, 'p99_latency'):.2f} | {avg(key, 'mean_tpot_ms'):.1f} | "
+                    f"{regret:.2f} |"
+                )
+            lines.append("")
+    return lines
 
 
 def sweep_table(sweep: Sweep) -> list[str]:

@@ -68,6 +68,9 @@ class SimRequest:
     blocks: int = 0
     lag: int = 0
     preemptions: int = 0
+    # Its prompt and output need more KV than the engine has: refused at arrival, as vLLM
+    # refuses a request longer than the model's context (it would wait forever).
+    rejected: bool = False
     # Prefill completed in the step being simulated: it samples its next token.
     just_prefilled: bool = False
     first_token_s: float | None = None
@@ -122,6 +125,10 @@ class SimResult:
     @property
     def throughput(self) -> float:
         return self.generated_tokens / self.makespan_s if self.makespan_s > 0 else 0.0
+
+    @property
+    def rejected(self) -> int:
+        return sum(r.rejected for r in self.requests)
 
     def latencies(self) -> list[float]:
         return sorted(
@@ -179,9 +186,16 @@ class Simulator:
         max_used = 0
         while arrivals or self.waiting or self.running:
             while arrivals and arrivals[0].spec.arrival_s <= self.now:
-                self.waiting.append(arrivals.popleft())
+                request = arrivals.popleft()
+                request.rejected = (
+                    self._blocks(request.spec.prompt_tokens + request.spec.output_tokens)
+                    > self.total_blocks
+                )
+                if not request.rejected:
+                    self.waiting.append(request)
             if not self.waiting and not self.running:
-                self.now = arrivals[0].spec.arrival_s
+                if arrivals:
+                    self.now = arrivals[0].spec.arrival_s
                 continue
             self._admit()
             record = self._step()
@@ -190,12 +204,15 @@ class Simulator:
             assert self.free_blocks >= 0, "KV over-committed"
         return SimResult(self.requests, steps, self.now, self.total_blocks, max_used)
 
+    def _blocks(self, tokens: int) -> int:
+        """KV blocks that hold ``tokens`` and the next one's slot."""
+        return math.ceil((tokens + 1) / self.profile.block_size)
+
     def _admit(self) -> None:
-        bs = self.profile.block_size
         while self.waiting and len(self.running) < self.config.max_running:
             request = self.waiting[0]
             target = request.spec.prompt_tokens + request.generated
-            needed = math.ceil((target + 1) / bs)
+            needed = self._blocks(target)
             if needed > self.free_blocks:
                 break
             self.waiting.popleft()
