@@ -84,13 +84,19 @@ def wait_for(condition: Any, timeout: float = 5.0) -> None:
     assert condition()
 
 
-def test_each_decision_is_reported_with_the_step_that_verified_it(
-    make_server: Any, tmp_path: Path
-) -> None:
+def static_sidecar_logging(make_server: Any, tmp_path: Path) -> tuple[Any, Path]:
+    """A sidecar answering γ = 2, with a decision log; the server and the log's path."""
     log = tmp_path / "decisions.jsonl"
     server = make_server(
         "--policy", "static", "--params", '{"gamma": 2}', "--decision-log", str(log)
     )
+    return server, log
+
+
+def test_each_decision_is_reported_with_the_step_that_verified_it(
+    make_server: Any, tmp_path: Path
+) -> None:
+    server, log = static_sidecar_logging(make_server, tmp_path)
     stats_file = tmp_path / "plugin.json"
     config = PluginConfig(sidecar=server.target, engine_id="ctl", deadline_ms=200,
                           stats_file=str(stats_file), learner_key="tiny@cpu")  # fmt: skip
@@ -177,10 +183,7 @@ def test_the_first_step_after_an_idle_gap_finds_its_answer_prefetched(
 def test_a_policy_swapped_in_while_the_engine_idles_decides_its_next_step(
     make_server: Any, tmp_path: Path
 ) -> None:
-    log = tmp_path / "decisions.jsonl"
-    server = make_server(
-        "--policy", "static", "--params", '{"gamma": 2}', "--decision-log", str(log)
-    )
+    server, log = static_sidecar_logging(make_server, tmp_path)
     config = PluginConfig(sidecar=server.target, engine_id="idler", deadline_ms=500)
     controller = GammaController(config)
     wait_for(lambda: controller.client.connected)
