@@ -351,9 +351,12 @@ class NightjarClient:
         sidecar decides each tentatively and learns only from the one the engine ran,
         which :meth:`take` picks and names to it with the next request."""
         with self._prefetch_lock:
-            epoch = self._policy_epoch
-            future = self._send(ctx)
-            self._prefetched = (ctx, future, epoch) if future is not None else None
+            self._ask_ahead_locked(ctx)
+
+    def _ask_ahead_locked(self, ctx: StepContext) -> None:
+        """Send ``ctx`` and keep its pending answer, stamped with the policy epoch."""
+        future = self._send(ctx)
+        self._prefetched = (ctx, future, self._policy_epoch) if future is not None else None
 
     def take(self, ctx: StepContext) -> GammaDecision:
         """The prefetched decision for this step's batch size, else a fresh decide (also
@@ -540,11 +543,8 @@ class NightjarClient:
             return
         with self._prefetch_lock:
             self._policy_epoch += 1
-            if self._prefetched is None:
-                return
-            ctx = self._prefetched[0]
-            future = self._send(ctx)
-            self._prefetched = (ctx, future, self._policy_epoch) if future is not None else None
+            if self._prefetched is not None:
+                self._ask_ahead_locked(self._prefetched[0])
 
     def _on_broken(self, transport: _StreamTransport) -> None:
         if not self._closed.is_set():
