@@ -15,6 +15,7 @@ from vllm_client_patch.config import PluginConfig, PluginConfigError
 from vllm_client_patch.controller import (
     EngineView,
     GammaController,
+    HookTime,
     VerifiedStep,
     candidate_batch_sizes,
 )
@@ -224,6 +225,27 @@ def test_fails_open_to_the_fallback_table_without_a_sidecar(tmp_path: Path) -> N
     controller.end_step(VerifiedStep(3, 1, 2))
     stats = controller.stats()
     assert stats["fallbacks_total"] == 4 and stats["reported"] == 0
+    controller.close()
+
+
+def test_hook_time_tells_waiting_from_working(tmp_path: Path) -> None:
+    """The hook's wall time counts the caller's part and the controller's; its CPU time
+    (the engine thread's) leaves out time spent waiting, here a sleep in the caller's part
+    of each hook, and keeps busy work."""
+    config = PluginConfig(sidecar=f"unix:{tmp_path}/none.sock", engine_id="timed")
+    controller = GammaController(config, fallback_table=((1, 64, 1),))
+    for _ in range(3):
+        started = HookTime.now()
+        time.sleep(0.02)  # waiting: wall time, no CPU time
+        controller.decide(view(4), started)
+        busy = HookTime.now()
+        while time.thread_time() - busy.cpu < 0.005:  # working: both
+            pass
+        controller.end_step(VerifiedStep(4, 2, 6), busy.elapsed())
+    stats = controller.stats()
+    wall, cpu = stats["hook_us"], stats["hook_cpu_us"]
+    assert wall["n"] == cpu["n"] == 3
+    assert wall["p50"] >= 24_000 and 4_500 <= cpu["p50"] <= 15_000, (wall, cpu)
     controller.close()
 
 

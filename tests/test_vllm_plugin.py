@@ -117,6 +117,9 @@ def test_lossless_while_the_sidecar_varies_gamma_per_step(
     assert {0, GAMMA_MAX} <= used and len(used) == GAMMA_MAX + 1  # 0 included
     # The time spent inside the hook is measured every step (p50/p99 for benchmarks).
     assert after["hook_us"]["n"] > before["hook_us"]["n"] and after["hook_us"]["p50"] > 0
+    # ... with the engine thread's CPU time in it, which one thread cannot exceed.
+    assert after["hook_cpu_us"]["n"] == after["hook_us"]["n"]
+    assert 0 < after["hook_cpu_us"]["p50"] <= after["hook_us"]["p50"]
 
 
 def test_the_engine_runs_the_gamma_the_sidecar_decided(engine: Any, sidecar: Any) -> None:

@@ -135,6 +135,7 @@ def render(runs: Sequence[PassResult], stats: Mapping[str, Any], startup: float,
     grouped = _by_label(runs)
     schedule: tuple[Phase, ...] = args.schedule
     hook, step = stats.get("hook_us", {}), stats.get("step_ms", {})
+    hook_cpu = stats.get("hook_cpu_us", {})
     pair = ("CPU-rig pair (`tiny_models --kind truncated`: 8-layer 1024-wide target whose "
             "upper 6 layers are damped, draft = its first 2 layers)" if args.kind == "truncated"
             else "test pair (`tiny_models --kind perturbed`: 4-layer 256-wide target, draft = "
@@ -220,12 +221,16 @@ def render(runs: Sequence[PassResult], stats: Mapping[str, Any], startup: float,
         "Plugin overhead over the whole benchmark (the stats file keeps percentiles over all "
         "steps, not per pass, in 2 % log buckets): time inside the hook per engine step — "
         "building the step context, taking the decision, queuing the outcome, prefetching the "
-        "next decision — against the engine's step:",
+        "next decision — against the engine's step; and the engine thread's CPU time in the "
+        "hook (`time.thread_time`): where the wall time far exceeds it, the thread waited for "
+        "the GIL or a core rather than working:",
         "",
         "| | p50 | p99 | samples |",
         "|---|---:|---:|---:|",
         f"| time in the hook per step | {hook.get('p50', 0):.0f} µs | {hook.get('p99', 0):.0f} µs "
         f"| {hook.get('n', 0)} |",
+        f"| engine thread's CPU time in the hook | {hook_cpu.get('p50', 0):.0f} µs | "
+        f"{hook_cpu.get('p99', 0):.0f} µs | {hook_cpu.get('n', 0)} |",
         f"| engine step (schedule → update) | {step.get('p50', 0):.1f} ms | "
         f"{step.get('p99', 0):.1f} ms | {step.get('n', 0)} |",
         "",

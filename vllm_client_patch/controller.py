@@ -100,6 +100,30 @@ class VerifiedStep:
     request_accepts: tuple[tuple[str, int], ...] = ()
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class HookTime:
+    """Wall and engine-thread CPU seconds: a point in time (:meth:`now`) or a span. Where
+    the wall time of the hook far exceeds its CPU time, the thread was waiting, not
+    working: for the GIL (the engine process's other Python threads) or for a core."""
+
+    wall: float = 0.0
+    cpu: float = 0.0
+
+    @classmethod
+    def now(cls) -> HookTime:
+        return cls(time.perf_counter(), time.thread_time())
+
+    def elapsed(self) -> HookTime:
+        """The span from this point to now."""
+        return HookTime.now() - self
+
+    def __add__(self, other: HookTime) -> HookTime:
+        return HookTime(self.wall + other.wall, self.cpu + other.cpu)
+
+    def __sub__(self, other: HookTime) -> HookTime:
+        return HookTime(self.wall - other.wall, self.cpu - other.cpu)
+
+
 @dataclasses.dataclass(slots=True)
 class _InFlight:
     ctx: StepContext
@@ -148,10 +172,11 @@ class GammaController:
         # Where each step's γ came from: sidecar, fallback, forced (draft not resident).
         self._sources: collections.Counter[str] = collections.Counter()
         self._hook_s = DurationHistogram()
+        self._hook_cpu_s = DurationHistogram()
         self._step_s = DurationHistogram()
         # Hook times not yet exported to the metrics (swapped out by each flush).
         self._hook_unexported: list[float] = []
-        self._hook_decide_s = 0.0
+        self._hook_decide = HookTime()
         self._lock = threading.Lock()
         # The stats file and the metrics are written off the engine's thread: sorting the
         # samples for percentiles takes milliseconds, and both stay fresh while it idles.
@@ -181,22 +206,21 @@ class GammaController:
             context_tokens=view.context_tokens,
         )
 
-    def decide(self, view: EngineView, started: float | None = None) -> int:
+    def decide(self, view: EngineView, started: HookTime | None = None) -> int:
         """γ for the step being scheduled (drafted after it, verified in the next).
 
-        ``started``: when the caller's hook began (``time.perf_counter()``), so that the
+        ``started``: when the caller's hook began (:meth:`HookTime.now`), so that the
         hook time counts the caller's own work (default: now).
         """
-        started = time.perf_counter() if started is None else started
+        started = HookTime.now() if started is None else started
         previous_batch = self._last_view.batch_size if self._last_view else view.batch_size
         self._last_view = view
         ctx = self._context(view, self._step_index)
         decision = self.client.take(ctx)
         # No drafter to run while the draft is away, whatever the sidecar or the table said.
         gamma = max(0, min(decision.gamma, view.max_gamma if view.draft_resident else 0))
-        self._pending.append(
-            _InFlight(ctx, dataclasses.replace(decision, gamma=gamma), started, view.prefill_tokens)
-        )
+        ran = dataclasses.replace(decision, gamma=gamma)
+        self._pending.append(_InFlight(ctx, ran, started.wall, view.prefill_tokens))
         self._previous_gamma = gamma
         self._gammas[gamma] += 1
         self._sources[decision.source if view.draft_resident else "forced"] += 1
@@ -210,19 +234,20 @@ class GammaController:
                 ),
             )
         )
-        self._hook_decide_s = time.perf_counter() - started
+        self._hook_decide = started.elapsed()
         return gamma
 
     def memory_directives(self) -> list[MemoryDirective]:
         """Memory directives the sidecar sent since the last call (for the memory agent)."""
         return self.client.take_directives()
 
-    def end_step(self, verified: VerifiedStep, hook_s: float = 0.0) -> None:
+    def end_step(self, verified: VerifiedStep, hook: HookTime | None = None) -> None:
         """Report the decision whose drafts this step verified.
 
-        ``hook_s``: time the caller's hook already spent on this update (counting it).
+        ``hook``: time the caller's hook already spent on this update (counting it).
         """
-        started = time.perf_counter()
+        begun = HookTime.now()
+        started = begun.wall
         self._drafted += verified.drafted_tokens
         self._accepted += verified.accepted_tokens
         self._drafts += len(verified.request_accepts)
@@ -239,13 +264,14 @@ class GammaController:
             self._report(self._in_flight, verified, started - step.started, step)
         self._in_flight = step
         self._step_index += 1
-        ended = time.perf_counter()
-        hook = self._hook_decide_s + hook_s + ended - started
-        self._step_s.record(ended - step.started)
-        self._hook_s.record(hook)
+        ended = HookTime.now()
+        spent = self._hook_decide + (hook or HookTime()) + (ended - begun)
+        self._step_s.record(ended.wall - step.started)
+        self._hook_s.record(spent.wall)
+        self._hook_cpu_s.record(spent.cpu)
         if self.metrics is not None:
             with self._lock:
-                self._hook_unexported.append(hook)
+                self._hook_unexported.append(spent.wall)
 
     def idle(self) -> None:
         """The engine ran out of requests: drop the unverifiable last decision, send the
@@ -308,6 +334,7 @@ class GammaController:
             "late_replies": client.late_replies,
             "connected": self.client.connected,
             "hook_us": _percentiles(self._hook_s, 1e6),
+            "hook_cpu_us": _percentiles(self._hook_cpu_s, 1e6),
             "step_ms": _percentiles(self._step_s, 1e3),
         }
 

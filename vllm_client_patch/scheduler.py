@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -41,7 +40,7 @@ from vllm.v1.outputs import ModelRunnerOutput
 
 from policy_server.validation import MAX_ID_LENGTH
 from vllm_client_patch.config import PluginConfig
-from vllm_client_patch.controller import EngineView, GammaController, VerifiedStep
+from vllm_client_patch.controller import EngineView, GammaController, HookTime, VerifiedStep
 from vllm_client_patch.memory import ORDER_ATTR, SchedulerMemory
 from vllm_client_patch.metrics import PluginMetrics
 from vllm_client_patch.plugin import SUPPORTED, vllm_release
@@ -161,7 +160,7 @@ class _NightjarMixin:
 
     def _update_after_schedule(self: Any, scheduler_output: SchedulerOutput) -> None:
         if self._nightjar is not None and scheduler_output.num_scheduled_tokens:
-            started = time.perf_counter()
+            started = HookTime.now()
             shape = batch_shape(scheduler_output, self.requests)
             # No request samples (only partial prefill chunks): nothing drafts, nothing
             # to decide; the controller then forgets the decision this step would verify.
@@ -179,11 +178,11 @@ class _NightjarMixin:
     ) -> Any:
         if self._nightjar is None:
             return super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
-        started = time.perf_counter()
+        started = HookTime.now()
         verified = verified_step(scheduler_output, model_runner_output, self.requests)
-        hook_s = time.perf_counter() - started
+        hook = started.elapsed()
         outputs = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
-        self._nightjar.end_step(verified, hook_s)  # vLLM's own update is not hook time
+        self._nightjar.end_step(verified, hook)  # vLLM's own update is not hook time
         if not self.running:
             self._nightjar.idle()
         return outputs
