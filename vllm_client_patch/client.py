@@ -459,7 +459,7 @@ class NightjarClient:
         except Exception:
             return
         if reply.HasField("decision") and reply.decision.HasField("memory_directive"):
-            directive = wire.decision_from_pb(reply.decision).memory_directive
+            directive = wire.directive_from_pb(reply.decision.memory_directive)
             if directive.action:
                 with self._lock:
                     self._directives.append(directive)
@@ -516,9 +516,7 @@ class NightjarClient:
         if chosen.tentative:
             with self._lock:
                 self._ran_decision_id = chosen.decision_id
-        decision = wire.decision_from_pb(chosen)
-        if chosen is reply.decision and decision.candidates:
-            decision = dataclasses.replace(decision, candidates=())
+        decision = wire.decision_from_pb(chosen, candidates=False)
         return GammaDecision(gamma=decision.gamma, source="sidecar", decision=decision)
 
     def _fall_back(self, ctx: StepContext, reason: str) -> GammaDecision:
