@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import signal
 import time
+from concurrent import futures
 from typing import Any
 
+import grpc
 import pytest
+from nightjar_proto.v1 import policy_pb2_grpc
 
 from policy_server.types import StepContext, StepOutcome
 from vllm_client_patch.client import ClientConfig, GammaDecision, NightjarClient
@@ -138,3 +142,57 @@ def test_rejected_context_falls_back_with_a_reason(make_server) -> None:
         assert client.decide(StepContext("eng", batch_size=2)).source == "sidecar"
     finally:
         client.close()
+
+
+class _StreamsThatEndAtOnce(policy_pb2_grpc.PolicyServiceServicer):
+    """A sidecar whose first streams end as soon as they open (one still starting up, or
+    going away); the stream after those is held open."""
+
+    def __init__(self, failing: int) -> None:
+        self.failing = failing
+        self.opened = 0
+
+    def StepStream(self, request_iterator: Any, context: Any) -> Any:
+        self.opened += 1
+        if self.opened > self.failing:
+            for _ in request_iterator:
+                pass
+        yield from ()
+
+
+class _SlowLogSink(logging.Handler):
+    """A log sink that takes its time (a remote collector, a full pipe) over the reconnect
+    thread's lines; the stream reader's own warning goes through at once, so that the
+    stream's end lands while the reconnect thread is still logging."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.threadName == "nightjar-reconnect":
+            time.sleep(0.1)
+
+
+def test_a_stream_that_ends_at_once_is_reopened_even_behind_a_slow_log(tmp_path) -> None:
+    # Regression: the reconnect loop used to log the (re)connection and only then clear its
+    # "broken" flag, so a stream that ended during the log call was forgotten and the client
+    # stayed on the fallback table for good (seen once in CI after a sidecar restart).
+    servicer = _StreamsThatEndAtOnce(failing=3)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    policy_pb2_grpc.add_PolicyServiceServicer_to_server(servicer, server)
+    target = f"unix:{tmp_path}/flaky.sock"
+    server.add_insecure_port(target)
+    server.start()
+    sink = _SlowLogSink()
+    client_log = logging.getLogger("vllm_client_patch.client")
+    client_log.addHandler(sink)
+    level = client_log.level
+    client_log.setLevel(logging.INFO)  # the connection lines are INFO
+    client = make_client(target, connect_timeout_s=0)
+    try:
+        assert wait_until(lambda: client.connected)
+        time.sleep(0.3)
+        assert client.connected and servicer.opened == 4
+        assert client.stats.reconnects == 3
+    finally:
+        client.close()
+        client_log.removeHandler(sink)
+        client_log.setLevel(level)
+        server.stop(grace=None)

@@ -305,6 +305,8 @@ class NightjarClient:
         self._started = time.monotonic()
         self._warned_unreachable = False
         self._ready_wait_ended = 0.0
+        # Unary mode's connectivity subscription (the stream's end tells the stream mode).
+        self._unary_watch: Callable[[grpc.ChannelConnectivity], None] | None = None
         # TLS is the channel's business: calls over it are the same as over plaintext.
         self._channel = open_channel(config.target, config.tls, CHANNEL_OPTIONS)
         self._reconnector = threading.Thread(
@@ -413,8 +415,9 @@ class NightjarClient:
         if self._transport is not None:
             self._transport.close()
         self._reconnector.join(timeout=2)
+        self._stop_watching_unary()
         # gRPC's connectivity poller notices within one poll period (0.2 s) that the last
-        # readiness wait left; closing the channel under it makes it raise in its thread.
+        # subscriber left; closing the channel under it makes it raise in its thread.
         linger = self._ready_wait_ended + POLLER_PERIOD_S - time.monotonic()
         if linger > 0:
             time.sleep(linger)
@@ -568,6 +571,10 @@ class NightjarClient:
                     self._warn_unreachable()
                 backoff = min(backoff * 2, 1.0)
                 continue
+            # Cleared before the new transport exists: a stream that breaks at once (a
+            # sidecar still starting, or the channel's READY left over from before a kill)
+            # sets it again, and is reopened instead of being lost.
+            self._broken.clear()
             if self.config.use_stream:
                 transport: _StreamTransport | _UnaryTransport = _StreamTransport(
                     self._channel, self._on_broken, self._on_policy_notice
@@ -583,7 +590,6 @@ class NightjarClient:
                     self._ran_decision_id = ""
             else:
                 self._log_first_connection()
-            self._broken.clear()
             self._transport = transport
             backoff = 0.05
             if not self.config.use_stream:
@@ -634,10 +640,17 @@ class NightjarClient:
                 and self._transport is not None
             ):
                 self._transport.alive = False
-                self._channel.unsubscribe(on_change)
+                self._stop_watching_unary()
                 self._broken.set()
 
+        self._unary_watch = on_change
         self._channel.subscribe(on_change, try_to_connect=True)
+
+    def _stop_watching_unary(self) -> None:
+        watch, self._unary_watch = self._unary_watch, None
+        if watch is not None:
+            self._channel.unsubscribe(watch)
+            self._ready_wait_ended = time.monotonic()  # its poller leaves at its next wake-up
 
 
 def _pick(
