@@ -628,5 +628,9 @@ def context_from_json(data: Mapping[str, Any]) -> StepContext:
 
 def outcome_from_json(data: Mapping[str, Any]) -> StepOutcome:
     fields = dict(data)
-    fields["request_accepts"] = tuple(tuple(x) for x in fields.get("request_accepts", ()))
+    # Logs written before v1.5 hold [request id, accepted] pairs.
+    fields["request_accepts"] = tuple(
+        int(x[1]) if isinstance(x, list | tuple) else int(x)
+        for x in fields.get("request_accepts", ())
+    )
     return StepOutcome(**fields)

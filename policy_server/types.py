@@ -68,7 +68,9 @@ class StepOutcome:
     generated_tokens: int
     drafted_tokens: int = 0
     accepted_tokens: int = 0
-    request_accepts: tuple[tuple[str, int], ...] = ()
+    # Accepted draft tokens of each request that verified drafts (any order; () = the
+    # engine sent the batch totals only).
+    request_accepts: tuple[int, ...] = ()
     # Prefill tokens computed in the same step (chunked prefill); 0 = none or unknown.
     prefill_tokens: int = 0
     # γ drafted during the step (the next decision's, in vLLM); None = ``gamma``.

@@ -129,11 +129,7 @@ def check_outcome(outcome: StepOutcome, limits: Limits) -> None:
         raise InvalidArgumentError(
             f"{len(outcome.request_accepts)} per-request sections, more than {limits.max_requests}"
         )
-    if any(len(rid) > limits.max_engine_id_length for rid, _ in outcome.request_accepts):
-        raise InvalidArgumentError(
-            f"a request_id is longer than {limits.max_engine_id_length} characters"
-        )
-    if any(n < 0 for _, n in outcome.request_accepts):
+    if any(n < 0 for n in outcome.request_accepts):
         raise InvalidArgumentError("per-request accepted_tokens must be >= 0")
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from nightjar_proto.v1 import policy_pb2 as pb
 
+from policy_server.errors import InvalidArgumentError
 from policy_server.types import (
     BinType,
     Decision,
@@ -85,6 +86,13 @@ def context_to_pb(ctx: StepContext) -> pb.StepContext:
 
 
 def outcome_from_pb(msg: pb.StepOutcome) -> StepOutcome:
+    if msg.requests and msg.request_accepted_tokens:
+        raise InvalidArgumentError(
+            "per-request accepts given twice: set StepOutcome.request_accepted_tokens "
+            "or StepOutcome.requests, not both"
+        )
+    # The v1.0 form carries request ids, which no policy reads.
+    accepts = msg.request_accepted_tokens or [r.accepted_tokens for r in msg.requests]
     return StepOutcome(
         decision_id=msg.decision_id,
         engine_id=msg.engine_id,
@@ -93,7 +101,7 @@ def outcome_from_pb(msg: pb.StepOutcome) -> StepOutcome:
         generated_tokens=msg.generated_tokens,
         drafted_tokens=msg.drafted_tokens,
         accepted_tokens=msg.accepted_tokens,
-        request_accepts=tuple((r.request_id, r.accepted_tokens) for r in msg.requests),
+        request_accepts=tuple(accepts),
         prefill_tokens=msg.prefill_tokens,
         draft_gamma=msg.draft_gamma if msg.HasField("draft_gamma") else None,
     )
@@ -110,12 +118,10 @@ def outcome_to_pb(outcome: StepOutcome) -> pb.StepOutcome:
         accepted_tokens=outcome.accepted_tokens,
         prefill_tokens=outcome.prefill_tokens,
         draft_gamma=outcome.draft_gamma,
+        # Packed ints: this runs in the engine's hook, and one RequestAccepts submessage
+        # per request in the batch was 70 µs of it at batch 64.
+        request_accepted_tokens=outcome.request_accepts,
     )
-    # add() in place: half the time of building each message and copying it in (this
-    # runs in the engine's hook, once per request in the batch).
-    requests = msg.requests
-    for request_id, accepted in outcome.request_accepts:
-        requests.add(request_id=request_id, accepted_tokens=accepted)
     return msg
 
 

@@ -81,6 +81,14 @@ def test_nan_signal_in_request_section(server: Any) -> None:
         ({"draft_gamma": 65}, "draft_gamma must be in 0..64"),
         ({"engine_id": "someone-else"}, "was made for engine 'e'"),
         ({"decision_id": ""}, "decision_id is required"),
+        ({"request_accepted_tokens": [1, -1]}, "per-request accepted_tokens must be >= 0"),
+        (
+            {
+                "request_accepted_tokens": [1],
+                "requests": [policy_pb2.RequestAccepts(request_id="r1", accepted_tokens=1)],
+            },
+            "not both",
+        ),
     ],
 )
 def test_bad_reports(self_checked_server: Any, changes: dict[str, Any], fragment: str) -> None:

@@ -61,7 +61,7 @@ class Environment:
         return StepOutcome(
             decision_id, ctx.engine_id, gamma, seconds, sum(runs) + ctx.batch_size,
             drafted_tokens=gamma * ctx.batch_size, accepted_tokens=sum(runs),
-            request_accepts=tuple((f"r{i}", k) for i, k in enumerate(runs)),
+            request_accepts=tuple(runs),
             draft_gamma=drafted if report_drafted else None,
         )  # fmt: skip
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 import urllib.request
+from typing import Any
 
 import grpc
 import pytest
@@ -192,3 +193,26 @@ def test_metrics_are_scraped_over_http_and_parse(make_server) -> None:
     assert any(s.labels["result"] == "ok" and s.value >= 1 for s in swaps)
     info = families["nightjar_policy_info"][0]
     assert info.labels["name"] == "nightjar"
+
+
+def test_an_engine_older_than_v1_5_reports_per_request_accepts_with_ids(make_server) -> None:
+    """The v1.0 form (a RequestAccepts per request) teaches the policy what the packed
+    form does: an engine per form end with the same acceptance estimate, which is not the
+    one the batch totals alone give."""
+    server = make_server("--policy", "goodput")
+    for step in range(40):
+        for engine in ("packed", "with-ids", "totals"):
+            decision = server.policy.Decide(context(engine, step_index=step), timeout=5)
+            accepts = [min(decision.gamma, k) for k in (0, 1, 2, 3)]
+            per_request: dict[str, Any] = {
+                "packed": {"request_accepted_tokens": accepts},
+                "with-ids": {"requests": [policy_pb2.RequestAccepts(
+                    request_id=f"cmpl-{i}", accepted_tokens=k) for i, k in enumerate(accepts)]},
+                "totals": {},
+            }[engine]  # fmt: skip
+            report = outcome(decision, engine, accepted_tokens=sum(accepts), **per_request)
+            assert server.policy.Report(report, timeout=5).applied
+    learners = server.state()["state"]["learners"]
+    packed, with_ids = learners["engine:packed"], learners["engine:with-ids"]
+    assert packed["acceptance"] == with_ids["acceptance"]
+    assert packed["acceptance"] != learners["engine:totals"]["acceptance"]

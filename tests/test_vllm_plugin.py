@@ -277,4 +277,4 @@ def test_the_batch_is_the_requests_that_draft() -> None:
                              req_id_to_index=index)  # fmt: skip
     step = verified_step(output, result, requests)
     assert (step.drafted_tokens, step.accepted_tokens, step.generated_tokens) == (3, 2, 4)
-    assert step.request_accepts == (("decode", 2),)
+    assert step.request_accepts == (2,)

@@ -4,19 +4,38 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+from nightjar_proto.v1 import policy_pb2 as pb
+
 from policy_server import wire
+from policy_server.errors import InvalidArgumentError
 from policy_server.types import BinType, Decision, MemoryDirective, StepOutcome
 
 
 def test_an_outcome_with_per_request_accepts_round_trips_in_order() -> None:
-    accepts = tuple((f"cmpl-{i:032x}-0", i % 4) for i in range(64))
+    accepts = tuple(i % 4 for i in range(64))
     outcome = StepOutcome("d-7", "engine-a", 3, 0.25, 160, drafted_tokens=192,
-                          accepted_tokens=sum(n for _, n in accepts), request_accepts=accepts,
+                          accepted_tokens=sum(accepts), request_accepts=accepts,
                           prefill_tokens=512, draft_gamma=2)  # fmt: skip
-    assert wire.outcome_from_pb(wire.outcome_to_pb(outcome)) == outcome
+    msg = wire.outcome_to_pb(outcome)
+    assert not msg.requests  # the packed form only
+    assert wire.outcome_from_pb(msg) == outcome
     assert wire.outcome_from_pb(wire.outcome_to_pb(StepOutcome("d-8", "e", 0, 0.1, 4))) == (
         StepOutcome("d-8", "e", 0, 0.1, 4)
     )
+
+
+def test_an_engine_older_than_v1_5_sends_accepts_with_request_ids() -> None:
+    old = pb.StepOutcome(decision_id="d-1", engine_id="e", gamma=2, step_seconds=0.1,
+                         generated_tokens=5, drafted_tokens=4, accepted_tokens=1)  # fmt: skip
+    old.requests.add(request_id="cmpl-a", accepted_tokens=0)
+    old.requests.add(request_id="cmpl-b", accepted_tokens=1)
+    assert wire.outcome_from_pb(old).request_accepts == (0, 1)
+    both = pb.StepOutcome()
+    both.CopyFrom(old)
+    both.request_accepted_tokens.extend([0, 1])
+    with pytest.raises(InvalidArgumentError, match="not both"):
+        wire.outcome_from_pb(both)
 
 
 def test_a_decision_converts_with_or_without_its_candidates() -> None:

@@ -97,7 +97,8 @@ class VerifiedStep:
     accepted_tokens: int
     # Accepted + bonus tokens of every request that sampled in the step.
     generated_tokens: int
-    request_accepts: tuple[tuple[str, int], ...] = ()
+    # Accepted draft tokens of each request that verified drafts.
+    request_accepts: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

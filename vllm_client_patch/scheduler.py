@@ -115,7 +115,7 @@ def verified_step(
     them in ``update_from_output`` (call it before vLLM's, which drops finished requests):
     requests aborted meanwhile are skipped, grammar-invalidated drafts are not drafts."""
     drafted = accepted = generated = 0
-    accepts: list[tuple[str, int]] = []
+    accepts: list[int] = []
     sampled = result.sampled_token_ids
     invalid = output.num_invalid_spec_tokens or {}
     for req_id in output.num_scheduled_tokens:
@@ -131,7 +131,7 @@ def verified_step(
             taken = min(tokens - 1, drafts_valid)  # all but the bonus / corrected token
             drafted += drafts_valid
             accepted += taken
-            accepts.append((req_id, taken))
+            accepts.append(taken)
     return VerifiedStep(drafted, accepted, generated, tuple(accepts))
 
 

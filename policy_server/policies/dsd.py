@@ -116,7 +116,7 @@ class DsdPolicy:
     def observe(self, ctx: StepContext, choice: Choice, outcome: StepOutcome) -> None:
         model = self._table.get(ctx)
         model.observe(outcome.gamma, outcome.drafted_tokens, outcome.accepted_tokens,
-                      [n for _, n in outcome.request_accepts])  # fmt: skip
+                      outcome.request_accepts)  # fmt: skip
         if model.alpha < RESET_BELOW:
             self._table.replace(ctx, self._prior(RESET_TO))
 

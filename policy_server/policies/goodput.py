@@ -212,7 +212,7 @@ class GoodputModelPolicy:
         learner = self._learner(engine.learner_id)
         learner.acceptance.observe(
             outcome.gamma, outcome.drafted_tokens, outcome.accepted_tokens,
-            [n for _, n in outcome.request_accepts],
+            outcome.request_accepts,
         )  # fmt: skip
         x = step_features(ctx.batch_size, outcome.gamma, outcome.prefill_tokens,
                           ctx.context_tokens, outcome.drafted_gamma)  # fmt: skip

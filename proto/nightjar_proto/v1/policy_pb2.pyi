@@ -55,7 +55,7 @@ class StepContext(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ..., step_index: _Optional[int] = ..., batch_size: _Optional[int] = ..., num_waiting: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., max_draft_lag_tokens: _Optional[int] = ..., draft_resident: bool = ..., previous_gamma: _Optional[int] = ..., max_gamma: _Optional[int] = ..., learner_key: _Optional[str] = ..., requests: _Optional[_Iterable[_Union[RequestSignals, _Mapping]]] = ..., context_tokens: _Optional[int] = ..., candidate_batch_sizes: _Optional[_Iterable[int]] = ..., ran_decision_id: _Optional[str] = ...) -> None: ...
 
 class StepOutcome(_message.Message):
-    __slots__ = ("decision_id", "engine_id", "gamma", "step_seconds", "generated_tokens", "drafted_tokens", "accepted_tokens", "requests", "prefill_tokens", "draft_gamma")
+    __slots__ = ("decision_id", "engine_id", "gamma", "step_seconds", "generated_tokens", "drafted_tokens", "accepted_tokens", "requests", "prefill_tokens", "draft_gamma", "request_accepted_tokens")
     DECISION_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     GAMMA_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +66,7 @@ class StepOutcome(_message.Message):
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_GAMMA_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     decision_id: str
     engine_id: str
     gamma: int
@@ -76,7 +77,8 @@ class StepOutcome(_message.Message):
     requests: _containers.RepeatedCompositeFieldContainer[RequestAccepts]
     prefill_tokens: int
     draft_gamma: int
-    def __init__(self, decision_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., gamma: _Optional[int] = ..., step_seconds: _Optional[float] = ..., generated_tokens: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[RequestAccepts, _Mapping]]] = ..., prefill_tokens: _Optional[int] = ..., draft_gamma: _Optional[int] = ...) -> None: ...
+    request_accepted_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, decision_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., gamma: _Optional[int] = ..., step_seconds: _Optional[float] = ..., generated_tokens: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[RequestAccepts, _Mapping]]] = ..., prefill_tokens: _Optional[int] = ..., draft_gamma: _Optional[int] = ..., request_accepted_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RequestAccepts(_message.Message):
     __slots__ = ("request_id", "accepted_tokens")
