@@ -15,7 +15,9 @@ decision:
    profiled catch-up c_prefill(L_max, B) when speculation was off. The draw only moves γ
    where the posterior is still wide, never uniformly over all arms, and only to a γ whose
    point-estimate goodput is within ``explore_loss_cap`` of the best (an exploratory step
-   costs at most that much by the model's own estimate);
+   costs at most that much by the model's own estimate). Where the engine has run decode
+   steps of this batch-size octave and γ, t̃ includes the regression's mean residual there
+   (``local_correction``, models.LocalCorrection);
 3. with ``tpot_slo_ms`` > 0 (AdaSpec, arXiv:2503.05096) only γ whose predicted per-token
    latency t(B, γ, P̄)/E(α, γ) meets the SLO are candidates (P̄: recent prefill tokens per
    step); when none does, the lowest predicted latency wins.
@@ -50,6 +52,7 @@ from policy_server.policies.models import (
     AcceptanceModel,
     Fit,
     FloatArray,
+    LocalCorrection,
     StepTimeModel,
     expected_tokens,
     predict_ms,
@@ -59,7 +62,9 @@ from policy_server.policies.rng import SplitMix64
 from policy_server.types import BinType, Choice, StepContext, StepOutcome
 
 # 2: the step-time statistics are weighted for relative error (models.StepTimeModel).
-STATE_SCHEMA = "goodput/2"
+# 3: + the local correction's cells (a goodput/2 state loads with none).
+STATE_SCHEMA = "goodput/3"
+_READABLE_SCHEMAS = ("goodput/2", STATE_SCHEMA)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -82,6 +87,12 @@ class GoodputParams:
     time_window_steps: int = 2048
     # Ridge ρ of the step-time regression (features are O(1); ms² per unit).
     ridge: float = 0.01
+    # Add the regression's mean residual per (batch-size octave, γ) where decode steps ran,
+    # shrunk by ``correction_prior_steps`` pseudo-steps, forgotten over
+    # ``correction_window_steps`` steps of that cell.
+    local_correction: bool = True
+    correction_prior_steps: float = 2.0
+    correction_window_steps: int = 256
     # A Thompson draw may move γ off the point estimate's best only to a γ predicted to lose
     # at most this fraction of its goodput (1 = plain Thompson sampling).
     explore_loss_cap: float = 0.05
@@ -99,11 +110,13 @@ class GoodputParams:
             raise PolicyError("prior_alpha must be in (0, 1)")
         if not 0.0 < self.prior_weight <= 1e6:
             raise PolicyError("prior_weight must be in (0, 1e6]")
-        for name in ("acceptance_window_steps", "time_window_steps"):
+        for name in ("acceptance_window_steps", "time_window_steps", "correction_window_steps"):
             if not 1 <= getattr(self, name) <= 10_000_000:
                 raise PolicyError(f"{name} must be in 1..10000000")
         if not 0.0 < self.ridge <= 1e6:
             raise PolicyError("ridge must be in (0, 1e6]")
+        if not 0.0 < self.correction_prior_steps <= 1e6:
+            raise PolicyError("correction_prior_steps must be in (0, 1e6]")
         if not (math.isfinite(self.explore_loss_cap) and 0.0 <= self.explore_loss_cap <= 1.0):
             raise PolicyError("explore_loss_cap must be in 0..1")
         if not (math.isfinite(self.tpot_slo_ms) and 0.0 <= self.tpot_slo_ms <= 1e6):
@@ -116,6 +129,7 @@ class Learner:
 
     acceptance: AcceptanceModel
     step_time: StepTimeModel
+    correction: LocalCorrection
     steps: int = 0
     # Forgotten means of prefill tokens per step (for the TPOT prediction) and of context
     # tokens per request (for the summary in the state).
@@ -150,6 +164,7 @@ class GoodputModelPolicy:
         self._prefill_cost = load_prefill_cost(p.prefill_cost_table, self.name)
         self._acceptance_decay = 1.0 - 1.0 / p.acceptance_window_steps
         self._time_decay = 1.0 - 1.0 / p.time_window_steps
+        self._correction_decay = 1.0 - 1.0 / p.correction_window_steps
         self._engines: dict[str, EngineState] = {}
         self._learners: dict[str, Learner] = {}
 
@@ -216,7 +231,10 @@ class GoodputModelPolicy:
         )  # fmt: skip
         x = step_features(ctx.batch_size, outcome.gamma, outcome.prefill_tokens,
                           ctx.context_tokens, outcome.drafted_gamma)  # fmt: skip
-        learner.step_time.observe(x, 1000.0 * outcome.step_seconds)
+        milliseconds = 1000.0 * outcome.step_seconds
+        learner.step_time.observe(x, milliseconds)
+        if outcome.prefill_tokens == 0:  # decisions are priced as decode steps
+            learner.correction.observe(ctx.batch_size, outcome.gamma, x, milliseconds)
         learner.steps += 1
         rate = 1.0 - self._acceptance_decay
         learner.prefill_tokens += rate * (outcome.prefill_tokens - learner.prefill_tokens)
@@ -251,8 +269,10 @@ class GoodputModelPolicy:
         }
 
     def load_state(self, state: Mapping[str, Any]) -> None:
-        if state.get("schema") != STATE_SCHEMA:
-            raise PolicyError(f"state schema {state.get('schema')!r} is not {STATE_SCHEMA}")
+        if state.get("schema") not in _READABLE_SCHEMAS:
+            raise PolicyError(
+                f"state schema {state.get('schema')!r} is not one of {_READABLE_SCHEMAS}"
+            )
         if state.get("gamma_max") != self._params.gamma_max:
             raise PolicyError(
                 f"state was learned with gamma_max={state.get('gamma_max')}, "
@@ -329,6 +349,7 @@ class GoodputModelPolicy:
             learner = self._learners[learner_id] = Learner(
                 AcceptanceModel.with_prior(p.prior_alpha, p.prior_weight, self._acceptance_decay),
                 StepTimeModel(self._time_decay, p.ridge),
+                LocalCorrection(self._correction_decay, p.correction_prior_steps),
             )
         return learner
 
@@ -344,17 +365,29 @@ class GoodputModelPolicy:
     ) -> Prediction:
         alpha = learner.acceptance.alpha
         weights = (fit or learner.step_time.fit()).weights
-        ms = predict_ms(weights, ctx.batch_size, top, 0, ctx.context_tokens)
+        ms = self._step_ms(learner, weights, ctx, top)
         return Prediction([expected_tokens(alpha, g) for g in range(top + 1)], ms)
 
     def _sample(
         self, learner: Learner, engine: EngineState, ctx: StepContext, top: int
     ) -> Prediction:
-        normals = engine.rng.standard_normal(FEATURES + 1)
+        normals = engine.rng.standard_normal(1 + FEATURES + top + 1)
         alpha = learner.acceptance.sample(float(normals[0]))
-        weights = learner.step_time.fit().sample(normals[1:])
-        ms = predict_ms(weights, ctx.batch_size, top, 0, ctx.context_tokens)
+        weights = learner.step_time.fit().sample(normals[1 : 1 + FEATURES])
+        ms = self._step_ms(learner, weights, ctx, top, normals=normals[1 + FEATURES :])
         return Prediction([expected_tokens(alpha, g) for g in range(top + 1)], ms)
+
+    def _step_ms(
+        self, learner: Learner, weights: FloatArray, ctx: StepContext, top: int,
+        prefill_tokens: int = 0, normals: FloatArray | None = None,
+    ) -> FloatArray:  # fmt: skip
+        """Step ms for γ = 0..top under ``weights``, with the local correction (drawn from
+        its posterior given ``normals``)."""
+        ms = predict_ms(weights, ctx.batch_size, top, prefill_tokens, ctx.context_tokens)
+        if self._params.local_correction:
+            noise = learner.step_time.noise_variance
+            ms = ms + learner.correction.offsets_ms(weights, ctx.batch_size, top, noise, normals)
+        return ms
 
     @staticmethod
     def _goodput(learner: Learner, switch_ms: list[float], prediction: Prediction) -> list[float]:
@@ -382,8 +415,7 @@ class GoodputModelPolicy:
         """Predicted ms per generated token of one request, with the recent prefill load
         (rounded to 64 tokens: the shape features are cached per prefill size)."""
         prefill = 64 * round(learner.prefill_tokens / 64)
-        ms = predict_ms(learner.step_time.fit().weights, ctx.batch_size, top, prefill,
-                        ctx.context_tokens)  # fmt: skip
+        ms = self._step_ms(learner, learner.step_time.fit().weights, ctx, top, prefill)
         alpha = learner.acceptance.alpha
         return [float(ms[g]) / expected_tokens(alpha, g) for g in range(top + 1)]
 
@@ -392,6 +424,7 @@ class GoodputModelPolicy:
             "alpha": learner.acceptance.alpha,
             "acceptance": learner.acceptance.to_json(),
             "step_time": learner.step_time.to_json(),
+            "correction": learner.correction.to_json(),
             "steps": learner.steps,
             "prefill_tokens": learner.prefill_tokens,
             "context_per_request": learner.context_per_request,
@@ -417,6 +450,8 @@ class GoodputModelPolicy:
         learner = Learner(
             AcceptanceModel.from_json(data["acceptance"], self._acceptance_decay),
             StepTimeModel.from_json(data["step_time"], self._time_decay, self._params.ridge),
+            LocalCorrection.from_json(data.get("correction", []), self._correction_decay,
+                                      self._params.correction_prior_steps),  # fmt: skip
             steps=int(data["steps"]),
             prefill_tokens=float(data["prefill_tokens"]),
             context_per_request=float(data.get("context_per_request", 0.0)),

