@@ -129,8 +129,16 @@ def check_outcome(outcome: StepOutcome, limits: Limits) -> None:
         raise InvalidArgumentError(
             f"{len(outcome.request_accepts)} per-request sections, more than {limits.max_requests}"
         )
-    if any(n < 0 for n in outcome.request_accepts):
-        raise InvalidArgumentError("per-request accepted_tokens must be >= 0")
+    if any(not 0 <= n <= outcome.gamma for n in outcome.request_accepts):
+        raise InvalidArgumentError(
+            f"per-request accepted_tokens must be in 0..gamma ({outcome.gamma}): a request "
+            "accepts at most the drafts it verified"
+        )
+    if sum(outcome.request_accepts) > outcome.accepted_tokens:
+        raise InvalidArgumentError(
+            f"per-request accepted_tokens sum to {sum(outcome.request_accepts)}, more than "
+            f"the step's accepted_tokens ({outcome.accepted_tokens})"
+        )
 
 
 def check_outcome_against(outcome: StepOutcome, engine_id: str, gamma_max: int) -> None:

@@ -81,7 +81,20 @@ def test_nan_signal_in_request_section(server: Any) -> None:
         ({"draft_gamma": 65}, "draft_gamma must be in 0..64"),
         ({"engine_id": "someone-else"}, "was made for engine 'e'"),
         ({"decision_id": ""}, "decision_id is required"),
-        ({"request_accepted_tokens": [1, -1]}, "per-request accepted_tokens must be >= 0"),
+        ({"request_accepted_tokens": [1, -1]}, "per-request accepted_tokens must be in 0..gamma"),
+        (
+            {"gamma": 1, "request_accepted_tokens": [2]},
+            "per-request accepted_tokens must be in 0..gamma",
+        ),
+        (
+            {
+                "gamma": 3,
+                "accepted_tokens": 2,
+                "drafted_tokens": 9,
+                "request_accepted_tokens": [2, 1],
+            },
+            "more than the step's accepted_tokens",
+        ),
         (
             {
                 "request_accepted_tokens": [1],

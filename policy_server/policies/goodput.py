@@ -447,11 +447,13 @@ class GoodputModelPolicy:
         return out
 
     def _learner_from_json(self, data: Mapping[str, Any]) -> Learner:
+        p = self._params
         learner = Learner(
             AcceptanceModel.from_json(data["acceptance"], self._acceptance_decay),
-            StepTimeModel.from_json(data["step_time"], self._time_decay, self._params.ridge),
-            LocalCorrection.from_json(data.get("correction", []), self._correction_decay,
-                                      self._params.correction_prior_steps),  # fmt: skip
+            StepTimeModel.from_json(data["step_time"], self._time_decay, p.ridge),
+            LocalCorrection.from_json(
+                data.get("correction", []), self._correction_decay, p.correction_prior_steps
+            ),
             steps=int(data["steps"]),
             prefill_tokens=float(data["prefill_tokens"]),
             context_per_request=float(data.get("context_per_request", 0.0)),
