@@ -15,7 +15,7 @@ import pytest
 from conftest import free_port
 
 from policy_server.report import markers
-from vllm_client_patch.bench import QUICK, parse_args, plan
+from vllm_client_patch.bench import QUICK, parse_args, plan, policy_request
 from vllm_client_patch.bench_report import Pass
 from vllm_client_patch.serve_load import ServeResult, parse_schedule, write_prompts
 
@@ -145,13 +145,19 @@ def test_schedule_and_policies_are_validated() -> None:
     for bad in ("0x4", "2x0", "2", "fast x 4", "infx4", "2x4,"):
         with pytest.raises(ValueError, match="RATExPROMPTS"):
             parse_schedule(bad)
-    for argv in (["--schedule", "2x"], ["--policies", "nightjar,bogus"], ["--repetitions", "0"]):
+    for argv in (["--schedule", "2x"], ["--policies", "nightjar,bogus"], ["--repetitions", "0"],
+                 ["--policies", "goodput:local_correction=3"],
+                 ["--policies", "goodput:local_correction=no"]):  # fmt: skip
         with pytest.raises(SystemExit) as exit_info:
             parse_args(argv)
         assert exit_info.value.code == 2
     # --quick fills in only what is not given.
     args = parse_args(["--quick", "--policies", "static-1,table"])
     assert args.policies == ["static-1", "table"] and args.repetitions == 1
+    # A variant: one parameter more, for an A/B within one run.
+    assert policy_request("goodput:local_correction=false") == (
+        "goodput", {"gamma_max": 3, "local_correction": False},
+    )  # fmt: skip
 
 
 def test_plan_alternates_order_and_runs_warm_passes_right_after() -> None:

@@ -36,7 +36,7 @@ import nightjar_data
 from nightjar_proto.v1 import admin_pb2, admin_pb2_grpc
 from tqdm import tqdm
 
-from policy_server.policies import REGISTRY
+from policy_server.policies import REGISTRY, PolicyError, create_policy
 from policy_server.report import write_section
 from vllm_client_patch.bench_report import Pass, PassResult, PluginCounts, render
 from vllm_client_patch.serve_load import (
@@ -68,16 +68,28 @@ WARMUP_POLICY = "table"
 
 def policy_request(policy: str) -> tuple[str, dict[str, Any]]:
     """A policy of `--policies` → (registered name, params): `static-K` is static with
-    γ = K; learning policies get Γmax; `table` gets the engine's own schedule."""
-    name, _, arg = policy.partition("-")
-    if policy not in REGISTRY and name == "static" and arg.isdigit():
-        return "static", {"gamma": int(arg)}
-    if policy not in REGISTRY:
-        raise ValueError(f"unknown policy {policy!r}: static-K or one of {', '.join(REGISTRY)}")
-    if policy == "table":
-        return policy, {"schedule": FALLBACK_TABLE}
-    defaults = REGISTRY[policy].default_params()
-    return policy, {"gamma_max": GAMMA_MAX} if "gamma_max" in defaults else {}
+    γ = K; learning policies get Γmax; `table` gets the engine's own schedule. A variant
+    sets one parameter more, `NAME:KEY=JSON` (e.g. `goodput:local_correction=false`), so
+    that an A/B of a parameter shares the run."""
+    base, _, variant = policy.partition(":")
+    name, _, arg = base.partition("-")
+    params: dict[str, Any]
+    if base not in REGISTRY and name == "static" and arg.isdigit():
+        name, params = "static", {"gamma": int(arg)}
+    elif base not in REGISTRY:
+        raise ValueError(f"unknown policy {base!r}: static-K or one of {', '.join(REGISTRY)}")
+    elif base == "table":
+        name, params = base, {"schedule": FALLBACK_TABLE}
+    else:
+        defaults = REGISTRY[base].default_params()
+        name, params = base, {"gamma_max": GAMMA_MAX} if "gamma_max" in defaults else {}
+    if variant:
+        key, _, value = variant.partition("=")
+        try:
+            params[key] = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{policy!r}: the value of {key!r} is not JSON ({exc})") from None
+    return name, params
 
 
 def plan(policies: Sequence[str], warm: Sequence[str], repetitions: int) -> list[Pass]:
@@ -151,8 +163,8 @@ def _policies(text: str) -> list[str]:
     names = [name.strip() for name in text.split(",") if name.strip()]
     try:
         for name in names:
-            policy_request(name)
-    except ValueError as exc:
+            create_policy(*policy_request(name))  # checked before the engine starts
+    except (ValueError, PolicyError) as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return names
 
@@ -253,7 +265,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             phases: list[ServeResult] = []
             files: list[str] = []
             for index, phase in enumerate(args.schedule):
-                name = f"r{run.repetition}-{run.label.replace(' (warm)', '-warm')}-p{index}.json"
+                label = run.label.replace(" (warm)", "-warm").replace(":", "-").replace("=", "-")
+                name = f"r{run.repetition}-{label}-p{index}.json"
                 argv = bench_serve_argv(load, phase, args.seed + index, results / name,
                                         warmup=not runs and not phases)  # fmt: skip
                 phases.append(run_phase(argv, work / "bench-serve.log"))
