@@ -349,7 +349,7 @@ class GoodputModelPolicy:
             learner = self._learners[learner_id] = Learner(
                 AcceptanceModel.with_prior(p.prior_alpha, p.prior_weight, self._acceptance_decay),
                 StepTimeModel(self._time_decay, p.ridge),
-                LocalCorrection(self._correction_decay, p.correction_prior_steps),
+                LocalCorrection(self._correction_decay, p.correction_prior_steps, p.gamma_max),
             )
         return learner
 
@@ -452,7 +452,10 @@ class GoodputModelPolicy:
             AcceptanceModel.from_json(data["acceptance"], self._acceptance_decay),
             StepTimeModel.from_json(data["step_time"], self._time_decay, p.ridge),
             LocalCorrection.from_json(
-                data.get("correction", []), self._correction_decay, p.correction_prior_steps
+                data.get("correction", []),
+                self._correction_decay,
+                p.correction_prior_steps,
+                p.gamma_max,
             ),
             steps=int(data["steps"]),
             prefill_tokens=float(data["prefill_tokens"]),

@@ -327,21 +327,26 @@ class LocalCorrection:
     there the regression extrapolates alone.
     """
 
-    def __init__(self, decay: float, prior_steps: float) -> None:
+    def __init__(self, decay: float, prior_steps: float, gamma_max: int) -> None:
         self.decay = decay
         self.prior_steps = prior_steps
-        # (octave, γ) → [n, Σy, Σx...] (forgotten on the cell's own updates).
-        self.cells: dict[tuple[int, int], FloatArray] = {}
+        self.gamma_max = gamma_max
+        # Octave → rows γ = 0..Γmax of [n, Σy, Σx...], forgotten on each row's own updates
+        # (a block per octave: a decision reads its row set in one product).
+        self.blocks: dict[int, FloatArray] = {}
 
     def observe(self, batch_size: int, gamma: int, x: FloatArray, milliseconds: float) -> None:
-        key = (batch_octave(batch_size), gamma)
-        cell = self.cells.get(key)
-        if cell is None:
-            cell = self.cells[key] = np.zeros(2 + FEATURES)
-        cell *= self.decay
-        cell[0] += 1.0
-        cell[1] += milliseconds
-        cell[2:] += x
+        if not 0 <= gamma <= self.gamma_max:
+            return
+        octave = batch_octave(batch_size)
+        block = self.blocks.get(octave)
+        if block is None:
+            block = self.blocks[octave] = np.zeros((self.gamma_max + 1, 2 + FEATURES))
+        row = block[gamma]
+        row *= self.decay
+        row[0] += 1.0
+        row[1] += milliseconds
+        row[2:] += x
 
     def offsets_ms(
         self, weights: FloatArray, batch_size: int, gamma_top: int,
@@ -351,32 +356,41 @@ class LocalCorrection:
         ``normals``, a draw from the mean's posterior: the regression's residual variance
         is relative (σ²·y, see StepTimeModel), so the mean of n steps near ȳ has variance
         σ²·ȳ / (n + k)."""
-        octave = batch_octave(batch_size)
-        offsets = np.zeros(gamma_top + 1)
-        for gamma in range(gamma_top + 1):
-            cell = self.cells.get((octave, gamma))
-            if cell is None:
-                continue
-            count, total = cell[0], cell[1]
-            pseudo = count + self.prior_steps
-            offsets[gamma] = (total - float(weights @ cell[2:])) / pseudo
-            if normals is not None and count > 0:
-                spread = math.sqrt(noise_variance * (total / count) / pseudo)
-                offsets[gamma] += spread * float(normals[gamma])
+        block = self.blocks.get(batch_octave(batch_size))
+        if block is None:
+            return np.zeros(gamma_top + 1)
+        rows = block[: gamma_top + 1]
+        count, total = rows[:, 0], rows[:, 1]
+        pseudo = count + self.prior_steps
+        offsets: FloatArray = (total - rows[:, 2:] @ weights) / pseudo
+        if normals is not None:
+            mean_ms = total / np.maximum(count, 1e-12)  # 0 where the row never ran
+            offsets += np.sqrt(noise_variance * mean_ms / pseudo) * normals[: gamma_top + 1]
         return offsets
 
     def to_json(self) -> list[list[float]]:
-        return [[*key, *cell.tolist()] for key, cell in sorted(self.cells.items())]
+        """One row per (octave, γ) that ran: [octave, γ, n, Σy, Σx...]."""
+        return [
+            [octave, gamma, *row.tolist()]
+            for octave, block in sorted(self.blocks.items())
+            for gamma, row in enumerate(block)
+            if row[0] > 0
+        ]
 
     @classmethod
-    def from_json(cls, data: Any, decay: float, prior_steps: float) -> LocalCorrection:
-        model = cls(decay, prior_steps)
-        for row in data:
-            octave, gamma = int(row[0]), int(row[1])
-            cell = _finite_array(row[2:], (2 + FEATURES,), "correction cell")
-            if not (0 <= octave <= 64 and 0 <= gamma <= 64 and cell[0] >= 0 and cell[1] >= 0):
-                raise ValueError("correction cells need octave, γ in 0..64 and counts >= 0")
-            model.cells[(octave, gamma)] = cell
+    def from_json(
+        cls, data: Any, decay: float, prior_steps: float, gamma_max: int
+    ) -> LocalCorrection:
+        model = cls(decay, prior_steps, gamma_max)
+        for entry in data:
+            octave, gamma = int(entry[0]), int(entry[1])
+            row = _finite_array(entry[2:], (2 + FEATURES,), "correction row")
+            if not (0 <= octave <= 64 and 0 <= gamma <= gamma_max and row[0] >= 0 <= row[1]):
+                raise ValueError(
+                    f"correction rows need octave in 0..64, γ in 0..{gamma_max}, counts >= 0"
+                )
+            block = model.blocks.setdefault(octave, np.zeros((gamma_max + 1, 2 + FEATURES)))
+            block[gamma] = row
         return model
 
 
