@@ -234,6 +234,8 @@ class GoodputModelPolicy:
                           ctx.context_tokens, outcome.drafted_gamma)  # fmt: skip
         milliseconds = 1000.0 * outcome.step_seconds
         learner.step_time.observe(x, milliseconds)
+        # Kept while the correction is off too (a few adds into a bounded block per batch
+        # octave), so that turning it on with `swap --keep-state` starts informed.
         if outcome.prefill_tokens == 0:  # decisions are priced as decode steps
             learner.correction.observe(ctx.batch_size, outcome.gamma, x, milliseconds)
         learner.steps += 1
