@@ -11,9 +11,10 @@ from policy_server.report import markers, write_section
 def test_in_process_measurement_is_sane() -> None:
     results = measure_in_process(samples=300)
     assert [m.case for m in results] == [
-        "NightjarPolicy.decide",
-        "DecisionService.decide",
-        "DecisionService.decide + report",
+        "GoodputModelPolicy.decide (goodput)",
+        "DecisionService.decide (goodput)",
+        "DecisionService.decide + report (goodput)",
+        "NightjarPolicy.decide (nightjar)",
     ]
     for m in results:
         assert isinstance(m, Measurement) and m.samples > 0

@@ -400,8 +400,10 @@ class GoodputModelPolicy:
         # A prediction below a tenth of the mean step time is extrapolation noise.
         floor = 0.1 * max(learner.step_time.mean_ms, 1e-6)
         return [
-            prediction.tokens[g] / (max(float(prediction.step_ms[g]), floor) + switch_ms[g])
-            for g in range(len(switch_ms))
+            tokens / (max(ms, floor) + switch)
+            for tokens, ms, switch in zip(
+                prediction.tokens, prediction.step_ms.tolist(), switch_ms, strict=True
+            )
         ]
 
     def _allowed(self, ctx: StepContext, learner: Learner, top: int) -> list[int]:

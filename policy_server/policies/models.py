@@ -228,7 +228,9 @@ class StepTimeModel:
                 self._stale = self.refit_every
             self.squared_error = self.decay * self.squared_error + squared
         self.gram *= self.decay
-        self.gram += weight * np.outer(x, x)
+        outer = x[:, None] * x  # np.outer's product, without its argument handling
+        outer *= weight
+        self.gram += outer
         self.moment *= self.decay
         self.moment += weight * milliseconds * x
         self.count = self.decay * self.count + 1.0
