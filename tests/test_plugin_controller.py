@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from nightjar_proto.v1 import admin_pb2
 
+from vllm_client_patch.client import NightjarClient
 from vllm_client_patch.config import PluginConfig, PluginConfigError
 from vllm_client_patch.controller import (
     EngineView,
@@ -132,6 +133,37 @@ def test_each_decision_is_reported_with_the_step_that_verified_it(
     controller.close()
     written = json.loads(stats_file.read_text())
     assert written["engine_id"] == "ctl" and written["reported"] == 3
+
+
+@pytest.mark.parametrize("use_stream", [True, False], ids=["stream", "unary"])
+def test_a_rejected_outcome_costs_one_step_and_the_engine_recovers(
+    make_server: Any, tmp_path: Path, use_stream: bool
+) -> None:
+    """One outcome the sidecar rejects (per-request accepts above the γ that ran) took its
+    whole request with it, including the name of the tentative decision the engine had
+    just run; that decision's own outcome then came back unknown and rejected the request
+    it rode on, and so on: every other step fell back to the table for good."""
+    server, log = static_sidecar_logging(make_server, tmp_path)
+    config = PluginConfig(sidecar=server.target, engine_id="ctl", deadline_ms=500)
+    controller = GammaController(
+        config,
+        client_factory=lambda c: NightjarClient(dataclasses.replace(c, use_stream=use_stream)),
+    )
+    wait_for(lambda: controller.client.connected)
+    good = VerifiedStep(8, 4, 12, (1, 1, 1, 1))
+    bad = VerifiedStep(8, 4, 12, (3, 0, 1, 0))  # 3 accepted of γ = 2 drafts
+    for k in range(40):
+        controller.decide(view(4))
+        controller.end_step(bad if k == 10 else good if k else VerifiedStep(0, 0, 4))
+    controller.idle()
+    stats = controller.stats()
+    assert stats["fallbacks"] == {"rejected": 1}  # the step whose request carried it
+    # 39 steps verified a decision's drafts (the last decision is dropped at idle); less
+    # the fallback step's, which the sidecar never saw, and the rejected one: every other
+    # outcome was applied.
+    wait_for(lambda: log.read_text().count('"kind":"outcome"') == 37)
+    assert server.state()["reports"] == 37
+    controller.close()
 
 
 def test_candidates_follow_a_backlog_being_admitted_and_a_batch_draining() -> None:

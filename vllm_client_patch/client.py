@@ -128,7 +128,7 @@ class PendingReply:
     Condition), which matters at a 2 ms budget.
     """
 
-    __slots__ = ("_callbacks", "_error", "_lock", "_reply", "_wakeup", "done")
+    __slots__ = ("_callbacks", "_error", "_lock", "_reply", "_wakeup", "done", "names_ran")
 
     def __init__(self) -> None:
         self._wakeup: queue.SimpleQueue[None] = queue.SimpleQueue()
@@ -137,6 +137,9 @@ class PendingReply:
         self._reply: policy_pb2.StepReply | None = None
         self._error: BaseException | None = None
         self.done = False
+        # The tentative decision the request named as run (StepContext.ran_decision_id),
+        # until the client names it again after a rejection (NightjarClient._rename_ran).
+        self.names_ran = ""
 
     def resolve(
         self, reply: policy_pb2.StepReply | None = None, error: BaseException | None = None
@@ -450,22 +453,45 @@ class NightjarClient:
         transport = self._transport
         if transport is None or not transport.alive:
             return None
-        future = transport.send(self._request(ctx))
-        future.add_done_callback(self._capture_directive)
+        request = self._request(ctx)
+        future = transport.send(request)
+        future.names_ran = request.context.ran_decision_id
+        future.add_done_callback(self._on_reply)
         return future
 
-    def _capture_directive(self, future: PendingReply) -> None:
-        """Keep a memory directive from every reply, including prefetched decisions that
-        are discarded and late ones: the sidecar issues each directive once."""
+    def _on_reply(self, future: PendingReply) -> None:
+        """Every reply, including prefetched decisions that are discarded and late ones:
+        keep its memory directive (the sidecar issues each directive once), and name again
+        what a rejected request named as run."""
         try:
             reply = future.result(timeout=0)
+        except SidecarRejected as exc:
+            self._rename_ran(future, exc.code)
+            return
         except Exception:
+            return
+        if reply.HasField("error"):
+            self._rename_ran(future, reply.error.code)
             return
         if reply.HasField("decision") and reply.decision.HasField("memory_directive"):
             directive = wire.directive_from_pb(reply.decision.memory_directive)
             if directive.action:
                 with self._lock:
                     self._directives.append(directive)
+
+    def _rename_ran(self, future: PendingReply, code: int) -> None:
+        """The sidecar rejected ``future``'s request: the next request names the decision
+        it named as run (once, from whichever of the waiter and the reply's callback gets
+        here first). Nothing of a rejected request is applied; unnamed, that tentative
+        decision is dropped with its set, its outcome two steps later is unknown and
+        rejects that request in turn, and so on: one bad outcome made every other step
+        fall back for good. A superseded request (ABORTED) was applied."""
+        if code == grpc.StatusCode.ABORTED.value[0]:
+            return
+        with self._lock:
+            ran, future.names_ran = future.names_ran, ""
+            if ran and not self._ran_decision_id:  # unless a newer one is to be named
+                self._ran_decision_id = ran
 
     def take_directives(self) -> list[MemoryDirective]:
         """Memory directives received since the last call, oldest first."""
@@ -505,11 +531,13 @@ class NightjarClient:
             return self._fall_back(ctx, "deadline")
         except SidecarRejected as exc:
             log.warning("%s", exc)
+            self._rename_ran(future, exc.code)  # before the next request is built
             return self._fall_back(ctx, "rejected")
         except ConnectionError:
             return self._fall_back(ctx, "unavailable")
         if reply.HasField("error"):
             log.warning("sidecar rejected a step context: %s", reply.error.message)
+            self._rename_ran(future, reply.error.code)
             return self._fall_back(ctx, "rejected")
         chosen = _pick(reply.decision, ctx.batch_size, asked_batch_size)
         if chosen is None:

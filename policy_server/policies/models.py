@@ -387,7 +387,7 @@ class LocalCorrection:
         for entry in data:
             octave, gamma = int(entry[0]), int(entry[1])
             row = _finite_array(entry[2:], (2 + FEATURES,), "correction row")
-            if not (0 <= octave <= 64 and 0 <= gamma <= gamma_max and row[0] >= 0 <= row[1]):
+            if not (0 <= octave <= 64 and 0 <= gamma <= gamma_max and row[0] >= 0 and row[1] >= 0):
                 raise ValueError(
                     f"correction rows need octave in 0..64, γ in 0..{gamma_max}, counts >= 0"
                 )
