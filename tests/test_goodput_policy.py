@@ -300,6 +300,29 @@ def test_slo_mode_never_picks_a_gamma_that_breaks_a_reachable_slo() -> None:
         assert {strict.decide(context(batch)).gamma for _ in range(50)} == {tpot.index(min(tpot))}
 
 
+def test_slo_mode_prices_decode_steps_whatever_the_prefill_load() -> None:
+    """Prefill chunks sharing steps must not make a longer γ look cheap per token: the
+    predicted TPOT is a decode step's, so its best γ is the goodput's best at every batch
+    size (with the recent prefill load in it, `make bench` met the SLO for fewer requests
+    with the mode than without it)."""
+    env = Environment(alpha=0.7)
+    policy = GoodputModelPolicy({"gamma_max": GAMMA_MAX, "seed": 6})
+    drive(policy, env, 1500)
+    # Then a run of steps that each shared the forward pass with a 2,048-token prefill.
+    for i in range(1500, 1800):
+        ctx = context(BATCHES[i % len(BATCHES)], i)
+        choice = policy.decide(ctx)
+        outcome = env.outcome(ctx, choice.gamma)
+        policy.observe(ctx, choice, dataclasses.replace(
+            outcome, prefill_tokens=2048, step_seconds=outcome.step_seconds + 0.2))  # fmt: skip
+    learner = policy.learner_of("e")
+    assert policy.state()["learners"][learner]["prefill_tokens"] > 1500
+    for batch in BATCHES:
+        tpot = policy.predicted_tpot_ms(learner, context(batch))
+        goodput = policy.predicted_goodput(learner, context(batch))
+        assert tpot.index(min(tpot)) == goodput.index(max(goodput)) == env.best_gamma(batch)
+
+
 def test_forced_when_the_draft_is_away() -> None:
     policy = GoodputModelPolicy({"gamma_max": GAMMA_MAX, "warmup_steps": 0})
     ctx = dataclasses.replace(context(4), draft_resident=False)

@@ -19,8 +19,8 @@ decision:
    steps of this batch-size octave and γ, t̃ includes the regression's mean residual there
    (``local_correction``, models.LocalCorrection);
 3. with ``tpot_slo_ms`` > 0 (AdaSpec, arXiv:2503.05096) only γ whose predicted per-token
-   latency t(B, γ, P̄)/E(α, γ) meets the SLO are candidates (P̄: recent prefill tokens per
-   step); when none does, the lowest predicted latency wins.
+   latency t(B, γ)/E(α, γ) of a decode step meets the SLO are candidates; when none does,
+   the lowest predicted latency wins.
 
 Both models forget exponentially (``acceptance_window_steps``, ``time_window_steps``), so
 the choice follows a change of the request mix or of the step-time curve.
@@ -132,8 +132,8 @@ class Learner:
     step_time: StepTimeModel
     correction: LocalCorrection
     steps: int = 0
-    # Forgotten means of prefill tokens per step (for the TPOT prediction) and of context
-    # tokens per request (for the summary in the state).
+    # Forgotten means of prefill tokens per step and of context tokens per request (for
+    # people and the summary in the state; decisions price decode steps).
     prefill_tokens: float = 0.0
     context_per_request: float = 0.0
 
@@ -384,11 +384,11 @@ class GoodputModelPolicy:
 
     def _step_ms(
         self, learner: Learner, weights: FloatArray, ctx: StepContext, top: int,
-        prefill_tokens: int = 0, normals: FloatArray | None = None,
+        normals: FloatArray | None = None,
     ) -> FloatArray:  # fmt: skip
-        """Step ms for γ = 0..top under ``weights``, with the local correction (drawn from
-        its posterior given ``normals``)."""
-        ms = predict_ms(weights, ctx.batch_size, top, prefill_tokens, ctx.context_tokens)
+        """Decode-step ms for γ = 0..top under ``weights``, with the local correction
+        (drawn from its posterior given ``normals``)."""
+        ms = predict_ms(weights, ctx.batch_size, top, context_tokens=ctx.context_tokens)
         if self._params.local_correction:
             noise = learner.step_time.noise_variance
             ms = ms + learner.correction.offsets_ms(weights, ctx.batch_size, top, noise, normals)
@@ -419,10 +419,11 @@ class GoodputModelPolicy:
         return meeting or [min(gammas, key=lambda g: (tpot[g], g))]
 
     def _tpot_ms(self, ctx: StepContext, learner: Learner, top: int) -> list[float]:
-        """Predicted ms per generated token of one request, with the recent prefill load
-        (rounded to 64 tokens: the shape features are cached per prefill size)."""
-        prefill = 64 * round(learner.prefill_tokens / 64)
-        ms = self._step_ms(learner, learner.step_time.fit().weights, ctx, top, prefill)
+        """Predicted ms per generated token of one request in a decode step. Decode only,
+        as goodput is priced: with the recent prefill load in the step time a longer γ
+        looked cheap per token, and the SLO was met for fewer requests than without the
+        mode (`make bench`, 7B azure-conv 41.6 against 62.8 %; docs/POLICIES.md)."""
+        ms = self._step_ms(learner, learner.step_time.fit().weights, ctx, top)
         alpha = learner.acceptance.alpha
         return [float(ms[g]) / expected_tokens(alpha, g) for g in range(top + 1)]
 
