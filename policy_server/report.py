@@ -25,7 +25,8 @@ def write_section(path: Path, name: str, body: str) -> None:
     text = path.read_text() if path.exists() else HEADER
     if begin in text and end in text:
         head, rest = text.split(begin, 1)
-        text = head + section + rest.split(end, 1)[1]
+        # The newline after the old end marker is the new section's own.
+        text = head + section + rest.split(end, 1)[1].removeprefix("\n")
     else:
         text = text.rstrip("\n") + "\n\n" + section
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -33,3 +33,8 @@ def test_report_sections_are_replaced_in_place_and_kept_apart(tmp_path: Path) ->
     for name in ("bench-rpc", "bench-sim"):
         begin, end = markers(name)
         assert text.count(begin) == 1 and text.count(end) == 1
+    # Rewriting a section with the same body leaves the file as it was (no blank lines
+    # pile up between sections run after run).
+    write_section(path, "bench-sim", "simulated")
+    write_section(path, "bench-rpc", "second")
+    assert path.read_text() == text
