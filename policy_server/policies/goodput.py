@@ -190,8 +190,9 @@ class GoodputModelPolicy:
             engine.previous_gamma = gamma
             return Choice(gamma=gamma, bin_type=BinType.EXPLOIT)
         switch_ms = self._switch_ms(ctx, engine, top)
-        allowed = self._allowed(ctx, learner, top)
-        point = self._goodput(learner, switch_ms, self._point(learner, ctx, top))
+        estimate = self._point(learner, ctx, top)
+        allowed = self._allowed(estimate)
+        point = self._goodput(learner, switch_ms, estimate)
         greedy = _best(point, allowed)
         drawn = self._goodput(learner, switch_ms, self._sample(learner, engine, ctx, top))
         sampled = _best(drawn, allowed)
@@ -327,7 +328,7 @@ class GoodputModelPolicy:
 
     def predicted_tpot_ms(self, learner_id: str, ctx: StepContext) -> list[float]:
         """Point-estimate ms per token of one request per γ (what the SLO is checked on)."""
-        return self._tpot_ms(ctx, self._learners[learner_id], self._params.gamma_max)
+        return _tpot_ms(self._point(self._learners[learner_id], ctx, self._params.gamma_max))
 
     def learner_of(self, engine_id: str) -> str:
         return self._engines[engine_id].learner_id
@@ -406,26 +407,17 @@ class GoodputModelPolicy:
             )
         ]
 
-    def _allowed(self, ctx: StepContext, learner: Learner, top: int) -> list[int]:
+    def _allowed(self, point: Prediction) -> list[int]:
         """The γ a decision may pick: all without a TPOT SLO; with one, those whose
         point-estimate TPOT meets it, or the lowest-TPOT γ alone when none does (from the
-        point estimate, so the greedy choice and the draw share it: computed once)."""
-        gammas = list(range(top + 1))
+        point estimate the greedy choice is made on, so it is predicted once)."""
+        gammas = list(range(len(point.tokens)))
         slo = self._params.tpot_slo_ms
         if slo <= 0:
             return gammas
-        tpot = self._tpot_ms(ctx, learner, top)
+        tpot = _tpot_ms(point)
         meeting = [g for g in gammas if tpot[g] <= slo]
         return meeting or [min(gammas, key=lambda g: (tpot[g], g))]
-
-    def _tpot_ms(self, ctx: StepContext, learner: Learner, top: int) -> list[float]:
-        """Predicted ms per generated token of one request in a decode step. Decode only,
-        as goodput is priced: with the recent prefill load in the step time a longer γ
-        looked cheap per token, and the SLO was met for fewer requests than without the
-        mode (`make bench`, 7B azure-conv 41.6 against 62.8 %; docs/POLICIES.md)."""
-        ms = self._step_ms(learner, learner.step_time.fit().weights, ctx, top)
-        alpha = learner.acceptance.alpha
-        return [float(ms[g]) / expected_tokens(alpha, g) for g in range(top + 1)]
 
     def _learner_to_json(self, learner: Learner) -> dict[str, Any]:
         return {
@@ -474,6 +466,14 @@ class GoodputModelPolicy:
         ):
             raise ValueError("steps must be >= 0, token means finite")
         return learner
+
+
+def _tpot_ms(point: Prediction) -> list[float]:
+    """Predicted ms per generated token of one request in a decode step, per γ. Decode
+    only, as goodput is priced: with the recent prefill load in the step time a longer γ
+    looked cheap per token, and the SLO was met for fewer requests than without the mode
+    (`make bench`, 7B azure-conv 41.6 against 62.8 %; docs/POLICIES.md)."""
+    return [ms / tokens for ms, tokens in zip(point.step_ms.tolist(), point.tokens, strict=True)]
 
 
 def _best(goodput: list[float], allowed: list[int]) -> int:
