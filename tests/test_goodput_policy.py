@@ -372,6 +372,24 @@ def test_malformed_state_is_refused_and_changes_nothing(part: str, value: Any) -
     assert policy.state() == before
 
 
+@pytest.mark.parametrize("stale_ms", [-1.0, float("inf")])
+def test_a_fit_age_that_is_no_duration_is_refused(stale_ms: float) -> None:
+    """The engine time since the fit in use is state (a restored policy refits when the
+    original would); a negative or infinite one is refused, and nothing changes. A state
+    written before the time bound, without it, loads (counted from the restore)."""
+    policy = GoodputModelPolicy({"gamma_max": GAMMA_MAX})
+    drive(policy, Environment(alpha=0.7), 50)
+    before = policy.state()
+    older = json.loads(json.dumps(before))
+    del older["learners"]["engine:e"]["step_time"]["fit"]["stale_ms"]
+    GoodputModelPolicy({"gamma_max": GAMMA_MAX}).load_state(older)
+    broken = json.loads(json.dumps(before))
+    broken["learners"]["engine:e"]["step_time"]["fit"]["stale_ms"] = stale_ms
+    with pytest.raises(PolicyError):
+        policy.load_state(broken)
+    assert policy.state() == before
+
+
 def test_a_state_from_before_the_local_correction_loads_without_it() -> None:
     policy = GoodputModelPolicy({"gamma_max": GAMMA_MAX})
     drive(policy, Environment(alpha=0.7), 200)
