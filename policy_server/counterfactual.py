@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from policy_server.decision_log import join, log_files, read_records
+from policy_server.decision_log import read_logs
 from policy_server.policies import create_policy
 from policy_server.service import context_from_json, outcome_from_json
 from policy_server.types import BinType, Choice, StepContext, StepOutcome
@@ -145,11 +145,8 @@ class Evaluation:
 
 def read_log(paths: Iterable[str | Path]) -> list[LoggedStep]:
     """Joined decisions with outcomes, in decision order (rotated backups included)."""
-    files: list[Path] = []
-    for path in paths:
-        files.extend(log_files(path) or [Path(path)])
     steps = []
-    for joined in join(read_records(files)):
+    for joined in read_logs(paths):
         if joined.outcome is None:
             continue
         decision = joined.decision

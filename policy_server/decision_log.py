@@ -144,3 +144,12 @@ def join(records: Iterable[dict[str, Any]]) -> Iterator[JoinedDecision]:
             decisions[decision_id].outcome = record.get("outcome")
     for decision_id in order:
         yield decisions[decision_id]
+
+
+def read_logs(paths: Iterable[str | Path]) -> Iterator[JoinedDecision]:
+    """Decisions of the given logs (each with its rotated backups, oldest first) paired with
+    their outcomes, in decision order."""
+    files: list[Path] = []
+    for path in paths:
+        files.extend(log_files(path) or [Path(path)])
+    return join(read_records(files))

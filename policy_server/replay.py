@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from policy_server import snapshot
-from policy_server.decision_log import join, log_files, read_records
+from policy_server.decision_log import read_logs
 from policy_server.policies import Policy, create_policy
 from policy_server.service import context_from_json, outcome_from_json
 from policy_server.types import BinType, Choice
@@ -57,10 +57,7 @@ def replay(
 ) -> ReplayResult:
     """Feed every logged (context, outcome) pair to a fresh policy, in log order."""
     result = ReplayResult(create_policy(policy_name, params))
-    files: list[Path] = []
-    for path in paths:
-        files.extend(log_files(path) or [Path(path)])
-    for joined in join(read_records(files)):
+    for joined in read_logs(paths):
         result.decisions += 1
         if joined.outcome is None:
             continue
