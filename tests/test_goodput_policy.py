@@ -94,18 +94,22 @@ def test_the_environment_has_a_different_best_gamma_per_batch_size() -> None:
 
 def test_converges_to_the_best_gamma_of_every_batch_size() -> None:
     """After N = 1,500 steps (300 per batch size) the point estimate's best γ is the true
-    best for every batch size, and ≥ 95 % of the next 500 decisions pick it."""
+    best for every batch size, and ≥ 95 % of the next 500 decisions pick it, pooled over
+    10 seeds (measured: 95.5 %; the worst seed 94.2 %, the best 96.8 %)."""
     env = Environment(alpha=0.7)
-    policy = GoodputModelPolicy({"gamma_max": GAMMA_MAX, "seed": 3})
-    drive(policy, env, 1500)
-    learner = policy.learner_of("e")
-    for batch in BATCHES:
-        predicted = policy.predicted_goodput(learner, context(batch))
-        assert predicted.index(max(predicted)) == env.best_gamma(batch), batch
-    tail = drive(policy, env, 500, start=1500)
-    hits = sum(gamma == env.best_gamma(batch) for batch, gamma in tail)
-    assert hits >= 0.95 * len(tail)
-    assert abs(policy.state()["learners"][learner]["alpha"] - 0.7) < 0.05
+    hits = decisions = 0
+    for seed in range(10):
+        policy = GoodputModelPolicy({"gamma_max": GAMMA_MAX, "seed": seed})
+        drive(policy, env, 1500)
+        learner = policy.learner_of("e")
+        for batch in BATCHES:
+            predicted = policy.predicted_goodput(learner, context(batch))
+            assert predicted.index(max(predicted)) == env.best_gamma(batch), (seed, batch)
+        tail = drive(policy, env, 500, start=1500)
+        hits += sum(gamma == env.best_gamma(batch) for batch, gamma in tail)
+        decisions += len(tail)
+        assert abs(policy.state()["learners"][learner]["alpha"] - 0.7) < 0.05
+    assert hits >= 0.95 * decisions
 
 
 def drive_pipelined(
@@ -208,22 +212,29 @@ def test_explores_only_where_the_posterior_is_wide() -> None:
 
 def test_early_exploration_at_large_batches_is_capped_by_the_predicted_loss() -> None:
     """Right after warm-up at batches 48–64 (best γ = 1, others 13–33 % behind at 64), over
-    10 seeds, the first 168 model decisions lose ≤ 60 % of what plain Thompson sampling
-    (``explore_loss_cap`` 1) loses against the best γ (measured: 0.87 % against 1.52 %)."""
+    10 seeds, the first 168 model decisions lose against the best γ:
 
-    def mean_loss(cap: float) -> float:
+    - with the one-off trials of untried γ off, capped draws lose ≤ 60 % of what plain
+      Thompson sampling (``explore_loss_cap`` 1) loses (measured: 0.62 % against 1.33 %);
+    - the default, trials on (each γ of the two octaves once, 13–33 % behind), loses less
+      than plain Thompson sampling with the same trials (measured: 1.11 % against 1.37 %)."""
+
+    def mean_loss(**params: float) -> float:
         losses = []
         for seed in range(10):
             env = Environment(alpha=0.7)
-            policy = GoodputModelPolicy({"gamma_max": GAMMA_MAX, "seed": seed,
-                                         "explore_loss_cap": cap})  # fmt: skip
+            policy = GoodputModelPolicy({"gamma_max": GAMMA_MAX, "seed": seed, **params})
             chosen = drive(policy, env, 200, batches=(64, 48, 56))[32:]
             losses += [1.0 - env.goodput(b, g) / env.goodput(b, env.best_gamma(b))
                        for b, g in chosen]  # fmt: skip
         return sum(losses) / len(losses)
 
-    plain, capped = mean_loss(1.0), mean_loss(GoodputModelPolicy().params()["explore_loss_cap"])
+    plain, capped = (
+        mean_loss(explore_loss_cap=1.0, trial_loss_cap=0.0),
+        mean_loss(trial_loss_cap=0.0),
+    )
     assert plain > 0.0 and capped <= 0.6 * plain, (capped, plain)
+    assert mean_loss() < mean_loss(explore_loss_cap=1.0)
 
 
 def test_long_prefill_steps_do_not_unsettle_the_decode_choice() -> None:
@@ -335,6 +346,7 @@ def test_forced_when_the_draft_is_away() -> None:
     [{"gamma_max": 10**9}, {"ridge": -1.0}, {"prior_alpha": 1.5}, {"tpot_slo_ms": -3.0},
      {"time_window_steps": 0}, {"warmup_steps": 10**9}, {"gama_max": 2},
      {"explore_loss_cap": 1.5}, {"explore_loss_cap": float("nan")},
+     {"trial_loss_cap": -0.1}, {"trial_loss_cap": float("inf")},
      {"correction_prior_steps": 0.0}, {"correction_window_steps": 0},
      {"local_correction": 1}],
 )  # fmt: skip
@@ -502,14 +514,35 @@ def test_the_fit_in_use_is_at_most_a_quarter_second_of_engine_time_old() -> None
     assert feed(StepTimeModel(decay, ridge, refit_ms=0.0)) > 0.15
 
 
-def test_explores_a_gamma_the_model_has_only_extrapolated_to() -> None:
+def test_a_trial_runs_each_plausible_untried_gamma_once_per_octave() -> None:
+    """Trained at batches 4–32, the policy meets batch 64 (best γ = 1) and batch 128 (best
+    γ = 0, γ = 2–4 20–45 % behind): in each new octave it runs every γ predicted within
+    ``trial_loss_cap`` (0.25 here) of the best, best first, each once (outcomes come back
+    at once here); a γ predicted beyond the cap is not tried (later draws may still reach
+    it, after the trials moved the fit, when it comes within ``explore_loss_cap``)."""
+    env = Environment(alpha=0.7)
+    cap = 0.25
+    policy = GoodputModelPolicy({"gamma_max": GAMMA_MAX, "seed": 2, "trial_loss_cap": cap})
+    drive(policy, env, 600, batches=(4, 24, 32))
+    learner = policy.learner_of("e")
+    for batch in (64, 128):
+        predicted = policy.predicted_goodput(learner, context(batch))
+        plausible = {g for g, v in enumerate(predicted) if v >= (1 - cap) * max(predicted)}
+        assert 1 < len(plausible) < GAMMA_MAX + 1, (batch, predicted)
+        chosen = drive(policy, env, 40, batches=(batch,), start=600)
+        first = [g for _, g in chosen[: len(plausible)]]
+        assert sorted(first) == sorted(plausible)
+        assert first[0] == predicted.index(max(predicted))
+        assert len(set(first)) == len(first)
+
+
+def test_runs_once_a_gamma_the_model_has_only_extrapolated_to() -> None:
     """A CPU-like engine: step time rises 5.5 ms per token up to 64 tokens and 3.5 ms above,
-    α = 0.85. After 300 steps at batches 1–4 the fit extrapolates the steep slope to batch
-    64, where it prices γ = 1–2 (13 % better than γ = 0 in truth) a few % behind γ = 0.
-    Capped on the point estimate alone, no draw leaves γ = 0 in 60 steps at batch 64 on
-    any of 10 seeds (0.885 of the best goodput). A γ never run in the batch size's octave
-    may be tried whatever its estimate, and the policy finds γ = 1–2 on most seeds
-    (measured: 0.945 over the 10 seeds, 8 of them above 0.9)."""
+    α = 0.85, outcomes a step late as in vLLM. After 300 steps at batches 1–4 the fit
+    extrapolates the steep slope to batch 64, where it prices γ = 1–2 (13 % better than
+    γ = 0 in truth) behind γ = 0. Without the one-off trials (``trial_loss_cap`` 0) no
+    capped draw leaves γ = 0 in 60 steps at batch 64 on any of 10 seeds (measured: 0.885
+    of the best goodput); with them every seed finds γ = 1–2 (measured: 0.992)."""
     alpha = 0.85
 
     def step_ms(batch: int, gamma: int) -> float:
@@ -519,29 +552,36 @@ def test_explores_a_gamma_the_model_has_only_extrapolated_to() -> None:
     def goodput(batch: int, gamma: int) -> float:
         return batch * expected_tokens(alpha, gamma) / step_ms(batch, gamma)
 
-    def share_of_best_at_64(seed: int) -> float:
+    def share_of_best_at_64(seed: int, trial_loss_cap: float) -> float:
         rng = random.Random(seed)
-        policy = GoodputModelPolicy({"gamma_max": GAMMA_MAX, "seed": seed})
+        policy = GoodputModelPolicy(
+            {"gamma_max": GAMMA_MAX, "seed": seed, "trial_loss_cap": trial_loss_cap}
+        )
         shares = []
+        previous: tuple[StepContext, Any] | None = None
         for i in range(360):
             batch = 1 + i % 4 if i < 300 else 64
             ctx = StepContext("e", batch, step_index=i, max_gamma=GAMMA_MAX,
                               context_tokens=600 * batch)  # fmt: skip
             choice = policy.decide(ctx)
-            gamma = choice.gamma
-            runs = [sum(1 for _ in itertools.takewhile(lambda _: rng.random() < alpha,
-                                                        range(gamma)))
-                    for _ in range(batch)]  # fmt: skip
-            seconds = step_ms(batch, gamma) * rng.uniform(0.97, 1.03) / 1000
-            policy.observe(ctx, choice, StepOutcome(
-                "d", "e", gamma, seconds, sum(runs) + batch, gamma * batch, sum(runs),
-                tuple(runs),
-            ))  # fmt: skip
+            if previous is not None:
+                pctx, pchoice = previous
+                g, b = pchoice.gamma, pctx.batch_size
+                runs = [sum(1 for _ in itertools.takewhile(lambda _: rng.random() < alpha,
+                                                            range(g)))
+                        for _ in range(b)]  # fmt: skip
+                seconds = step_ms(b, g) * rng.uniform(0.97, 1.03) / 1000
+                policy.observe(pctx, pchoice, StepOutcome(
+                    "d", "e", g, seconds, sum(runs) + b, g * b, sum(runs), tuple(runs),
+                ))  # fmt: skip
+            previous = (ctx, choice)
             if batch == 64:
-                shares.append(goodput(64, gamma) / max(goodput(64, g) for g in range(5)))
+                shares.append(goodput(64, choice.gamma) / max(goodput(64, g) for g in range(5)))
         return sum(shares) / len(shares)
 
     assert max(goodput(64, 1), goodput(64, 2)) > 1.1 * goodput(64, 0)
-    shares = [share_of_best_at_64(seed) for seed in range(10)]
-    assert sum(shares) / len(shares) >= 0.92
-    assert sum(share > 0.9 for share in shares) >= 6
+    default = GoodputModelPolicy().params()["trial_loss_cap"]
+    tried = [share_of_best_at_64(seed, default) for seed in range(10)]
+    untried = [share_of_best_at_64(seed, 0.0) for seed in range(10)]
+    assert sum(untried) / len(untried) < 0.9
+    assert sum(tried) / len(tried) >= 0.97 and min(tried) > 0.9, tried

