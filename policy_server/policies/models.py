@@ -373,6 +373,20 @@ class LocalCorrection:
         block = self.blocks.get(batch_octave(batch_size))
         return float(block[gamma, 0]) if block is not None and gamma <= self.gamma_max else 0.0
 
+    def misfit(self, weights: FloatArray, batch_size: int) -> float:
+        """How far the regression under ``weights`` is off the decode steps run in this
+        batch size's octave: the largest |Σy − w·Σx| / w·Σx over its cells (0 if none ran)."""
+        block = self.blocks.get(batch_octave(batch_size))
+        if block is None:
+            return 0.0
+        rows = block[block[:, 0] > 0]
+        if not len(rows):
+            return 0.0
+        total = rows[:, 1]
+        predicted = rows[:, 2:] @ weights
+        # A prediction near zero or below is as wrong as it gets: bounded at 10x.
+        return float(np.max(np.abs(total - predicted) / np.maximum(predicted, 0.1 * total)))
+
     def offsets_ms(
         self, weights: FloatArray, batch_size: int, gamma_top: int,
         noise_variance: float = 0.0, normals: FloatArray | None = None,
