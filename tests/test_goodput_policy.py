@@ -12,6 +12,7 @@ import itertools
 import json
 import random
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -594,6 +595,29 @@ def test_a_trial_reaches_further_where_the_fit_proved_wrong() -> None:
 
     assert 1 not in first_at_64(0.0)
     assert first_at_64(400.0)[:2] == [0, 1]
+
+
+def test_no_trial_turns_speculation_off_where_turning_it_on_again_costs(
+    tmp_path: Path,
+) -> None:
+    """At batch 64 (best γ = 1) a fresh octave's trials (with ``trial_loss_cap`` 0.5)
+    include γ = 0, next to the best; with a switching-cost table they do not: a γ = 0
+    step would make the next decisions pay c_prefill to speculate again, and keep them at
+    γ = 0 (simulator: 24,000 steps)."""
+    table = tmp_path / "c_prefill.csv"
+    table.write_text("lag_tokens,batch_size,c_prefill_ms\n" + "".join(
+        f"{lag},{bs},{lag / 16}\n" for lag in (128, 4096) for bs in (4, 128)
+    ))  # fmt: skip
+
+    def first_at_64(params: dict[str, Any]) -> list[int]:
+        env = Environment(alpha=0.7)
+        policy = GoodputModelPolicy({"gamma_max": GAMMA_MAX, "seed": 2, **params})
+        drive(policy, env, 600, batches=(4, 24, 32))
+        return [g for _, g in drive(policy, env, 12, batches=(64,), start=600)]
+
+    assert Environment(alpha=0.7).best_gamma(64) == 1
+    assert 0 in first_at_64({"trial_loss_cap": 0.5})
+    assert 0 not in first_at_64({"trial_loss_cap": 0.5, "prefill_cost_table": str(table)})
 
 
 def test_runs_once_a_gamma_the_model_has_only_extrapolated_to() -> None:

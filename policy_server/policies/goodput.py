@@ -463,10 +463,14 @@ class GoodputModelPolicy:
         engine; a trial that lands in a step carrying prefill leaves its cell unrun and is
         not repeated."""
         octave = batch_octave(batch_size)
+        # Never a trial that turns speculation off where turning it back on costs a
+        # catch-up: the switch cost then keeps the next decisions at γ = 0 (simulator, 70B
+        # azure-conv: one such trial at batch 19, then γ = 0 for 24,000 steps).
+        switch_back = self._prefill_cost is not None and greedy > 0
         untried = [
             g for g in allowed
             if abs(g - greedy) <= 1 and learner.correction.steps(batch_size, g) == 0
-            and (octave, g) not in engine.trials
+            and (octave, g) not in engine.trials and not (g == 0 and switch_back)
         ]  # fmt: skip
         if not untried:  # nearly every decision, once the engine has run a while
             return None
