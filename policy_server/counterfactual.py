@@ -8,11 +8,15 @@ on the logged contexts in log order; each decision's outcome is drawn from the l
 decode steps of the γ it chose at the nearest batch sizes (per-request accepts drawn from
 that γ's logged accepts) and fed back, so the candidate learns as it would have on that
 engine. Each decode decision is valued at the pooled goodput of its γ at its batch size
-against the best γ's there; the logged choices are valued the same way.
+against the best γ's there; the logged choices are valued the same way. A γ is priced at
+a batch size only from decode steps within ``BATCH_RATIO`` of it; a decision whose γ has
+none there is counted as unpriced instead of valued, and the best γ is the best of the
+priced ones.
 
 Limits, stated with every result: the batch sizes are the logged ones (a faster policy
-would have shortened the queue), and a step that carried prefill is fed its logged time
-plus the pooled difference between the chosen and the logged γ's decode steps.
+would have shortened the queue), a step that carried prefill is fed its logged time
+plus the pooled difference between the chosen and the logged γ's decode steps, and an
+unpriced choice is fed the logged steps of its γ nearest in batch size, however far.
 """
 
 from __future__ import annotations
@@ -36,6 +40,11 @@ from policy_server.types import BinType, Choice, StepContext, StepOutcome
 # at a batch size is averaged over (more: it values decisions, it should not be noisy).
 DRAW_NEIGHBOURS = 6
 RATE_NEIGHBOURS = 20
+# A logged step prices its γ at batch sizes within this ratio of its own only. Step time
+# grows with B·(γ+1): pooling by nearness alone valued a γ logged twice at batch 64 and
+# often at batch 3 with the batch-3 steps at 64 (a served log where `goodput` rarely
+# ran γ = 2 at high load).
+BATCH_RATIO = 1.25
 
 
 class EvaluationError(ValueError):
@@ -73,7 +82,7 @@ class DecodeSteps:
         self._batches = {g: [d.batch_size for d in s] for g, s in self._steps.items()}
         self._mean_accepted = {g: statistics.fmean(a) if a else 0.0 for g, a in accepts.items()}
         self._accepts = {g: np.array(a, dtype=np.int64) for g, a in accepts.items()}
-        self._near: dict[tuple[int, int, int], list[DecodeStep]] = {}
+        self._near: dict[tuple[int, int, int, bool], list[DecodeStep]] = {}
 
     @property
     def gamma_top(self) -> int:
@@ -83,14 +92,20 @@ class DecodeSteps:
             top += 1
         return top
 
-    def nearest(self, batch_size: int, gamma: int, count: int) -> list[DecodeStep]:
-        key = (batch_size, gamma, count)
+    def nearest(
+        self, batch_size: int, gamma: int, count: int, *, bounded: bool = True
+    ) -> list[DecodeStep]:
+        """The logged decode steps of γ closest in batch size (up to ``count``); only
+        those within ``BATCH_RATIO`` of it when ``bounded``, so possibly none."""
+        key = (batch_size, gamma, count, bounded)
         found = self._near.get(key)
         if found is None:
             steps, batches = self._steps[gamma], self._batches[gamma]
             # Widen a window around the insertion point, then keep the closest `count`.
             at = bisect.bisect_left(batches, batch_size)
             window = steps[max(0, at - count) : at + count]
+            if bounded:
+                window = [d for d in window if _near_in_batch(d.batch_size, batch_size)]
             found = sorted(window, key=lambda d: (abs(d.batch_size - batch_size), d.batch_size))
             found = self._near[key] = found[:count]
         return found
@@ -99,24 +114,39 @@ class DecodeSteps:
     def gammas(self) -> list[int]:
         return sorted(self._steps)
 
-    def seconds(self, batch_size: int, gamma: int) -> float:
-        """Mean time of the logged decode steps of γ nearest this batch size."""
-        near = self.nearest(batch_size, gamma, RATE_NEIGHBOURS)
-        return statistics.fmean(d.seconds for d in near)
+    def seconds(self, batch_size: int, gamma: int) -> float | None:
+        """Time of a decode step of γ at this batch size from the logged steps within
+        ``BATCH_RATIO`` of it (None: the log has none): their mean, or where they span
+        batch sizes, a line through them (step time grows with B; a mean of steps at 54
+        and 60 would price 64 low). A line that falls with B is noise; the mean is used."""
+        batches = self._batches[gamma]
+        low = bisect.bisect_left(batches, batch_size / BATCH_RATIO)
+        near = self._steps[gamma][low : bisect.bisect_right(batches, batch_size * BATCH_RATIO)]
+        if not near:
+            return None
+        mean = statistics.fmean(d.seconds for d in near)
+        if len({d.batch_size for d in near}) < 2:
+            return mean
+        slope, intercept = np.polyfit([d.batch_size for d in near], [d.seconds for d in near], 1)
+        return float(slope * batch_size + intercept) if slope > 0 else mean
 
     def tokens(self, gamma: int) -> float:
         """Mean tokens a request gained in a logged decode step of γ (accepted + 1)."""
         return 1.0 + (self._mean_accepted[gamma] if gamma else 0.0)
 
-    def goodput(self, batch_size: int, gamma: int) -> float:
-        """Pooled tokens/s of γ at this batch size."""
-        return batch_size * self.tokens(gamma) / self.seconds(batch_size, gamma)
+    def goodput(self, batch_size: int, gamma: int) -> float | None:
+        """Pooled tokens/s of γ at this batch size (None: unpriced there)."""
+        seconds = self.seconds(batch_size, gamma)
+        return None if seconds is None else batch_size * self.tokens(gamma) / seconds
 
     def draw(
         self, batch_size: int, gamma: int, rng: np.random.Generator
     ) -> tuple[float, tuple[int, ...]]:
-        """A step's seconds and per-request accepts, drawn from the logged ones."""
-        near = self.nearest(batch_size, gamma, DRAW_NEIGHBOURS)
+        """A step's seconds and per-request accepts, drawn from the logged ones (from
+        the nearest in batch size, however far, when none is near)."""
+        near = self.nearest(batch_size, gamma, DRAW_NEIGHBOURS) or self.nearest(
+            batch_size, gamma, DRAW_NEIGHBOURS, bounded=False
+        )
         seconds = near[int(rng.integers(len(near)))].seconds
         if gamma == 0:
             return seconds, ()
@@ -130,12 +160,15 @@ class Evaluation:
     seeds: int
     min_batch: int
     gamma_top: int
-    # Decode decisions valued (batch ≥ min_batch), and the mean value per seed: the
-    # candidate's pooled goodput over the best γ's, 1.0 = always the best γ.
+    # Decode decisions (batch ≥ min_batch), and per seed the mean value of the priced
+    # ones (the candidate's pooled goodput over the best priced γ's, 1.0 = always the
+    # best γ) and how many were unpriced (no logged step of their γ near their batch).
     decisions: int
     values: list[float]
+    unpriced: list[int]
     # The logged choices on the same steps, valued the same way; their policy names.
     logged_value: float
+    logged_unpriced: int
     logged_policies: list[str]
 
     @property
@@ -175,45 +208,49 @@ def evaluate(
         raise EvaluationError(f"no decisions with outcomes of policy version {version!r}")
     # Learning policies take the seed too; the outcome draws always do.
     seeded = "seed" in create_policy(policy, params).params()
-    values = [
+    runs = [
         _run(table, replayed, policy, {**(params or {}), **({"seed": seed} if seeded else {})},
              seed, min_batch, top)
         for seed in range(seeds)
     ]  # fmt: skip
-    decisions, logged = _value_logged(table, replayed, min_batch, top)
+    logged = _summary([
+        _value(table, s.context.batch_size, s.outcome.gamma, top)
+        for s in replayed
+        if _valued(s, min_batch) and s.outcome.gamma <= top
+    ])  # fmt: skip
     return Evaluation(
-        policy, dict(params or {}), seeds, min_batch, top, decisions, values, logged,
-        sorted({s.policy for s in replayed}),
+        policy, dict(params or {}), seeds, min_batch, top,
+        sum(_valued(s, min_batch) for s in replayed),
+        [value for value, _ in runs], [unpriced for _, unpriced in runs],
+        logged[0], logged[1], sorted({s.policy for s in replayed}),
     )  # fmt: skip
 
 
-def _value(table: DecodeSteps, batch_size: int, gamma: int, top: int) -> float:
-    rates = [table.goodput(batch_size, g) for g in range(top + 1)]
-    return rates[gamma] / max(rates)
+def _value(table: DecodeSteps, batch_size: int, gamma: int, top: int) -> float | None:
+    """γ's pooled goodput at this batch size over the best priced γ's there (None: γ
+    is unpriced there)."""
+    rates = {g: table.goodput(batch_size, g) for g in range(top + 1)}
+    rate = rates[gamma]
+    return None if rate is None else rate / max(r for r in rates.values() if r is not None)
+
+
+def _summary(values: Sequence[float | None]) -> tuple[float, int]:
+    """The mean of the priced values and the count of the unpriced."""
+    priced = [v for v in values if v is not None]
+    return (statistics.fmean(priced) if priced else 0.0), len(values) - len(priced)
 
 
 def _valued(step: LoggedStep, min_batch: int) -> bool:
     return step.outcome.prefill_tokens == 0 and step.context.batch_size >= min_batch
 
 
-def _value_logged(
-    table: DecodeSteps, steps: Sequence[LoggedStep], min_batch: int, top: int
-) -> tuple[int, float]:
-    values = [
-        _value(table, s.context.batch_size, s.outcome.gamma, top)
-        for s in steps
-        if _valued(s, min_batch) and s.outcome.gamma <= top
-    ]
-    return len(values), statistics.fmean(values) if values else 0.0
-
-
 def _run(
     table: DecodeSteps, steps: Sequence[LoggedStep], policy_name: str,
     params: Mapping[str, Any], seed: int, min_batch: int, top: int,
-) -> float:  # fmt: skip
+) -> tuple[float, int]:  # fmt: skip
     policy = create_policy(policy_name, params)
     rng = np.random.default_rng(seed)
-    values = []
+    values: list[float | None] = []
     for step in steps:
         # The candidate decides alone: no asking ahead, γ_prev its own, γ ≤ what was logged.
         ctx = dataclasses.replace(
@@ -227,7 +264,7 @@ def _run(
         if logged.prefill_tokens:
             # The prefill is the logged one; the decode part moves with γ.
             logged_gamma = min(logged.gamma, top)
-            moved = table.seconds(batch, gamma) - table.seconds(batch, logged_gamma)
+            moved = _seconds(table, batch, gamma) - _seconds(table, batch, logged_gamma)
             seconds = max(logged.step_seconds + moved, 1e-6)
         outcome = StepOutcome(
             logged.decision_id, ctx.engine_id, gamma, seconds, batch + sum(accepts),
@@ -237,4 +274,18 @@ def _run(
         policy.observe(ctx, Choice(gamma, BinType.FIXED), outcome)
         if _valued(step, min_batch):
             values.append(_value(table, batch, gamma, top))
-    return statistics.fmean(values) if values else 0.0
+    return _summary(values)
+
+
+def _seconds(table: DecodeSteps, batch_size: int, gamma: int) -> float:
+    """Pooled decode seconds of γ at this batch size, from the nearest steps however far
+    when none is near (a prefill step's decode part only needs a difference)."""
+    seconds = table.seconds(batch_size, gamma)
+    if seconds is None:
+        near = table.nearest(batch_size, gamma, RATE_NEIGHBOURS, bounded=False)
+        seconds = statistics.fmean(d.seconds for d in near)
+    return seconds
+
+
+def _near_in_batch(logged: int, batch_size: int) -> bool:
+    return max(logged, batch_size) <= BATCH_RATIO * min(logged, batch_size)

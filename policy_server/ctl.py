@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -403,10 +404,20 @@ def _evaluate(args: argparse.Namespace) -> int:
     r = result
     values = ", ".join(f"{v:.3f}" for v in r.values)
     print(f"{r.decisions} decode decisions at batch >= {r.min_batch}, γ 0..{r.gamma_top}")
-    print(f"{r.policy}: {r.mean:.3f} of the best γ's goodput ({r.seeds} seeds: {values})")
-    print(f"logged ({', '.join(r.logged_policies)}): {r.logged_value:.3f}")
+    print(f"{r.policy}: {r.mean:.3f} of the best γ's goodput ({r.seeds} seeds: {values})"
+          f"{_unpriced(statistics.fmean(r.unpriced))}")  # fmt: skip
+    print(f"logged ({', '.join(r.logged_policies)}): {r.logged_value:.3f}"
+          f"{_unpriced(r.logged_unpriced)}")  # fmt: skip
     print("(outcomes drawn from the log's decode steps; the batch sizes are the logged ones)")
     return 0
+
+
+def _unpriced(count: float) -> str:
+    """The note on decisions the log could not value (no step of their γ near their
+    batch size, policy_server/counterfactual.py)."""
+    if not count:
+        return ""
+    return f"; {count:g} unpriced (no logged step of their γ near their batch size)"
 
 
 def _memory(args: argparse.Namespace, channel: grpc.Channel) -> int:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from policy_server.counterfactual import EvaluationError, evaluate, read_log
+from policy_server.counterfactual import EvaluationError, LoggedStep, evaluate, read_log
 from policy_server.decision_log import DecisionLog
 from policy_server.service import DecisionService
 from tests.test_goodput_policy import GAMMA_MAX, Environment, context
@@ -64,6 +64,30 @@ def test_a_learning_policy_beats_the_logged_exploration(
     fixed = evaluate(steps, "static", {"gamma": 3}, seeds=1)
     assert learned.logged_policies == ["nightjar"]
     assert learned.mean >= 0.95 and learned.mean > learned.logged_value > fixed.mean
+
+
+def test_a_gamma_is_priced_only_from_steps_near_the_batch_size() -> None:
+    """γ = 2 logged at batch 4, 54 and 60 only: at batch 64 it is priced from the steps at
+    54 and 60 (within the ratio; a line through them) and valued as the environment
+    defines it; at batch 128 it is unpriced, counted as such, and not valued with the far
+    smaller batches' steps (which would put it far above the best γ there)."""
+    env = Environment(alpha=0.7)
+    logged = [(4, g) for g in (0, 1, 2)] + [(b, g) for b in (64, 128) for g in (0, 1)]
+    logged += [(54, 2), (60, 2)]
+    steps = [
+        LoggedStep(context(batch, i), env.outcome(context(batch, i), gamma), "static", "r1")
+        for i in range(40) for batch, gamma in logged
+    ]  # fmt: skip
+    at_64 = evaluate(steps, "static", {"gamma": 2}, seeds=1, min_batch=64)
+    assert at_64.decisions == 160 and at_64.unpriced == [80]  # batch 128 unpriced
+    truth_64 = env.goodput(64, 2) / max(env.goodput(64, g) for g in range(3))
+    assert at_64.mean == pytest.approx(truth_64, abs=0.02)
+    assert truth_64 < 0.97  # so the pricing at 64 is what is being checked
+    one = evaluate(steps, "static", {"gamma": 1}, seeds=1, min_batch=128)
+    assert one.unpriced == [0] and one.logged_unpriced == 0
+    assert one.mean == pytest.approx(
+        env.goodput(128, 1) / max(env.goodput(128, g) for g in range(2)), abs=0.02
+    )
 
 
 def test_a_log_without_every_gamma_is_refused_clearly(tmp_path: Path) -> None:
