@@ -55,6 +55,8 @@ class StepContext:
     # the server decides each candidate on a context with its batch size and none.
     candidate_batch_sizes: tuple[int, ...] = ()
     ran_decision_id: str = ""
+    # Draft passes the engine runs in a step even at γ = 0 (vLLM's model drafters: 1).
+    min_draft_passes: int = 0
 
 
 @dataclass(frozen=True, slots=True)

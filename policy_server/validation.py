@@ -62,6 +62,11 @@ def check_context(ctx: StepContext, limits: Limits) -> None:
         )
     if not 0 <= ctx.max_gamma <= HARD_GAMMA_LIMIT:
         raise InvalidArgumentError(f"max_gamma must be in 0..{HARD_GAMMA_LIMIT}")
+    if not 0 <= ctx.min_draft_passes <= (ctx.max_gamma or HARD_GAMMA_LIMIT):
+        raise InvalidArgumentError(
+            f"min_draft_passes must be in 0..{ctx.max_gamma or HARD_GAMMA_LIMIT} (max_gamma, "
+            f"or {HARD_GAMMA_LIMIT} when unset), got {ctx.min_draft_passes}"
+        )
     if len(ctx.candidate_batch_sizes) > MAX_CANDIDATES:
         raise InvalidArgumentError(
             f"candidate_batch_sizes has {len(ctx.candidate_batch_sizes)} entries, more than "

@@ -41,6 +41,7 @@ def context_from_pb(msg: pb.StepContext) -> StepContext:
         context_tokens=msg.context_tokens,
         candidate_batch_sizes=tuple(msg.candidate_batch_sizes),
         ran_decision_id=msg.ran_decision_id,
+        min_draft_passes=msg.min_draft_passes,
         requests=tuple(
             RequestSignals(
                 request_id=r.request_id,
@@ -69,6 +70,7 @@ def context_to_pb(ctx: StepContext) -> pb.StepContext:
         context_tokens=ctx.context_tokens,
         candidate_batch_sizes=ctx.candidate_batch_sizes,
         ran_decision_id=ctx.ran_decision_id,
+        min_draft_passes=ctx.min_draft_passes,
     )
     if ctx.previous_gamma is not None:
         msg.previous_gamma = ctx.previous_gamma

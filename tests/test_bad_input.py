@@ -54,6 +54,8 @@ def expect(code: grpc.StatusCode, fragment: str, call: Any, *args: Any, **kw: An
         (context(num_waiting=-1), "num_waiting must be >= 0"),
         (context(previous_gamma=99), "previous_gamma"),
         (context(learner_key="k" * 257), "learner_key is longer than 256 characters"),
+        (context(max_gamma=3, min_draft_passes=4), "min_draft_passes must be in 0..3"),
+        (context(min_draft_passes=-1), "min_draft_passes must be in 0..64"),
     ],
 )
 def test_bad_contexts(server: Any, ctx: policy_pb2.StepContext, fragment: str) -> None:

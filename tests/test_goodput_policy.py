@@ -73,6 +73,18 @@ def context(batch: int, step: int = 0) -> StepContext:
                        context_tokens=600 * batch)  # fmt: skip
 
 
+def sampled_outcome(
+    rng: random.Random, alpha: float, batch: int, gamma: int, ms: float, jitter: float
+) -> StepOutcome:
+    """One step of engine "e": each request's accepted run (per-token acceptance α) and
+    the step's ``ms`` with ±``jitter`` uniform noise."""
+    runs = [sum(1 for _ in itertools.takewhile(lambda _: rng.random() < alpha, range(gamma)))
+            for _ in range(batch)]  # fmt: skip
+    seconds = ms * rng.uniform(1.0 - jitter, 1.0 + jitter) / 1000
+    return StepOutcome("d", "e", gamma, seconds, sum(runs) + batch, gamma * batch, sum(runs),
+                       tuple(runs))  # fmt: skip
+
+
 def drive(
     policy: GoodputModelPolicy, env: Environment, steps: int, batches: tuple[int, ...] = BATCHES,
     start: int = 0,
@@ -528,6 +540,43 @@ def test_the_fit_in_use_is_at_most_a_quarter_second_of_engine_time_old() -> None
     assert feed(StepTimeModel(decay, ridge, refit_ms=0.0)) > 0.15
 
 
+def test_a_gamma_zero_step_is_priced_with_the_draft_pass_the_engine_runs_anyway() -> None:
+    """vLLM's drafter runs its first pass at γ = 0 too (StepContext.min_draft_passes = 1):
+    on an engine that does, trained at batches 1–4 (where the policy runs γ ≥ 1), the
+    policy's estimate at batch 64 ranks γ = 1 above γ = 0 as the engine does, and prices
+    γ = 0 within 25 %. Without the field, the same steps teach it that a γ = 0 step drafts
+    for free: γ = 0 looks several times faster than it is and ranks first."""
+    alpha = 0.8
+
+    def step_ms(batch: int, gamma: int) -> float:  # launch, per token, per draft pass
+        return 30.0 + 4.0 * batch * (gamma + 1) + max(gamma, 1) * (8.0 + 0.9 * batch)
+
+    def truth(batch: int, gamma: int) -> float:
+        return 1000.0 * batch * expected_tokens(alpha, gamma) / step_ms(batch, gamma)
+
+    def estimate_at_64(min_draft_passes: int) -> list[float]:
+        rng = random.Random(0)
+        policy = GoodputModelPolicy({"gamma_max": 3, "seed": 0})
+        for i in range(400):
+            batch = 1 + i % 4
+            ctx = StepContext("e", batch, step_index=i, max_gamma=3, context_tokens=100 * batch,
+                              min_draft_passes=min_draft_passes)  # fmt: skip
+            choice = policy.decide(ctx)
+            gamma = choice.gamma
+            policy.observe(
+                ctx, choice, sampled_outcome(rng, alpha, batch, gamma, step_ms(batch, gamma), 0.03)
+            )
+        at_64 = StepContext("e", 64, max_gamma=3, context_tokens=6400,
+                            min_draft_passes=min_draft_passes)  # fmt: skip
+        return policy.predicted_goodput(policy.learner_of("e"), at_64)[:4]
+
+    assert truth(64, 1) > truth(64, 0)
+    told = estimate_at_64(1)
+    assert told[1] > told[0] and abs(told[0] / truth(64, 0) - 1.0) < 0.25
+    untold = estimate_at_64(0)
+    assert max(range(4), key=lambda g: untold[g]) == 0 and untold[0] > 2.0 * truth(64, 0)
+
+
 def test_a_trial_runs_the_best_gammas_untried_neighbours_once_per_octave() -> None:
     """Trained at batches 4–32, the policy meets batch 128 (best γ = 0; γ = 4 45 % behind).
     In the new octave it first runs the point estimate's best γ, then each untried γ next
@@ -583,12 +632,8 @@ def test_a_trial_reaches_further_where_the_fit_proved_wrong() -> None:
             ctx = StepContext("e", batch, step_index=i, max_gamma=GAMMA_MAX)
             choice = policy.decide(ctx)
             g = choice.gamma
-            runs = [sum(1 for _ in itertools.takewhile(lambda _: rng.random() < 0.5, range(g)))
-                    for _ in range(batch)]  # fmt: skip
-            seconds = step_ms(batch, g) * rng.uniform(0.98, 1.02) / 1000
-            policy.observe(ctx, choice, StepOutcome(
-                "d", "e", g, seconds, sum(runs) + batch, g * batch, sum(runs), tuple(runs),
-            ))  # fmt: skip
+            outcome = sampled_outcome(rng, 0.5, batch, g, step_ms(batch, g), 0.02)
+            policy.observe(ctx, choice, outcome)
             if batch == 64:
                 chosen.append(g)
         return chosen
@@ -651,13 +696,8 @@ def test_runs_once_a_gamma_the_model_has_only_extrapolated_to() -> None:
             if previous is not None:
                 pctx, pchoice = previous
                 g, b = pchoice.gamma, pctx.batch_size
-                runs = [sum(1 for _ in itertools.takewhile(lambda _: rng.random() < alpha,
-                                                            range(g)))
-                        for _ in range(b)]  # fmt: skip
-                seconds = step_ms(b, g) * rng.uniform(0.97, 1.03) / 1000
-                policy.observe(pctx, pchoice, StepOutcome(
-                    "d", "e", g, seconds, sum(runs) + b, g * b, sum(runs), tuple(runs),
-                ))  # fmt: skip
+                outcome = sampled_outcome(rng, alpha, b, g, step_ms(b, g), 0.03)
+                policy.observe(pctx, pchoice, outcome)
             previous = (ctx, choice)
             if batch == 64:
                 shares.append(goodput(64, choice.gamma) / max(goodput(64, g) for g in range(5)))

@@ -154,6 +154,8 @@ def test_the_engine_runs_the_gamma_the_sidecar_decided(engine: Any, sidecar: Any
     # The contexts carry the batch the engine ran: all prompts at once, ≤ max_num_seqs.
     sizes = {d["context"]["batch_size"] for d in decisions}
     assert len(PROMPTS) in sizes and max(sizes) <= 8
+    # ... and that its draft model runs one pass even at γ = 0 (vLLM's proposer does).
+    assert {d["context"]["min_draft_passes"] for d in decisions} == {1}
 
 
 def test_hot_swap_mid_run_without_restarting_the_engine(

@@ -9,7 +9,7 @@ from nightjar_proto.v1 import policy_pb2 as pb
 
 from policy_server import wire
 from policy_server.errors import InvalidArgumentError
-from policy_server.types import BinType, Decision, MemoryDirective, StepOutcome
+from policy_server.types import BinType, Decision, MemoryDirective, StepContext, StepOutcome
 
 
 def test_an_outcome_with_per_request_accepts_round_trips_in_order() -> None:
@@ -51,3 +51,10 @@ def test_a_decision_converts_with_or_without_its_candidates() -> None:
     bare = wire.decision_from_pb(msg, candidates=False)
     assert bare == dataclasses.replace(asked, candidates=())
     assert wire.directive_from_pb(msg.memory_directive) == directive
+
+
+def test_a_context_round_trips_with_the_drafters_minimum_passes() -> None:
+    ctx = StepContext("e", 48, step_index=7, max_gamma=3, context_tokens=9000,
+                      candidate_batch_sizes=(47, 49), min_draft_passes=1)  # fmt: skip
+    assert wire.context_from_pb(wire.context_to_pb(ctx)) == ctx
+    assert wire.context_from_pb(pb.StepContext(engine_id="e", batch_size=4)).min_draft_passes == 0

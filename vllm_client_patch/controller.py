@@ -87,6 +87,8 @@ class EngineView:
     # Tokens in the drafting requests' contexts, and prefill tokens sharing the step.
     context_tokens: int = 0
     prefill_tokens: int = 0
+    # Draft passes the drafter runs even at γ = 0 (StepContext.min_draft_passes).
+    min_draft_passes: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -208,6 +210,7 @@ class GammaController:
             max_gamma=view.max_gamma,
             context_tokens=view.context_tokens,
             candidate_batch_sizes=candidates,
+            min_draft_passes=min(view.min_draft_passes, view.max_gamma),
         )
 
     def decide(self, view: EngineView, started: HookTime | None = None) -> int:

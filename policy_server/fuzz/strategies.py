@@ -215,6 +215,7 @@ def near_valid_context(issued: Issued) -> st.SearchStrategy[dict[str, Any]]:
         "draft_resident": st.booleans(),
         "max_gamma": st.integers(0, 8),
         "context_tokens": st.integers(0, 10**5),
+        "min_draft_passes": st.integers(0, 1),
     })  # fmt: skip
 
 

@@ -158,6 +158,8 @@ class Learner:
     # people and the summary in the state; decisions price decode steps).
     prefill_tokens: float = 0.0
     context_per_request: float = 0.0
+    # StepContext.min_draft_passes of the latest step (for the summary in the state).
+    min_draft_passes: int = 0
 
 
 @dataclasses.dataclass(slots=True)
@@ -268,7 +270,8 @@ class GoodputModelPolicy:
             outcome.request_accepts,
         )  # fmt: skip
         x = step_features(ctx.batch_size, outcome.gamma, outcome.prefill_tokens,
-                          ctx.context_tokens, outcome.drafted_gamma)  # fmt: skip
+                          ctx.context_tokens, outcome.drafted_gamma,
+                          ctx.min_draft_passes)  # fmt: skip
         milliseconds = 1000.0 * outcome.step_seconds
         learner.step_time.observe(x, milliseconds)
         # Kept while the correction is off too (a few adds into a bounded block per batch
@@ -280,6 +283,7 @@ class GoodputModelPolicy:
         learner.prefill_tokens += rate * (outcome.prefill_tokens - learner.prefill_tokens)
         per_request = ctx.context_tokens / ctx.batch_size
         learner.context_per_request += rate * (per_request - learner.context_per_request)
+        learner.min_draft_passes = ctx.min_draft_passes
         if engine.previous_gamma == choice.gamma:
             engine.previous_gamma = outcome.gamma
 
@@ -428,7 +432,8 @@ class GoodputModelPolicy:
     ) -> FloatArray:  # fmt: skip
         """Decode-step ms for γ = 0..top under ``weights``, with the local correction
         (drawn from its posterior given ``normals``)."""
-        ms = predict_ms(weights, ctx.batch_size, top, context_tokens=ctx.context_tokens)
+        ms = predict_ms(weights, ctx.batch_size, top, context_tokens=ctx.context_tokens,
+                        min_draft_passes=min(ctx.min_draft_passes, top))  # fmt: skip
         if self._params.local_correction:
             noise = learner.step_time.noise_variance
             ms = ms + learner.correction.offsets_ms(weights, ctx.batch_size, top, noise, normals)
@@ -505,6 +510,7 @@ class GoodputModelPolicy:
             "steps": learner.steps,
             "prefill_tokens": learner.prefill_tokens,
             "context_per_request": learner.context_per_request,
+            "min_draft_passes": learner.min_draft_passes,
             # Derived, for people (nightjarctl state): not read back by load_state.
             "best_gamma": self._summary(learner) if learner.steps else {},
         }
@@ -515,7 +521,8 @@ class GoodputModelPolicy:
         fit = learner.step_time.solve()
         out: dict[str, list[float]] = {}
         for batch in (1 << k for k in range(9)):
-            ctx = StepContext("", batch, context_tokens=round(learner.context_per_request * batch))
+            ctx = StepContext("", batch, context_tokens=round(learner.context_per_request * batch),
+                              min_draft_passes=learner.min_draft_passes)  # fmt: skip
             point = self._point(learner, ctx, self._params.gamma_max, fit)
             goodput = [1000.0 * batch * t / max(float(ms), 1e-9)
                        for t, ms in zip(point.tokens, point.step_ms, strict=True)]  # fmt: skip
@@ -537,7 +544,11 @@ class GoodputModelPolicy:
             steps=int(data["steps"]),
             prefill_tokens=float(data["prefill_tokens"]),
             context_per_request=float(data.get("context_per_request", 0.0)),
+            # Absent from states written before v1.6's field: an engine that sent none.
+            min_draft_passes=int(data.get("min_draft_passes", 0)),
         )
+        if not 0 <= learner.min_draft_passes <= p.gamma_max:
+            raise ValueError(f"min_draft_passes must be in 0..{p.gamma_max}")
         if learner.steps < 0 or not (
             math.isfinite(learner.prefill_tokens) and math.isfinite(learner.context_per_request)
         ):

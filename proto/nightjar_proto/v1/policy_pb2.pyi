@@ -21,7 +21,7 @@ class RequestSignals(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., context_tokens: _Optional[int] = ..., recent_accepts: _Optional[_Iterable[int]] = ..., kl_divergence: _Optional[float] = ..., draft_entropy: _Optional[float] = ...) -> None: ...
 
 class StepContext(_message.Message):
-    __slots__ = ("engine_id", "step_index", "batch_size", "num_waiting", "free_kv_blocks", "total_kv_blocks", "max_draft_lag_tokens", "draft_resident", "previous_gamma", "max_gamma", "learner_key", "requests", "context_tokens", "candidate_batch_sizes", "ran_decision_id")
+    __slots__ = ("engine_id", "step_index", "batch_size", "num_waiting", "free_kv_blocks", "total_kv_blocks", "max_draft_lag_tokens", "draft_resident", "previous_gamma", "max_gamma", "learner_key", "requests", "context_tokens", "candidate_batch_sizes", "ran_decision_id", "min_draft_passes")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_INDEX_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,7 @@ class StepContext(_message.Message):
     CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CANDIDATE_BATCH_SIZES_FIELD_NUMBER: _ClassVar[int]
     RAN_DECISION_ID_FIELD_NUMBER: _ClassVar[int]
+    MIN_DRAFT_PASSES_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     step_index: int
     batch_size: int
@@ -52,7 +53,8 @@ class StepContext(_message.Message):
     context_tokens: int
     candidate_batch_sizes: _containers.RepeatedScalarFieldContainer[int]
     ran_decision_id: str
-    def __init__(self, engine_id: _Optional[str] = ..., step_index: _Optional[int] = ..., batch_size: _Optional[int] = ..., num_waiting: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., max_draft_lag_tokens: _Optional[int] = ..., draft_resident: bool = ..., previous_gamma: _Optional[int] = ..., max_gamma: _Optional[int] = ..., learner_key: _Optional[str] = ..., requests: _Optional[_Iterable[_Union[RequestSignals, _Mapping]]] = ..., context_tokens: _Optional[int] = ..., candidate_batch_sizes: _Optional[_Iterable[int]] = ..., ran_decision_id: _Optional[str] = ...) -> None: ...
+    min_draft_passes: int
+    def __init__(self, engine_id: _Optional[str] = ..., step_index: _Optional[int] = ..., batch_size: _Optional[int] = ..., num_waiting: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., max_draft_lag_tokens: _Optional[int] = ..., draft_resident: bool = ..., previous_gamma: _Optional[int] = ..., max_gamma: _Optional[int] = ..., learner_key: _Optional[str] = ..., requests: _Optional[_Iterable[_Union[RequestSignals, _Mapping]]] = ..., context_tokens: _Optional[int] = ..., candidate_batch_sizes: _Optional[_Iterable[int]] = ..., ran_decision_id: _Optional[str] = ..., min_draft_passes: _Optional[int] = ...) -> None: ...
 
 class StepOutcome(_message.Message):
     __slots__ = ("decision_id", "engine_id", "gamma", "step_seconds", "generated_tokens", "drafted_tokens", "accepted_tokens", "requests", "prefill_tokens", "draft_gamma", "request_accepted_tokens")
