@@ -36,8 +36,8 @@ from policy_server.policies import create_policy
 from policy_server.service import context_from_json, outcome_from_json
 from policy_server.types import BinType, Choice, StepContext, StepOutcome
 
-# Logged steps a draw picks among (the nearest batch sizes), and that a γ's pooled goodput
-# at a batch size is averaged over (more: it values decisions, it should not be noisy).
+# Logged steps a draw picks among (the nearest batch sizes), and that price a γ's decode
+# part of a prefill step where no step is near its batch size.
 DRAW_NEIGHBOURS = 6
 RATE_NEIGHBOURS = 20
 # A logged step prices its γ at batch sizes within this ratio of its own only. Step time
@@ -83,6 +83,7 @@ class DecodeSteps:
         self._mean_accepted = {g: statistics.fmean(a) if a else 0.0 for g, a in accepts.items()}
         self._accepts = {g: np.array(a, dtype=np.int64) for g, a in accepts.items()}
         self._near: dict[tuple[int, int, int, bool], list[DecodeStep]] = {}
+        self._seconds: dict[tuple[int, int], float | None] = {}
 
     @property
     def gamma_top(self) -> int:
@@ -100,15 +101,20 @@ class DecodeSteps:
         key = (batch_size, gamma, count, bounded)
         found = self._near.get(key)
         if found is None:
-            steps, batches = self._steps[gamma], self._batches[gamma]
-            # Widen a window around the insertion point, then keep the closest `count`.
-            at = bisect.bisect_left(batches, batch_size)
-            window = steps[max(0, at - count) : at + count]
             if bounded:
-                window = [d for d in window if _near_in_batch(d.batch_size, batch_size)]
+                window = self._within(batch_size, gamma)
+            else:  # a window around the insertion point holds the closest `count`
+                at = bisect.bisect_left(self._batches[gamma], batch_size)
+                window = self._steps[gamma][max(0, at - count) : at + count]
             found = sorted(window, key=lambda d: (abs(d.batch_size - batch_size), d.batch_size))
             found = self._near[key] = found[:count]
         return found
+
+    def _within(self, batch_size: int, gamma: int) -> list[DecodeStep]:
+        """The logged decode steps of γ within ``BATCH_RATIO`` of this batch size."""
+        batches = self._batches[gamma]
+        low = bisect.bisect_left(batches, batch_size / BATCH_RATIO)
+        return self._steps[gamma][low : bisect.bisect_right(batches, batch_size * BATCH_RATIO)]
 
     @property
     def gammas(self) -> list[int]:
@@ -118,17 +124,12 @@ class DecodeSteps:
         """Time of a decode step of γ at this batch size from the logged steps within
         ``BATCH_RATIO`` of it (None: the log has none): their mean, or where they span
         batch sizes, a line through them (step time grows with B; a mean of steps at 54
-        and 60 would price 64 low). A line that falls with B is noise; the mean is used."""
-        batches = self._batches[gamma]
-        low = bisect.bisect_left(batches, batch_size / BATCH_RATIO)
-        near = self._steps[gamma][low : bisect.bisect_right(batches, batch_size * BATCH_RATIO)]
-        if not near:
-            return None
-        mean = statistics.fmean(d.seconds for d in near)
-        if len({d.batch_size for d in near}) < 2:
-            return mean
-        slope, intercept = np.polyfit([d.batch_size for d in near], [d.seconds for d in near], 1)
-        return float(slope * batch_size + intercept) if slope > 0 else mean
+        and 60 would price 64 low). A line that falls with B is noise; the mean is used.
+        Cached: every valued decision prices every γ."""
+        key = (batch_size, gamma)
+        if key not in self._seconds:
+            self._seconds[key] = _line_or_mean(self._within(batch_size, gamma), batch_size)
+        return self._seconds[key]
 
     def tokens(self, gamma: int) -> float:
         """Mean tokens a request gained in a logged decode step of γ (accepted + 1)."""
@@ -287,5 +288,11 @@ def _seconds(table: DecodeSteps, batch_size: int, gamma: int) -> float:
     return seconds
 
 
-def _near_in_batch(logged: int, batch_size: int) -> bool:
-    return max(logged, batch_size) <= BATCH_RATIO * min(logged, batch_size)
+def _line_or_mean(steps: Sequence[DecodeStep], batch_size: int) -> float | None:
+    if not steps:
+        return None
+    mean = statistics.fmean(d.seconds for d in steps)
+    if len({d.batch_size for d in steps}) < 2:
+        return mean
+    slope, intercept = np.polyfit([d.batch_size for d in steps], [d.seconds for d in steps], 1)
+    return float(slope * batch_size + intercept) if slope > 0 else mean
