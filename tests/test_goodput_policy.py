@@ -379,10 +379,26 @@ def test_state_round_trips_and_decisions_continue_identically() -> None:
     assert [policy.decide(c).gamma for c in ctxs] == [copy.decide(c).gamma for c in ctxs]
 
 
+def test_the_drafters_minimum_passes_survive_a_snapshot_within_gamma_max() -> None:
+    """An engine whose max_gamma exceeds the policy's Γmax may send more minimum draft
+    passes than Γmax: the learner keeps them capped, so its snapshot loads again."""
+    policy = GoodputModelPolicy({"gamma_max": 2, "seed": 1})
+    env = Environment(alpha=0.7)
+    for i in range(40):
+        ctx = StepContext("e", 8, step_index=i, max_gamma=8, min_draft_passes=4)
+        choice = policy.decide(ctx)
+        policy.observe(ctx, choice, env.outcome(ctx, choice.gamma))
+    state = json.loads(json.dumps(policy.state()))
+    assert state["learners"]["engine:e"]["min_draft_passes"] == 2
+    copy = GoodputModelPolicy({"gamma_max": 2, "seed": 1})
+    copy.load_state(state)
+    assert copy.state() == policy.state()
+
+
 @pytest.mark.parametrize(
     ("part", "value"),
     [("step_time", {"gram": [[1.0]]}), ("correction", [[6, 1, -2.0] + [0.0] * 15]),
-     ("correction", [[6, 1, 3.0]])],
+     ("correction", [[6, 1, 3.0]]), ("min_draft_passes", GAMMA_MAX + 1)],
 )  # fmt: skip
 def test_malformed_state_is_refused_and_changes_nothing(part: str, value: Any) -> None:
     policy = GoodputModelPolicy({"gamma_max": GAMMA_MAX})

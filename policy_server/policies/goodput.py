@@ -283,7 +283,8 @@ class GoodputModelPolicy:
         learner.prefill_tokens += rate * (outcome.prefill_tokens - learner.prefill_tokens)
         per_request = ctx.context_tokens / ctx.batch_size
         learner.context_per_request += rate * (per_request - learner.context_per_request)
-        learner.min_draft_passes = ctx.min_draft_passes
+        # Within Γmax, as state loading checks (the engine's max_gamma may exceed it).
+        learner.min_draft_passes = min(ctx.min_draft_passes, self._params.gamma_max)
         if engine.previous_gamma == choice.gamma:
             engine.previous_gamma = outcome.gamma
 

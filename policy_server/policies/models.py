@@ -96,7 +96,7 @@ def step_features(
     both with its own γ, which is what ``predict_ms`` prices). ``min_draft_passes``: the
     passes the engine's drafter runs even at γ = 0 (StepContext.min_draft_passes). Without
     it a γ = 0 step on vLLM looks one draft pass cheaper than it is, and the fit of a
-    low-load phase put γ = 0 at batch 64 ahead of γ = 1, which measured 17 % ahead of it."""
+    low-load phase put γ = 0 at batch 64 ahead of γ = 1 (it measured 17 % behind)."""
     drafted = max(gamma if draft_gamma is None else draft_gamma, min_draft_passes)
     tokens = batch_size * (gamma + 1) + prefill_tokens
     context = context_tokens / CONTEXT_SCALE
