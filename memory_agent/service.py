@@ -19,10 +19,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from nightjar_proto.v1 import memory_pb2, memory_pb2_grpc
 
-from memory_agent.agent import Action, MemoryAgent, MemoryStatus, Order
-from policy_server import decode_guard, reflection, uds
-from policy_server.errors import NightjarError
-from policy_server.grpc_server import check_admin_token, status_of
+from memory_agent.agent import MemoryAgent, MemoryStatus
+from memory_agent.orders import Action, Order
+from nightjar_common import decode_guard, reflection, uds
+from nightjar_common.admin_token import check_admin_token
+from nightjar_common.errors import NightjarError, status_of
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +86,7 @@ def serve(
 
     The socket file gets ``mode`` (group-writable by default: operators' tools in the
     engine's group connect). Raises SocketPathError when a live server already listens
-    on the path (policy_server/uds.py).
+    on the path (nightjar_common/uds.py).
     """
     uds.claim(uds_path)
     server = grpc.server(

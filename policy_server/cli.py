@@ -11,18 +11,19 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from policy_server import __version__, snapshot, tls, uds
-from policy_server.admin_token import AdminTokenFile
-from policy_server.config import LOG_FORMATS, LOG_LEVELS, ConfigError, ServerConfig
+from nightjar_common import tls, uds
+from nightjar_common.admin_token import AdminTokenFile
+from nightjar_common.errors import ConfigError, NightjarError
+from nightjar_common.validation import Limits
+from policy_server import __version__, snapshot
+from policy_server.config import LOG_FORMATS, LOG_LEVELS, ServerConfig
 from policy_server.decision_log import DecisionLog
 from policy_server.engines import Bounds
-from policy_server.errors import NightjarError
 from policy_server.grpc_server import build_server
 from policy_server.memory import MemoryController, MemoryParams
 from policy_server.metrics import Metrics
 from policy_server.policies.base import PolicyError, parse_params
 from policy_server.service import DecisionService
-from policy_server.validation import Limits
 
 log = logging.getLogger("nightjar.server")
 

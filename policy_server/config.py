@@ -8,15 +8,12 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+from nightjar_common.errors import ConfigError
+from nightjar_common.uds import parse_mode
 from policy_server.policies import DEFAULT_POLICY
-from policy_server.uds import parse_mode
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 LOG_FORMATS = ("text", "json")
-
-
-class ConfigError(ValueError):
-    """The configuration file or a flag is invalid."""
 
 
 @dataclasses.dataclass(slots=True)

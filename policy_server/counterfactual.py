@@ -31,10 +31,10 @@ from typing import Any
 
 import numpy as np
 
+from nightjar_common.types import BinType, Choice, StepContext, StepOutcome
 from policy_server.decision_log import read_logs
 from policy_server.policies import create_policy
 from policy_server.service import context_from_json, outcome_from_json
-from policy_server.types import BinType, Choice, StepContext, StepOutcome
 
 # Logged steps a draw picks among (the nearest batch sizes), and that price a γ's decode
 # part of a prefill step where no step is near its batch size.

@@ -15,9 +15,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from nightjar_proto.v1 import admin_pb2, admin_pb2_grpc, policy_pb2_grpc
 
-from policy_server import fleet, tls, wire
+from nightjar_common import tls, wire
+from nightjar_common.types import StepContext, StepOutcome
+from policy_server import fleet
 from policy_server.policies import DEFAULT_POLICY
-from policy_server.types import StepContext, StepOutcome
 
 DEFAULT_TARGET = "unix:/run/nightjar/nightjar.sock"
 

@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from policy_server.types import Choice, StepContext
+from nightjar_common.types import Choice, StepContext
 
 # Eviction kinds, as counted in nightjar_evictions_total{kind}.
 ENGINE = "engine"

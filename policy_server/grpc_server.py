@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import hmac
 import inspect
 import json
 import logging
@@ -29,15 +28,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer as AioHealthServicer
 from nightjar_proto.v1 import admin_pb2, admin_pb2_grpc, policy_pb2, policy_pb2_grpc
 
-from policy_server import decode_guard, reflection, uds, wire
-from policy_server.admin_token import AdminTokenFile
-from policy_server.errors import (
-    FailedPreconditionError,
+from nightjar_common import decode_guard, reflection, uds, wire
+from nightjar_common.admin_token import AdminTokenFile, check_admin_token
+from nightjar_common.errors import (
     InvalidArgumentError,
     NightjarError,
-    NotFoundError,
-    PermissionDeniedError,
-    UnauthenticatedError,
+    status_of,
 )
 from policy_server.metrics import Metrics
 from policy_server.policies import PolicyError, parse_params_json
@@ -45,13 +41,6 @@ from policy_server.service import ActivePolicy, DecisionService
 
 log = logging.getLogger(__name__)
 
-STATUS_OF: dict[type[NightjarError], grpc.StatusCode] = {
-    InvalidArgumentError: grpc.StatusCode.INVALID_ARGUMENT,
-    NotFoundError: grpc.StatusCode.NOT_FOUND,
-    FailedPreconditionError: grpc.StatusCode.FAILED_PRECONDITION,
-    UnauthenticatedError: grpc.StatusCode.UNAUTHENTICATED,
-    PermissionDeniedError: grpc.StatusCode.PERMISSION_DENIED,
-}
 POLICY_SERVICE = policy_pb2.DESCRIPTOR.services_by_name["PolicyService"].full_name
 ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name
 
@@ -59,32 +48,6 @@ T = TypeVar("T")
 # gRPC's own default, stated: a StepContext with its per-request sections at their bounds
 # (validation.Limits) is far smaller; snapshot_json restores of large states fit.
 DEFAULT_MAX_RECEIVE_BYTES = 4 << 20
-
-
-def status_of(exc: NightjarError) -> grpc.StatusCode:
-    for cls in type(exc).__mro__:
-        if cls in STATUS_OF:
-            return STATUS_OF[cls]
-    return grpc.StatusCode.INTERNAL
-
-
-def check_admin_token(
-    context: grpc.ServicerContext, configured: str | AdminTokenFile | None
-) -> None:
-    """Mutating calls carry 'authorization: Bearer <token>' when a token is configured."""
-    if configured is None:
-        return
-    # A token file is re-read when it changes (rotation, policy_server/admin_token.py).
-    expected = configured.current() if isinstance(configured, AdminTokenFile) else configured
-    metadata = dict(context.invocation_metadata())
-    header = str(metadata.get("authorization", ""))
-    if not header:
-        raise UnauthenticatedError(
-            "admin token required: send 'authorization: Bearer <token>' metadata"
-        )
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), expected):
-        raise UnauthenticatedError("invalid admin token")
 
 
 class _Servicer:
@@ -434,7 +397,7 @@ class _InThreads:
 
 
 class AioDecodeGuard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
-    """policy_server/decode_guard.py for the asyncio server: undecodable request bytes
+    """nightjar_common/decode_guard.py for the asyncio server: undecodable request bytes
     get INVALID_ARGUMENT before the servicer sees anything (a stream ends with it)."""
 
     def __init__(self) -> None:
@@ -590,8 +553,8 @@ def build_server(
 ) -> RunningServer:
     """Create, bind and start the gRPC server; health turns SERVING once a policy is active.
 
-    ``uds_mode``: the Unix socket's file mode (policy_server/uds.py), set before serving.
-    ``tls``: credentials for the TCP port (policy_server/tls.py); None = plaintext.
+    ``uds_mode``: the Unix socket's file mode (nightjar_common/uds.py), set before serving.
+    ``tls``: credentials for the TCP port (nightjar_common/tls.py); None = plaintext.
     ``max_receive_bytes``: larger requests are refused (RESOURCE_EXHAUSTED) unread.
     """
     if not uds_path and not tcp_address:

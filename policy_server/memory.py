@@ -18,12 +18,11 @@ order the engine has not carried out after ``order_timeout_steps`` may be issued
 from __future__ import annotations
 
 import dataclasses
-import enum
 import math
 from typing import Any
 
+from nightjar_common.types import DraftState, MemoryDirective, StepContext
 from policy_server.policies.base import PolicyError
-from policy_server.types import MemoryDirective, StepContext
 
 OFFLOAD = "offload_draft_expand_kv"
 RELOAD = "compact_kv_reload_draft"
@@ -31,13 +30,6 @@ RELOAD = "compact_kv_reload_draft"
 
 class MemoryParamsError(PolicyError):
     """Memory-controller parameters out of range."""
-
-
-class DraftState(enum.StrEnum):
-    RESIDENT = "resident"
-    OFFLOADING = "offloading"  # ordered, not yet reported done
-    OFFLOADED = "offloaded"
-    RELOADING = "reloading"  # ordered, reload not yet verified
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -23,6 +23,8 @@ from prometheus_client import (
     start_http_server,
 )
 
+from nightjar_common.buckets import GAMMA_BUCKETS
+
 # Decision latency spans µs (in-process) to ms (slow host).
 LATENCY_BUCKETS = (
     5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2,
@@ -30,8 +32,6 @@ LATENCY_BUCKETS = (
 GOODPUT_BUCKETS = tuple(float(2**k) for k in range(0, 21))  # 1 .. ~1M tokens/s
 STEP_BUCKETS = (1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 RATIO_BUCKETS = tuple(i / 10 for i in range(11))
-# γ values, as decided (sidecar) or run (plugin): exact up to 4, coarser above.
-GAMMA_BUCKETS = (0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0)
 # Batch sizes in power-of-two ranges: "1", "2-3", "4-7", ..., "128-255", "256+".
 BATCH_BUCKETS = ("1", *(f"{2**k}-{2 ** (k + 1) - 1}" for k in range(1, 8)), "256+")
 

@@ -15,11 +15,11 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from nightjar_common.types import BinType, Choice
 from policy_server import snapshot
 from policy_server.decision_log import read_logs
 from policy_server.policies import Policy, create_policy
 from policy_server.service import context_from_json, outcome_from_json
-from policy_server.types import BinType, Choice
 
 
 @dataclasses.dataclass(slots=True)

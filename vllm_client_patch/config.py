@@ -47,9 +47,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from policy_server.tls import ClientTls, TlsError, read_pem
-from policy_server.uds import DEFAULT_MODE, parse_mode
-from policy_server.validation import MAX_ID_LENGTH
+from nightjar_common.tls import ClientTls, TlsError, read_pem
+from nightjar_common.uds import DEFAULT_MODE, parse_mode
+from nightjar_common.validation import MAX_ID_LENGTH
 
 ENV_PREFIX = "NIGHTJAR_"
 KEYS = ("sidecar", "enabled", "engine_id", "learner_key", "deadline_ms", "fallback_table",

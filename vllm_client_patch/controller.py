@@ -29,10 +29,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from policy_server.policies.fixed import DEFAULT_SCHEDULE
-from policy_server.types import MemoryDirective, StepContext, StepOutcome
-from policy_server.validation import MAX_CANDIDATES
-from vllm_client_patch.client import ClientConfig, GammaDecision, NightjarClient
+from nightjar_common.client import ClientConfig, GammaDecision, NightjarClient
+from nightjar_common.fallback import DEFAULT_SCHEDULE
+from nightjar_common.types import MemoryDirective, StepContext, StepOutcome
+from nightjar_common.validation import MAX_CANDIDATES
 from vllm_client_patch.config import PluginConfig
 from vllm_client_patch.metrics import PluginMetrics, Totals
 from vllm_client_patch.quantiles import DurationHistogram

@@ -20,14 +20,15 @@ from typing import Any
 
 import torch
 
-from memory_agent.agent import Action, MemoryAgent, Order, WorkerOrder
+from memory_agent.agent import MemoryAgent
 from memory_agent.draft_weights import DraftWeights
 from memory_agent.metrics import AgentMetrics
-from memory_agent.vllm_pool import ElasticBlockPool
-from memory_agent.vllm_worker import RunnerMemory, draft_weights, slot_bytes
-from policy_server.types import MemoryDirective
+from memory_agent.orders import Action, Order, WorkerOrder
+from nightjar_common.types import MemoryDirective
 from vllm_client_patch.config import PluginConfig
+from vllm_client_patch.kv_pool import ElasticBlockPool
 from vllm_client_patch.metrics import file_backed
+from vllm_client_patch.worker_memory import RunnerMemory, draft_weights, slot_bytes
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +158,7 @@ class SchedulerMemory:
         self.server: Any = None
         if config.memory_socket:
             from memory_agent.service import serve
-            from policy_server.admin_token import read_token
+            from nightjar_common.admin_token import read_token
 
             token = read_token(config.admin_token_file)
             self.server = serve(agent, config.memory_socket, token, config.memory_socket_mode)

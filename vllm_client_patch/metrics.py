@@ -42,7 +42,7 @@ from typing import Any, TypeVar
 from prometheus_client import REGISTRY, Counter, Histogram, values
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from policy_server.metrics import GAMMA_BUCKETS
+from nightjar_common.buckets import GAMMA_BUCKETS
 
 log = logging.getLogger(__name__)
 

@@ -10,26 +10,14 @@ explicitly (``--scheduler-cls``); otherwise it changes nothing. It recognises vL
 from __future__ import annotations
 
 import logging
-import re
 from typing import Any
 
 from vllm_client_patch.config import PluginConfig, PluginConfigError
+from vllm_client_patch.release import SUPPORTED, vllm_release
 
 log = logging.getLogger(__name__)
 
-# vLLM releases whose scheduler internals we hook (the dynamic-SD path,
-# _update_after_schedule, update_from_output), checked here and by the scheduler.
-SUPPORTED = ((0, 32), (0, 33))
 _installed = False
-
-
-def vllm_release() -> tuple[int, int] | None:
-    """(major, minor) of the installed vLLM; None when its version string is unusual
-    (a source build may say "dev" or "unknown"), which the guard treats as unsupported."""
-    import vllm
-
-    match = re.match(r"(\d+)\.(\d+)", str(getattr(vllm, "__version__", "")))
-    return (int(match[1]), int(match[2])) if match else None
 
 
 def register() -> None:

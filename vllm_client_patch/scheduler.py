@@ -38,12 +38,12 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import ModelRunnerOutput
 
-from policy_server.validation import MAX_ID_LENGTH
+from nightjar_common.validation import MAX_ID_LENGTH
 from vllm_client_patch.config import PluginConfig
 from vllm_client_patch.controller import EngineView, GammaController, HookTime, VerifiedStep
 from vllm_client_patch.memory import ORDER_ATTR, SchedulerMemory
 from vllm_client_patch.metrics import PluginMetrics
-from vllm_client_patch.plugin import SUPPORTED, vllm_release
+from vllm_client_patch.release import SUPPORTED, vllm_release
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ import typing
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
+from nightjar_common.types import BinType, Choice, StepContext, StepOutcome
 from policy_server.prefill_cost import PrefillCostError, PrefillCostTable
-from policy_server.types import BinType, Choice, StepContext, StepOutcome
 
 log = logging.getLogger(__name__)
 

@@ -24,6 +24,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from nightjar_common.types import BinType, Choice, StepContext, StepOutcome
 from policy_server.policies.base import (
     LearnerTable,
     PolicyError,
@@ -31,7 +32,6 @@ from policy_server.policies.base import (
     parse_params,
 )
 from policy_server.policies.models import AcceptanceModel, expected_tokens
-from policy_server.types import BinType, Choice, StepContext, StepOutcome
 
 STATE_SCHEMA = "dsd/1"
 RESET_BELOW, RESET_TO = 0.3, 0.65

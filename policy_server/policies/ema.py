@@ -15,8 +15,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+from nightjar_common.types import BinType, Choice, StepContext, StepOutcome
 from policy_server.policies.base import PolicyError, feasible_gamma_max, parse_params
-from policy_server.types import BinType, Choice, StepContext, StepOutcome
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

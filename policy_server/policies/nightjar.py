@@ -15,6 +15,7 @@ import math
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+from nightjar_common.types import BinType, Choice, StepContext, StepOutcome
 from policy_server.policies.base import (
     FILE_PATH,
     PolicyError,
@@ -26,7 +27,6 @@ from policy_server.policies.base import (
     parse_params,
 )
 from policy_server.policies.rng import SplitMix64
-from policy_server.types import BinType, Choice, StepContext, StepOutcome
 
 log = logging.getLogger(__name__)
 

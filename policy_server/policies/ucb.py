@@ -18,13 +18,13 @@ import math
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+from nightjar_common.types import BinType, Choice, StepContext, StepOutcome
 from policy_server.policies.base import (
     LearnerTable,
     PolicyError,
     feasible_gamma_max,
     parse_params,
 )
-from policy_server.types import BinType, Choice, StepContext, StepOutcome
 
 STATE_SCHEMA = "ucb/1"
 

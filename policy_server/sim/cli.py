@@ -20,8 +20,11 @@ from pathlib import Path
 
 import nightjar_data
 
+from nightjar_common.client import ClientConfig, NightjarClient
 from policy_server.sim.acceptance import WORKLOADS
-from policy_server.sim.bench import (
+from policy_server.sim.engine import SimResult, Simulator
+from policy_server.sim.profile import builtin_profiles
+from policy_server.sim.runs import (
     DATA_HELP,
     POLICIES,
     BenchConfig,
@@ -31,11 +34,8 @@ from policy_server.sim.bench import (
     summarise,
     summary_table,
 )
-from policy_server.sim.engine import SimResult, Simulator
-from policy_server.sim.profile import builtin_profiles
 from policy_server.sim.sources import ClientSource
 from policy_server.sim.workload import RequestSpec, TraceError, read_trace, scale_to_qps, window
-from vllm_client_patch.client import ClientConfig, NightjarClient
 
 DEFAULT_POLICIES = "goodput,nightjar,off,static-1,static-3,table,ema,dsd,oracle"
 

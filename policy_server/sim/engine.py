@@ -17,6 +17,7 @@ import random
 from collections.abc import Sequence
 from typing import Protocol
 
+from nightjar_common.types import StepContext, StepOutcome
 from policy_server.sim.acceptance import (
     AcceptanceModel,
     AcceptanceSchedule,
@@ -25,7 +26,6 @@ from policy_server.sim.acceptance import (
 )
 from policy_server.sim.profile import HardwareProfile
 from policy_server.sim.workload import RequestSpec
-from policy_server.types import StepContext, StepOutcome
 
 
 class DecisionSource(Protocol):

@@ -7,10 +7,10 @@ import itertools
 from collections.abc import Mapping
 from typing import Any
 
+from nightjar_common.client import GammaDecision, NightjarClient
+from nightjar_common.types import Choice, StepContext, StepOutcome
 from policy_server.policies import Policy, create_policy
 from policy_server.sim.engine import Simulator
-from policy_server.types import Choice, StepContext, StepOutcome
-from vllm_client_patch.client import GammaDecision, NightjarClient
 
 
 class PolicySource:

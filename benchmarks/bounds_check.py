@@ -1,0 +1,191 @@
+"""`make bounds-check`: a flood of distinct engines cannot grow the sidecar's memory.
+
+Starts a real `nightjar-server` process with its default bounds (policy_server/engines.py),
+sends it decisions from N distinct engine ids (default 100,000), each with its own learner
+key and never reporting (so every engine leaves a pending decision behind), over one
+pipelined StepStream, and samples the server's resident memory (/proc/PID/status VmRSS).
+Passes when RSS at the end is within 10 % (plus 8 MiB of allocator slack) of RSS once the
+engine table first filled up, and when the evictions were counted in
+nightjar_evictions_total. Writes docs/reliability/bounded-memory.json.
+
+    python -m benchmarks.bounds_check [--engines 100000] [--out PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+from nightjar_proto.v1 import policy_pb2, policy_pb2_grpc
+
+from policy_server.engines import Bounds
+
+DEFAULT_OUT = Path("docs/reliability/bounded-memory.json")
+# Allowed growth after the table filled: relative, plus allocator slack.
+GROWTH_LIMIT = 0.10
+SLACK_BYTES = 8 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    engines: int
+    errors: int
+    rss_full_bytes: int  # when the engine table first filled (max_engines engines seen)
+    rss_end_bytes: int
+    rss_samples: list[tuple[int, int]]  # (engines sent, RSS bytes)
+    evictions: dict[str, float]
+    seconds: float
+
+    @property
+    def growth(self) -> float:
+        return self.rss_end_bytes / self.rss_full_bytes - 1.0
+
+    @property
+    def passed(self) -> bool:
+        bounds = Bounds()
+        return (
+            self.errors == 0
+            and self.rss_end_bytes <= self.rss_full_bytes * (1 + GROWTH_LIMIT) + SLACK_BYTES
+            and self.evictions.get("engine", 0) >= self.engines - bounds.max_engines
+            and self.evictions.get("learner_key", 0) >= self.engines - bounds.max_learner_keys
+        )
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmRSS for process {pid}")
+
+
+def evictions(metrics_port: int) -> dict[str, float]:
+    url = f"http://127.0.0.1:{metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as response:  # loopback
+        text = response.read().decode()
+    counts = {}
+    for line in text.splitlines():
+        if line.startswith('nightjar_evictions_total{kind="'):
+            labels, value = line.rsplit(" ", 1)
+            counts[labels.split('"')[1]] = float(value)
+    return counts
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def requests(engines: int, seed: int = 0) -> Iterator[policy_pb2.StepRequest]:
+    rng = random.Random(seed)
+    for i in range(engines):
+        yield policy_pb2.StepRequest(
+            seq=i + 1,
+            context=policy_pb2.StepContext(
+                engine_id=f"flood-{i}", learner_key=f"model-{i}@device",
+                batch_size=rng.randint(1, 64), total_kv_blocks=4096, free_kv_blocks=2048,
+                draft_resident=True,
+            ),
+        )  # fmt: skip
+
+
+def run(engines: int, sample_every: int = 5000) -> Result:
+    """Flood a fresh server process with ``engines`` distinct engine ids."""
+    full_at = Bounds().max_engines
+    with tempfile.TemporaryDirectory(prefix="nj-bounds-") as tmp:
+        sock = Path(tmp) / "s.sock"
+        metrics_port = free_port()
+        server = subprocess.Popen(
+            [sys.executable, "-m", "policy_server.cli", "--uds", str(sock),
+             "--metrics-port", str(metrics_port), "--log-level", "WARNING"],
+        )  # fmt: skip
+        channel = grpc.insecure_channel(f"unix:{sock}")
+        try:
+            grpc.channel_ready_future(channel).result(timeout=30)
+            stub = policy_pb2_grpc.PolicyServiceStub(channel)
+            started = time.monotonic()
+            errors, samples = 0, []
+            rss_full = 0
+            for reply in stub.StepStream(requests(engines)):
+                if reply.HasField("error") or not reply.decision.decision_id:
+                    errors += 1
+                sent = int(reply.seq)
+                if sent == full_at:
+                    rss_full = rss_bytes(server.pid)
+                if sent % sample_every == 0 or sent == engines:
+                    samples.append((sent, rss_bytes(server.pid)))
+            seconds = time.monotonic() - started
+            counted = evictions(metrics_port)
+            return Result(
+                engines, errors + engines - samples[-1][0], rss_full or samples[0][1],
+                samples[-1][1], samples, counted, seconds,
+            )  # fmt: skip
+        finally:
+            channel.close()
+            server.terminate()
+            server.wait(timeout=15)
+
+
+def machine() -> str:
+    model = ""
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            model = line.split(":", 1)[1].strip()
+            break
+    return f"{model or 'unknown CPU'}, {os.cpu_count()} cores"
+
+
+def record(result: Result) -> dict[str, Any]:
+    mib = 1 << 20
+    return {
+        "test": "bounded memory",
+        "what": (
+            f"{result.engines:,} distinct engine ids (each its own learner key, none "
+            "reporting) over one StepStream to a real nightjar-server with default bounds "
+            f"({Bounds().max_engines} engines, {Bounds().max_learner_keys} learner keys, "
+            f"{Bounds().max_pending_per_engine} pending per engine)"
+        ),
+        "figure": (
+            f"RSS {result.rss_full_bytes / mib:.1f} MiB when the engine table filled → "
+            f"{result.rss_end_bytes / mib:.1f} MiB after {result.engines:,} engines "
+            f"({result.growth:+.1%}); evictions engine {result.evictions.get('engine', 0):,.0f}"
+            f", learner_key {result.evictions.get('learner_key', 0):,.0f}; "
+            f"{result.errors} errors; {result.engines / result.seconds:,.0f} decisions/s"
+        ),
+        "passed": result.passed,
+        "date": datetime.date.today().isoformat(),
+        "machine": machine(),
+        "command": "make bounds-check",
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bounds-check", description=__doc__.splitlines()[0])
+    parser.add_argument("--engines", type=int, default=100_000)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = parser.parse_args(argv)
+    result = run(args.engines)
+    entry = record(result)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(entry, indent=2) + "\n")
+    print(json.dumps({**entry, "rss_samples": result.rss_samples}, indent=2))
+    return 0 if result.passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,201 @@
+"""`make fuzz`: fuzz every RPC of the three services; `--quick` is the CI slice.
+
+    python -m benchmarks.fuzz [--quick] [--requests N] [--seed S] [--json PATH]
+
+Writes the result (docs/reliability/fuzz.json by default, in the Reliability report's
+format) and exits 1 when a server crashed or answered wrongly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import secrets
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from google.protobuf.message import Message
+from hypothesis import HealthCheck, Phase, given, seed, settings
+from hypothesis import strategies as st
+from nightjar_proto.v1 import policy_pb2
+
+from benchmarks.fuzz import strategies as fs
+from benchmarks.fuzz.processes import ServerProcess
+from benchmarks.fuzz.runner import Method, Sender, Tally, message_class, methods
+
+# Share of the requests each RPC gets: the per-step RPCs most, memory orders (which wait
+# for a step boundary) and snapshot writes least.
+WEIGHTS = {"Decide": 10, "Report": 10, "Step": 10, "StepStream": 10, "GetState": 3,
+           "ListPolicies": 1, "SwapPolicy": 4, "SetParameters": 4, "Snapshot": 1,
+           "Restore": 4, "Reset": 2, "GetStatus": 1, "OffloadDraft": 1, "ReloadDraft": 1,
+           "ExpandKv": 2, "CompactKv": 2}  # fmt: skip
+# Messages hypothesis generates per example (a stream carries them all), and the byte-level
+# variants of each in the raw phase.
+MESSAGES_PER_EXAMPLE = 4
+RAW_VARIANTS = 8
+EXAMPLES_PER_RUN = 300
+
+
+def request_strategy(method: Method, issued: fs.Issued) -> st.SearchStrategy[Message]:
+    named = fs.field_strategies(issued)
+    descriptor: Any = method.request.DESCRIPTOR
+    generic = fs.message(descriptor, message_class, named)
+    context = fs.mutated(fs.near_valid_context(issued), policy_pb2.StepContext.DESCRIPTOR, named)
+    outcome = fs.mutated(fs.near_valid_outcome(issued), policy_pb2.StepOutcome.DESCRIPTOR, named)
+    if method.request is policy_pb2.StepContext:
+        return st.one_of(generic, context.map(lambda v: policy_pb2.StepContext(**v)))
+    if method.request is policy_pb2.StepOutcome:
+        return st.one_of(generic, outcome.map(lambda v: policy_pb2.StepOutcome(**v)))
+    if method.request is policy_pb2.StepRequest:
+        near = st.builds(
+            lambda seq, o, c: policy_pb2.StepRequest(
+                seq=seq, outcome=policy_pb2.StepOutcome(**o) if o else None,
+                context=policy_pb2.StepContext(**c) if c else None),
+            st.integers(0, 1 << 20), st.one_of(st.none(), outcome), st.one_of(st.none(), context),
+        )  # fmt: skip
+        return st.one_of(generic, near, near)
+    return generic
+
+
+def run_method(method: Method, sender: Sender, issued: fs.Issued, budget: int,
+               raw: bool, run_seed: int) -> None:  # fmt: skip
+    """Send about ``budget`` requests of one RPC. Hypothesis generates the messages; in
+    the raw phase each generated message also seeds :data:`RAW_VARIANTS` byte-level
+    variants (random bytes, or its own bytes flipped, cut or extended)."""
+    typed = request_strategy(method, issued).map(lambda m: m.SerializeToString())
+    per_example = (RAW_VARIANTS if raw else 1) * (MESSAGES_PER_EXAMPLE + 1) // 2
+    examples = max(1, budget // per_example)
+    # Hypothesis caches thousands of test cases per run: runs of a few hundred examples
+    # (each with its own seed) keep the fuzzer's memory flat over 100,000 requests.
+    for chunk in range(0, examples, EXAMPLES_PER_RUN):
+        run_chunk(method, sender, typed, min(EXAMPLES_PER_RUN, examples - chunk), raw,
+                  run_seed * 1000 + chunk // EXAMPLES_PER_RUN)  # fmt: skip
+
+
+def run_chunk(method: Method, sender: Sender, typed: st.SearchStrategy[bytes], examples: int,
+              raw: bool, run_seed: int) -> None:  # fmt: skip
+    @seed(run_seed)
+    @settings(max_examples=examples, database=None, deadline=None, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @given(
+        st.lists(typed, min_size=1, max_size=MESSAGES_PER_EXAMPLE),
+        st.integers(0, (1 << 32) - 1),
+        st.integers(0, 3) if method.mutating else st.just(0),
+    )
+    def case(messages: list[bytes], variant_seed: int, auth: int) -> None:
+        payloads = fs.byte_variants(messages, RAW_VARIANTS, variant_seed) if raw else messages
+        if method.streaming:  # one stream carries them all, in order
+            sender.send(method, payloads, auth)
+        else:
+            for payload in payloads:
+                sender.send(method, [payload], auth)
+
+    case()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="fuzz", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="the CI slice (about 4,000 requests)")
+    parser.add_argument("--requests", type=int, help="requests in all (default 110,000)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, default=Path("docs/reliability/fuzz.json"))
+    args = parser.parse_args(argv)
+    total = args.requests or (4_000 if args.quick else 110_000)
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="nj-fuzz-") as tmp:
+        tally = fuzz(Path(tmp), total, args.seed)
+    elapsed = time.monotonic() - started
+    result = report(tally, elapsed, args.quick, args.requests)
+    print(json.dumps({**result, "details": tally.as_dict()}, indent=2))
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({**result, "details": tally.as_dict()}, indent=2) + "\n")
+    return 0 if result["passed"] else 1
+
+
+def fuzz(workdir: Path, total: int, run_seed: int) -> Tally:
+    token = secrets.token_hex(16)
+    token_file = workdir / "admin-token"
+    token_file.write_text(token)
+    sidecar = ServerProcess(
+        "sidecar",
+        ["policy_server.cli", "--uds", str(workdir / "sidecar.sock"), "--state-dir",
+         str(workdir / "state"), "--admin-token-file", str(token_file), "--log-level", "WARNING"],
+        workdir / "sidecar.sock", workdir / "sidecar.log",
+    )  # fmt: skip
+    memory = ServerProcess(
+        "memory",
+        ["benchmarks.fuzz.memory_host", "--uds", str(workdir / "memory.sock"),
+         "--admin-token-file", str(token_file)],
+        workdir / "memory.sock", workdir / "memory.log",
+    )  # fmt: skip
+    issued = fs.Issued()
+    tally = Tally()
+
+    def on_reply(method: Method, payload: bytes, reply: Message) -> None:
+        decision = getattr(reply, "decision", reply)
+        if not isinstance(decision, policy_pb2.Decision) or not decision.decision_id:
+            return
+        request: Any = method.request.FromString(payload)
+        ctx = request.context if isinstance(request, policy_pb2.StepRequest) else request
+        issued.add(decision.decision_id, ctx.engine_id, decision.gamma)
+
+    sender = Sender({"sidecar": sidecar, "memory": memory}, tally, token, on_reply)
+    try:
+        memory.spawn()  # vLLM's import is slow: both start at once
+        sidecar.start()
+        memory.wait_ready()
+        rpcs = methods()
+        weight = sum(WEIGHTS.get(m.name, 1) for m in rpcs)
+        for raw in (False, True):
+            for index, method in enumerate(rpcs):
+                # Three quarters typed messages, one quarter raw bytes.
+                share = (1 if raw else 3) / 4 * WEIGHTS.get(method.name, 1) / weight
+                run_method(method, sender, issued, max(1, int(total * share)), raw,
+                           run_seed * 100 + index + (50 if raw else 0))  # fmt: skip
+                print(f"{'raw' if raw else 'typed'} {method.label}: {tally.requests} requests, "
+                      f"{tally.failures} failures", file=sys.stderr, flush=True)  # fmt: skip
+        for server in (sidecar, memory):
+            if not server.alive():
+                tally.crashes += 1
+                tally.failure("crash", server.name, server.log_tail(600), b"")
+    finally:
+        sidecar.stop()
+        memory.stop()
+    return tally
+
+
+def report(tally: Tally, elapsed: float, quick: bool, requests: int | None) -> dict[str, Any]:
+    from benchmarks.rpc import machine
+
+    command = "make fuzz" + (" FUZZ_ARGS=--quick" if quick else "")
+    if requests:
+        command += f" FUZZ_ARGS='--requests {requests}'"
+    return {
+        "test": "Protocol fuzzing" + (" (quick slice)" if quick else ""),
+        "what": (
+            f"{len(methods())} RPCs of PolicyService, AdminService and MemoryAgentService, "
+            "hypothesis-generated messages (boundary ints, NaN/±inf, empty and 1 MiB strings, "
+            "unknown ids, wrong engine for a decision, bad tokens) and raw/mutated bytes as "
+            "the serialized request, sent to a real nightjar-server and a real memory-agent "
+            "process; state read before/after every rejected request"
+        ),
+        "figure": (
+            f"{tally.requests:,} requests in {elapsed:.0f} s: {tally.crashes} crashes, "
+            f"{tally.non_grpc_errors} non-gRPC errors, {tally.wrong_codes} wrong status codes, "
+            f"{tally.state_changes_on_reject} state changes on {tally.state_checks:,} "
+            "checked rejections"
+        ),
+        "passed": tally.failures == 0 and tally.requests >= (requests or (0 if quick else 100_000)),
+        "date": datetime.date.today().isoformat(),
+        "machine": machine(),
+        "command": command,
+    }
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

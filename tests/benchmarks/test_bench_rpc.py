@@ -1,0 +1,40 @@
+"""The benchmark's measuring and reporting code (figures themselves live in docs/BENCHMARKS.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from benchmarks.report import markers, write_section
+from benchmarks.rpc import Measurement, measure_in_process
+
+
+def test_in_process_measurement_is_sane() -> None:
+    results = measure_in_process(samples=300)
+    assert [m.case for m in results] == [
+        "GoodputModelPolicy.decide (goodput)",
+        "DecisionService.decide (goodput)",
+        "DecisionService.decide + report (goodput)",
+        "NightjarPolicy.decide (nightjar)",
+    ]
+    for m in results:
+        assert isinstance(m, Measurement) and m.samples > 0
+        assert 0 < m.p50_us <= m.p99_us
+
+
+def test_report_sections_are_replaced_in_place_and_kept_apart(tmp_path: Path) -> None:
+    path = tmp_path / "BENCHMARKS.md"
+    write_section(path, "bench-rpc", "first")
+    write_section(path, "bench-sim", "simulated")
+    path.write_text(path.read_text() + "\n## Notes\nkept\n")
+    write_section(path, "bench-rpc", "second")
+    text = path.read_text()
+    assert "second" in text and "first" not in text
+    assert "simulated" in text and "## Notes\nkept" in text
+    for name in ("bench-rpc", "bench-sim"):
+        begin, end = markers(name)
+        assert text.count(begin) == 1 and text.count(end) == 1
+    # Rewriting a section with the same body leaves the file as it was (no blank lines
+    # pile up between sections run after run).
+    write_section(path, "bench-sim", "simulated")
+    write_section(path, "bench-rpc", "second")
+    assert path.read_text() == text

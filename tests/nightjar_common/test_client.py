@@ -1,0 +1,198 @@
+"""The fail-open client against real sidecar processes: deadline, outages, reconnect, pipelining."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from concurrent import futures
+from typing import Any
+
+import grpc
+import pytest
+from nightjar_proto.v1 import policy_pb2_grpc
+
+from nightjar_common.client import ClientConfig, GammaDecision, NightjarClient
+from nightjar_common.types import StepContext, StepOutcome
+
+FALLBACK = [[1, 4, 3], [5, 16, 1]]  # default_gamma 0 above 16
+
+
+def make_client(target: str, **kw: Any) -> NightjarClient:
+    config = dict(target=target, engine_id="eng", fallback_schedule=FALLBACK, deadline_s=0.002)
+    config.update(kw)
+    return NightjarClient(ClientConfig(**config))  # type: ignore[arg-type]
+
+
+def step(client: NightjarClient, index: int, batch_size: int = 2) -> GammaDecision:
+    decision = client.decide(StepContext("eng", batch_size=batch_size, step_index=index))
+    if decision.decision_id:
+        client.report(
+            StepOutcome(
+                decision.decision_id, "eng", decision.gamma, 0.01, batch_size + decision.gamma
+            )
+        )
+    return decision
+
+
+def wait_until(predicate: Any, timeout: float = 10.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return False
+
+
+@pytest.mark.parametrize("use_stream", [True, False])
+def test_sidecar_down_from_the_start_falls_back_to_the_table(tmp_path, use_stream: bool) -> None:
+    client = make_client(f"unix:{tmp_path}/nobody.sock", use_stream=use_stream)
+    try:
+        got = [step(client, i, batch_size=b).gamma for i, b in enumerate((1, 4, 5, 16, 17, 64))]
+        assert got == [3, 3, 1, 1, 0, 0]
+        assert client.stats.fallbacks == {"disconnected": 6}
+        assert client.stats.sidecar_decisions == 0
+    finally:
+        client.close()
+
+
+@pytest.mark.parametrize("use_stream", [True, False])
+def test_kill_and_restart_the_sidecar(make_server, use_stream: bool) -> None:
+    server = make_server()
+    client = make_client(server.target, use_stream=use_stream, deadline_s=0.5, connect_timeout_s=5)
+    try:
+        assert all(step(client, i).source == "sidecar" for i in range(20))
+        server.kill9()
+        # Decisions keep coming (from the fallback) while the sidecar is gone.
+        outage = [step(client, 100 + i) for i in range(20)]
+        assert all(d.source == "fallback" for d in outage[1:])
+        assert client.stats.fallbacks_total >= 19
+        server.start()
+        assert wait_until(lambda: step(client, 500).source == "sidecar")
+        assert all(step(client, 600 + i).source == "sidecar" for i in range(20))
+        assert client.stats.reconnects >= 1
+        assert server.state()["reports"] >= 19  # outcomes flow to the new process again
+    finally:
+        client.close()
+
+
+def test_a_stalled_sidecar_costs_at_most_the_deadline(make_server) -> None:
+    server = make_server()
+    client = make_client(server.target, deadline_s=0.005, connect_timeout_s=5)
+    try:
+        assert step(client, 0).source in ("sidecar", "fallback")
+        missed_before = client.stats.fallbacks["deadline"]  # a busy host may miss one here
+        server.proc.send_signal(signal.SIGSTOP)
+        try:
+            stalled = [step(client, 1 + i) for i in range(10)]
+        finally:
+            server.proc.send_signal(signal.SIGCONT)
+        assert {d.source for d in stalled} == {"fallback"}
+        assert client.stats.fallbacks["deadline"] - missed_before == 10
+        assert wait_until(lambda: step(client, 100).source == "sidecar")
+        assert wait_until(lambda: client.stats.late_replies >= 10)
+    finally:
+        client.close()
+
+
+def test_outcomes_ride_on_the_next_request(make_server) -> None:
+    server = make_server()
+    client = make_client(server.target, deadline_s=0.5, connect_timeout_s=5)
+    try:
+        for i in range(10):
+            assert step(client, i).source == "sidecar"
+        assert wait_until(lambda: server.state()["reports"] == 9)  # the 10th is still queued
+        client.flush()
+        assert wait_until(lambda: server.state()["reports"] == 10)
+    finally:
+        client.close()
+
+
+def test_pipelined_prefetch_and_take(make_server) -> None:
+    server = make_server("--policy", "nightjar")
+    client = make_client(server.target, deadline_s=0.5, connect_timeout_s=5)
+    try:
+        next_ctx = StepContext("eng", batch_size=3, step_index=1)
+        client.prefetch(next_ctx)
+        time.sleep(0.01)  # "step t runs"
+        hit = client.take(next_ctx)
+        assert hit.source == "sidecar" and hit.decision and hit.decision.step_index == 1
+        assert client.stats.prefetch_hits == 1
+        # The engine's batch changed meanwhile: the prefetched answer is not used.
+        client.prefetch(StepContext("eng", batch_size=3, step_index=2))
+        miss = client.take(StepContext("eng", batch_size=7, step_index=2))
+        assert miss.source == "sidecar" and client.stats.prefetch_misses == 1
+        assert client.stats.prefetch_miss_reasons == {"batch_size": 1}
+        # Asked for one step, taken at another (a step the engine skipped deciding).
+        client.prefetch(StepContext("eng", batch_size=3, step_index=4))
+        assert client.take(StepContext("eng", batch_size=3, step_index=3)).source == "sidecar"
+        assert client.stats.prefetch_miss_reasons == {"batch_size": 1, "step": 1}
+        decided = server.state()["state"]["learners"]
+        assert decided == {}  # nothing reported yet: prefetching alone learns nothing
+    finally:
+        client.close()
+
+
+def test_rejected_context_falls_back_with_a_reason(make_server) -> None:
+    server = make_server()
+    client = make_client(server.target, deadline_s=0.5, connect_timeout_s=5)
+    try:
+        bad = client.decide(StepContext("eng", batch_size=2, free_kv_blocks=10, total_kv_blocks=5))
+        assert (bad.source, bad.fallback_reason) == ("fallback", "rejected")
+        assert client.decide(StepContext("eng", batch_size=2)).source == "sidecar"
+    finally:
+        client.close()
+
+
+class _StreamsThatEndAtOnce(policy_pb2_grpc.PolicyServiceServicer):
+    """A sidecar whose first streams end as soon as they open (one still starting up, or
+    going away); the stream after those is held open."""
+
+    def __init__(self, failing: int) -> None:
+        self.failing = failing
+        self.opened = 0
+
+    def StepStream(self, request_iterator: Any, context: Any) -> Any:
+        self.opened += 1
+        if self.opened > self.failing:
+            for _ in request_iterator:
+                pass
+        yield from ()
+
+
+class _SlowLogSink(logging.Handler):
+    """A log sink that takes its time (a remote collector, a full pipe) over the reconnect
+    thread's lines; the stream reader's own warning goes through at once, so that the
+    stream's end lands while the reconnect thread is still logging."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.threadName == "nightjar-reconnect":
+            time.sleep(0.1)
+
+
+def test_a_stream_that_ends_at_once_is_reopened_even_behind_a_slow_log(tmp_path) -> None:
+    # Regression: the reconnect loop used to log the (re)connection and only then clear its
+    # "broken" flag, so a stream that ended during the log call was forgotten and the client
+    # stayed on the fallback table for good (seen once in CI after a sidecar restart).
+    servicer = _StreamsThatEndAtOnce(failing=3)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    policy_pb2_grpc.add_PolicyServiceServicer_to_server(servicer, server)
+    target = f"unix:{tmp_path}/flaky.sock"
+    server.add_insecure_port(target)
+    server.start()
+    sink = _SlowLogSink()
+    client_log = logging.getLogger("nightjar_common.client")
+    client_log.addHandler(sink)
+    level = client_log.level
+    client_log.setLevel(logging.INFO)  # the connection lines are INFO
+    client = make_client(target, connect_timeout_s=0)
+    try:
+        assert wait_until(lambda: client.connected)
+        time.sleep(0.3)
+        assert client.connected and servicer.opened == 4
+        assert client.stats.reconnects == 3
+    finally:
+        client.close()
+        client_log.removeHandler(sink)
+        client_log.setLevel(level)
+        server.stop(grace=None)

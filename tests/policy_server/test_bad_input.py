@@ -1,0 +1,189 @@
+"""Bad input gets the right gRPC status and a clear message, and changes no learned state."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import grpc
+import pytest
+from nightjar_proto.v1 import admin_pb2, policy_pb2
+
+from tests.policy_server.test_server import context, outcome
+
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.fixture(scope="module")
+def warm_server(make_server_module: Any) -> Any:
+    server = make_server_module()
+    for step in range(20):  # some learned state to protect
+        d = server.policy.Decide(context(step_index=step), timeout=5)
+        server.policy.Report(outcome(d), timeout=5)
+    return server
+
+
+@pytest.fixture
+def self_checked_server(warm_server: Any) -> Any:
+    """For tests that make valid calls too and compare state around the bad ones themselves."""
+    return warm_server
+
+
+@pytest.fixture
+def server(warm_server: Any) -> Any:
+    before = warm_server.state()
+    yield warm_server
+    assert warm_server.state() == before, "a rejected request changed the learned state"
+
+
+def expect(code: grpc.StatusCode, fragment: str, call: Any, *args: Any, **kw: Any) -> None:
+    with pytest.raises(grpc.RpcError) as info:
+        call(*args, timeout=5, **kw)
+    assert info.value.code() == code, info.value.details()
+    assert fragment in info.value.details()
+
+
+@pytest.mark.parametrize(
+    ("ctx", "fragment"),
+    [
+        (context(batch_size=0), "batch_size must be in 1..65536, got 0"),
+        (context(batch_size=-3), "got -3"),
+        (context(batch_size=10**9), "got 1000000000"),
+        (context(engine=""), "engine_id is required"),
+        (context(free_kv_blocks=9, total_kv_blocks=4), "exceeds total_kv_blocks"),
+        (context(num_waiting=-1), "num_waiting must be >= 0"),
+        (context(previous_gamma=99), "previous_gamma"),
+        (context(learner_key="k" * 257), "learner_key is longer than 256 characters"),
+        (context(max_gamma=3, min_draft_passes=4), "min_draft_passes must be in 0..3"),
+        (context(min_draft_passes=-1), "min_draft_passes must be in 0..64"),
+    ],
+)
+def test_bad_contexts(server: Any, ctx: policy_pb2.StepContext, fragment: str) -> None:
+    expect(INVALID, fragment, server.policy.Decide, ctx)
+
+
+def test_nan_signal_in_request_section(server: Any) -> None:
+    ctx = context()
+    ctx.requests.add(request_id="r1", kl_divergence=math.nan)
+    expect(INVALID, "kl_divergence must be finite", server.policy.Decide, ctx)
+
+
+@pytest.mark.parametrize(
+    ("changes", "fragment"),
+    [
+        ({"step_seconds": math.nan}, "step_seconds must be finite"),
+        ({"step_seconds": math.inf}, "step_seconds must be finite"),
+        ({"step_seconds": -0.01}, "step_seconds"),
+        ({"step_seconds": 0.0}, "step_seconds"),
+        ({"generated_tokens": -5}, "negative goodput"),
+        ({"accepted_tokens": 9, "drafted_tokens": 2}, "exceeds drafted_tokens"),
+        ({"gamma": 5}, "gamma must be in 0..4"),
+        ({"gamma": -1}, "gamma must be in 0..4"),
+        ({"draft_gamma": -1}, "draft_gamma must be in 0..64"),
+        ({"draft_gamma": 65}, "draft_gamma must be in 0..64"),
+        ({"engine_id": "someone-else"}, "was made for engine 'e'"),
+        ({"decision_id": ""}, "decision_id is required"),
+        ({"request_accepted_tokens": [1, -1]}, "per-request accepted_tokens must be in 0..gamma"),
+        (
+            {"gamma": 1, "request_accepted_tokens": [2]},
+            "per-request accepted_tokens must be in 0..gamma",
+        ),
+        (
+            {
+                "gamma": 3,
+                "accepted_tokens": 2,
+                "drafted_tokens": 9,
+                "request_accepted_tokens": [2, 1],
+            },
+            "more than the step's accepted_tokens",
+        ),
+        (
+            {
+                "request_accepted_tokens": [1],
+                "requests": [policy_pb2.RequestAccepts(request_id="r1", accepted_tokens=1)],
+            },
+            "not both",
+        ),
+    ],
+)
+def test_bad_reports(self_checked_server: Any, changes: dict[str, Any], fragment: str) -> None:
+    server = self_checked_server
+    decision = server.policy.Decide(context(), timeout=5)
+    before = server.state()
+    expect(INVALID, fragment, server.policy.Report, outcome(decision, **changes))
+    assert server.state() == before
+    # The decision is still open: its real outcome is accepted afterwards.
+    assert server.policy.Report(outcome(decision), timeout=5).applied
+
+
+def test_unknown_and_duplicate_decision_ids(self_checked_server: Any) -> None:
+    server = self_checked_server
+    decision = server.policy.Decide(context(), timeout=5)
+    forged = policy_pb2.Decision(decision_id="nope-1", gamma=1)
+    expect(grpc.StatusCode.NOT_FOUND, "unknown decision_id 'nope-1'", server.policy.Report,
+           outcome(forged))  # fmt: skip
+    server.policy.Report(outcome(decision), timeout=5)
+    expect(grpc.StatusCode.NOT_FOUND, "already reported", server.policy.Report, outcome(decision))
+
+
+def test_step_is_all_or_nothing(self_checked_server: Any) -> None:
+    server = self_checked_server
+    decision = server.policy.Decide(context(), timeout=5)
+    before = server.state()
+    bad = policy_pb2.StepRequest(outcome=outcome(decision), context=context(batch_size=0))
+    expect(INVALID, "batch_size", server.policy.Step, bad)
+    assert server.state() == before  # the valid outcome was not applied either
+    assert server.policy.Report(outcome(decision), timeout=5).applied
+    expect(INVALID, "needs an outcome, a context or both", server.policy.Step,
+           policy_pb2.StepRequest())  # fmt: skip
+
+
+def test_admin_calls_need_the_token(server: Any) -> None:
+    swap = admin_pb2.SwapPolicyRequest(name="static")
+    unauth = grpc.StatusCode.UNAUTHENTICATED
+    expect(unauth, "admin token required", server.admin.SwapPolicy, swap)
+    expect(unauth, "invalid admin token", server.admin.SwapPolicy, swap,
+           metadata=[("authorization", "Bearer wrong")])  # fmt: skip
+    expect(unauth, "invalid admin token", server.admin.Reset, admin_pb2.ResetRequest(),
+           metadata=[("authorization", "Basic abc")])  # fmt: skip
+    expect(unauth, "admin token required", server.admin.Snapshot, admin_pb2.SnapshotRequest())
+
+
+@pytest.mark.parametrize(
+    ("request_", "code", "fragment"),
+    [
+        (admin_pb2.SwapPolicyRequest(name="magic"), grpc.StatusCode.NOT_FOUND,
+         "unknown policy 'magic'"),
+        (admin_pb2.SwapPolicyRequest(name="static", params_json='{"gamma": -2}'), INVALID,
+         "gamma must be in 0..64"),
+        (admin_pb2.SwapPolicyRequest(name="static", params_json="{gamma: 2"), INVALID,
+         "not valid JSON"),
+        (admin_pb2.SwapPolicyRequest(name="nightjar", params_json='{"gama_max": 2}'), INVALID,
+         "unknown parameter(s) ['gama_max']"),
+        (admin_pb2.SwapPolicyRequest(name="static", keep_state=True),
+         grpc.StatusCode.FAILED_PRECONDITION, "cannot keep state"),
+        (admin_pb2.SwapPolicyRequest(name="goodput", params_json='{"gamma_max": 2}',
+                                     keep_state=True),
+         grpc.StatusCode.FAILED_PRECONDITION, "gamma_max"),
+    ],
+)  # fmt: skip
+def test_failed_swaps_keep_the_last_good_policy(
+    server: Any, request_: Any, code: grpc.StatusCode, fragment: str
+) -> None:
+    expect(code, fragment, server.admin.SwapPolicy, request_, metadata=server.auth)
+
+
+def test_bad_set_params_restore_reset_and_state_queries(server: Any) -> None:
+    md = server.auth
+    expect(INVALID, "must be in 1..64", server.admin.SetParameters,
+           admin_pb2.SetParametersRequest(params_json='{"gamma_max": 0}'), metadata=md)  # fmt: skip
+    expect(grpc.StatusCode.NOT_FOUND, "does not exist", server.admin.Restore,
+           admin_pb2.RestoreRequest(path="missing/snapshot.json"), metadata=md)  # fmt: skip
+    expect(INVALID, "not valid JSON", server.admin.Restore,
+           admin_pb2.RestoreRequest(snapshot_json="{]"), metadata=md)  # fmt: skip
+    expect(INVALID, "needs a path or snapshot_json", server.admin.Restore,
+           admin_pb2.RestoreRequest(), metadata=md)  # fmt: skip
+    expect(grpc.StatusCode.NOT_FOUND, "unknown engine 'ghost'", server.admin.Reset,
+           admin_pb2.ResetRequest(engine_id="ghost"), metadata=md)  # fmt: skip
+    expect(grpc.StatusCode.NOT_FOUND, "unknown engine 'ghost'", server.admin.GetState,
+           admin_pb2.GetStateRequest(engine_id="ghost"))  # fmt: skip

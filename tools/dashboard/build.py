@@ -1,0 +1,654 @@
+"""The Grafana dashboard `deploy/grafana/nightjar.json`, built with grafana-foundation-sdk.
+
+`make dashboard` writes it; `--check` (run by the test suite) fails when the committed
+JSON is not what this module builds. Queries follow the metric names of
+`policy_server/metrics.py` (sidecar) and the plugin's and memory agent's metrics in
+vLLM's `/metrics` (engine). Two selectors scope every query: `$job`/`$instance` pick
+sidecars, `$engine_job`/`$engine` pick vLLM engines; `$datasource` picks the Prometheus.
+
+    python -m tools.dashboard.build [--out deploy/grafana/nightjar.json] [--check]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from grafana_foundation_sdk.builders import bargauge, stat, statetimeline, timeseries
+from grafana_foundation_sdk.builders.common import (
+    ReduceDataOptions,
+    StackingConfig,
+    VizLegendOptions,
+)
+from grafana_foundation_sdk.builders.dashboard import (
+    Dashboard,
+    DatasourceVariable,
+    FieldColor,
+    QueryVariable,
+    Row,
+    ThresholdsConfig,
+)
+from grafana_foundation_sdk.builders.prometheus import Dataquery
+from grafana_foundation_sdk.cog import builder as cogbuilder
+from grafana_foundation_sdk.cog import variants as cogvariants
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models.common import (
+    BarGaugeDisplayMode,
+    BigValueColorMode,
+    BigValueGraphMode,
+    BigValueTextMode,
+    DataSourceRef,
+    GraphDrawStyle,
+    LegendDisplayMode,
+    LegendPlacement,
+    StackingMode,
+    VisibilityMode,
+    VizOrientation,
+)
+from grafana_foundation_sdk.models.dashboard import (
+    FieldColorModeId,
+    Threshold,
+    ThresholdsMode,
+    ValueMap,
+    ValueMapping,
+    ValueMappingResult,
+    VariableModel,
+    VariableOption,
+    VariableRefresh,
+    VariableSort,
+)
+from grafana_foundation_sdk.models.dashboard import (
+    Panel as DashboardPanel,
+)
+
+DEFAULT_OUT = Path("deploy/grafana/nightjar.json")
+UID = "nightjar-sidecar"
+
+DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
+SIDECAR = 'job=~"$job", instance=~"$instance"'
+ENGINE = 'job=~"$engine_job", instance=~"$engine"'
+RATE = "$__rate_interval"
+RANGE = "$__range"
+
+Query = cogbuilder.Builder[cogvariants.Dataquery]
+
+
+def series(metric: str, selector: str, *matchers: str) -> str:
+    return metric + "{" + ", ".join((selector, *matchers)) + "}"
+
+
+def summed(fn: str, metric: str, selector: str, by: str = "", window: str = RATE) -> str:
+    """`sum [by (labels)] (fn(metric{selector}[window]))`, fn = rate or increase."""
+    group = f" by ({by})" if by else ""
+    return f"sum{group} ({fn}({series(metric, selector)}[{window}]))"
+
+
+def mean(histogram: str, selector: str, by: str = "", window: str = RATE) -> str:
+    """Mean observation of a histogram over `window`: its _sum's rate over its _count's."""
+    fn = "increase" if window == RANGE else "rate"
+    return (
+        f"{summed(fn, histogram + '_sum', selector, by, window)}"
+        f" / {summed(fn, histogram + '_count', selector, by, window)}"
+    )
+
+
+def quantile(q: float, histogram: str, selector: str) -> str:
+    return f"histogram_quantile({q}, {summed('rate', histogram + '_bucket', selector, 'le')})"
+
+
+def target(expr: str, legend: str, ref: str = "A", instant: bool = False) -> Query:
+    query = Dataquery().expr(expr).legend_format(legend).ref_id(ref)
+    return query.instant() if instant else query.range()
+
+
+def targets(*pairs: tuple[str, str]) -> list[Query]:
+    """Range queries (expr, legend) with ref ids A, B, …"""
+    return [target(expr, legend, chr(ord("A") + i)) for i, (expr, legend) in enumerate(pairs)]
+
+
+POLICY_INFO = f"max by (name, version) ({series('nightjar_policy_info', SIDECAR)})"
+# The timestamp is 0 until a sidecar's first snapshot: no age rather than 56 years.
+SNAPSHOT_AGE = (
+    f"time() - ({series('nightjar_snapshot_last_success_timestamp_seconds', SIDECAR)} > 0)"
+)
+
+
+def latency_targets(histogram: str, selector: str) -> list[Query]:
+    return targets(
+        (quantile(0.5, histogram, selector), "p50"),
+        (quantile(0.99, histogram, selector), "p99"),
+    )
+
+
+def graph(
+    title: str,
+    description: str,
+    queries: list[Query],
+    *,
+    unit: str = "short",
+    width: int = 8,
+    height: int = 8,
+    stacked: bool = False,
+    bars: bool = False,
+    minimum: float | None = 0.0,
+    maximum: float | None = None,
+) -> timeseries.Panel:
+    panel = (
+        timeseries.Panel()
+        .title(title)
+        .description(description)
+        .datasource(DATASOURCE)
+        .targets(queries)
+        .unit(unit)
+        .span(width)
+        .height(height)
+        .fill_opacity(60 if stacked or bars else 10)
+        .legend(
+            VizLegendOptions()
+            .show_legend(True)
+            .display_mode(LegendDisplayMode.LIST)
+            .placement(LegendPlacement.BOTTOM)
+        )
+    )
+    if minimum is not None:
+        panel = panel.min(minimum)
+    if maximum is not None:
+        panel = panel.max(maximum)
+    if stacked:
+        panel = panel.stacking(StackingConfig().mode(StackingMode.NORMAL))
+    if bars:
+        panel = panel.draw_style(GraphDrawStyle.BARS)
+    return panel
+
+
+def thresholds(*steps: tuple[float | None, str]) -> ThresholdsConfig:
+    return (
+        ThresholdsConfig()
+        .mode(ThresholdsMode.ABSOLUTE)
+        .steps([Threshold(value=value, color=color) for value, color in steps])
+    )
+
+
+def value_map(mapping: dict[str, tuple[str, str]]) -> list[ValueMapping]:
+    """Value → (display text, colour) for stats and state timelines."""
+    options = {
+        value: ValueMappingResult(text=text, color=color, index=index)
+        for index, (value, (text, color)) in enumerate(mapping.items())
+    }
+    return [ValueMap(options=options)]
+
+
+def states(
+    title: str,
+    description: str,
+    queries: list[Query],
+    *,
+    mapping: dict[str, tuple[str, str]] | None = None,
+    width: int = 8,
+    height: int = 8,
+) -> statetimeline.Panel:
+    """A state timeline: one lane per series; coloured by `mapping`, else by series."""
+    panel = (
+        statetimeline.Panel()
+        .title(title)
+        .description(description)
+        .datasource(DATASOURCE)
+        .targets(queries)
+        .span(width)
+        .height(height)
+        .show_value(VisibilityMode.AUTO)
+        .merge_values(True)
+        .fill_opacity(80)
+        .legend(VizLegendOptions().show_legend(False))
+    )
+    if mapping:
+        return panel.mappings(value_map(mapping)).color_scheme(
+            FieldColor().mode(FieldColorModeId.THRESHOLDS)
+        )
+    return panel.color_scheme(FieldColor().mode(FieldColorModeId.PALETTE_CLASSIC))
+
+
+def single(
+    title: str,
+    description: str,
+    query: Query,
+    *,
+    unit: str = "short",
+    width: int = 4,
+    text_mode: BigValueTextMode = BigValueTextMode.VALUE,
+    colours: ThresholdsConfig | None = None,
+    mapping: dict[str, tuple[str, str]] | None = None,
+) -> stat.Panel:
+    panel = (
+        stat.Panel()
+        .title(title)
+        .description(description)
+        .datasource(DATASOURCE)
+        .with_target(query)
+        .unit(unit)
+        .span(width)
+        .height(4)
+        .text_mode(text_mode)
+        .graph_mode(BigValueGraphMode.NONE)
+        .color_mode(BigValueColorMode.VALUE if colours or mapping else BigValueColorMode.NONE)
+        .reduce_options(ReduceDataOptions().calcs(["lastNotNull"]))
+        .thresholds(colours or thresholds((None, "text")))
+    )
+    if mapping:
+        panel = panel.mappings(value_map(mapping))
+    return panel
+
+
+def overview() -> list[stat.Panel | timeseries.Panel | statetimeline.Panel]:
+    # A sidecar that is down has no nightjar_serving sample: count it as not serving.
+    serving = (
+        f"min({series('nightjar_serving', SIDECAR)}"
+        f" or on (job, instance) ({series('up', SIDECAR)} * 0))"
+    )
+    fallback_steps = series("nightjar_plugin_decisions_total", ENGINE, 'source="fallback"')
+    fallback_share = (
+        f"sum(rate({fallback_steps}[{RATE}]))"
+        f" / {summed('rate', 'nightjar_plugin_decisions_total', ENGINE)}"
+    )
+    return [
+        single(
+            "Serving",
+            "SERVING when every selected sidecar is up and reports gRPC health SERVING "
+            "(a policy is loaded); NOT SERVING if any is down or not serving.",
+            target(serving, "serving"),
+            mapping={"1": ("SERVING", "green"), "0": ("NOT SERVING", "red")},
+        ),
+        single(
+            "Active policy",
+            "The policy the sidecars run and its version (nightjar_policy_info).",
+            target(POLICY_INFO, "{{name}} {{version}}"),
+            width=6,
+            text_mode=BigValueTextMode.NAME,
+        ),
+        single(
+            "Decisions / s",
+            "γ decisions the sidecars serve per second.",
+            target(summed("rate", "nightjar_decisions_total", SIDECAR), "decisions/s"),
+            unit="ops",
+        ),
+        single(
+            "Engines",
+            "Engines that asked the sidecars for a decision in the last 5 minutes.",
+            target(f"sum({series('nightjar_engines', SIDECAR)})", "engines"),
+            width=3,
+        ),
+        single(
+            "Snapshot age",
+            "Time since the oldest selected sidecar last wrote its learned state to disk. "
+            "Snapshots run every 30 s by default and on SIGTERM.",
+            target(f"max({SNAPSHOT_AGE})", "age"),
+            unit="s",
+            colours=thresholds((None, "green"), (120, "orange"), (600, "red")),
+        ),
+        single(
+            "Fallback share",
+            "Share of the engines' steps decided without the sidecar (local fallback "
+            "table): it rises when the sidecar is slow or down.",
+            target(fallback_share, "fallback"),
+            unit="percentunit",
+            width=3,
+            colours=thresholds((None, "green"), (0.01, "orange"), (0.1, "red")),
+        ),
+        states(
+            "Sidecar up and serving",
+            "Per sidecar: scraped (up) and gRPC health SERVING (a policy is loaded).",
+            targets(
+                (series("up", SIDECAR), "up {{instance}}"),
+                (series("nightjar_serving", SIDECAR), "serving {{instance}}"),
+            ),
+            mapping={"1": ("yes", "green"), "0": ("no", "red")},
+            width=12,
+            height=6,
+        ),
+        graph(
+            "Decisions and reports",
+            "Decisions served and step outcomes received (applied, or stale: the outcome "
+            "arrived after its decision left the pending table).",
+            targets(
+                (summed("rate", "nightjar_decisions_total", SIDECAR), "decisions"),
+                (summed("rate", "nightjar_reports_total", SIDECAR, "result"), "reports {{result}}"),
+            ),
+            unit="ops",
+            width=12,
+            height=6,
+        ),
+    ]
+
+
+def gamma_row() -> list[timeseries.Panel | bargauge.Panel]:
+    by_bucket = (
+        bargauge.Panel()
+        .title("Mean γ by batch size (time range)")
+        .description(
+            "Average γ the sidecars chose for each decode-batch bucket over the dashboard's "
+            "time range: speculation should pay at small batches and stop at large ones."
+        )
+        .datasource(DATASOURCE)
+        .with_target(
+            target(
+                mean("nightjar_gamma_chosen", SIDECAR, "batch_bucket", RANGE),
+                "B {{batch_bucket}}",
+                instant=True,
+            )
+        )
+        .span(8)
+        .height(8)
+        .min(0)
+        .decimals(2)
+        .orientation(VizOrientation.HORIZONTAL)
+        .display_mode(BarGaugeDisplayMode.GRADIENT)
+        .reduce_options(ReduceDataOptions().calcs(["lastNotNull"]))
+        .thresholds(thresholds((None, "blue")))
+    )
+    return [
+        graph(
+            "γ chosen",
+            "Decisions per second by the γ chosen (stacked): the draft length mix over time.",
+            targets((summed("rate", "nightjar_decisions_total", SIDECAR, "gamma"), "γ={{gamma}}")),
+            unit="ops",
+            stacked=True,
+        ),
+        graph(
+            "Mean γ by batch size",
+            "Average γ chosen per decode-batch bucket (rate of nightjar_gamma_chosen's sum "
+            "over its count).",
+            targets((mean("nightjar_gamma_chosen", SIDECAR, "batch_bucket"), "B {{batch_bucket}}")),
+        ),
+        by_bucket,
+        graph(
+            "Decisions by bin type",
+            "explore: the bandit tries an arm; exploit: it plays its best; fixed: a "
+            "non-learning policy; forced: only one γ was feasible (draft away, limits).",
+            targets(
+                (summed("rate", "nightjar_decisions_total", SIDECAR, "bin_type"), "{{bin_type}}")
+            ),
+            unit="ops",
+            width=12,
+            stacked=True,
+        ),
+        graph(
+            "Mean γ: chosen by the sidecar and run by the engines",
+            "What the sidecars chose against what the engines actually ran (the plugin's "
+            "γ histogram includes fallback and forced steps).",
+            targets(
+                (mean("nightjar_gamma_chosen", SIDECAR), "chosen (sidecar)"),
+                (mean("nightjar_plugin_gamma", ENGINE, "instance"), "run {{instance}}"),
+            ),
+            width=12,
+        ),
+    ]
+
+
+def goodput_row() -> list[timeseries.Panel]:
+    return [
+        graph(
+            "Goodput by γ",
+            "Mean goodput (generated tokens per second of step time) of reported steps, "
+            "per γ: the reward the policy learns from.",
+            targets((mean("nightjar_goodput_tokens_per_second", SIDECAR, "gamma"), "γ={{gamma}}")),
+        ),
+        graph(
+            "Acceptance by γ",
+            "Mean accepted / drafted tokens of reported steps, per γ.",
+            targets((mean("nightjar_acceptance_ratio", SIDECAR, "gamma"), "γ={{gamma}}")),
+            unit="percentunit",
+            maximum=1.0,
+        ),
+        graph(
+            "Step duration",
+            "Engine step wall time as reported with the outcomes.",
+            latency_targets("nightjar_step_duration_seconds", SIDECAR),
+            unit="s",
+        ),
+    ]
+
+
+def latency_row() -> list[timeseries.Panel]:
+    return [
+        graph(
+            "Decision latency (sidecar)",
+            "Time to compute one decision inside the sidecar.",
+            latency_targets("nightjar_decision_latency_seconds", SIDECAR),
+            unit="s",
+        ),
+        graph(
+            "Plugin hook time (engine)",
+            "Time the plugin adds to each engine step (ask, wait up to the deadline, "
+            "report): what speculation control costs the engine.",
+            latency_targets("nightjar_plugin_hook_seconds", ENGINE),
+            unit="s",
+        ),
+        graph(
+            "Fallbacks by reason (engine)",
+            "Steps the engines decided from their local table, by why the sidecar's "
+            "answer was not used: deadline (too slow), disconnected or unavailable (down), "
+            "rejected (bad step context).",
+            targets(
+                (summed("rate", "nightjar_plugin_fallbacks_total", ENGINE, "reason"), "{{reason}}")
+            ),
+            unit="ops",
+            stacked=True,
+        ),
+        graph(
+            "Engine decisions by source",
+            "Where each engine step's γ came from: sidecar, fallback table, or forced "
+            "by the engine (e.g. draft not resident).",
+            targets(
+                (summed("rate", "nightjar_plugin_decisions_total", ENGINE, "source"), "{{source}}")
+            ),
+            unit="ops",
+            width=12,
+            stacked=True,
+        ),
+        graph(
+            "Prefetch misses (engine)",
+            "Pipelined decisions the engine could not use because the batch changed "
+            "after the prefetch.",
+            targets((summed("rate", "nightjar_plugin_prefetch_misses_total", ENGINE), "misses")),
+            unit="ops",
+            width=12,
+        ),
+    ]
+
+
+def memory_row() -> list[timeseries.Panel | statetimeline.Panel]:
+    draft_state = f"max by (engine, state) ({series('nightjar_memory_draft_state', SIDECAR)}) > 0"
+    return [
+        states(
+            "Draft state (sidecar view)",
+            "The draft model's state per engine as the sidecar's memory controller sees "
+            "it: resident, offloading, offloaded, reloading (one lane per state).",
+            targets((draft_state, "{{engine}} {{state}}")),
+        ),
+        states(
+            "Draft resident (memory agent)",
+            "Whether the draft's weights are on the device, per engine (memory agent).",
+            targets((series("nightjar_memory_agent_draft_resident", ENGINE), "{{instance}}")),
+            mapping={"1": ("resident", "green"), "0": ("offloaded", "orange")},
+        ),
+        graph(
+            "Memory directives (sidecar)",
+            "Offload-draft/expand-KV and compact-KV/reload-draft orders the sidecar sent.",
+            targets(
+                (
+                    summed("increase", "nightjar_memory_directives_total", SIDECAR, "action"),
+                    "{{action}}",
+                )
+            ),
+            bars=True,
+        ),
+        graph(
+            "Memory orders (memory agent)",
+            "Orders the memory agents carried out, by action and result.",
+            targets(
+                (
+                    summed(
+                        "increase", "nightjar_memory_agent_orders_total", ENGINE, "action, result"
+                    ),
+                    "{{action}} {{result}}",
+                )
+            ),
+            width=12,
+            bars=True,
+        ),
+        graph(
+            "Memory order time (memory agent)",
+            "How long an order holds the engine at a step boundary.",
+            latency_targets("nightjar_memory_agent_order_seconds", ENGINE),
+            unit="s",
+            width=12,
+        ),
+    ]
+
+
+def policy_row() -> list[timeseries.Panel | statetimeline.Panel]:
+    return [
+        states(
+            "Policy version",
+            "The active policy and version over time (one lane per version): a new lane "
+            "starts at a swap, a parameter change, a restore or a reset.",
+            targets((POLICY_INFO, "{{name}} {{version}}")),
+        ),
+        graph(
+            "Policy swaps",
+            "Policy activations (swap, set-params, restore, reset) by result; a failed "
+            "swap keeps the old policy.",
+            targets(
+                (summed("increase", "nightjar_policy_swaps_total", SIDECAR, "result"), "{{result}}")
+            ),
+            bars=True,
+        ),
+        graph(
+            "Snapshots",
+            "Learned-state snapshots written per second, by result (ok, failed).",
+            targets((summed("rate", "nightjar_snapshots_total", SIDECAR, "result"), "{{result}}")),
+            unit="ops",
+        ),
+        graph(
+            "Snapshot age per sidecar",
+            "Time since each sidecar last wrote its learned state: it should saw-tooth "
+            "at the snapshot interval; a steady climb means snapshots fail.",
+            targets((SNAPSHOT_AGE, "{{instance}}")),
+            unit="s",
+        ),
+        graph(
+            "Rejected requests",
+            "Requests refused with a gRPC error, by method and status code: a client "
+            "sending bad input, or an admin call without the token.",
+            targets(
+                (
+                    summed("rate", "nightjar_invalid_requests_total", SIDECAR, "method, code"),
+                    "{{method}} {{code}}",
+                )
+            ),
+            unit="ops",
+            width=12,
+        ),
+        graph(
+            "Expired decisions",
+            "Decisions dropped from the pending table without an outcome (an engine "
+            "that stopped reporting, or reports that arrive too late).",
+            targets((summed("rate", "nightjar_decisions_expired_total", SIDECAR), "expired")),
+            unit="ops",
+            width=12,
+        ),
+    ]
+
+
+def variables() -> list[cogbuilder.Builder[VariableModel]]:
+    def query(name: str, label: str, expr: str) -> QueryVariable:
+        return (
+            QueryVariable(name)
+            .label(label)
+            .datasource(DATASOURCE)
+            .query(expr)
+            .definition(expr)
+            .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED)
+            .sort(VariableSort.ALPHABETICAL_ASC)
+            .multi(True)
+            .include_all(True)
+            # All = any value, also series without the label; selected when opened.
+            .all_value(".*")
+            .current(VariableOption(selected=True, text=["All"], value=["$__all"]))
+        )
+
+    return [
+        DatasourceVariable("datasource").label("Prometheus").type("prometheus"),
+        query("job", "Sidecar job", "label_values(nightjar_policy_info, job)"),
+        query("instance", "Sidecar", 'label_values(nightjar_policy_info{job=~"$job"}, instance)'),
+        query("engine_job", "Engine job", "label_values(nightjar_plugin_decisions_total, job)"),
+        query(
+            "engine",
+            "Engine",
+            'label_values(nightjar_plugin_decisions_total{job=~"$engine_job"}, instance)',
+        ),
+    ]
+
+
+def build() -> Dashboard:
+    board = (
+        Dashboard("Nightjar: speculative decoding control")
+        .uid(UID)
+        .description(
+            "γ decisions, goodput, fallbacks, latency, draft memory and policy state of "
+            "the Nightjar sidecars and the vLLM engines they steer."
+        )
+        .tags(["nightjar", "vllm", "speculative-decoding"])
+        .time("now-1h", "now")
+        .refresh("30s")
+        .timezone("browser")
+        .editable()
+        .variables(variables())
+    )
+    rows: list[tuple[str, Sequence[cogbuilder.Builder[DashboardPanel]]]] = [
+        ("Overview", overview()),
+        ("γ (draft length)", gamma_row()),
+        ("Goodput and acceptance", goodput_row()),
+        ("Latency and fallbacks", latency_row()),
+        ("Draft memory", memory_row()),
+        ("Policy and state", policy_row()),
+    ]
+    for title, panels in rows:
+        board = board.with_row(Row(title))
+        for panel in panels:
+            board = board.with_panel(panel)
+    return board
+
+
+def render() -> str:
+    """The dashboard's JSON text, stable across runs (sorted keys, panel ids in order)."""
+    model = build().build()
+    for number, panel in enumerate(model.panels or [], start=1):
+        panel.id_val = number
+    return JSONEncoder(sort_keys=True, indent=2).encode(model) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument(
+        "--check", action="store_true", help="fail if --out differs from what is built"
+    )
+    args = parser.parse_args(argv)
+    text = render()
+    if args.check:
+        current = args.out.read_text() if args.out.exists() else ""
+        if current != text:
+            print(f"{args.out} is out of date: run `make dashboard`", file=sys.stderr)
+            return 1
+        return 0
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
