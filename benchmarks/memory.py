@@ -20,8 +20,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks.host import machine
 from benchmarks.report import write_section
-from benchmarks.rpc import machine
 from memory_agent.planner import order_moves, plan_compaction
 
 SECTION = "bench-memory"

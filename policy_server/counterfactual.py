@@ -41,9 +41,9 @@ from policy_server.service import context_from_json, outcome_from_json
 DRAW_NEIGHBOURS = 6
 RATE_NEIGHBOURS = 20
 # A logged step prices its γ at batch sizes within this ratio of its own only. Step time
-# grows with B·(γ+1): pooling by nearness alone valued a γ logged twice at batch 64 and
-# often at batch 3 with the batch-3 steps at 64 (a served log where `goodput` rarely
-# ran γ = 2 at high load).
+# grows with B·(γ+1): pooling by nearness alone priced a γ rarely run at a large batch with
+# its steps at small ones. Larger prices more decisions, less faithfully (docs/POLICIES.md,
+# "Decision").
 BATCH_RATIO = 1.25
 
 

@@ -1,4 +1,10 @@
-"""`nightjarctl`: inspect and steer a running Nightjar sidecar."""
+"""`nightjarctl`: inspect and steer a running Nightjar sidecar.
+
+One command line over ~450 lines: its subcommands (state, swap, set-params, snapshot,
+restore, export/import, reset, health, decide, memory, replay, evaluate) share one parser,
+one channel set-up and one error rendering; the work behind them lives in their own
+modules (fleet, replay, counterfactual).
+"""
 
 from __future__ import annotations
 

@@ -56,7 +56,7 @@ class PendingDecision:
 @dataclasses.dataclass(slots=True)
 class Candidate:
     pending: PendingDecision
-    # The policy's checkpoint right after deciding this candidate (TentativePolicy).
+    # The policy's checkpoint right after deciding this candidate (LearnedState).
     after: object
 
 

@@ -7,18 +7,20 @@ One ``grpc.aio`` server on one event loop (its own thread): a decision takes a f
 microseconds, so the per-step RPCs are answered on the loop itself, with no hand-off
 to a worker thread and back (the sync server's two thread switches per message were
 most of a round trip). Admin calls, which may write files or copy learned state, run
-in a thread pool so they never hold the loop.
+in a thread pool so they never hold the loop (the loop's plumbing is in aio.py).
+
+One thing over ~450 lines: the two servicers of the contract (the policy stream with its
+inbox, and the admin calls), which share one error mapping and one service handle.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import inspect
 import json
 import logging
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent import futures
 from dataclasses import dataclass
 from typing import Any, NoReturn, TypeVar
@@ -28,13 +30,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer as AioHealthServicer
 from nightjar_proto.v1 import admin_pb2, admin_pb2_grpc, policy_pb2, policy_pb2_grpc
 
-from nightjar_common import decode_guard, reflection, uds, wire
+from nightjar_common import reflection, uds, wire
 from nightjar_common.admin_token import AdminTokenFile, check_admin_token
 from nightjar_common.errors import (
     InvalidArgumentError,
     NightjarError,
     status_of,
 )
+from policy_server.aio import AioDecodeGuard, InThreads, LoopServer
 from policy_server.metrics import Metrics
 from policy_server.policies import PolicyError, parse_params_json
 from policy_server.service import ActivePolicy, DecisionService
@@ -352,156 +355,9 @@ def _swap_response(active: ActivePolicy) -> admin_pb2.SwapPolicyResponse:
     return admin_pb2.SwapPolicyResponse(policy_name=active.name, policy_version=active.version)
 
 
-class _Aborted(Exception):
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self.code, self.details = code, details
-
-
-class _ThreadContext:
-    """What a synchronous servicer method uses of its context, from a worker thread."""
-
-    def __init__(self, context: Any) -> None:
-        self._context = context
-
-    def invocation_metadata(self) -> Any:
-        return self._context.invocation_metadata()
-
-    def peer(self) -> str:
-        return str(self._context.peer())
-
-    def auth_context(self) -> Any:
-        return self._context.auth_context()
-
-    def abort(self, code: grpc.StatusCode, details: str) -> NoReturn:
-        raise _Aborted(code, details)
-
-
-class _InThreads:
-    """A synchronous servicer's unary methods as coroutines that run them in the loop's
-    thread pool (admin calls write snapshots and copy learned state: not on the loop)."""
-
-    def __init__(self, servicer: Any) -> None:
-        self._servicer = servicer
-
-    def __getattr__(self, name: str) -> Callable[[Any, Any], Awaitable[Any]]:
-        method = getattr(self._servicer, name)
-
-        async def handler(request: Any, context: Any) -> Any:
-            try:
-                return await asyncio.to_thread(method, request, _ThreadContext(context))
-            except _Aborted as aborted:
-                await context.abort(aborted.code, aborted.details)
-
-        return handler
-
-
-class AioDecodeGuard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
-    """nightjar_common/decode_guard.py for the asyncio server: undecodable request bytes
-    get INVALID_ARGUMENT before the servicer sees anything (a stream ends with it)."""
-
-    def __init__(self) -> None:
-        # Only handlers that exist are kept: unknown method names cannot grow this.
-        self._handlers: dict[str, Any] = {}
-
-    async def intercept_service(
-        self, continuation: Callable[[Any], Awaitable[Any]], handler_call_details: Any
-    ) -> Any:
-        method = handler_call_details.method
-        handler = self._handlers.get(method)
-        if handler is None:
-            handler = _guarded(method, await continuation(handler_call_details))
-            if handler is not None:
-                self._handlers[method] = handler
-        return handler
-
-
-class _UndecodableMessage(Exception):
-    """A streamed request that is not the method's message (decode_guard)."""
-
-
-def _guarded(method: str, handler: Any) -> Any:
-    if handler is None or handler.request_deserializer is None:
-        return handler
-    deserialize = decode_guard.tolerant(handler.request_deserializer)
-
-    async def check(request: Any, context: Any) -> Any:
-        if isinstance(request, decode_guard.Undecodable):
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, decode_guard.describe(method, request)
-            )
-        return request
-
-    async def checked_stream(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
-        async for request in requests:
-            if isinstance(request, decode_guard.Undecodable):
-                # Raised, not aborted here: a handler may read its requests in a task of
-                # its own (StepStream does), and an abort from there races its writes.
-                raise _UndecodableMessage(decode_guard.describe(method, request))
-            yield request
-
-    def wrap(behavior: Callable[..., Any], streaming_request: bool) -> Callable[..., Any]:
-        async def unary_result(request: Any, context: Any) -> Any:
-            if not streaming_request:
-                return await behavior(await check(request, context), context)
-            try:
-                return await behavior(checked_stream(request), context)
-            except _UndecodableMessage as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-
-        async def streamed_result(request: Any, context: Any) -> AsyncIterator[Any]:
-            if streaming_request:
-                request = checked_stream(request)
-            else:
-                request = await check(request, context)
-            try:
-                async for response in behavior(request, context):
-                    yield response
-            except _UndecodableMessage as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-
-        return streamed_result if inspect.isasyncgenfunction(behavior) else unary_result
-
-    kinds = (
-        ("unary_unary", grpc.unary_unary_rpc_method_handler, False),
-        ("unary_stream", grpc.unary_stream_rpc_method_handler, False),
-        ("stream_unary", grpc.stream_unary_rpc_method_handler, True),
-        ("stream_stream", grpc.stream_stream_rpc_method_handler, True),
-    )
-    for name, make, streaming_request in kinds:
-        behavior = getattr(handler, name)
-        if behavior is not None:
-            return make(wrap(behavior, streaming_request), deserialize, handler.response_serializer)
-    return handler
-
-
-class _LoopServer:
-    """The asyncio server, driven from other threads: ``stop(grace).wait()`` as with
-    grpc.Server."""
-
-    def __init__(self, server: grpc.aio.Server, loop: asyncio.AbstractEventLoop) -> None:
-        self.aio = server
-        self.loop = loop
-        self._thread: threading.Thread | None = None
-
-    def run(self, coroutine: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
-
-    def stop(self, grace: float | None) -> threading.Event:
-        stopped = threading.Event()
-        try:
-            self.run(self.aio.stop(grace))
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            if self._thread is not None:
-                self._thread.join(timeout=5)
-            stopped.set()
-        return stopped
-
-
 @dataclass
 class RunningServer:
-    server: _LoopServer
+    server: LoopServer
     health: AioHealthServicer
     addresses: list[str]
     metrics: Metrics | None = None  # its nightjar_serving gauge follows the health status
@@ -575,7 +431,7 @@ def build_server(
             interceptors=[AioDecodeGuard()],
         )
         policy_pb2_grpc.add_PolicyServiceServicer_to_server(PolicyServicer(service), server)
-        admin = _InThreads(AdminServicer(service, admin_token))
+        admin = InThreads(AdminServicer(service, admin_token))
         admin_pb2_grpc.add_AdminServiceServicer_to_server(admin, server)
         health_servicer = AioHealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -594,7 +450,7 @@ def build_server(
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=5)
         raise
-    looped = _LoopServer(server, loop)
+    looped = LoopServer(server, loop)
     looped._thread = thread
     running = RunningServer(looped, health_servicer, addresses, service.metrics)
     running.set_serving(True)

@@ -18,13 +18,13 @@ from typing import Any
 from nightjar_common.types import BinType, Choice
 from policy_server import snapshot
 from policy_server.decision_log import read_logs
-from policy_server.policies import Policy, create_policy
+from policy_server.policies import ServedPolicy, create_policy
 from policy_server.service import context_from_json, outcome_from_json
 
 
 @dataclasses.dataclass(slots=True)
 class ReplayResult:
-    policy: Policy
+    policy: ServedPolicy
     decisions: int = 0
     outcomes: int = 0
     # (batch_size, gamma) -> [steps, summed goodput]

@@ -58,22 +58,23 @@ from policy_server.metrics import Metrics, batch_bucket
 from policy_server.policies import (
     DEFAULT_POLICY,
     REGISTRY,
-    Policy,
     PolicyError,
+    ServedPolicy,
     UnknownPolicyError,
     create_policy,
 )
-from policy_server.policies.base import TentativePolicy, file_path_params
+from policy_server.policies.base import file_path_params
 
 log = logging.getLogger(__name__)
 
-# Candidate.after of a policy without checkpoints: decided again when the engine names it.
+# Candidate.after of a policy whose checkpoints do not cover decide (checkpoints_decide
+# False): decided again when the engine names it.
 DECIDE_AGAIN = object()
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ActivePolicy:
-    policy: Policy
+    policy: ServedPolicy
     name: str
     revision: int
     version: str
@@ -234,7 +235,6 @@ class DecisionService:
                 # changed it meanwhile; the pending choice stays what the engine ran.
                 policy.decide(chosen.pending.ctx)
             else:
-                assert isinstance(policy, TentativePolicy)
                 policy.restore(chosen.pending.ctx, chosen.after)
         pending = dataclasses.replace(chosen.pending, committed=True)
         self._resolve_locked(shard, decision_id)
@@ -351,14 +351,12 @@ class DecisionService:
                     self.metrics.forget_engine(engine_id)
 
     def _forget_learners(self, keys: list[str]) -> None:
+        """Learner keys evicted from the table: what the policy learned under them goes."""
         if not keys:
-            return
-        forget = getattr(self._active.policy, "forget_learner", None)
-        if forget is None:
             return
         with self._lock:
             for key in keys:
-                forget(key)
+                self._active.policy.forget_learner(key)
 
     def _apply_locked(self, pending: PendingDecision, outcome: StepOutcome) -> bool:
         active = self._active
@@ -535,7 +533,7 @@ class DecisionService:
                 raise PermissionDeniedError(f"parameter {key!r}: {exc}") from exc
         return confined
 
-    def _build(self, name: str, params: Mapping[str, Any] | None) -> Policy:
+    def _build(self, name: str, params: Mapping[str, Any] | None) -> ServedPolicy:
         try:
             return create_policy(name, params)
         except UnknownPolicyError as exc:
@@ -545,7 +543,7 @@ class DecisionService:
             self.metrics.policy_swaps.labels("failed").inc()
             raise InvalidArgumentError(str(exc)) from exc
 
-    def _carry_state(self, old: Policy, new: Policy) -> None:
+    def _carry_state(self, old: ServedPolicy, new: ServedPolicy) -> None:
         if old.state_schema != new.state_schema:
             self.metrics.policy_swaps.labels("failed").inc()
             raise FailedPreconditionError(
@@ -558,7 +556,7 @@ class DecisionService:
             self.metrics.policy_swaps.labels("failed").inc()
             raise FailedPreconditionError(f"cannot keep state: {exc}") from exc
 
-    def _activate(self, policy: Policy) -> ActivePolicy:
+    def _activate(self, policy: ServedPolicy) -> ActivePolicy:
         revision = next(self._revisions)
         digest = hashlib.sha256(json.dumps(policy.params(), sort_keys=True).encode()).hexdigest()[
             :8
@@ -574,14 +572,14 @@ class DecisionService:
 
 
 def _decide_tentative(
-    policy: Policy, ctx: StepContext, batch_size: int
+    policy: ServedPolicy, ctx: StepContext, batch_size: int
 ) -> tuple[StepContext, Choice, object]:
     """Decide for ``batch_size`` and leave the policy as it was: between the policy's own
-    checkpoints (TentativePolicy), else on a deep copy of it (any policy; the chosen one
-    is then decided again on the live policy when the engine names it)."""
+    checkpoints when they cover decide (``checkpoints_decide``), else on a deep copy of it
+    (the chosen one is then decided again on the live policy when the engine names it)."""
     if batch_size != ctx.batch_size:
         ctx = dataclasses.replace(ctx, batch_size=batch_size)
-    if not isinstance(policy, TentativePolicy):
+    if not policy.checkpoints_decide:
         return ctx, copy.deepcopy(policy).decide(ctx), DECIDE_AGAIN
     before = policy.checkpoint(ctx)
     choice = policy.decide(ctx)

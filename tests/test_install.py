@@ -15,6 +15,7 @@ import subprocess
 import sys
 import sysconfig
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -97,9 +98,9 @@ def clean_env(**extra: str) -> dict[str, str]:
 def test_modules_come_from_the_wheel(installed: Path, tmp_path: Path) -> None:
     probe = (
         "import json, nightjar_proto.v1.policy_pb2 as p, nightjar_data, nightjar_kernels, "
-        "policy_server, vllm_client_patch, memory_agent\n"
+        "nightjar_common, policy_server, vllm_client_patch, memory_agent\n"
         "print(json.dumps({m.__name__: m.__file__ for m in (p, nightjar_data, "
-        "nightjar_kernels, policy_server, vllm_client_patch, memory_agent)}))"
+        "nightjar_kernels, nightjar_common, policy_server, vllm_client_patch, memory_agent)}))"
     )
     files = json.loads(run([str(installed / "python"), "-c", probe], tmp_path, clean_env()))
     venv = installed.parent.resolve()
@@ -111,6 +112,17 @@ def test_modules_come_from_the_wheel(installed: Path, tmp_path: Path) -> None:
                     "traces/LICENSE_azure_CC-BY-4.0", "prompts/specbench_question.jsonl",
                     "README.md"):  # fmt: skip
         assert (data / shipped).is_file(), shipped
+
+
+def test_wheel_ships_the_product_packages_only(wheel: Path) -> None:
+    """Benchmarks, tools and tests run from a checkout (docs/ARCHITECTURE.md)."""
+    with zipfile.ZipFile(wheel) as archive:
+        top = {name.split("/")[0] for name in archive.namelist() if "/" in name}
+    packages = {name for name in top if not name.endswith((".dist-info", ".data"))}
+    assert packages == {
+        "nightjar_common", "nightjar_data", "nightjar_kernels", "nightjar_proto",
+        "policy_server", "vllm_client_patch", "memory_agent",
+    }  # fmt: skip
 
 
 def test_dependencies_are_satisfied_by_the_image(installed: Path, tmp_path: Path) -> None:

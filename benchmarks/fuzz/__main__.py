@@ -170,7 +170,7 @@ def fuzz(workdir: Path, total: int, run_seed: int) -> Tally:
 
 
 def report(tally: Tally, elapsed: float, quick: bool, requests: int | None) -> dict[str, Any]:
-    from benchmarks.rpc import machine
+    from benchmarks.host import machine
 
     command = "make fuzz" + (" FUZZ_ARGS=--quick" if quick else "")
     if requests:

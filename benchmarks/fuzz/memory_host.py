@@ -6,7 +6,8 @@ torch KV buffer seen through per-layer views, block-table rows, and a torch draf
 whose weights are really offloaded, reloaded and verified. What stands in for the engine:
 a thread that reaches a step boundary every few milliseconds, and two requests that hold
 KV blocks (so compactions have live blocks to move or to refuse). The model runner is a
-namespace with the attributes RunnerMemory reads, as tests/test_memory_agent.py builds it.
+namespace with the attributes RunnerMemory reads, as
+tests/memory_agent/test_memory_agent.py builds it.
 
     python -m benchmarks.fuzz.memory_host --uds SOCKET [--admin-token-file FILE]
 """

@@ -4,7 +4,7 @@ kustomize refuses to load files from outside a kustomization's directory and Hel
 only the chart's own directory, so the alerting rules (deploy/prometheus/) and the Grafana
 dashboard (deploy/grafana/) are wrapped into resources under base/generated/ and copied
 into the chart's files/. `make k8s` writes them; `--check` exits 1 when a committed copy
-is missing or stale (tests/test_deploy.py runs it).
+is missing or stale (tests/deploy/test_deploy.py runs it).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from policy_server.policies.base import Policy, PolicyError
+from policy_server.policies.base import LearnedState, Policy, PolicyError, ServedPolicy
 from policy_server.policies.dsd import DsdParams, DsdPolicy
 from policy_server.policies.ema import EmaParams, EmaPolicy
 from policy_server.policies.fixed import (
@@ -28,9 +28,11 @@ from policy_server.policies.ucb import UcbParams, UcbPolicy
 __all__ = [
     "DEFAULT_POLICY",
     "REGISTRY",
+    "LearnedState",
     "Policy",
     "PolicyError",
     "PolicySpec",
+    "ServedPolicy",
     "UnknownPolicyError",
     "create_policy",
 ]
@@ -47,7 +49,8 @@ class UnknownPolicyError(KeyError):
 class PolicySpec:
     name: str
     description: str
-    factory: Callable[[Mapping[str, Any] | None], Policy]
+    # Every registered policy is served: it has the learned-state protocol too.
+    factory: Callable[[Mapping[str, Any] | None], ServedPolicy]
     params_type: type[Any]
 
     def default_params(self) -> dict[str, Any]:
@@ -117,7 +120,7 @@ REGISTRY: dict[str, PolicySpec] = {
 DEFAULT_POLICY = "goodput"
 
 
-def create_policy(name: str, params: Mapping[str, Any] | None = None) -> Policy:
+def create_policy(name: str, params: Mapping[str, Any] | None = None) -> ServedPolicy:
     """Instantiate a registered policy; UnknownPolicyError / PolicyError on bad input."""
     spec = REGISTRY.get(name)
     if spec is None:

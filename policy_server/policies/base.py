@@ -1,4 +1,4 @@
-"""The policy protocol every γ policy implements, and helpers they share.
+"""The protocols every γ policy implements (Policy, LearnedState), and helpers they share.
 
 A policy is a small, engine-agnostic object: it sees a StepContext, returns a
 Choice, and learns from StepOutcomes. It knows nothing of gRPC or vLLM.
@@ -10,7 +10,7 @@ import dataclasses
 import logging
 import types
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from nightjar_common.types import BinType, Choice, StepContext, StepOutcome
@@ -24,11 +24,10 @@ class PolicyError(ValueError):
 
 
 class Policy(Protocol):
-    """What the server needs from a policy; as small as SGLang's adaptive-spec protocol."""
+    """What deciding γ takes; as small as SGLang's adaptive-spec protocol
+    (get_steps_for_batch / on_verify_complete). The simulator drives policies through it."""
 
     name: ClassVar[str]
-    # Policies with the same schema can carry learned state across a swap.
-    state_schema: ClassVar[str]
 
     @property
     def gamma_max(self) -> int:
@@ -47,6 +46,27 @@ class Policy(Protocol):
         """Learn from the outcome of a step this policy decided."""
         ...
 
+
+class LearnedState(Protocol):
+    """What the server does with what a policy has learned; every registered policy has
+    it (one that learns nothing trivially, fixed._StatelessPolicy).
+
+    Tentative decisions: an engine asking ahead does not know its next batch size, so it
+    asks for several (StepContext.candidate_batch_sizes) and later names the one it ran;
+    only that decision may count. With ``checkpoints_decide`` the server decides each
+    candidate between ``checkpoint`` and ``restore``, and at the engine's word restores the
+    chosen candidate's after-decide checkpoint, so schedules, RNG draws and γ_prev advance
+    exactly as if only that decision had been asked for. Without it (a decide() that
+    changes state no checkpoint holds, such as new entries of shared learner tables) the
+    server decides each candidate on a deep copy of the policy and the chosen one again on
+    the live policy when the engine names it; checkpoint and restore are then not called.
+    """
+
+    # Policies with the same schema can carry learned state across a swap.
+    state_schema: ClassVar[str]
+    # True: checkpoint(ctx) holds everything decide(ctx) may change (see above).
+    checkpoints_decide: ClassVar[bool]
+
     def state(self, engine_id: str | None = None) -> dict[str, Any]:
         """Learned state as JSON-serialisable data (one engine's part when given)."""
         ...
@@ -58,6 +78,50 @@ class Policy(Protocol):
     def reset(self, engine_id: str | None = None) -> None:
         """Forget learned state (of one engine when given)."""
         ...
+
+    def forget_learner(self, learner_key: str) -> None:
+        """Drop what was learned under ``learner_key`` (nothing when the policy keeps no
+        tables per key): the server bounds how many keys it holds and calls this for the
+        least recently used one it evicts (policy_server/engines.py)."""
+        ...
+
+    def checkpoint(self, ctx: StepContext) -> object:
+        """A copy of everything decide(ctx) may change (opaque to the server)."""
+        ...
+
+    def restore(self, ctx: StepContext, saved: object) -> None:
+        """Put back what checkpoint(ctx) returned (for the same ctx)."""
+        ...
+
+
+class ServedPolicy(Policy, LearnedState, Protocol):
+    """What the server holds: a policy together with its learned state."""
+
+
+class GammaParams(Protocol):
+    """A params dataclass with a ``gamma_max`` field."""
+
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
+
+    @property
+    def gamma_max(self) -> int: ...
+
+
+G = TypeVar("G", bound=GammaParams)
+
+
+class ParamsPolicy(Generic[G]):
+    """Policy.gamma_max and Policy.params of a policy whose parameters (``_params``, set
+    by its constructor) are a dataclass with a ``gamma_max`` field."""
+
+    _params: G
+
+    @property
+    def gamma_max(self) -> int:
+        return self._params.gamma_max
+
+    def params(self) -> dict[str, Any]:
+        return dataclasses.asdict(self._params)
 
 
 def feasible_gamma_max(ctx: StepContext, gamma_max: int) -> int:
@@ -83,12 +147,8 @@ def learner_id(ctx: StepContext, share_learner: bool) -> str:
 
 
 def learner_id_of_key(learner_key: str) -> str:
-    """The learner id of engines sharing ``learner_key`` (what learner_id returns).
-
-    Policies that keep tables per learner key also have ``forget_learner(learner_key)``
-    (optional, like TentativePolicy): the server bounds how many keys it holds and calls
-    it for the least recently used one it evicts (policy_server/engines.py).
-    """
+    """The learner id of engines sharing ``learner_key`` (what learner_id returns, what
+    LearnedState.forget_learner drops)."""
     return f"shared:{learner_key}"
 
 
@@ -115,87 +175,6 @@ FILE_PATH: Mapping[str, Any] = types.MappingProxyType({"file_path": True})
 def file_path_params(params_type: type[Any]) -> tuple[str, ...]:
     """Names of the fields of a params dataclass that name files (marked FILE_PATH)."""
     return tuple(f.name for f in dataclasses.fields(params_type) if f.metadata.get("file_path"))
-
-
-@typing.runtime_checkable
-class TentativePolicy(Protocol):
-    """Optional addition to Policy: lets the server decide tentatively.
-
-    An engine asking ahead does not know its next batch size, so it asks for several
-    (StepContext.candidate_batch_sizes) and later names the one it ran; only that
-    decision may count. The server decides each candidate between ``checkpoint`` and
-    ``restore``, and at the engine's word restores the chosen candidate's after-decide
-    checkpoint, so schedules, RNG draws and γ_prev advance exactly as if only that
-    decision had been asked for. A policy without these methods answers one decision,
-    committed at once (the engine then re-asks when its batch changed).
-    """
-
-    def checkpoint(self, ctx: StepContext) -> object:
-        """A copy of everything decide(ctx) may change (opaque to the server)."""
-        ...
-
-    def restore(self, ctx: StepContext, saved: object) -> None:
-        """Put back what checkpoint(ctx) returned (for the same ctx)."""
-        ...
-
-
-L = TypeVar("L")
-
-
-class LearnerTable(Generic[L]):
-    """Which learner each engine updates and what each learner has learned: the
-    bookkeeping of policies whose whole state is per learner (dsd, ucb)."""
-
-    def __init__(self, share_learner: bool, new: Callable[[], L]) -> None:
-        self.share_learner = share_learner
-        self._new = new
-        self.engines: dict[str, str] = {}
-        self.learners: dict[str, L] = {}
-
-    def learner_of(self, ctx: StepContext) -> str:
-        learner = self.engines.get(ctx.engine_id)
-        if learner is None:
-            learner = self.engines[ctx.engine_id] = learner_id(ctx, self.share_learner)
-        return learner
-
-    def get(self, ctx: StepContext) -> L:
-        """The learned value of the step's learner (created on first use)."""
-        learner = self.learner_of(ctx)
-        value = self.learners.get(learner)
-        if value is None:
-            value = self.learners[learner] = self._new()
-        return value
-
-    def replace(self, ctx: StepContext, value: L) -> None:
-        self.learners[self.learner_of(ctx)] = value
-
-    def to_json(
-        self, engine_id: str | None, learner_json: Callable[[L], Any]
-    ) -> dict[str, dict[str, Any]]:
-        """``engines`` and ``learners`` of a policy state (one engine's part when given)."""
-        engines = {e: lid for e, lid in sorted(self.engines.items()) if engine_id in (None, e)}
-        learners = {lid: learner_json(self.learners[lid])
-                    for lid in sorted(set(engines.values())) if lid in self.learners}  # fmt: skip
-        return {"engines": engines, "learners": learners}
-
-    def load(self, state: Mapping[str, Any], learner_from_json: Callable[[Any], L]) -> None:
-        """Replace the table from a state's ``engines`` and ``learners``; raises KeyError,
-        TypeError or ValueError (and changes nothing) when they do not fit."""
-        engines = {str(e): str(lid) for e, lid in dict(state["engines"]).items()}
-        learners = {str(lid): learner_from_json(v) for lid, v in dict(state["learners"]).items()}
-        self.engines, self.learners = engines, learners
-
-    def forget_learner(self, learner_key: str) -> None:
-        self.learners.pop(learner_id_of_key(learner_key), None)
-
-    def reset(self, engine_id: str | None = None) -> None:
-        if engine_id is None:
-            self.engines.clear()
-            self.learners.clear()
-            return
-        learner = self.engines.pop(engine_id, None)
-        if learner == own_learner(engine_id):
-            self.learners.pop(learner, None)
 
 
 P = TypeVar("P")

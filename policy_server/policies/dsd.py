@@ -25,12 +25,8 @@ from typing import Any, ClassVar
 import numpy as np
 
 from nightjar_common.types import BinType, Choice, StepContext, StepOutcome
-from policy_server.policies.base import (
-    LearnerTable,
-    PolicyError,
-    feasible_gamma_max,
-    parse_params,
-)
+from policy_server.policies.base import PolicyError, feasible_gamma_max, parse_params
+from policy_server.policies.learner_table import LearnerTable, LearnerTablePolicy
 from policy_server.policies.models import AcceptanceModel, expected_tokens
 
 STATE_SCHEMA = "dsd/1"
@@ -79,7 +75,7 @@ def fit_latency(steps: Iterable[tuple[int, int, int, float]]) -> dict[str, list[
     return {"target_ms": [a, b, c], "draft_ms": [d, e]}
 
 
-class DsdPolicy:
+class DsdPolicy(LearnerTablePolicy[DsdParams, AcceptanceModel]):
     name: ClassVar[str] = "dsd"
     state_schema: ClassVar[str] = STATE_SCHEMA
 
@@ -89,13 +85,6 @@ class DsdPolicy:
         self._table = LearnerTable(
             self._params.share_learner, lambda: self._prior(self._params.start_alpha)
         )
-
-    @property
-    def gamma_max(self) -> int:
-        return self._params.gamma_max
-
-    def params(self) -> dict[str, Any]:
-        return dataclasses.asdict(self._params)
 
     def decide(self, ctx: StepContext) -> Choice:
         top = feasible_gamma_max(ctx, self._params.gamma_max)
@@ -120,28 +109,11 @@ class DsdPolicy:
         if model.alpha < RESET_BELOW:
             self._table.replace(ctx, self._prior(RESET_TO))
 
-    def state(self, engine_id: str | None = None) -> dict[str, Any]:
-        return {
-            "schema": STATE_SCHEMA,
-            "gamma_max": self._params.gamma_max,
-            **self._table.to_json(engine_id, AcceptanceModel.to_json),
-        }
+    def _learner_to_json(self, learned: AcceptanceModel) -> Any:
+        return learned.to_json()
 
-    def load_state(self, state: Mapping[str, Any]) -> None:
-        if state.get("schema") != STATE_SCHEMA or state.get("gamma_max") != self.gamma_max:
-            raise PolicyError(f"state is not {STATE_SCHEMA} with gamma_max={self.gamma_max}")
-        try:
-            self._table.load(state, lambda v: AcceptanceModel.from_json(v, self._decay))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise PolicyError(f"malformed dsd state: {exc!r}") from exc
-
-    def forget_learner(self, learner_key: str) -> None:
-        """Drop what was learned under ``learner_key`` (the server bounds how many keys it
-        holds and evicts the least recently used; see policies/base.py)."""
-        self._table.forget_learner(learner_key)
-
-    def reset(self, engine_id: str | None = None) -> None:
-        self._table.reset(engine_id)
+    def _learner_from_json(self, data: Any) -> AcceptanceModel:
+        return AcceptanceModel.from_json(data, self._decay)
 
     def _prior(self, alpha: float) -> AcceptanceModel:
         # A prior worth one small step: the first counters move it.

@@ -16,7 +16,12 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from nightjar_common.types import BinType, Choice, StepContext, StepOutcome
-from policy_server.policies.base import PolicyError, feasible_gamma_max, parse_params
+from policy_server.policies.base import (
+    ParamsPolicy,
+    PolicyError,
+    feasible_gamma_max,
+    parse_params,
+)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -78,9 +83,10 @@ class Slot:
         return self.candidates[self.index]
 
 
-class EmaPolicy:
+class EmaPolicy(ParamsPolicy[EmaParams]):
     name: ClassVar[str] = "ema"
     state_schema: ClassVar[str] = "ema/1"
+    checkpoints_decide: ClassVar[bool] = True
 
     def __init__(self, params: Mapping[str, Any] | None = None) -> None:
         self._params = parse_params(EmaParams, params, self.name)
@@ -89,13 +95,6 @@ class EmaPolicy:
             for low, steps in self._params.tiers
         )
         self._slots: dict[str, dict[int, Slot]] = {}
-
-    @property
-    def gamma_max(self) -> int:
-        return self._params.gamma_max
-
-    def params(self) -> dict[str, Any]:
-        return dataclasses.asdict(self._params)
 
     def _slot(self, engine_id: str, batch_size: int) -> Slot:
         tier = max((t for t in self._tiers if t[0] <= batch_size), default=self._tiers[0])
@@ -184,3 +183,6 @@ class EmaPolicy:
             self._slots.clear()
         else:
             self._slots.pop(engine_id, None)
+
+    def forget_learner(self, learner_key: str) -> None:
+        return None  # slots are per engine, never per learner key

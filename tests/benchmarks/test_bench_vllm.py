@@ -17,7 +17,7 @@ from benchmarks.report import markers
 from benchmarks.serve_load import ServeResult, parse_schedule, write_prompts
 from benchmarks.vllm_serve import QUICK, parse_args, plan, policy_request
 from benchmarks.vllm_serve_report import Pass
-from tests.conftest import free_port
+from tests.rigs.sidecar import free_port
 
 SCHEDULE = parse_schedule(str(QUICK["schedule"]))
 OUTPUT_LEN = int(str(QUICK["output_len"]))

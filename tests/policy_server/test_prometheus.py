@@ -25,7 +25,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 
 from nightjar_common.types import StepContext
 from policy_server.service import DecisionService
-from tests.conftest import free_port
+from tests.rigs.sidecar import free_port
 from vllm_client_patch import metrics as plugin_metrics
 from vllm_client_patch.config import PluginConfig
 from vllm_client_patch.controller import EngineView, GammaController, VerifiedStep

@@ -132,7 +132,7 @@ def test_health_and_reflection_v1alpha_and_v1(make_server) -> None:
 
 
 def test_tcp_listener_is_loopback_by_default(make_server) -> None:
-    from tests.conftest import free_port
+    from tests.rigs.sidecar import free_port
 
     port = free_port()
     server = make_server("--port", str(port))

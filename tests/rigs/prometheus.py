@@ -27,7 +27,7 @@ from typing import Any
 
 import yaml
 
-from tools.dashboard.render import PrometheusHTTP
+from tools.dashboard.query import PrometheusHTTP
 
 Jobs = Mapping[str, Sequence[str]]
 

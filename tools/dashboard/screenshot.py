@@ -258,7 +258,7 @@ def vllm_engine(workdir: Path, sidecar: Any) -> Iterator[tuple[str, Path]]:
     """`vllm serve` (the OpenAI server) of the tiny target/draft pair with the plugin and
     the memory agent, steered by `sidecar`: yields its base URL and the agent's socket."""
     from benchmarks.vllm_serve import process, wait_healthy
-    from tests.conftest import free_port
+    from tests.rigs.sidecar import free_port
     from tests.rigs.tiny_models import Recipe, build
     from tests.rigs.vllm_engine import CPU_ENV
     from tests.rigs.vllm_engine import GAMMA_MAX as ENGINE_GAMMA_MAX
@@ -336,9 +336,9 @@ def engine_events(
 
 
 def screenshot(out: Path, seconds: float, with_engine: bool, workdir: Path | None) -> None:
-    from tests.conftest import ADMIN_TOKEN, _server_factory
     from tests.rigs.prometheus import PrometheusRig
-    from tools.dashboard import panels, render
+    from tests.rigs.sidecar import ADMIN_TOKEN, server_factory
+    from tools.dashboard import panels, query, render
 
     auth = [("authorization", f"Bearer {ADMIN_TOKEN}")]
     with contextlib.ExitStack() as stack:
@@ -346,7 +346,7 @@ def screenshot(out: Path, seconds: float, with_engine: bool, workdir: Path | Non
             workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="nj-dash-")))
         tmp = workdir
         tmp.mkdir(parents=True, exist_ok=True)
-        factory = _server_factory(tmp)
+        factory = server_factory(tmp)
         stack.callback(next, factory, None)  # stops the sidecar
         server = next(factory)(*SIDECAR_ARGS)
         jobs = {SIDECAR_JOB: [f"127.0.0.1:{server.metrics_port}"]}
@@ -369,7 +369,7 @@ def screenshot(out: Path, seconds: float, with_engine: bool, workdir: Path | Non
         time.sleep(3 * prom.scrape_interval_s)
         print(json.dumps(dataclasses.asdict(summary), indent=1))
         board = panels.load(ROOT / "deploy" / "grafana" / "nightjar.json")
-        window = render.Window(summary.start - 5, summary.end, 1.0, prom.scrape_interval_s)
+        window = query.Window(summary.start - 5, summary.end, 1.0, prom.scrape_interval_s)
         values = {"job": SIDECAR_JOB, "instance": ".*", "engine_job": ENGINE_JOB, "engine": ".*"}
         drawn = render.render(board, prom, window, values, out)
         print(f"wrote {out}; panels without data: {[t for t, n in drawn.items() if n == 0]}")

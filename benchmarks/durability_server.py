@@ -1,0 +1,111 @@
+"""The real `nightjar-server` that `make reliability-durable` restarts, starves and reads.
+
+A server process on a Unix socket with a metrics port (admin calls unauthenticated: a
+test rig), and typed handles on it: health, admin and policy stubs, a metric's value,
+a decision, a snapshot's status code, its log.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from nightjar_proto.v1 import admin_pb2, admin_pb2_grpc, policy_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from benchmarks.host import free_port, stop
+from nightjar_common import wire
+from nightjar_common.types import StepContext
+
+
+@dataclasses.dataclass
+class Server:
+    process: subprocess.Popen[bytes]
+    channel: grpc.Channel
+    metrics_port: int
+    log_path: Path
+
+    @property
+    def admin(self) -> Any:
+        return admin_pb2_grpc.AdminServiceStub(self.channel)
+
+    @property
+    def policy(self) -> Any:
+        return policy_pb2_grpc.PolicyServiceStub(self.channel)
+
+    def serving(self) -> bool:
+        reply = health_pb2_grpc.HealthStub(self.channel).Check(
+            health_pb2.HealthCheckRequest(), timeout=5
+        )
+        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+    def metric(self, name: str, labels: tuple[tuple[str, str], ...] = ()) -> float:
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        body = urllib.request.urlopen(url, timeout=10).read().decode()
+        for family in text_string_to_metric_families(body):
+            for sample in family.samples:
+                if sample.name == name and set(labels) <= set(sample.labels.items()):
+                    return float(sample.value)
+        raise KeyError(name)
+
+    def decide(self, engine: str, batch_size: int) -> int:
+        ctx = wire.context_to_pb(StepContext(engine, batch_size=batch_size))
+        return int(self.policy.Decide(ctx, timeout=10).gamma)
+
+    def snapshot_code(self) -> grpc.StatusCode:
+        try:
+            self.admin.Snapshot(admin_pb2.SnapshotRequest(), timeout=30)
+        except grpc.RpcError as exc:
+            code: grpc.StatusCode = exc.code()
+            return code
+        return grpc.StatusCode.OK
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+@contextmanager
+def running_server(
+    workdir: Path, args: Sequence[str], preexec: Callable[[], None] | None = None
+) -> Iterator[Server]:
+    """A `nightjar-server` on a Unix socket (admin calls unauthenticated: a test rig)."""
+    sock_dir = Path(tempfile.mkdtemp(prefix="nj-durable-"))  # short: socket path limits
+    metrics_port = free_port()
+    log_path = workdir / f"server-{len(list(workdir.glob('server-*.log')))}.log"
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "policy_server.cli", "--uds", str(sock_dir / "s.sock"),
+             "--metrics-port", str(metrics_port), *args],
+            stdout=log, stderr=subprocess.STDOUT, preexec_fn=preexec,
+        )  # fmt: skip
+    channel = grpc.insecure_channel(f"unix:{sock_dir / 's.sock'}")
+    server = Server(process, channel, metrics_port, log_path)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"server exited early:\n{server.log()}")
+            try:
+                if server.serving():
+                    break
+            except grpc.RpcError:
+                if time.monotonic() > deadline:
+                    raise
+            time.sleep(0.05)
+        yield server
+    finally:
+        channel.close()
+        stop(process)
+        for leftover in sock_dir.iterdir():
+            leftover.unlink()
+        sock_dir.rmdir()

@@ -1,0 +1,102 @@
+"""The state of policies whose whole state is per learner (dsd, ucb): a LearnerTable, and
+the LearnedState built on it.
+
+Such a policy keeps, per learner, one value (dsd: an acceptance model; ucb: arm sets per
+batch bucket) and, per engine, only which learner it updates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar, Generic, TypeVar
+
+from nightjar_common.types import StepContext
+from policy_server.policies.base import GammaParams, ParamsPolicy, PolicyError, learner_id
+from policy_server.policies.engine_state import LearnerBook
+
+L = TypeVar("L")
+G = TypeVar("G", bound=GammaParams)
+
+
+class LearnerTable(LearnerBook[str, L]):
+    """Engine id → learner id, and each learner's value: the bookkeeping of policies whose
+    whole state is per learner (dsd, ucb)."""
+
+    def _learner_id(self, engine: str) -> str:
+        return engine
+
+    def learner_of(self, ctx: StepContext) -> str:
+        learner = self.engines.get(ctx.engine_id)
+        if learner is None:
+            learner = self.engines[ctx.engine_id] = learner_id(ctx, self.share_learner)
+        return learner
+
+    def get(self, ctx: StepContext) -> L:
+        """The learned value of the step's learner (created on first use)."""
+        return self.learner(self.learner_of(ctx))
+
+    def replace(self, ctx: StepContext, value: L) -> None:
+        self.learners[self.learner_of(ctx)] = value
+
+    def to_json(
+        self, engine_id: str | None, learner_json: Callable[[L], Any]
+    ) -> dict[str, dict[str, Any]]:
+        """``engines`` and ``learners`` of a policy state (one engine's part when given)."""
+        engines = {e: lid for e, lid in sorted(self.engines.items()) if engine_id in (None, e)}
+        learners = {lid: learner_json(self.learners[lid])
+                    for lid in sorted(set(engines.values())) if lid in self.learners}  # fmt: skip
+        return {"engines": engines, "learners": learners}
+
+    def load(self, state: Mapping[str, Any], learner_from_json: Callable[[Any], L]) -> None:
+        """Replace the table from a state's ``engines`` and ``learners``; raises KeyError,
+        TypeError or ValueError (and changes nothing) when they do not fit."""
+        engines = {str(e): str(lid) for e, lid in dict(state["engines"]).items()}
+        learners = {str(lid): learner_from_json(v) for lid, v in dict(state["learners"]).items()}
+        self.engines, self.learners = engines, learners
+
+
+class LearnerTablePolicy(ParamsPolicy[G], Generic[G, L]):
+    """LearnedState of a policy whose whole state is a LearnerTable (dsd, ucb).
+
+    Their decide() creates table entries (an engine's learner, a batch bucket's arms) that
+    no checkpoint holds, so the server decides their tentative candidates on a copy and
+    the chosen one again on the live policy (``checkpoints_decide`` False)."""
+
+    name: ClassVar[str]
+    state_schema: ClassVar[str]
+    checkpoints_decide: ClassVar[bool] = False
+    _table: LearnerTable[L]
+
+    def _learner_to_json(self, learned: L) -> Any:
+        raise NotImplementedError
+
+    def _learner_from_json(self, data: Any) -> L:
+        """A learner's value from its JSON; KeyError, TypeError or ValueError if malformed."""
+        raise NotImplementedError
+
+    def state(self, engine_id: str | None = None) -> dict[str, Any]:
+        return {
+            "schema": self.state_schema,
+            "gamma_max": self.gamma_max,
+            **self._table.to_json(engine_id, self._learner_to_json),
+        }
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        if state.get("schema") != self.state_schema or state.get("gamma_max") != self.gamma_max:
+            raise PolicyError(f"state is not {self.state_schema} with gamma_max={self.gamma_max}")
+        try:
+            self._table.load(state, self._learner_from_json)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PolicyError(f"malformed {self.name} state: {exc!r}") from exc
+
+    def forget_learner(self, learner_key: str) -> None:
+        self._table.forget_learner(learner_key)
+
+    def reset(self, engine_id: str | None = None) -> None:
+        self._table.reset(engine_id)
+
+    def checkpoint(self, ctx: StepContext) -> object:
+        return None  # not used: checkpoints_decide is False
+
+    def restore(self, ctx: StepContext, saved: object) -> None:
+        return None

@@ -1,0 +1,152 @@
+"""A real sidecar process for tests and tools: started on a Unix socket with an admin token,
+a state directory and a metrics port, with typed stubs on it."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from nightjar_proto.v1 import admin_pb2, admin_pb2_grpc, policy_pb2_grpc
+
+ADMIN_TOKEN = "s3cret-test-token"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclasses.dataclass
+class ServerProcess:
+    """A running sidecar and typed handles on it."""
+
+    workdir: Path
+    args: list[str]
+    uds: Path
+    state_dir: Path
+    metrics_port: int
+    token_file: Path
+    log_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+    channel: grpc.Channel | None = None
+
+    @property
+    def target(self) -> str:
+        return f"unix:{self.uds}"
+
+    def start(self, timeout: float = 15.0) -> ServerProcess:
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "policy_server.cli", *self.args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        # Retry the connection every 100-500 ms while the server starts: gRPC's default
+        # backoff (1 s, growing) can outlast the start-up wait on a loaded machine.
+        self.channel = grpc.insecure_channel(self.target, options=[
+            ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 500),
+        ])  # fmt: skip
+        deadline = time.monotonic() + timeout
+        health = health_pb2_grpc.HealthStub(self.channel)
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited early:\n{self.log()}")
+            try:
+                reply = health.Check(health_pb2.HealthCheckRequest(), timeout=0.5)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return self
+            except grpc.RpcError:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError(f"server did not become healthy:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=10)
+        self._close_channel()
+
+    def terminate(self) -> int:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        code = self.proc.wait(timeout=15)
+        self._close_channel()
+        return code
+
+    def _close_channel(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
+
+    @property
+    def policy(self) -> Any:
+        return policy_pb2_grpc.PolicyServiceStub(self.channel)
+
+    @property
+    def admin(self) -> Any:
+        return admin_pb2_grpc.AdminServiceStub(self.channel)
+
+    @property
+    def auth(self) -> list[tuple[str, str]]:
+        return [("authorization", f"Bearer {ADMIN_TOKEN}")]
+
+    def state(self) -> dict[str, Any]:
+        """Everything observable about the learned state (for before/after comparisons)."""
+        reply = self.admin.GetState(admin_pb2.GetStateRequest(), timeout=5)
+        return {
+            "policy": reply.policy_name,
+            "version": reply.policy_version,
+            "params": json.loads(reply.params_json),
+            "state": json.loads(reply.state_json),
+            "reports": reply.reports_total,
+        }
+
+
+def server_factory(tmp_path: Path) -> Iterator[Any]:
+    """Yields factory(*extra_args, start=True, name="s") -> ServerProcess; every server it
+    made is killed when the generator resumes."""
+    servers: list[ServerProcess] = []
+    # Unix socket paths are limited to ~107 bytes; pytest's tmp_path can be longer.
+    sock_dir = Path(tempfile.mkdtemp(prefix="nj-"))
+
+    def factory(*extra: str, start: bool = True, name: str = "s") -> ServerProcess:
+        token_file = tmp_path / "admin-token"
+        token_file.write_text(ADMIN_TOKEN + "\n")
+        uds = sock_dir / f"{name}{len(servers)}.sock"
+        state_dir = tmp_path / f"state-{name}"
+        metrics_port = free_port()
+        args = [
+            "--uds", str(uds), "--metrics-port", str(metrics_port),
+            "--state-dir", str(state_dir), "--admin-token-file", str(token_file),
+            "--log-level", "INFO", *extra,
+        ]  # fmt: skip
+        server = ServerProcess(
+            tmp_path, args, uds, state_dir, metrics_port, token_file, tmp_path / f"{name}.log"
+        )
+        servers.append(server)
+        return server.start() if start else server
+
+    yield factory
+    for server in servers:
+        if server.proc is not None and server.proc.poll() is None:
+            server.proc.kill()
+            server.proc.wait(timeout=10)
+        server._close_channel()
+    shutil.rmtree(sock_dir, ignore_errors=True)
