@@ -39,9 +39,11 @@ class BarePolicyService(policy_pb2_grpc.PolicyServiceServicer):  # type: ignore[
                 continue
             self.decisions += 1
             decision = policy_pb2.Decision(
-                gamma=1, decision_id=str(self.decisions), policy_name=NAME,
+                gamma=1,
+                decision_id=str(self.decisions),
+                policy_name=NAME,
                 batch_size=request.context.batch_size,
-            )  # fmt: skip
+            )
             yield policy_pb2.StepReply(seq=request.seq, decision=decision)
 
 

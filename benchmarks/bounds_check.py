@@ -89,11 +89,14 @@ def requests(engines: int, seed: int = 0) -> Iterator[policy_pb2.StepRequest]:
         yield policy_pb2.StepRequest(
             seq=i + 1,
             context=policy_pb2.StepContext(
-                engine_id=f"flood-{i}", learner_key=f"model-{i}@device",
-                batch_size=rng.randint(1, 64), total_kv_blocks=4096, free_kv_blocks=2048,
+                engine_id=f"flood-{i}",
+                learner_key=f"model-{i}@device",
+                batch_size=rng.randint(1, 64),
+                total_kv_blocks=4096,
+                free_kv_blocks=2048,
                 draft_resident=True,
             ),
-        )  # fmt: skip
+        )
 
 
 def run(engines: int, sample_every: int = 5000) -> Result:
@@ -103,9 +106,18 @@ def run(engines: int, sample_every: int = 5000) -> Result:
         sock = Path(tmp) / "s.sock"
         metrics_port = free_port()
         server = subprocess.Popen(
-            [sys.executable, "-m", "policy_server.cli", "--uds", str(sock),
-             "--metrics-port", str(metrics_port), "--log-level", "WARNING"],
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "policy_server.cli",
+                "--uds",
+                str(sock),
+                "--metrics-port",
+                str(metrics_port),
+                "--log-level",
+                "WARNING",
+            ],
+        )
         channel = grpc.insecure_channel(f"unix:{sock}")
         try:
             grpc.channel_ready_future(channel).result(timeout=30)
@@ -124,9 +136,14 @@ def run(engines: int, sample_every: int = 5000) -> Result:
             seconds = time.monotonic() - started
             counted = evictions(metrics_port)
             return Result(
-                engines, errors + engines - samples[-1][0], rss_full or samples[0][1],
-                samples[-1][1], samples, counted, seconds,
-            )  # fmt: skip
+                engines,
+                errors + engines - samples[-1][0],
+                rss_full or samples[0][1],
+                samples[-1][1],
+                samples,
+                counted,
+                seconds,
+            )
         finally:
             channel.close()
             server.terminate()

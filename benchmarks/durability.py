@@ -273,8 +273,15 @@ def records(
     date, host = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d"), machine()
 
     def record(test: str, what: str, figure: str, passed: bool) -> dict[str, Any]:
-        return {"test": test, "what": what, "figure": figure, "passed": passed,
-                "date": date, "machine": host, "command": command}  # fmt: skip
+        return {
+            "test": test,
+            "what": what,
+            "figure": figure,
+            "passed": passed,
+            "date": date,
+            "machine": host,
+            "command": command,
+        }
 
     out = [
         record(

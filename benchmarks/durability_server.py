@@ -84,10 +84,20 @@ def running_server(
     log_path = workdir / f"server-{len(list(workdir.glob('server-*.log')))}.log"
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "-m", "policy_server.cli", "--uds", str(sock_dir / "s.sock"),
-             "--metrics-port", str(metrics_port), *args],
-            stdout=log, stderr=subprocess.STDOUT, preexec_fn=preexec,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "policy_server.cli",
+                "--uds",
+                str(sock_dir / "s.sock"),
+                "--metrics-port",
+                str(metrics_port),
+                *args,
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=preexec,
+        )
     channel = grpc.insecure_channel(f"unix:{sock_dir / 's.sock'}")
     server = Server(process, channel, metrics_port, log_path)
     try:

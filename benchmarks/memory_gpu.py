@@ -52,20 +52,33 @@ SECTION = "bench-memory-gpu"
 def environment(device: torch.device) -> dict[str, Any]:
     import triton
 
-    env: dict[str, Any] = {"torch": torch.__version__, "triton": triton.__version__,
-                           "python": platform.python_version(), "host": cpu()}  # fmt: skip
+    env: dict[str, Any] = {
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+        "host": cpu(),
+    }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        env.update(gpu=props.name, sms=props.multi_processor_count,
-                   memory_gib=props.total_memory / 2**30, cuda=torch.version.cuda,
-                   driver=_driver())  # fmt: skip
+        env.update(
+            gpu=props.name,
+            sms=props.multi_processor_count,
+            memory_gib=props.total_memory / 2**30,
+            cuda=torch.version.cuda,
+            driver=_driver(),
+        )
     return env
 
 
 def _driver() -> str:
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30, check=True)  # fmt: skip
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        )
         return out.stdout.strip().splitlines()[0]
     except (OSError, subprocess.SubprocessError, IndexError):
         return "unknown"
@@ -74,9 +87,14 @@ def _driver() -> str:
 def measure(plan: Plan, device: torch.device, keep: Path | None = None) -> dict[str, Any]:
     """Every part; a part that fails is recorded with its error, the others still run.
     ``keep``: the results so far are written there after each part."""
-    results: dict[str, Any] = {"date": datetime.date.today().isoformat(),
-                               "env": environment(device), "warmup": plan.warmup,
-                               "reps": plan.reps, "cycles": plan.cycles, "errors": {}}  # fmt: skip
+    results: dict[str, Any] = {
+        "date": datetime.date.today().isoformat(),
+        "env": environment(device),
+        "warmup": plan.warmup,
+        "reps": plan.reps,
+        "cycles": plan.cycles,
+        "errors": {},
+    }
     parts = {"kv": kv_rows, "draft": draft_rows, "slot": slot_rows}
     for name, part in parts.items():
         try:

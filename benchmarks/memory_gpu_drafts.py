@@ -35,15 +35,21 @@ def build_draft(shape: DraftShape, device: torch.device) -> torch.nn.Module:
     model = torch.nn.Module()
     model.embed_tokens = torch.nn.Embedding(shape.vocab, h, device=device, dtype=DTYPE)
     model.layers = torch.nn.ModuleList(
-        torch.nn.ModuleDict({
-            "q_proj": linear(h, shape.q_dim, bias), "k_proj": linear(h, shape.kv_dim, bias),
-            "v_proj": linear(h, shape.kv_dim, bias), "o_proj": linear(shape.q_dim, h),
-            "gate_proj": linear(h, shape.intermediate), "up_proj": linear(h, shape.intermediate),
-            "down_proj": linear(shape.intermediate, h),
-            "input_layernorm": norm(), "post_attention_layernorm": norm(),
-        })
+        torch.nn.ModuleDict(
+            {
+                "q_proj": linear(h, shape.q_dim, bias),
+                "k_proj": linear(h, shape.kv_dim, bias),
+                "v_proj": linear(h, shape.kv_dim, bias),
+                "o_proj": linear(shape.q_dim, h),
+                "gate_proj": linear(h, shape.intermediate),
+                "up_proj": linear(h, shape.intermediate),
+                "down_proj": linear(shape.intermediate, h),
+                "input_layernorm": norm(),
+                "post_attention_layernorm": norm(),
+            }
+        )
         for _ in range(shape.layers)
-    )  # fmt: skip
+    )
     model.norm = norm()
     if shape.tied:
         model.lm_head = torch.nn.Linear(h, shape.vocab, bias=False, device="meta")
@@ -76,8 +82,9 @@ def _steps_ms(device: torch.device, steps: int, side: int) -> Callable[[], float
     return run
 
 
-def _reload_cycle(weights: Any, device: torch.device,
-                  between: Callable[[], object] = lambda: None) -> dict[str, float]:  # fmt: skip
+def _reload_cycle(
+    weights: Any, device: torch.device, between: Callable[[], object] = lambda: None
+) -> dict[str, float]:
     """offload → (between) → reload dispatch → completion → verify, timed."""
     offload = weights.offload()
     between()
@@ -87,8 +94,12 @@ def _reload_cycle(weights: Any, device: torch.device,
     sync(device)
     complete = time.perf_counter() - began
     finish = weights.finish_reload()
-    return {"offload_ms": 1e3 * offload.call_seconds, "dispatch_ms": 1e3 * start.call_seconds,
-            "complete_ms": 1e3 * complete, "verify_ms": 1e3 * finish.call_seconds}  # fmt: skip
+    return {
+        "offload_ms": 1e3 * offload.call_seconds,
+        "dispatch_ms": 1e3 * start.call_seconds,
+        "complete_ms": 1e3 * complete,
+        "verify_ms": 1e3 * finish.call_seconds,
+    }
 
 
 def _steps_during_reload(weights: Any, steps: Callable[[], float]) -> float:
@@ -118,12 +129,18 @@ def draft_rows(plan: Plan, device: torch.device) -> list[dict[str, Any]]:
         weights.finish_reload()
         cycles = [_reload_cycle(weights, device) for _ in range(plan.cycles)]
         alone = statistics.median(steps() for _ in range(plan.cycles))
-        during = statistics.median(_steps_during_reload(weights, steps)
-                                   for _ in range(plan.cycles))  # fmt: skip
-        row = {"model": shape.model, "tensors": len(weights.movable_tensors()),
-               "bytes": weights.nbytes, "first_offload_ms": 1e3 * first.call_seconds,
-               "steps": steps_per_reload, "matmul": plan.matmul, "steps_alone_ms": alone,
-               "steps_during_ms": during, **_medians(cycles)}  # fmt: skip
+        during = statistics.median(_steps_during_reload(weights, steps) for _ in range(plan.cycles))
+        row = {
+            "model": shape.model,
+            "tensors": len(weights.movable_tensors()),
+            "bytes": weights.nbytes,
+            "first_offload_ms": 1e3 * first.call_seconds,
+            "steps": steps_per_reload,
+            "matmul": plan.matmul,
+            "steps_alone_ms": alone,
+            "steps_during_ms": during,
+            **_medians(cycles),
+        }
         rows.append(row)
         print(row, file=sys.stderr, flush=True)
         del weights, model
@@ -174,16 +191,25 @@ def _slot_row(
     same = [t.data_ptr() for t in weights.movable_tensors().values()] == addresses
     # Emptying the slot before a reload: its blocks all live, moved below it.
     tables = {"r": list(range(blocks - slot, blocks))}
-    empty_ms = wall_ms(lambda: migrate(flat, layout, plan_compaction(tables, blocks - slot).waves),
-                       device)  # fmt: skip
+    empty_ms = wall_ms(
+        lambda: migrate(flat, layout, plan_compaction(tables, blocks - slot).waves), device
+    )
     # Layer-outermost (vLLM's default): one range per layer; and the start-up rule
     # (vllm_worker.slot_bytes), which sizes for that worst case before the buffer exists.
     pages = [page * DTYPE.itemsize] * shape.layers
     layer_outermost = draft_slot.blocks_needed(sizes, pages, 1 << 22)
     limit = -(-int(sum(sizes) * (1 + draft_slot.MAX_WASTE)) // block_bytes) + 1
-    return {"model": draft.model, "kv_model": shape.model, "bytes": sum(sizes),
-            "largest": max(sizes), "block_bytes": block_bytes, "slot_blocks": slot,
-            "settle_ms": 1e3 * settle.call_seconds, "same_addresses": same,
-            "empty_slot_ms": empty_ms, "layer_outermost_blocks": layer_outermost,
-            "startup_blocks": draft_slot.blocks_needed(sizes, pages, limit),
-            **_medians(cycles)}  # fmt: skip
+    return {
+        "model": draft.model,
+        "kv_model": shape.model,
+        "bytes": sum(sizes),
+        "largest": max(sizes),
+        "block_bytes": block_bytes,
+        "slot_blocks": slot,
+        "settle_ms": 1e3 * settle.call_seconds,
+        "same_addresses": same,
+        "empty_slot_ms": empty_ms,
+        "layer_outermost_blocks": layer_outermost,
+        "startup_blocks": draft_slot.blocks_needed(sizes, pages, limit),
+        **_medians(cycles),
+    }

@@ -47,10 +47,16 @@ def kv_rows(plan: Plan, device: torch.device) -> list[dict[str, Any]]:
             for pattern in ("sorted", "random"):
                 for moves in sizes:
                     src, dst = move_sets(pattern, moves, blocks, gen)
-                    row = {"model": shape.model, "layers": shape.layers,
-                           "page_bytes": page * flat.element_size(), "layout": layout_name,
-                           "pattern": pattern, "moves": moves, "checked": CHECKED_MOVES,
-                           **_time_moves(flat, layout, src, dst, plan)}  # fmt: skip
+                    row = {
+                        "model": shape.model,
+                        "layers": shape.layers,
+                        "page_bytes": page * flat.element_size(),
+                        "layout": layout_name,
+                        "pattern": pattern,
+                        "moves": moves,
+                        "checked": CHECKED_MOVES,
+                        **_time_moves(flat, layout, src, dst, plan),
+                    }
                     rows.append(row)
                     print(_kv_line(row), file=sys.stderr, flush=True)
         del flat
@@ -90,11 +96,15 @@ def _time_moves(
         "torch_all_layers": all_layers,
         "copy": ceiling,
     }
-    ms = {name: _or_oom(lambda a=action: median_ms(a, device, plan))  # type: ignore[misc]
-          for name, action in methods.items()}  # fmt: skip
+    ms = {
+        name: _or_oom(lambda a=action: median_ms(a, device, plan))  # type: ignore[misc]
+        for name, action in methods.items()
+    }
     wave = list(zip(src_ids.tolist(), dst_ids.tolist(), strict=True))
-    api = [wall_ms(lambda: migrate(flat, layout, [wave]), device)
-           for _ in range(max(plan.reps // 2, 1))]  # fmt: skip
+    api = [
+        wall_ms(lambda: migrate(flat, layout, [wave]), device)
+        for _ in range(max(plan.reps // 2, 1))
+    ]
     return {"bytes": 2 * n * flat.element_size(), "ms": ms, "api_ms": statistics.median(api)}
 
 
@@ -124,6 +134,8 @@ def _check_kernel(flat: torch.Tensor, layout: Any, src: torch.Tensor, dst: torch
 
 def _kv_line(row: dict[str, Any]) -> str:
     rates = {k: gbs(row["bytes"], v) for k, v in row["ms"].items()}
-    return (f"{row['model']} {row['layout']} {row['pattern']} {row['moves']}: "
-            + ", ".join(f"{k} {v} GB/s" for k, v in rates.items())
-            + f", migrate() {row['api_ms']:.2f} ms")  # fmt: skip
+    return (
+        f"{row['model']} {row['layout']} {row['pattern']} {row['moves']}: "
+        + ", ".join(f"{k} {v} GB/s" for k, v in rates.items())
+        + f", migrate() {row['api_ms']:.2f} ms"
+    )

@@ -23,8 +23,12 @@ def _products(results: dict[str, Any]) -> str:
 
 def render(results: dict[str, Any]) -> str:
     env = results["env"]
-    gpu = (f"{env['gpu']} ({env['memory_gib']:.0f} GiB, {env['sms']} SMs), driver "
-           f"{env['driver']}, CUDA {env['cuda']}" if "gpu" in env else "CPU only")  # fmt: skip
+    gpu = (
+        f"{env['gpu']} ({env['memory_gib']:.0f} GiB, {env['sms']} SMs), driver "
+        f"{env['driver']}, CUDA {env['cuda']}"
+        if "gpu" in env
+        else "CPU only"
+    )
     lines = [
         "## Elastic memory on a GPU (`make bench-memory-gpu`)",
         "",
@@ -111,10 +115,16 @@ def render(results: dict[str, Any]) -> str:
     ]
     for r in results["slot"]:
         lb = r["layer_outermost_blocks"]
-        need = (f"{lb:,} blocks ({lb * r['block_bytes'] / 1e9:.1f} GB)" if lb is not None
-                else "does not fit")  # fmt: skip
-        startup = (f"{r['startup_blocks']} blocks" if r["startup_blocks"] is not None
-                   else "declined (draft keeps its own memory)")  # fmt: skip
+        need = (
+            f"{lb:,} blocks ({lb * r['block_bytes'] / 1e9:.1f} GB)"
+            if lb is not None
+            else "does not fit"
+        )
+        startup = (
+            f"{r['startup_blocks']} blocks"
+            if r["startup_blocks"] is not None
+            else "declined (draft keeps its own memory)"
+        )
         lines.append(
             f"| {r['model']} in {r['kv_model']} ({r['block_bytes'] >> 20} MiB blocks) "
             f"| {r['slot_blocks']} ({r['slot_blocks'] * r['block_bytes'] / 1e9:.2f}) "

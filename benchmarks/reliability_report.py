@@ -38,9 +38,12 @@ class Result:
 
     def row(self) -> str:
         cells = (
-            self.test, self.what, self.figure, "pass" if self.passed else "**FAIL**",
+            self.test,
+            self.what,
+            self.figure,
+            "pass" if self.passed else "**FAIL**",
             f"{self.date}, {self.machine}, `{self.command}`",
-        )  # fmt: skip
+        )
         return "| " + " | ".join(_cell(c) for c in cells) + " |"
 
 

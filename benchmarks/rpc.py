@@ -63,8 +63,15 @@ def contexts(engine: str, count: int, seed: int = 0) -> list[StepContext]:
 
 def outcome_for(engine: str, decision_id: str, ctx: StepContext, gamma: int) -> StepOutcome:
     generated = ctx.batch_size * (1 + gamma // 2)
-    return StepOutcome(decision_id, engine, gamma, 0.02 + 0.002 * gamma, generated,
-                       ctx.batch_size * gamma, ctx.batch_size * (gamma // 2))  # fmt: skip
+    return StepOutcome(
+        decision_id,
+        engine,
+        gamma,
+        0.02 + 0.002 * gamma,
+        generated,
+        ctx.batch_size * gamma,
+        ctx.batch_size * (gamma // 2),
+    )
 
 
 # -- 1. in process ------------------------------------------------------------------------

@@ -119,8 +119,9 @@ def measure_echo(kind: str, use_stream: bool, count: int, payload: bytes) -> Mea
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.rpc_echo",
-                                     description=__doc__.splitlines()[0])  # fmt: skip
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.rpc_echo", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("address", help="where to listen, e.g. unix:/tmp/echo.sock")
     parser.add_argument("--kind", choices=ECHO_KINDS, default="aio")
     args = parser.parse_args(argv)

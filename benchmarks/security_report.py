@@ -76,7 +76,11 @@ def main() -> int:
         junit = Path(tmp) / "junit.xml"
         subprocess.run(
             [
-                sys.executable, "-m", "pytest", "-q", "tests/policy_server/test_security.py",
+                sys.executable,
+                "-m",
+                "pytest",
+                "-q",
+                "tests/policy_server/test_security.py",
                 f"--junitxml={junit}",
             ],
             check=False,
@@ -99,9 +103,17 @@ def main() -> int:
         figure = (
             f"{len(outcomes) - len(failed)}/{len(outcomes)} cases passed" if outcomes else "not run"
         ) + (f"; first failure: {failed[0]}" if failed else "")
-        records.append({"test": test, "what": what, "figure": figure, "passed": passed,
-                        "date": date, "machine": host,
-                        "command": "make reliability-security"})  # fmt: skip
+        records.append(
+            {
+                "test": test,
+                "what": what,
+                "figure": figure,
+                "passed": passed,
+                "date": date,
+                "machine": host,
+                "command": "make reliability-security",
+            }
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(records, indent=2) + "\n")
     for r in records:

@@ -91,17 +91,46 @@ def bench_serve_argv(
     first and waits for it (not measured). vLLM's ready check is off: the caller waited
     for the server's health."""
     return [
-        "--backend", "vllm", "--base-url", load.base_url, "--model", str(load.model),
-        "--served-model-name", load.served_model_name,
-        "--dataset-name", "custom", "--dataset-path", str(load.dataset), "--skip-chat-template",
-        "--custom-output-len", str(load.output_len), "--ignore-eos", "--temperature", "0",
-        "--num-prompts", str(phase.prompts), "--request-rate", f"{phase.rate:g}",
-        "--seed", str(seed), "--percentile-metrics", "ttft,tpot,itl,e2el",
-        "--metric-percentiles", "50,99", "--disable-tqdm", "--ready-check-timeout-sec", "0",
-        "--num-warmups", "1" if warmup else "0",
-        "--save-result", "--save-detailed", "--result-dir", str(result_file.parent),
-        "--result-filename", result_file.name,
-    ]  # fmt: skip
+        "--backend",
+        "vllm",
+        "--base-url",
+        load.base_url,
+        "--model",
+        str(load.model),
+        "--served-model-name",
+        load.served_model_name,
+        "--dataset-name",
+        "custom",
+        "--dataset-path",
+        str(load.dataset),
+        "--skip-chat-template",
+        "--custom-output-len",
+        str(load.output_len),
+        "--ignore-eos",
+        "--temperature",
+        "0",
+        "--num-prompts",
+        str(phase.prompts),
+        "--request-rate",
+        f"{phase.rate:g}",
+        "--seed",
+        str(seed),
+        "--percentile-metrics",
+        "ttft,tpot,itl,e2el",
+        "--metric-percentiles",
+        "50,99",
+        "--disable-tqdm",
+        "--ready-check-timeout-sec",
+        "0",
+        "--num-warmups",
+        "1" if warmup else "0",
+        "--save-result",
+        "--save-detailed",
+        "--result-dir",
+        str(result_file.parent),
+        "--result-filename",
+        result_file.name,
+    ]
 
 
 def run_phase(argv: Sequence[str], log: Path) -> ServeResult:
@@ -147,14 +176,17 @@ class ServeResult:
         done = [i for i, error in enumerate(data["errors"]) if not error]
         lens, e2e, ttft = data["output_lens"], data["latencies"], data["ttfts"]
         return cls(
-            prompts=data["num_prompts"], completed=data["completed"],
-            duration_s=data["duration"], output_tokens=data["total_output_tokens"],
+            prompts=data["num_prompts"],
+            completed=data["completed"],
+            duration_s=data["duration"],
+            output_tokens=data["total_output_tokens"],
             drafted_tokens=data.get("spec_decode_draft_tokens", 0),
             accepted_tokens=data.get("spec_decode_accepted_tokens", 0),
-            e2e_s=tuple(e2e[i] for i in done), ttft_s=tuple(ttft[i] for i in done),
+            e2e_s=tuple(e2e[i] for i in done),
+            ttft_s=tuple(ttft[i] for i in done),
             tpot_s=tuple((e2e[i] - ttft[i]) / (lens[i] - 1) for i in done if lens[i] > 1),
             itl_s=tuple(gap for i in done for gap in data["itls"][i]),
-        )  # fmt: skip
+        )
 
     @classmethod
     def pool(cls, results: Sequence[ServeResult]) -> ServeResult:

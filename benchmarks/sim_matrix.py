@@ -61,8 +61,9 @@ def sweep_rates(quick: bool) -> list[float]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench-sim", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("docs/BENCHMARKS.md"))
-    parser.add_argument("--plots", type=Path, default=Path("docs/img"),
-                        help="directory for the PNG figures")  # fmt: skip
+    parser.add_argument(
+        "--plots", type=Path, default=Path("docs/img"), help="directory for the PNG figures"
+    )
     parser.add_argument("--data", type=Path, default=nightjar_data.ROOT, help=DATA_HELP)
     parser.add_argument("--quick", action="store_true", help="reduced matrix (< 2 min)")
     parser.add_argument(
@@ -79,8 +80,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         }
         seeds = [1] if args.quick else [1, 2, 3]
         config = BenchConfig(
-            args.data, seeds, args.quick, chunked_prefill=args.chunked_prefill, assets=assets,
-        )  # fmt: skip
+            args.data,
+            seeds,
+            args.quick,
+            chunked_prefill=args.chunked_prefill,
+            assets=assets,
+        )
         run(args, config, profiles)
     return 0
 
@@ -96,10 +101,15 @@ def run(
 
     slo_runs = len(config.slo_workloads) * len(SLO_ONLY) * len(config.seeds)
     progress = tqdm(
-        total=len(profiles) * (len(names) * len(config.policies) * len(config.seeds) + slo_runs
-                               + len(rates) * len(config.sweep_policies)),
-        unit="run", desc="bench-sim",
-    )  # fmt: skip
+        total=len(profiles)
+        * (
+            len(names) * len(config.policies) * len(config.seeds)
+            + slo_runs
+            + len(rates) * len(config.sweep_policies)
+        ),
+        unit="run",
+        desc="bench-sim",
+    )
 
     cells: dict[tuple[str, str, str], list[Cell]] = {}
     kept: dict[tuple[str, str, str], SimResult] = {}  # first seed's runs, for the plots
@@ -108,8 +118,9 @@ def run(
             slo = workload in config.slo_workloads
             for policy in [*config.policies, *(SLO_ONLY if slo else ())]:
                 for seed in config.seeds:
-                    result = simulate(profile, per_seed[seed][workload], policy, config, seed,
-                                      workload)  # fmt: skip
+                    result = simulate(
+                        profile, per_seed[seed][workload], policy, config, seed, workload
+                    )
                     cell = summarise(profile_name, workload, policy, result)
                     if slo:
                         cell = dataclasses.replace(
@@ -124,8 +135,11 @@ def run(
     sweep = run_sweep(profiles, rates, config, progress, args.data)
     progress.close()
     figures = write_plots(args.plots, profiles, kept, sweep, args.data)
-    write_section(args.out, SECTION, render(cells, list(profiles), names, config, sweep, figures,
-                                            args.out.parent))  # fmt: skip
+    write_section(
+        args.out,
+        SECTION,
+        render(cells, list(profiles), names, config, sweep, figures, args.out.parent),
+    )
     print(f"report: {args.out}; plots: {', '.join(str(f) for f in figures)}", file=sys.stderr)
 
 
@@ -133,9 +147,12 @@ Sweep = dict[str, dict[str, list[tuple[float, float, float]]]]
 
 
 def run_sweep(
-    profiles: dict[str, HardwareProfile], rates: list[float], config: BenchConfig,
-    progress: tqdm[NoReturn], data: Path,
-) -> Sweep:  # fmt: skip
+    profiles: dict[str, HardwareProfile],
+    rates: list[float],
+    config: BenchConfig,
+    progress: tqdm[NoReturn],
+    data: Path,
+) -> Sweep:
     """Throughput and mean latency against a Poisson offered load, first seed."""
     trace = read_trace(data / "traces" / "azure_llm_2023_conv.csv")
     seconds = 30.0 if config.quick else 60.0
@@ -155,36 +172,53 @@ def run_sweep(
 
 
 def write_plots(
-    directory: Path, profiles: dict[str, HardwareProfile],
-    kept: dict[tuple[str, str, str], SimResult], sweep: Sweep, data: Path,
-) -> list[Path]:  # fmt: skip
+    directory: Path,
+    profiles: dict[str, HardwareProfile],
+    kept: dict[tuple[str, str, str], SimResult],
+    sweep: Sweep,
+    data: Path,
+) -> list[Path]:
     # Imported here so the report logic (and its tests) do not need matplotlib.
     from policy_server.sim import plots
 
     figures = [
-        plots.plot_profiles(profiles, calibration_points(data / "calibration"),
-                            directory / "sim_profiles.png"),
+        plots.plot_profiles(
+            profiles, calibration_points(data / "calibration"), directory / "sim_profiles.png"
+        ),
         plots.plot_qps_sweep(sweep, directory / "sim_qps_sweep.png"),
-    ]  # fmt: skip
+    ]
     for profile in profiles:
         step = {p: kept[(profile, "step", p)] for p in (DEFAULT, "nightjar", "ema", "oracle")}
         trace = {p: kept[(profile, "azure-conv", p)] for p in PLOTTED}
         figures += [
-            plots.plot_gamma_timeline(step, directory / f"sim_gamma_{profile}.png",
-                                      f"{profile}, step workload (1 → 8 req/s)"),
-            plots.plot_throughput_over_time(trace, directory / f"sim_throughput_{profile}.png",
-                                            f"{profile}, Azure conv trace at 4 req/s"),
-            plots.plot_regret(trace, directory / f"sim_regret_{profile}.png",
-                              f"{profile}, Azure conv trace: regret against the oracle"),
-        ]  # fmt: skip
+            plots.plot_gamma_timeline(
+                step,
+                directory / f"sim_gamma_{profile}.png",
+                f"{profile}, step workload (1 → 8 req/s)",
+            ),
+            plots.plot_throughput_over_time(
+                trace,
+                directory / f"sim_throughput_{profile}.png",
+                f"{profile}, Azure conv trace at 4 req/s",
+            ),
+            plots.plot_regret(
+                trace,
+                directory / f"sim_regret_{profile}.png",
+                f"{profile}, Azure conv trace: regret against the oracle",
+            ),
+        ]
     return figures
 
 
 def render(
-    cells: dict[tuple[str, str, str], list[Cell]], profiles: list[str], names: list[str],
-    config: BenchConfig, sweep: Sweep | None = None, figures: Sequence[Path] = (),
+    cells: dict[tuple[str, str, str], list[Cell]],
+    profiles: list[str],
+    names: list[str],
+    config: BenchConfig,
+    sweep: Sweep | None = None,
+    figures: Sequence[Path] = (),
     relative_to: Path | None = None,
-) -> str:  # fmt: skip
+) -> str:
     command = "make bench-quick" if config.quick else "make bench"
     lines = [
         "## Serving simulator: policies on traces (`make bench`)",
@@ -222,9 +256,11 @@ def render(
 
 
 def cell_tables(
-    cells: dict[tuple[str, str, str], list[Cell]], profiles: list[str], names: list[str],
+    cells: dict[tuple[str, str, str], list[Cell]],
+    profiles: list[str],
+    names: list[str],
     policies: list[str],
-) -> list[str]:  # fmt: skip
+) -> list[str]:
     """One table per (profile, workload): every policy, means over seeds."""
 
     def avg(key: tuple[str, str, str], field: str) -> float:
@@ -233,10 +269,12 @@ def cell_tables(
     lines: list[str] = []
     for profile in profiles:
         for workload in names:
-            lines += [f"### {profile} — {workload}", "",
-                      "| policy | tok/s | vs oracle | mean e2e s | p99 e2e s | mean TPOT ms "
-                      "| regret % |",
-                      "|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+            lines += [
+                f"### {profile} — {workload}",
+                "",
+                "| policy | tok/s | vs oracle | mean e2e s | p99 e2e s | mean TPOT ms | regret % |",
+                "|---|---:|---:|---:|---:|---:|---:|",
+            ]
             oracle = avg((profile, workload, "oracle"), "throughput")
             for policy in policies:
                 key = (profile, workload, policy)
@@ -256,20 +294,26 @@ def sweep_table(sweep: Sweep) -> list[str]:
     lines = ["### Throughput vs offered load (Poisson, Azure conv lengths, first seed)", ""]
     for profile, by_policy in sweep.items():
         rates = [p[0] for p in next(iter(by_policy.values()))]
-        lines += [f"{profile}: tok/s (mean e2e s)", "",
-                  "| policy | " + " | ".join(f"{r:g} qps" for r in rates) + " |",
-                  "|---|" + "---:|" * len(rates)]  # fmt: skip
+        lines += [
+            f"{profile}: tok/s (mean e2e s)",
+            "",
+            "| policy | " + " | ".join(f"{r:g} qps" for r in rates) + " |",
+            "|---|" + "---:|" * len(rates),
+        ]
         for policy, points in by_policy.items():
-            lines.append(f"| {policy} | " + " | ".join(f"{t:.0f} ({lat:.1f})"
-                                                      for _, t, lat in points) + " |")  # fmt: skip
+            lines.append(
+                f"| {policy} | " + " | ".join(f"{t:.0f} ({lat:.1f})" for _, t, lat in points) + " |"
+            )
         lines.append("")
     return lines
 
 
 def targets(
-    cells: dict[tuple[str, str, str], list[Cell]], profiles: list[str], names: list[str],
+    cells: dict[tuple[str, str, str], list[Cell]],
+    profiles: list[str],
+    names: list[str],
     config: BenchConfig,
-) -> list[str]:  # fmt: skip
+) -> list[str]:
     """Issue 11's targets per cell for the default policy, from the mean over seeds."""
 
     def avg(profile: str, workload: str, policy: str, field: str = "throughput") -> float:
@@ -313,18 +357,27 @@ def targets(
 
 
 def slo_table(
-    cells: dict[tuple[str, str, str], list[Cell]], profiles: list[str], names: list[str],
+    cells: dict[tuple[str, str, str], list[Cell]],
+    profiles: list[str],
+    names: list[str],
     config: BenchConfig,
-) -> list[str]:  # fmt: skip
+) -> list[str]:
     """TPOT-SLO attainment of the SLO workloads (mean over seeds)."""
-    lines = ["### TPOT SLO mode (`goodput` with `tpot_slo_ms`)", "",
-             "Share of requests whose TPOT met the SLO, and throughput; `goodput-slo` runs "
-             "the default policy with `tpot_slo_ms` set to the SLO.", ""]  # fmt: skip
+    lines = [
+        "### TPOT SLO mode (`goodput` with `tpot_slo_ms`)",
+        "",
+        "Share of requests whose TPOT met the SLO, and throughput; `goodput-slo` runs "
+        "the default policy with `tpot_slo_ms` set to the SLO.",
+        "",
+    ]
     for profile in profiles:
         for workload in (w for w in config.slo_workloads if w in names):
-            lines += [f"{profile} — {workload}, SLO {SLO_MS[profile]:g} ms", "",
-                      "| policy | SLO attainment | tok/s | mean TPOT ms |",
-                      "|---|---:|---:|---:|"]  # fmt: skip
+            lines += [
+                f"{profile} — {workload}, SLO {SLO_MS[profile]:g} ms",
+                "",
+                "| policy | SLO attainment | tok/s | mean TPOT ms |",
+                "|---|---:|---:|---:|",
+            ]
             for policy in SLO_POLICIES:
                 runs = cells.get((profile, workload, policy))
                 if not runs:

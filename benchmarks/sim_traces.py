@@ -41,8 +41,19 @@ TRACES = {
     "azure-code": ("azure_llm_2023_code.csv", 4.0),
     "mooncake-conv": ("mooncake_conversation.csv", None),
 }
-POLICIES = ["goodput", "nightjar", "off", "static-1", "static-2", "static-3", "static-4",
-            "table", "ema", "dsd", "oracle"]  # fmt: skip
+POLICIES = [
+    "goodput",
+    "nightjar",
+    "off",
+    "static-1",
+    "static-2",
+    "static-3",
+    "static-4",
+    "table",
+    "ema",
+    "dsd",
+    "oracle",
+]
 
 
 def workloads(data: Path, seconds: float = SECONDS) -> dict[str, list[RequestSpec]]:
@@ -58,8 +69,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("docs/BENCHMARKS.md"))
     parser.add_argument("--data", type=Path, default=nightjar_data.ROOT, help=DATA_HELP)
     parser.add_argument("--seeds", type=int, default=3, help="seeds 1..N per cell")
-    parser.add_argument("--seconds", type=float, default=SECONDS,
-                        help="how much of each trace, from its start")  # fmt: skip
+    parser.add_argument(
+        "--seconds", type=float, default=SECONDS, help="how much of each trace, from its start"
+    )
     args = parser.parse_args(argv)
     if args.seeds < 1 or args.seconds <= 0:
         parser.error("--seeds must be >= 1 and --seconds > 0")
@@ -69,16 +81,27 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="nightjar-bench-traces-") as scratch:
         assets = {name: ProfileAssets.build(p, Path(scratch)) for name, p in profiles.items()}
-        config = BenchConfig(args.data, list(range(1, args.seeds + 1)), quick=False,
-                             assets=assets, only=tuple(POLICIES))  # fmt: skip
+        config = BenchConfig(
+            args.data,
+            list(range(1, args.seeds + 1)),
+            quick=False,
+            assets=assets,
+            only=tuple(POLICIES),
+        )
         cells: dict[tuple[str, str, str], list[Cell]] = {}
         # Requests too long for a profile's KV cache (refused, the same for every policy).
         refused: dict[tuple[str, str], int] = {}
-        runs = [(pn, w, policy, seed) for pn in profiles for w in specs for policy in POLICIES
-                for seed in config.seeds]  # fmt: skip
+        runs = [
+            (pn, w, policy, seed)
+            for pn in profiles
+            for w in specs
+            for policy in POLICIES
+            for seed in config.seeds
+        ]
         for profile_name, workload, policy, seed in tqdm(runs, unit="run", desc="bench-traces"):
-            result = simulate(profiles[profile_name], specs[workload], policy, config, seed,
-                              workload)  # fmt: skip
+            result = simulate(
+                profiles[profile_name], specs[workload], policy, config, seed, workload
+            )
             cell = summarise(profile_name, workload, policy, result)
             refused[(profile_name, workload)] = result.rejected
             cells.setdefault((profile_name, workload, policy), []).append(cell)
@@ -88,15 +111,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def render(
-    cells: dict[tuple[str, str, str], list[Cell]], profiles: list[str],
-    specs: dict[str, list[RequestSpec]], config: BenchConfig,
+    cells: dict[tuple[str, str, str], list[Cell]],
+    profiles: list[str],
+    specs: dict[str, list[RequestSpec]],
+    config: BenchConfig,
     refused: dict[tuple[str, str], int],
-) -> str:  # fmt: skip
+) -> str:
     names = list(specs)
     refusals = "; ".join(
         f"`{workload}` on {profile}: {refused[(profile, workload)]}"
-        for profile in profiles for workload in names if refused.get((profile, workload))
-    )  # fmt: skip
+        for profile in profiles
+        for workload in names
+        if refused.get((profile, workload))
+    )
     described = ", ".join(
         f"`{name}` ({len(specs[name])} requests, "
         f"{len(specs[name]) / max(specs[name][-1].arrival_s, 1e-9):.1f} req/s)"

@@ -57,8 +57,14 @@ FALLBACK_TABLE = [[1, 8, 3], [9, 24, 1], [25, 4096, 0]]
 TOKEN = "bench-vllm-admin-token"
 MODEL_NAME = "tiny"
 # `--quick` (the CI smoke run): every option it sets can still be given explicitly.
-QUICK = {"schedule": "2x4,8x12,2x4", "policies": "goodput,off", "warm": "",
-         "repetitions": 1, "output_len": 16, "engine_warmup": 0}  # fmt: skip
+QUICK = {
+    "schedule": "2x4,8x12,2x4",
+    "policies": "goodput,off",
+    "warm": "",
+    "repetitions": 1,
+    "output_len": 16,
+    "engine_warmup": 0,
+}
 # Runs the unreported engine warm-up phase: a mix of γ as the engine's dynamic-SD table.
 # Its default size: the batch reaches --max-num-seqs (64), so the first pass does not pay
 # for the CPU kernels' first runs at large batch shapes (16 requests left the first pass of
@@ -108,8 +114,9 @@ def swap(target: str, policy: str) -> None:
     with grpc.insecure_channel(target) as channel:
         admin_pb2_grpc.AdminServiceStub(channel).SwapPolicy(
             admin_pb2.SwapPolicyRequest(name=name, params_json=json.dumps(params)),
-            metadata=[("authorization", f"Bearer {TOKEN}")], timeout=10,
-        )  # fmt: skip
+            metadata=[("authorization", f"Bearer {TOKEN}")],
+            timeout=10,
+        )
 
 
 def stats_after(path: Path, moment: float, timeout: float = 15.0) -> dict[str, Any]:
@@ -173,32 +180,56 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     doc = __doc__ or ""
     parser = argparse.ArgumentParser(prog="bench-vllm", description=doc.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("docs/BENCHMARKS.md"))
-    parser.add_argument("--prompts", type=Path, default=nightjar_data.SPEC_BENCH_PROMPTS,
-                        help="Spec-Bench question.jsonl (default: the copy shipped as "
-                        "nightjar_data)")  # fmt: skip
-    parser.add_argument("--prompt-chars", type=int, default=300,
-                        help="cut each question to this many characters")  # fmt: skip
-    parser.add_argument("--models", type=Path, default=Path("out/models/cpu-rig"),
-                        help="where the model pair is built (reused when it exists)")  # fmt: skip
-    parser.add_argument("--kind", default="truncated", choices=("truncated", "perturbed"),
-                        help="tiny_models pair")  # fmt: skip
-    parser.add_argument("--schedule", type=_schedule, default="0.5x16,8x160,0.5x16",
-                        help="load phases RATExPROMPTS,... (req/s x prompts)")  # fmt: skip
-    parser.add_argument("--policies", type=_policies,
-                        default="goodput,nightjar,off,static-1,static-3,table,ema")  # fmt: skip
-    parser.add_argument("--warm", type=_policies, default="goodput,nightjar,ema",
-                        help="those of --policies that run the schedule again right after, "
-                        "keeping their learned state")  # fmt: skip
+    parser.add_argument(
+        "--prompts",
+        type=Path,
+        default=nightjar_data.SPEC_BENCH_PROMPTS,
+        help="Spec-Bench question.jsonl (default: the copy shipped as nightjar_data)",
+    )
+    parser.add_argument(
+        "--prompt-chars", type=int, default=300, help="cut each question to this many characters"
+    )
+    parser.add_argument(
+        "--models",
+        type=Path,
+        default=Path("out/models/cpu-rig"),
+        help="where the model pair is built (reused when it exists)",
+    )
+    parser.add_argument(
+        "--kind", default="truncated", choices=("truncated", "perturbed"), help="tiny_models pair"
+    )
+    parser.add_argument(
+        "--schedule",
+        type=_schedule,
+        default="0.5x16,8x160,0.5x16",
+        help="load phases RATExPROMPTS,... (req/s x prompts)",
+    )
+    parser.add_argument(
+        "--policies", type=_policies, default="goodput,nightjar,off,static-1,static-3,table,ema"
+    )
+    parser.add_argument(
+        "--warm",
+        type=_policies,
+        default="goodput,nightjar,ema",
+        help="those of --policies that run the schedule again right after, "
+        "keeping their learned state",
+    )
     parser.add_argument("--repetitions", type=int, default=2)
-    parser.add_argument("--engine-warmup", type=int, default=64, metavar="PROMPTS",
-                        help="an unreported phase of this many requests at the schedule's "
-                        "highest rate before the first pass, under `table` (0 = none); "
-                        "without it the first pass pays the engine's warm-up")  # fmt: skip
+    parser.add_argument(
+        "--engine-warmup",
+        type=int,
+        default=64,
+        metavar="PROMPTS",
+        help="an unreported phase of this many requests at the schedule's "
+        "highest rate before the first pass, under `table` (0 = none); "
+        "without it the first pass pays the engine's warm-up",
+    )
     parser.add_argument("--output-len", type=int, default=64, help="output tokens per request")
     parser.add_argument("--seed", type=int, default=0, help="phase i uses seed + i")
     parser.add_argument("--port", type=int, default=8765)
-    parser.add_argument("--result-dir", type=Path,
-                        help="where vLLM writes its result files (default: temp)")  # fmt: skip
+    parser.add_argument(
+        "--result-dir", type=Path, help="where vLLM writes its result files (default: temp)"
+    )
     quick = ", ".join(f"{key}={value}" for key, value in QUICK.items())
     parser.add_argument("--quick", action="store_true", help=f"smoke run: {quick}")
     args = parser.parse_args(argv)
@@ -219,29 +250,70 @@ def main(argv: Sequence[str] | None = None) -> int:
     (work / "token").write_text(TOKEN)
     sock, stats_file = work / "nightjar.sock", work / "plugin-stats.json"
     base = f"http://127.0.0.1:{args.port}"
-    load = Load(base, pair.target, MODEL_NAME,
-                write_prompts(args.prompts, work / "prompts.jsonl", args.prompt_chars),
-                args.output_len)  # fmt: skip
+    load = Load(
+        base,
+        pair.target,
+        MODEL_NAME,
+        write_prompts(args.prompts, work / "prompts.jsonl", args.prompt_chars),
+        args.output_len,
+    )
     env = {
-        **os.environ, "VLLM_CPU_KVCACHE_SPACE": "4", "TOKENIZERS_PARALLELISM": "false",
-        "NIGHTJAR_SIDECAR": f"unix:{sock}", "NIGHTJAR_ENGINE_ID": "bench",
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": "4",
+        "TOKENIZERS_PARALLELISM": "false",
+        "NIGHTJAR_SIDECAR": f"unix:{sock}",
+        "NIGHTJAR_ENGINE_ID": "bench",
         "NIGHTJAR_STATS_FILE": str(stats_file),
-    }  # fmt: skip
-    spec = {"method": "draft_model", "model": str(pair.draft), "num_speculative_tokens": GAMMA_MAX,
-            "num_speculative_tokens_per_batch_size": FALLBACK_TABLE}  # fmt: skip
-    sidecar = [sys.executable, "-m", "policy_server.cli", "--uds", str(sock),
-               "--admin-token-file", str(work / "token"), "--state-dir", str(work / "state"),
-               "--decision-log", str(work / "decisions.jsonl"),
-               "--log-level", "WARNING"]  # fmt: skip
+    }
+    spec = {
+        "method": "draft_model",
+        "model": str(pair.draft),
+        "num_speculative_tokens": GAMMA_MAX,
+        "num_speculative_tokens_per_batch_size": FALLBACK_TABLE,
+    }
+    sidecar = [
+        sys.executable,
+        "-m",
+        "policy_server.cli",
+        "--uds",
+        str(sock),
+        "--admin-token-file",
+        str(work / "token"),
+        "--state-dir",
+        str(work / "state"),
+        "--decision-log",
+        str(work / "decisions.jsonl"),
+        "--log-level",
+        "WARNING",
+    ]
     # No prefix caching: every pass sends the same prompts, so with it each pass after the
     # first to see a phase's prompts skips part of their prefill (a third of all prompt
     # tokens by the end of a run), and the order of the passes decided the ranking.
-    server = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-              "--model", str(pair.target), "--served-model-name", MODEL_NAME,
-              "--host", "127.0.0.1", "--port", str(args.port), "--dtype", "float32",
-              "--max-model-len", "1024", "--enforce-eager", "--max-num-seqs", "64",
-              "--no-enable-prefix-caching",
-              "--seed", "0", "--speculative-config", json.dumps(spec)]  # fmt: skip
+    server = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(pair.target),
+        "--served-model-name",
+        MODEL_NAME,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(args.port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "1024",
+        "--enforce-eager",
+        "--max-num-seqs",
+        "64",
+        "--no-enable-prefix-caching",
+        "--seed",
+        "0",
+        "--speculative-config",
+        json.dumps(spec),
+    ]
     passes = plan(args.policies, args.warm, args.repetitions)
     runs: list[PassResult] = []
     print(f"bench-vllm: logs and results in {work}", file=sys.stderr)
@@ -255,8 +327,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             swap(f"unix:{sock}", WARMUP_POLICY)
             warmup = Phase(max(p.rate for p in args.schedule), args.engine_warmup)
             unused_seed = args.seed + len(args.schedule)
-            run_phase(bench_serve_argv(load, warmup, unused_seed, results / "engine-warmup.json",
-                                       warmup=True), work / "bench-serve.log")  # fmt: skip
+            run_phase(
+                bench_serve_argv(
+                    load, warmup, unused_seed, results / "engine-warmup.json", warmup=True
+                ),
+                work / "bench-serve.log",
+            )
         stats = stats_after(stats_file, time.time() + 0.2)
         bar = tqdm(total=len(passes) * len(args.schedule), unit="phase", desc="bench-vllm")
         for run in passes:
@@ -267,21 +343,31 @@ def main(argv: Sequence[str] | None = None) -> int:
             for index, phase in enumerate(args.schedule):
                 label = run.label.replace(" (warm)", "-warm").replace(":", "-").replace("=", "-")
                 name = f"r{run.repetition}-{label}-p{index}.json"
-                argv = bench_serve_argv(load, phase, args.seed + index, results / name,
-                                        warmup=not runs and not phases)  # fmt: skip
+                argv = bench_serve_argv(
+                    load, phase, args.seed + index, results / name, warmup=not runs and not phases
+                )
                 phases.append(run_phase(argv, work / "bench-serve.log"))
                 files.append(name)
-                bar.set_postfix_str(f"{run.label} {phase.label}: "
-                                    f"{phases[-1].output_throughput:.1f} tok/s")  # fmt: skip
+                bar.set_postfix_str(
+                    f"{run.label} {phase.label}: {phases[-1].output_throughput:.1f} tok/s"
+                )
                 bar.update()
             # Let the step that finished the last request reach the stats file.
             after = stats_after(stats_file, time.time() + 0.2)
-            runs.append(PassResult(run, tuple(phases), tuple(files),
-                                   PluginCounts.between(stats, after)))  # fmt: skip
+            runs.append(
+                PassResult(run, tuple(phases), tuple(files), PluginCounts.between(stats, after))
+            )
             stats = after
         bar.close()
-    manifest = [{**dataclasses.asdict(r.run), "label": r.run.label, "results": list(r.result_files),
-              "plugin": dataclasses.asdict(r.plugin)} for r in runs]  # fmt: skip
+    manifest = [
+        {
+            **dataclasses.asdict(r.run),
+            "label": r.run.label,
+            "results": list(r.result_files),
+            "plugin": dataclasses.asdict(r.plugin),
+        }
+        for r in runs
+    ]
     (results / "runs.json").write_text(json.dumps(manifest, indent=1))
     elapsed = time.monotonic() - started
     write_section(args.out, SECTION, render(runs, stats, startup, elapsed, GAMMA_MAX, args))

@@ -56,22 +56,28 @@ class PluginCounts:
             return {k: int(v) - int(old.get(k, 0)) for k, v in new.items() if v != old.get(k, 0)}
 
         return cls(
-            delta("steps"), delta("sidecar_decisions"), delta("prefetch_hits"),
-            delta("prefetch_misses"), delta_map("fallbacks"), delta_map("gammas"),
+            delta("steps"),
+            delta("sidecar_decisions"),
+            delta("prefetch_hits"),
+            delta("prefetch_misses"),
+            delta_map("fallbacks"),
+            delta_map("gammas"),
             delta_map("prefetch_miss_reasons"),
-        )  # fmt: skip
+        )
 
     def __add__(self, other: PluginCounts) -> PluginCounts:
         def merged(a: Mapping[str, int], b: Mapping[str, int]) -> dict[str, int]:
             return {k: a.get(k, 0) + b.get(k, 0) for k in sorted({*a, *b})}
 
         return PluginCounts(
-            self.steps + other.steps, self.sidecar_decisions + other.sidecar_decisions,
+            self.steps + other.steps,
+            self.sidecar_decisions + other.sidecar_decisions,
             self.prefetch_hits + other.prefetch_hits,
             self.prefetch_misses + other.prefetch_misses,
-            merged(self.fallbacks, other.fallbacks), merged(self.gammas, other.gammas),
+            merged(self.fallbacks, other.fallbacks),
+            merged(self.gammas, other.gammas),
             merged(self.miss_reasons, other.miss_reasons),
-        )  # fmt: skip
+        )
 
     @property
     def fallbacks_total(self) -> int:
@@ -98,48 +104,72 @@ def _row(*cells: object) -> str:
 
 
 def _latency_cells(result: ServeResult) -> list[str]:
-    return [f"{result.completed}/{result.prompts}", f"{result.output_throughput:.1f}",
-            f"{result.mean_e2e_s:.2f}", f"{result.p99_e2e_s:.2f}", f"{result.mean_ttft_ms:.0f}",
-            f"{result.mean_tpot_ms:.1f}"]  # fmt: skip
+    return [
+        f"{result.completed}/{result.prompts}",
+        f"{result.output_throughput:.1f}",
+        f"{result.mean_e2e_s:.2f}",
+        f"{result.p99_e2e_s:.2f}",
+        f"{result.mean_ttft_ms:.0f}",
+        f"{result.mean_tpot_ms:.1f}",
+    ]
 
 
 def verdict(runs: Sequence[PassResult], schedule: Sequence[Phase]) -> list[str]:
     """The issue's targets, read off the tables: best total throughput and mean latency,
     and each adaptive policy's low-load TPOT against the best fixed γ."""
     grouped = _by_label(runs)
-    overall = {label: ServeResult.pool([p for r in rs for p in r.phases])
-               for label, rs in grouped.items()}  # fmt: skip
+    overall = {
+        label: ServeResult.pool([p for r in rs for p in r.phases]) for label, rs in grouped.items()
+    }
     fastest = max(overall, key=lambda label: overall[label].output_throughput)
     quickest = min(overall, key=lambda label: overall[label].mean_e2e_s)
-    lines = [f"- Highest total output tok/s: **{fastest}** "
-             f"({overall[fastest].output_throughput:.1f}); lowest mean e2e latency: "
-             f"**{quickest}** ({overall[quickest].mean_e2e_s:.2f} s)."]  # fmt: skip
+    lines = [
+        f"- Highest total output tok/s: **{fastest}** "
+        f"({overall[fastest].output_throughput:.1f}); lowest mean e2e latency: "
+        f"**{quickest}** ({overall[quickest].mean_e2e_s:.2f} s)."
+    ]
     low = [i for i, phase in enumerate(schedule) if phase.rate < max(p.rate for p in schedule)]
     if not low:
         return lines
-    tpot = {label: ServeResult.pool([r.phases[i] for r in rs for i in low]).mean_tpot_ms
-            for label, rs in grouped.items()}  # fmt: skip
+    tpot = {
+        label: ServeResult.pool([r.phases[i] for r in rs for i in low]).mean_tpot_ms
+        for label, rs in grouped.items()
+    }
     fixed = [label for label in tpot if is_fixed(label)]
     if fixed:
         best = min(fixed, key=tpot.__getitem__)
-        others = ", ".join(f"{label} {100 * (tpot[label] / tpot[best] - 1):+.1f} %"
-                           for label in tpot if not is_fixed(label))  # fmt: skip
-        lines.append(f"- Low-load phases, mean TPOT against the best fixed γ (**{best}**, "
-                     f"{tpot[best]:.1f} ms): {others or 'no adaptive policy ran'}.")  # fmt: skip
+        others = ", ".join(
+            f"{label} {100 * (tpot[label] / tpot[best] - 1):+.1f} %"
+            for label in tpot
+            if not is_fixed(label)
+        )
+        lines.append(
+            f"- Low-load phases, mean TPOT against the best fixed γ (**{best}**, "
+            f"{tpot[best]:.1f} ms): {others or 'no adaptive policy ran'}."
+        )
     return lines
 
 
-def render(runs: Sequence[PassResult], stats: Mapping[str, Any], startup: float,
-           elapsed: float, gamma_max: int, args: argparse.Namespace) -> str:  # fmt: skip
+def render(
+    runs: Sequence[PassResult],
+    stats: Mapping[str, Any],
+    startup: float,
+    elapsed: float,
+    gamma_max: int,
+    args: argparse.Namespace,
+) -> str:
     """The section: `stats` is the plugin's last stats file, `args` bench.py's options."""
     grouped = _by_label(runs)
     schedule: tuple[Phase, ...] = args.schedule
     hook, step = stats.get("hook_us", {}), stats.get("step_ms", {})
     hook_cpu = stats.get("hook_cpu_us", {})
-    pair = ("CPU-rig pair (`tiny_models --kind truncated`: 8-layer 1024-wide target whose "
-            "upper 6 layers are damped, draft = its first 2 layers)" if args.kind == "truncated"
-            else "test pair (`tiny_models --kind perturbed`: 4-layer 256-wide target, draft = "
-            "the target with weight noise)")  # fmt: skip
+    pair = (
+        "CPU-rig pair (`tiny_models --kind truncated`: 8-layer 1024-wide target whose "
+        "upper 6 layers are damped, draft = its first 2 layers)"
+        if args.kind == "truncated"
+        else "test pair (`tiny_models --kind perturbed`: 4-layer 256-wide target, draft = "
+        "the target with weight noise)"
+    )
     lines = [
         "## vLLM plugin on a real engine (`make bench-vllm`)",
         "",
@@ -192,8 +222,15 @@ def render(runs: Sequence[PassResult], stats: Mapping[str, Any], startup: float,
     for index, phase in enumerate(schedule):
         for label, rs in grouped.items():
             result = ServeResult.pool([r.phases[index] for r in rs])
-            lines.append(_row(f"{index + 1}: {phase.label}", label, *_latency_cells(result),
-                              f"{result.p99_itl_ms:.0f}", result.acceptance))  # fmt: skip
+            lines.append(
+                _row(
+                    f"{index + 1}: {phase.label}",
+                    label,
+                    *_latency_cells(result),
+                    f"{result.p99_itl_ms:.0f}",
+                    result.acceptance,
+                )
+            )
     gammas = range(gamma_max + 1)
     lines += [
         "",
@@ -209,13 +246,17 @@ def render(runs: Sequence[PassResult], stats: Mapping[str, Any], startup: float,
     ]
     for label, rs in grouped.items():
         c = sum((r.plugin for r in rs), PluginCounts())
-        lines.append(_row(
-            label, c.steps, " / ".join(str(c.gammas.get(str(g), 0)) for g in gammas),
-            c.sidecar_decisions,
-            f"{c.fallbacks_total} {dict(c.fallbacks) if c.fallbacks else ''}".strip(),
-            f"{c.prefetch_hits} / {c.prefetch_misses} "
-            f"{dict(c.miss_reasons) if c.miss_reasons else ''}".strip(),
-        ))  # fmt: skip
+        lines.append(
+            _row(
+                label,
+                c.steps,
+                " / ".join(str(c.gammas.get(str(g), 0)) for g in gammas),
+                c.sidecar_decisions,
+                f"{c.fallbacks_total} {dict(c.fallbacks) if c.fallbacks else ''}".strip(),
+                f"{c.prefetch_hits} / {c.prefetch_misses} "
+                f"{dict(c.miss_reasons) if c.miss_reasons else ''}".strip(),
+            )
+        )
     lines += [
         "",
         "Plugin overhead over the whole benchmark (the stats file keeps percentiles over all "

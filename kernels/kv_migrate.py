@@ -119,9 +119,15 @@ def launch(
     """The kernel alone, for one wave whose block ids are already int64 tensors on the
     cache's device (unchecked: :func:`migrate_triton` validates a wave first)."""
     _kernel()[(src.numel(),)](
-        cache.view(-1), src, dst, layout.num_layers, layout.layer_stride,
-        layout.block_stride, layout.page_numel, BLOCK=block,
-    )  # fmt: skip
+        cache.view(-1),
+        src,
+        dst,
+        layout.num_layers,
+        layout.layer_stride,
+        layout.block_stride,
+        layout.page_numel,
+        BLOCK=block,
+    )
 
 
 _KERNEL: Any = None
@@ -139,9 +145,15 @@ def _kernel() -> Any:
     # global of the kernel, and a typing name such as Any fails to compile.
     @triton.jit  # type: ignore[untyped-decorator]
     def migrate_blocks_kernel(  # type: ignore[no-untyped-def]
-        buf, src_ids, dst_ids, num_layers, layer_stride, block_stride, page_numel,
+        buf,
+        src_ids,
+        dst_ids,
+        num_layers,
+        layer_stride,
+        block_stride,
+        page_numel,
         BLOCK: tl.constexpr,
-    ):  # fmt: skip
+    ):
         move = tl.program_id(0)
         src = tl.load(src_ids + move).to(tl.int64) * block_stride
         dst = tl.load(dst_ids + move).to(tl.int64) * block_stride

@@ -118,10 +118,14 @@ class MemoryAgent:
     pool half runs on the scheduler's thread and the worker half on the worker's."""
 
     def __init__(
-        self, capacity_blocks: int, block_bytes: int, draft_bytes: int,
-        compaction_supported: bool = True, offload_blocker: str = "",
+        self,
+        capacity_blocks: int,
+        block_bytes: int,
+        draft_bytes: int,
+        compaction_supported: bool = True,
+        offload_blocker: str = "",
         draft_blocks: int | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """``draft_blocks``: S_draft when the draft lives in the buffer's top blocks
         (draft_slot.py); otherwise the draft's bytes in blocks, rounded up."""
         self.metrics: AgentMetrics | None = None
@@ -176,8 +180,12 @@ class MemoryAgent:
         ticket = _Ticket(order)
         with self._lock:
             self._queue.append(ticket)
-        log.info("nightjar memory: %s queued (%s%s)", order.action.value, order.source,
-                 f": {order.reason}" if order.reason else "")  # fmt: skip
+        log.info(
+            "nightjar memory: %s queued (%s%s)",
+            order.action.value,
+            order.source,
+            f": {order.reason}" if order.reason else "",
+        )
         return ticket
 
     def offer_directive(self, order: Order) -> None:
@@ -188,8 +196,10 @@ class MemoryAgent:
             busy = [t.order.action for t in self._queue]
             if self._current is not None:
                 busy.append(self._current.order.action)
-            wanted = {Action.OFFLOAD_DRAFT: DraftState.RESIDENT,
-                      Action.RELOAD_DRAFT: DraftState.OFFLOADED}  # fmt: skip
+            wanted = {
+                Action.OFFLOAD_DRAFT: DraftState.RESIDENT,
+                Action.RELOAD_DRAFT: DraftState.OFFLOADED,
+            }
         if order.action in busy or self.state is not wanted.get(order.action, self.state):
             return
         self.submit(order)
@@ -254,8 +264,9 @@ class MemoryAgent:
             return self._worker_order(plan, reload_draft=True)
         target = order.target_kv_blocks
         if action is Action.EXPAND_KV:
-            limit = self.capacity_blocks - (0 if self.state is DraftState.OFFLOADED
-                                            else self.draft_blocks)  # fmt: skip
+            limit = self.capacity_blocks - (
+                0 if self.state is DraftState.OFFLOADED else self.draft_blocks
+            )
             if target < self.kv_blocks:
                 raise InvalidArgumentError(
                     f"ExpandKv to {target} blocks would shrink the pool "
@@ -295,8 +306,12 @@ class MemoryAgent:
             plan = pool.resize(num_blocks)
         except PlanError as exc:
             raise FailedPreconditionError(f"cannot shrink the KV pool: {exc}") from exc
-        log.info("nightjar memory: KV pool %d -> %d blocks (%d moved)",
-                 self.kv_blocks, num_blocks, len(plan.mapping))  # fmt: skip
+        log.info(
+            "nightjar memory: KV pool %d -> %d blocks (%d moved)",
+            self.kv_blocks,
+            num_blocks,
+            len(plan.mapping),
+        )
         self.kv_blocks = num_blocks
         self.migrated_blocks += len(plan.mapping)
         return plan
@@ -328,8 +343,11 @@ class MemoryAgent:
             moved = device.offload_draft()
             self.state = DraftState.OFFLOADED
             self.offloads += 1
-            log.info("nightjar memory: draft offloaded (%d MiB in %.1f ms)",
-                     moved.bytes >> 20, moved.call_seconds * 1e3)  # fmt: skip
+            log.info(
+                "nightjar memory: draft offloaded (%d MiB in %.1f ms)",
+                moved.bytes >> 20,
+                moved.call_seconds * 1e3,
+            )
             self._complete_current(None)
         elif work.reload_draft:
             device.start_reload()
@@ -351,8 +369,11 @@ class MemoryAgent:
             return
         self.state = DraftState.RESIDENT
         self.reloads += 1
-        log.info("nightjar memory: draft reloaded and verified (%d MiB, verify %.1f ms)",
-                 moved.bytes >> 20, moved.call_seconds * 1e3)  # fmt: skip
+        log.info(
+            "nightjar memory: draft reloaded and verified (%d MiB, verify %.1f ms)",
+            moved.bytes >> 20,
+            moved.call_seconds * 1e3,
+        )
         self._complete_current(None)
 
     def _complete_current(self, error: NightjarError | None) -> None:
@@ -386,10 +407,17 @@ class MemoryAgent:
                 pending.insert(0, self._current.order.action.value)
         free = self.pool.free_blocks() if self.pool is not None else self.kv_blocks - 1
         return MemoryStatus(
-            draft_state=self.state.value, draft_bytes=self.draft_bytes,
-            draft_blocks=self.draft_blocks, kv_blocks=self.kv_blocks, free_kv_blocks=free,
-            capacity_blocks=self.capacity_blocks, pending_action=",".join(pending),
-            last_error=self.last_error, offloads=self.offloads, reloads=self.reloads,
-            failed_reloads=self.failed_reloads, migrated_blocks=self.migrated_blocks,
+            draft_state=self.state.value,
+            draft_bytes=self.draft_bytes,
+            draft_blocks=self.draft_blocks,
+            kv_blocks=self.kv_blocks,
+            free_kv_blocks=free,
+            capacity_blocks=self.capacity_blocks,
+            pending_action=",".join(pending),
+            last_error=self.last_error,
+            offloads=self.offloads,
+            reloads=self.reloads,
+            failed_reloads=self.failed_reloads,
+            migrated_blocks=self.migrated_blocks,
             last_order_ms=1e3 * self.history[-1][1] if self.history else 0.0,
-        )  # fmt: skip
+        )

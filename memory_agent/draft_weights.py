@@ -108,8 +108,9 @@ class DraftWeights:
         self.module = module
         self._shared = (
             {t.data_ptr() for t in _tensors(shared_with).values() if t.numel()}
-            if shared_with is not None else set()
-        )  # fmt: skip
+            if shared_with is not None
+            else set()
+        )
         self.state = DraftState.RESIDENT
         self._host: dict[str, torch.Tensor] = {}
         self._prints: dict[str, int] = {}
@@ -121,8 +122,11 @@ class DraftWeights:
         self._aliases: dict[str, list[str]] = {}
 
     def _own_tensors(self) -> dict[str, torch.Tensor]:
-        return {name: t for name, t in _tensors(self.module).items()
-                if t.data_ptr() not in self._shared or not t.numel()}  # fmt: skip
+        return {
+            name: t
+            for name, t in _tensors(self.module).items()
+            if t.data_ptr() not in self._shared or not t.numel()
+        }
 
     def _alias_groups(self) -> dict[str, list[str]]:
         """Each own, non-empty tensor's first name → all its names. Tied weights (one
@@ -194,10 +198,17 @@ class DraftWeights:
             host = kept.get(name)
             # The copy of an earlier offload still holds these bytes (weights do not change
             # while serving; the fingerprint says whether they did): no copy.
-            if host is None or prints[name] != self._prints.get(name) or (
-                host.shape, host.dtype) != (tensor.shape, tensor.dtype):  # fmt: skip
-                host = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu",
-                                   pin_memory=torch.cuda.is_available())  # fmt: skip
+            if (
+                host is None
+                or prints[name] != self._prints.get(name)
+                or (host.shape, host.dtype) != (tensor.shape, tensor.dtype)
+            ):
+                host = torch.empty(
+                    tensor.shape,
+                    dtype=tensor.dtype,
+                    device="cpu",
+                    pin_memory=torch.cuda.is_available(),
+                )
                 host.copy_(tensor.detach())
             self._host[name] = host
             total += host.numel() * host.element_size()

@@ -57,8 +57,13 @@ def kv_buffers(caches: Sequence[torch.Tensor]) -> list[Buffer]:
         page = _page_numel(view)
         if page is None:
             raise ValueError(f"KV cache view {tuple(view.shape)} has no contiguous block pages")
-        group = (view.device, view.untyped_storage().data_ptr(), view.dtype,
-                 tuple(view.shape), view.stride())  # fmt: skip
+        group = (
+            view.device,
+            view.untyped_storage().data_ptr(),
+            view.dtype,
+            tuple(view.shape),
+            view.stride(),
+        )
         groups.setdefault(group, []).append(view)
     buffers: list[Buffer] = []
     for views in groups.values():

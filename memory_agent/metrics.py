@@ -23,8 +23,9 @@ class AgentMetrics:
         orders = Counter(
             "nightjar_memory_agent_orders",
             "Memory orders carried out, by action and result (ok|failed).",
-            ["action", "result"], registry=None,
-        )  # fmt: skip
+            ["action", "result"],
+            registry=None,
+        )
         # Every series exported from zero, so that increase() sees the first failure.
         self.orders = {
             (action.value, result): orders.labels(action.value, result)
@@ -34,13 +35,15 @@ class AgentMetrics:
         self.order_seconds = Histogram(
             "nightjar_memory_agent_order_seconds",
             "Time an order held the engine at step boundaries.",
-            buckets=ORDER_BUCKETS, registry=None,
-        )  # fmt: skip
+            buckets=ORDER_BUCKETS,
+            registry=None,
+        )
         self.draft_resident = Gauge(
             "nightjar_memory_agent_draft_resident",
             "1 while the draft model is resident (speculation possible), else 0.",
-            registry=None, multiprocess_mode="mostrecent",
-        )  # fmt: skip
+            registry=None,
+            multiprocess_mode="mostrecent",
+        )
 
     def order_done(self, action: Action, failed: bool, held_s: float) -> None:
         self.orders[action.value, "failed" if failed else "ok"].inc()

@@ -133,9 +133,12 @@ def execute(data: dict[int, object], plan: MigrationPlan) -> dict[int, object]:
     return state
 
 
-def free_list(num_blocks: int, block_tables: Mapping[str, Sequence[int]],
-              ref_counts: Mapping[int, int] | None = None,
-              reserved: Iterable[int] = (0,)) -> list[int]:  # fmt: skip
+def free_list(
+    num_blocks: int,
+    block_tables: Mapping[str, Sequence[int]],
+    ref_counts: Mapping[int, int] | None = None,
+    reserved: Iterable[int] = (0,),
+) -> list[int]:
     """Ids < num_blocks that nothing uses, in ascending order."""
     used = live_blocks(block_tables, ref_counts) | set(reserved)
     return [b for b in range(num_blocks) if b not in used]

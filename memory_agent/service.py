@@ -33,14 +33,21 @@ MAX_WAIT_S = 30.0
 
 def status_to_pb(status: MemoryStatus) -> memory_pb2.MemoryStatus:
     return memory_pb2.MemoryStatus(
-        draft_resident=status.draft_resident, draft_state=status.draft_state,
-        total_kv_blocks=status.kv_blocks, free_kv_blocks=status.free_kv_blocks,
-        draft_bytes=status.draft_bytes, draft_kv_blocks=status.draft_blocks,
-        kv_capacity_blocks=status.capacity_blocks, pending_action=status.pending_action,
-        last_error=status.last_error, offloads=status.offloads, reloads=status.reloads,
-        failed_reloads=status.failed_reloads, migrated_blocks=status.migrated_blocks,
+        draft_resident=status.draft_resident,
+        draft_state=status.draft_state,
+        total_kv_blocks=status.kv_blocks,
+        free_kv_blocks=status.free_kv_blocks,
+        draft_bytes=status.draft_bytes,
+        draft_kv_blocks=status.draft_blocks,
+        kv_capacity_blocks=status.capacity_blocks,
+        pending_action=status.pending_action,
+        last_error=status.last_error,
+        offloads=status.offloads,
+        reloads=status.reloads,
+        failed_reloads=status.failed_reloads,
+        migrated_blocks=status.migrated_blocks,
         last_order_ms=status.last_order_ms,
-    )  # fmt: skip
+    )
 
 
 class MemoryAgentServicer(memory_pb2_grpc.MemoryAgentServiceServicer):  # type: ignore[misc]
@@ -79,9 +86,11 @@ class MemoryAgentServicer(memory_pb2_grpc.MemoryAgentServiceServicer):  # type: 
 
 
 def serve(
-    agent: MemoryAgent, uds_path: str, admin_token: str | None = None,
+    agent: MemoryAgent,
+    uds_path: str,
+    admin_token: str | None = None,
     mode: int = uds.DEFAULT_MODE,
-) -> grpc.Server:  # fmt: skip
+) -> grpc.Server:
     """Start the service on ``unix:uds_path`` (a few threads: operators, not the hot path).
 
     The socket file gets ``mode`` (group-writable by default: operators' tools in the

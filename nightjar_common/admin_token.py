@@ -32,9 +32,21 @@ log = logging.getLogger(__name__)
 
 MIN_LENGTH = 16
 PLACEHOLDERS = frozenset(
-    {"changeme", "change-me", "secret", "password", "token", "admin", "changemechangeme",
-     "adminadmin", "placeholder", "example", "test", "default"}
-)  # fmt: skip
+    {
+        "changeme",
+        "change-me",
+        "secret",
+        "password",
+        "token",
+        "admin",
+        "changemechangeme",
+        "adminadmin",
+        "placeholder",
+        "example",
+        "test",
+        "default",
+    }
+)
 
 
 class AdminTokenError(ConfigError):

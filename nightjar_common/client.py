@@ -642,16 +642,24 @@ class NightjarClient:
         else:
             hint = next((h for kind, h in _HINTS.items() if isinstance(error, kind)), "")
             reason = f"{error}" + (f" ({hint})" if hint else "")
-        log.warning("nightjar: cannot connect to the sidecar at %s: %s. Until it answers, "
-                    "γ comes from the local fallback table; retrying in the background.",
-                    self.config.target, reason)  # fmt: skip
+        log.warning(
+            "nightjar: cannot connect to the sidecar at %s: %s. Until it answers, "
+            "γ comes from the local fallback table; retrying in the background.",
+            self.config.target,
+            reason,
+        )
 
     def _log_first_connection(self) -> None:
         waited = time.monotonic() - self._started
         # As loud as the warning it ends, so that both show up in a filtered log.
         level = logging.WARNING if self._warned_unreachable else logging.INFO
-        log.log(level, "nightjar: connected to the sidecar at %s (%.1f s after start); γ "
-                "now comes from the sidecar", self.config.target, waited)  # fmt: skip
+        log.log(
+            level,
+            "nightjar: connected to the sidecar at %s (%.1f s after start); γ "
+            "now comes from the sidecar",
+            self.config.target,
+            waited,
+        )
 
     def _watch_unary(self) -> None:
         """Unary mode has no stream to break: watch the channel's connectivity instead."""

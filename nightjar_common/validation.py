@@ -47,9 +47,12 @@ def check_context(ctx: StepContext, limits: Limits) -> None:
             f"batch_size must be in 1..{limits.max_batch_size}, got {ctx.batch_size}"
         )
     for name in (
-        "num_waiting", "free_kv_blocks", "total_kv_blocks", "max_draft_lag_tokens",
+        "num_waiting",
+        "free_kv_blocks",
+        "total_kv_blocks",
+        "max_draft_lag_tokens",
         "context_tokens",
-    ):  # fmt: skip
+    ):
         if getattr(ctx, name) < 0:
             raise InvalidArgumentError(f"{name} must be >= 0, got {getattr(ctx, name)}")
     if ctx.total_kv_blocks and ctx.free_kv_blocks > ctx.total_kv_blocks:

@@ -30,18 +30,34 @@ log = logging.getLogger("nightjar.server")
 
 # Flags that override the config file's setting of the same name.
 FLAG_SETTINGS = (
-    "uds", "uds_mode", "port", "host", "metrics_port", "metrics_host", "policy", "state_dir",
-    "snapshot_interval_s", "admin_token_file", "decision_log", "log_level", "log_format",
-    "tls_cert", "tls_key", "tls_client_ca",
-)  # fmt: skip
+    "uds",
+    "uds_mode",
+    "port",
+    "host",
+    "metrics_port",
+    "metrics_host",
+    "policy",
+    "state_dir",
+    "snapshot_interval_s",
+    "admin_token_file",
+    "decision_log",
+    "log_level",
+    "log_format",
+    "tls_cert",
+    "tls_key",
+    "tls_client_ca",
+)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="nightjar-server", description=__doc__)
     p.add_argument("--config", help="TOML configuration file (flags override it)")
     p.add_argument("--uds", help="listen on this Unix socket path")
-    p.add_argument("--uds-mode", help="the socket's file mode, octal (default 0660: owner "
-                   "and group may connect; run the engine in the socket's group)")  # fmt: skip
+    p.add_argument(
+        "--uds-mode",
+        help="the socket's file mode, octal (default 0660: owner "
+        "and group may connect; run the engine in the socket's group)",
+    )
     p.add_argument("--port", type=int, help="listen on this TCP port (0 = any free port)")
     p.add_argument(
         "--host",
@@ -52,23 +68,40 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--tls-cert", help="PEM certificate chain: serve TLS on the TCP port")
     p.add_argument("--tls-key", help="PEM private key of --tls-cert")
-    p.add_argument("--tls-client-ca", help="PEM CA that clients' certificates must chain to "
-                   "(mutual TLS: clients without one are refused)")  # fmt: skip
+    p.add_argument(
+        "--tls-client-ca",
+        help="PEM CA that clients' certificates must chain to "
+        "(mutual TLS: clients without one are refused)",
+    )
     p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
     p.add_argument("--metrics-host", help="metrics bind address (default 127.0.0.1)")
     p.add_argument("--policy", help="policy to start with (default nightjar)")
     p.add_argument("--params", help="policy parameters as a JSON object")
-    p.add_argument("--memory", help="elastic-memory controller settings as a JSON object, "
-                   'e.g. {"enabled": true, "draft_blocks": 1000} (default off)')  # fmt: skip
+    p.add_argument(
+        "--memory",
+        help="elastic-memory controller settings as a JSON object, "
+        'e.g. {"enabled": true, "draft_blocks": 1000} (default off)',
+    )
     p.add_argument("--state-dir", help="directory for learned-state snapshots")
-    p.add_argument("--snapshot-interval", type=float, dest="snapshot_interval_s",
-                   help="seconds between periodic snapshots (default 30)")  # fmt: skip
+    p.add_argument(
+        "--snapshot-interval",
+        type=float,
+        dest="snapshot_interval_s",
+        help="seconds between periodic snapshots (default 30)",
+    )
     p.add_argument("--admin-token-file", help="file with the admin token for mutating calls")
     p.add_argument("--decision-log", help="write a JSON-lines decision log to this path")
-    p.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS,
-                   help="the server's own log level (default INFO)")  # fmt: skip
-    p.add_argument("--log-format", choices=LOG_FORMATS,
-                   help="the server's own log: text lines (default) or JSON objects")  # fmt: skip
+    p.add_argument(
+        "--log-level",
+        type=str.upper,
+        choices=LOG_LEVELS,
+        help="the server's own log level (default INFO)",
+    )
+    p.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        help="the server's own log: text lines (default) or JSON objects",
+    )
     p.add_argument("--version", action="version", version=f"nightjar-server {__version__}")
     return p.parse_args(argv)
 
@@ -99,9 +132,13 @@ def configure_logging(level: str, log_format: str) -> None:
         from pythonjsonlogger.json import JsonFormatter
 
         handler.setFormatter(
-            JsonFormatter("{levelname}{name}{message}", style="{", timestamp="time",
-                          rename_fields={"levelname": "level", "name": "logger"})
-        )  # fmt: skip
+            JsonFormatter(
+                "{levelname}{name}{message}",
+                style="{",
+                timestamp="time",
+                rename_fields={"levelname": "level", "name": "logger"},
+            )
+        )
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=level.upper(), handlers=[handler])
@@ -119,8 +156,11 @@ def restore_on_start(service: DecisionService, state_dir: Path, policy_from_flag
         if policy_from_flag and document["policy"]["name"] != configured:
             log.warning(
                 "snapshot %s holds policy %r but --policy %r was given: starting %r fresh",
-                path, document["policy"]["name"], configured, configured,
-            )  # fmt: skip
+                path,
+                document["policy"]["name"],
+                configured,
+                configured,
+            )
             return
         active = service.restore_document(document, from_client=False)
     except (snapshot.SnapshotError, NightjarError, KeyError, TypeError) as exc:
@@ -152,8 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     if config.port is not None and credentials is None and not config.tcp_is_loopback:
         log.warning(
             "TCP port on %s without TLS: decisions and the admin token travel in the clear; "
-            "give --tls-cert/--tls-key (and --tls-client-ca)", config.host,
-        )  # fmt: skip
+            "give --tls-cert/--tls-key (and --tls-client-ca)",
+            config.host,
+        )
 
     metrics = Metrics()
     decision_log = None
@@ -195,10 +236,15 @@ def main(argv: list[str] | None = None) -> int:
         if config.uds:
             uds.claim(config.uds)  # never take the path over from a live server
         running = build_server(
-            service, uds_path=config.uds or None, tcp_address=tcp, admin_token=token,
-            max_workers=config.max_workers, uds_mode=config.uds_mode, tls=credentials,
+            service,
+            uds_path=config.uds or None,
+            tcp_address=tcp,
+            admin_token=token,
+            max_workers=config.max_workers,
+            uds_mode=config.uds_mode,
+            tls=credentials,
             max_receive_bytes=config.max_receive_bytes,
-        )  # fmt: skip
+        )
     except (uds.SocketPathError, RuntimeError, OSError) as exc:
         # RuntimeError: gRPC could not bind (a TCP port in use).
         print(f"nightjar-server: cannot listen: {exc}", file=sys.stderr)
@@ -208,15 +254,22 @@ def main(argv: list[str] | None = None) -> int:
         metrics_port, stop_metrics = metrics.serve_http(config.metrics_port, config.metrics_host)
         log.info("metrics on http://%s:%d/metrics", config.metrics_host, metrics_port)
     if config.uds:
-        log.info("socket %s has mode %04o (connecting needs write access)", config.uds,
-                 config.uds_mode)  # fmt: skip
-    tcp_security = "" if credentials is None else (
-        " (TCP with mutual TLS)" if config.tls_client_ca else " (TCP with TLS)"
-    )  # fmt: skip
+        log.info(
+            "socket %s has mode %04o (connecting needs write access)", config.uds, config.uds_mode
+        )
+    tcp_security = (
+        ""
+        if credentials is None
+        else (" (TCP with mutual TLS)" if config.tls_client_ca else " (TCP with TLS)")
+    )
     log.info(
-        "nightjar-server %s listening on %s%s with policy %s (%s)", __version__,
-        ", ".join(running.addresses), tcp_security, service.active.name, service.active.version,
-    )  # fmt: skip
+        "nightjar-server %s listening on %s%s with policy %s (%s)",
+        __version__,
+        ", ".join(running.addresses),
+        tcp_security,
+        service.active.name,
+        service.active.version,
+    )
 
     stopping = threading.Event()
 

@@ -88,11 +88,13 @@ class ServerConfig:
         except ValueError as exc:
             raise ConfigError(f"uds_mode: {exc}") from None
         if str(self.log_level).upper() not in LOG_LEVELS:
-            raise ConfigError(f"log_level must be one of {', '.join(LOG_LEVELS)}, "
-                              f"got {self.log_level!r}")  # fmt: skip
+            raise ConfigError(
+                f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}"
+            )
         if self.log_format not in LOG_FORMATS:
-            raise ConfigError(f"log_format must be one of {', '.join(LOG_FORMATS)}, "
-                              f"got {self.log_format!r}")  # fmt: skip
+            raise ConfigError(
+                f"log_format must be one of {', '.join(LOG_FORMATS)}, got {self.log_format!r}"
+            )
         if self.decision_log_max_bytes <= 0 or self.decision_log_backups < 1:
             raise ConfigError("decision_log_max_bytes must be > 0 and decision_log_backups >= 1")
         for name in ("max_engines", "max_learner_keys", "max_pending_per_engine"):

@@ -184,17 +184,26 @@ def read_log(paths: Iterable[str | Path]) -> list[LoggedStep]:
         if joined.outcome is None:
             continue
         decision = joined.decision
-        steps.append(LoggedStep(
-            context_from_json(decision["context"]), outcome_from_json(joined.outcome),
-            str(decision.get("policy", "")), str(decision.get("policy_version", "")),
-        ))  # fmt: skip
+        steps.append(
+            LoggedStep(
+                context_from_json(decision["context"]),
+                outcome_from_json(joined.outcome),
+                str(decision.get("policy", "")),
+                str(decision.get("policy_version", "")),
+            )
+        )
     return steps
 
 
 def evaluate(
-    steps: Sequence[LoggedStep], policy: str, params: Mapping[str, Any] | None = None, *,
-    seeds: int = 6, min_batch: int = 1, version: str = "",
-) -> Evaluation:  # fmt: skip
+    steps: Sequence[LoggedStep],
+    policy: str,
+    params: Mapping[str, Any] | None = None,
+    *,
+    seeds: int = 6,
+    min_batch: int = 1,
+    version: str = "",
+) -> Evaluation:
     """Run ``policy`` (fresh, seeds 0..seeds-1) on the logged contexts (of ``version``
     only, when given); the decode steps of the whole log are the engine it runs on."""
     table = DecodeSteps(steps)
@@ -210,21 +219,37 @@ def evaluate(
     # Learning policies take the seed too; the outcome draws always do.
     seeded = "seed" in create_policy(policy, params).params()
     runs = [
-        _run(table, replayed, policy, {**(params or {}), **({"seed": seed} if seeded else {})},
-             seed, min_batch, top)
+        _run(
+            table,
+            replayed,
+            policy,
+            {**(params or {}), **({"seed": seed} if seeded else {})},
+            seed,
+            min_batch,
+            top,
+        )
         for seed in range(seeds)
-    ]  # fmt: skip
-    logged = _summary([
-        _value(table, s.context.batch_size, s.outcome.gamma, top)
-        for s in replayed
-        if _valued(s, min_batch) and s.outcome.gamma <= top
-    ])  # fmt: skip
+    ]
+    logged = _summary(
+        [
+            _value(table, s.context.batch_size, s.outcome.gamma, top)
+            for s in replayed
+            if _valued(s, min_batch) and s.outcome.gamma <= top
+        ]
+    )
     return Evaluation(
-        policy, dict(params or {}), seeds, min_batch, top,
+        policy,
+        dict(params or {}),
+        seeds,
+        min_batch,
+        top,
         sum(_valued(s, min_batch) for s in replayed),
-        [value for value, _ in runs], [unpriced for _, unpriced in runs],
-        logged[0], logged[1], sorted({s.policy for s in replayed}),
-    )  # fmt: skip
+        [value for value, _ in runs],
+        [unpriced for _, unpriced in runs],
+        logged[0],
+        logged[1],
+        sorted({s.policy for s in replayed}),
+    )
 
 
 def _value(table: DecodeSteps, batch_size: int, gamma: int, top: int) -> float | None:
@@ -246,18 +271,26 @@ def _valued(step: LoggedStep, min_batch: int) -> bool:
 
 
 def _run(
-    table: DecodeSteps, steps: Sequence[LoggedStep], policy_name: str,
-    params: Mapping[str, Any], seed: int, min_batch: int, top: int,
-) -> tuple[float, int]:  # fmt: skip
+    table: DecodeSteps,
+    steps: Sequence[LoggedStep],
+    policy_name: str,
+    params: Mapping[str, Any],
+    seed: int,
+    min_batch: int,
+    top: int,
+) -> tuple[float, int]:
     policy = create_policy(policy_name, params)
     rng = np.random.default_rng(seed)
     values: list[float | None] = []
     for step in steps:
         # The candidate decides alone: no asking ahead, γ_prev its own, γ ≤ what was logged.
         ctx = dataclasses.replace(
-            step.context, candidate_batch_sizes=(), ran_decision_id="", previous_gamma=None,
+            step.context,
+            candidate_batch_sizes=(),
+            ran_decision_id="",
+            previous_gamma=None,
             max_gamma=min(top, step.context.max_gamma or top),
-        )  # fmt: skip
+        )
         gamma = min(policy.decide(ctx).gamma, top)
         batch = ctx.batch_size
         seconds, accepts = table.draw(batch, gamma, rng)
@@ -268,10 +301,16 @@ def _run(
             moved = _seconds(table, batch, gamma) - _seconds(table, batch, logged_gamma)
             seconds = max(logged.step_seconds + moved, 1e-6)
         outcome = StepOutcome(
-            logged.decision_id, ctx.engine_id, gamma, seconds, batch + sum(accepts),
-            drafted_tokens=gamma * batch, accepted_tokens=sum(accepts), request_accepts=accepts,
+            logged.decision_id,
+            ctx.engine_id,
+            gamma,
+            seconds,
+            batch + sum(accepts),
+            drafted_tokens=gamma * batch,
+            accepted_tokens=sum(accepts),
+            request_accepts=accepts,
             prefill_tokens=logged.prefill_tokens,
-        )  # fmt: skip
+        )
         policy.observe(ctx, Choice(gamma, BinType.FIXED), outcome)
         if _valued(step, min_batch):
             values.append(_value(table, batch, gamma, top))

@@ -66,8 +66,9 @@ def _global_flags(parser: argparse.ArgumentParser, *, defaults: bool) -> None:
             "name to check the server's certificate against (default: the target's host)",
         ),
     ):
-        parser.add_argument(flag, default=default(os.environ.get(env, "")),
-                            help=f"{what} (env {env})")  # fmt: skip
+        parser.add_argument(
+            flag, default=default(os.environ.get(env, "")), help=f"{what} (env {env})"
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -132,10 +133,18 @@ def build_parser() -> argparse.ArgumentParser:
         "the order is then reported as pending and runs with the next step.",
     )
     s.add_argument("action", choices=("status", "offload", "reload", "expand", "compact"))
-    s.add_argument("blocks", nargs="?", type=int, default=0,
-                   help="expand/compact: the KV pool size to reach, in blocks")  # fmt: skip
-    s.add_argument("--keep-kv", action="store_true",
-                   help="offload without growing, reload without compacting the pool")  # fmt: skip
+    s.add_argument(
+        "blocks",
+        nargs="?",
+        type=int,
+        default=0,
+        help="expand/compact: the KV pool size to reach, in blocks",
+    )
+    s.add_argument(
+        "--keep-kv",
+        action="store_true",
+        help="offload without growing, reload without compacting the pool",
+    )
     s = command("replay", help="rebuild learned state offline from decision logs")
     s.add_argument("logs", nargs="+", help="decision-log files (rotated backups are included)")
     s.add_argument("--policy", default=DEFAULT_POLICY)
@@ -153,11 +162,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--policy", default=DEFAULT_POLICY)
     s.add_argument("--params", default="", help="parameters as a JSON object")
     s.add_argument("--seeds", type=int, default=6, help="policy seeds 0..N-1 (default 6)")
-    s.add_argument("--min-batch", type=int, default=1,
-                   help="value decode decisions at batch sizes >= this")  # fmt: skip
-    s.add_argument("--version", default="",
-                   help="replay only the decisions of this policy version (e.g. one "
-                   "bench-vllm pass); the whole log still prices the steps")  # fmt: skip
+    s.add_argument(
+        "--min-batch", type=int, default=1, help="value decode decisions at batch sizes >= this"
+    )
+    s.add_argument(
+        "--version",
+        default="",
+        help="replay only the decisions of this policy version (e.g. one "
+        "bench-vllm pass); the whole log still prices the steps",
+    )
     return p
 
 
@@ -182,8 +195,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except grpc.RpcError as exc:
         if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
             service, where = SERVICE_OF.get(args.command, ("AdminService", SIDECAR))
-            print(f"nightjarctl: {args.target} serves no {service} ({exc.details()}); point "
-                  f"--target at {where}", file=sys.stderr)  # fmt: skip
+            print(
+                f"nightjarctl: {args.target} serves no {service} ({exc.details()}); point "
+                f"--target at {where}",
+                file=sys.stderr,
+            )
         else:
             print(f"nightjarctl: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
@@ -251,8 +267,10 @@ def _print_learner(learner: str, data: Any) -> None:
     """One learner's state for people: the model's view (goodput), the arm table
     (nightjar), or the raw JSON of the other policies."""
     if isinstance(data, dict) and "best_gamma" in data:
-        print(f"learner {learner}: α={data['alpha']:.3f} over {data['steps']} steps; "
-              "batch size -> best γ (predicted goodput tok/s)")  # fmt: skip
+        print(
+            f"learner {learner}: α={data['alpha']:.3f} over {data['steps']} steps; "
+            "batch size -> best γ (predicted goodput tok/s)"
+        )
         for key, (gamma, goodput) in sorted(data["best_gamma"].items(), key=lambda kv: int(kv[0])):
             print(f"  B={int(key):>4}  γ={gamma} ({goodput:.1f})")
         return
@@ -402,19 +420,27 @@ def _evaluate(args: argparse.Namespace) -> int:
         return 2
     try:
         result = evaluate(
-            read_log(args.logs), args.policy, parse_params_json(args.params),
-            seeds=args.seeds, min_batch=args.min_batch, version=args.version,
-        )  # fmt: skip
+            read_log(args.logs),
+            args.policy,
+            parse_params_json(args.params),
+            seeds=args.seeds,
+            min_batch=args.min_batch,
+            version=args.version,
+        )
     except (PolicyError, UnknownPolicyError, EvaluationError, OSError) as exc:
         print(f"nightjarctl: {exc}", file=sys.stderr)
         return 2
     r = result
     values = ", ".join(f"{v:.3f}" for v in r.values)
     print(f"{r.decisions} decode decisions at batch >= {r.min_batch}, γ 0..{r.gamma_top}")
-    print(f"{r.policy}: {r.mean:.3f} of the best γ's goodput ({r.seeds} seeds: {values})"
-          f"{_unpriced(statistics.fmean(r.unpriced))}")  # fmt: skip
-    print(f"logged ({', '.join(r.logged_policies)}): {r.logged_value:.3f}"
-          f"{_unpriced(r.logged_unpriced)}")  # fmt: skip
+    print(
+        f"{r.policy}: {r.mean:.3f} of the best γ's goodput ({r.seeds} seeds: {values})"
+        f"{_unpriced(statistics.fmean(r.unpriced))}"
+    )
+    print(
+        f"logged ({', '.join(r.logged_policies)}): {r.logged_value:.3f}"
+        f"{_unpriced(r.logged_unpriced)}"
+    )
     print("(outcomes drawn from the log's decode steps; the batch sizes are the logged ones)")
     return 0
 
@@ -444,8 +470,9 @@ def _memory(args: argparse.Namespace, channel: grpc.Channel) -> int:
     method, request = calls[args.action]
     md = [] if args.action == "status" else _auth(args)
     reply = method(request, metadata=md, timeout=args.timeout)
-    status = json_format.MessageToDict(reply, always_print_fields_with_no_presence=True,
-                                       preserving_proto_field_name=True)  # fmt: skip
+    status = json_format.MessageToDict(
+        reply, always_print_fields_with_no_presence=True, preserving_proto_field_name=True
+    )
     print(json.dumps(status, indent=2, sort_keys=True))
     return 0
 
@@ -468,14 +495,19 @@ def _import(args: argparse.Namespace, channel: grpc.Channel) -> int:
     admin = _admin(channel)
     reply = admin.GetState(admin_pb2.GetStateRequest(), timeout=args.timeout)
     merged = fleet.import_learner(
-        reply.policy_name, json.loads(reply.params_json), json.loads(reply.state_json),
-        reply.engine_ids, document,
-    )  # fmt: skip
+        reply.policy_name,
+        json.loads(reply.params_json),
+        json.loads(reply.state_json),
+        reply.engine_ids,
+        document,
+    )
     # Learning between the read and the restore is lost: import before the engine serves.
-    restored = admin.Restore(admin_pb2.RestoreRequest(snapshot_json=json.dumps(merged)),
-                             metadata=_auth(args), timeout=args.timeout)  # fmt: skip
-    print(f"imported {document['learner']} into {restored.policy_name} "
-          f"({restored.policy_version})")  # fmt: skip
+    restored = admin.Restore(
+        admin_pb2.RestoreRequest(snapshot_json=json.dumps(merged)),
+        metadata=_auth(args),
+        timeout=args.timeout,
+    )
+    print(f"imported {document['learner']} into {restored.policy_name} ({restored.policy_version})")
     return 0
 
 

@@ -51,16 +51,22 @@ def export_learner(policy: str, state: Mapping[str, Any], learner: str) -> dict[
 
 
 def import_learner(
-    policy: str, params: Mapping[str, Any], state: Mapping[str, Any], engines: Sequence[str],
+    policy: str,
+    params: Mapping[str, Any],
+    state: Mapping[str, Any],
+    engines: Sequence[str],
     document: Mapping[str, Any],
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, Any]:
     """A snapshot document of the active policy (params, state, the sidecar's known
     ``engines``) with the learner merged in, replacing a learner of the same id; other
     learners and engines are untouched."""
     if document.get("format") != FORMAT:
         raise FleetError(f"not a {FORMAT} document")
-    for field, have in (("policy", policy), ("schema", state.get("schema")),
-                        ("gamma_max", state.get("gamma_max"))):  # fmt: skip
+    for field, have in (
+        ("policy", policy),
+        ("schema", state.get("schema")),
+        ("gamma_max", state.get("gamma_max")),
+    ):
         if document.get(field) != have:
             raise FleetError(
                 f"the learner was exported with {field}={document.get(field)!r}; "

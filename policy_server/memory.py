@@ -99,8 +99,9 @@ class MemoryController:
             scarce = gamma == 0 and ctx.free_kv_blocks < threshold
             return self._maybe_order(memory, scarce, OFFLOAD, ctx.total_kv_blocks, ctx)
         if memory.state is DraftState.OFFLOADED:
-            roomy = (ctx.num_waiting == 0
-                     and ctx.free_kv_blocks > self.params.draft_blocks + threshold)  # fmt: skip
+            roomy = (
+                ctx.num_waiting == 0 and ctx.free_kv_blocks > self.params.draft_blocks + threshold
+            )
             return self._maybe_order(memory, roomy, RELOAD, ctx.total_kv_blocks, ctx)
         if memory.since_order > self.params.order_timeout_steps:
             # The engine has not carried the order out: fall back and allow a new one.
@@ -135,12 +136,16 @@ class MemoryController:
         if action == OFFLOAD:
             memory.state = DraftState.OFFLOADING
             low = math.ceil(self.params.tau_low * total)
-            reason = (f"{self.params.t_persist} steps with γ=0 and free blocks "
-                      f"{ctx.free_kv_blocks} < τ_low {low}")  # fmt: skip
+            reason = (
+                f"{self.params.t_persist} steps with γ=0 and free blocks "
+                f"{ctx.free_kv_blocks} < τ_low {low}"
+            )
             return MemoryDirective(OFFLOAD, total + blocks, reason)
         memory.state = DraftState.RELOADING
-        reason = (f"{self.params.t_persist} steps with an empty queue and free blocks "
-                  f"{ctx.free_kv_blocks} > S_draft {blocks} + τ_low")  # fmt: skip
+        reason = (
+            f"{self.params.t_persist} steps with an empty queue and free blocks "
+            f"{ctx.free_kv_blocks} > S_draft {blocks} + τ_low"
+        )
         return MemoryDirective(RELOAD, total - blocks, reason)
 
     def state(self, engine_id: str | None = None) -> dict[str, Any]:

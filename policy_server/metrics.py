@@ -27,8 +27,18 @@ from nightjar_common.buckets import GAMMA_BUCKETS
 
 # Decision latency spans µs (in-process) to ms (slow host).
 LATENCY_BUCKETS = (
-    5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2,
-)  # fmt: skip
+    5e-6,
+    1e-5,
+    2e-5,
+    5e-5,
+    1e-4,
+    2e-4,
+    5e-4,
+    1e-3,
+    2e-3,
+    5e-3,
+    1e-2,
+)
 GOODPUT_BUCKETS = tuple(float(2**k) for k in range(0, 21))  # 1 .. ~1M tokens/s
 STEP_BUCKETS = (1e-3, 2e-3, 5e-3, 1e-2, 2e-2, 5e-2, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 RATIO_BUCKETS = tuple(i / 10 for i in range(11))
@@ -46,100 +56,132 @@ class Metrics:
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.decisions = Counter(
-            "nightjar_decisions", "Decisions served, by policy, γ and bin type.",
-            ["policy", "gamma", "bin_type"], registry=r,
-        )  # fmt: skip
+            "nightjar_decisions",
+            "Decisions served, by policy, γ and bin type.",
+            ["policy", "gamma", "bin_type"],
+            registry=r,
+        )
         self.reports = Counter(
-            "nightjar_reports", "Step outcomes received; result=applied|stale.",
-            ["policy", "result"], registry=r,
-        )  # fmt: skip
+            "nightjar_reports",
+            "Step outcomes received; result=applied|stale.",
+            ["policy", "result"],
+            registry=r,
+        )
         self.goodput = Histogram(
-            "nightjar_goodput_tokens_per_second", "Realized goodput of reported steps.",
-            ["gamma"], buckets=GOODPUT_BUCKETS, registry=r,
-        )  # fmt: skip
+            "nightjar_goodput_tokens_per_second",
+            "Realized goodput of reported steps.",
+            ["gamma"],
+            buckets=GOODPUT_BUCKETS,
+            registry=r,
+        )
         self.acceptance = Histogram(
-            "nightjar_acceptance_ratio", "Accepted / drafted tokens of reported steps, by γ.",
-            ["gamma"], buckets=RATIO_BUCKETS, registry=r,
-        )  # fmt: skip
+            "nightjar_acceptance_ratio",
+            "Accepted / drafted tokens of reported steps, by γ.",
+            ["gamma"],
+            buckets=RATIO_BUCKETS,
+            registry=r,
+        )
         gamma_chosen = Histogram(
             "nightjar_gamma_chosen",
             "γ decided, by the step's batch size (power-of-two ranges); "
             "rate(_sum) / rate(_count) is the average γ.",
-            ["batch_bucket"], buckets=GAMMA_BUCKETS, registry=r,
-        )  # fmt: skip
+            ["batch_bucket"],
+            buckets=GAMMA_BUCKETS,
+            registry=r,
+        )
         # One child per bucket, made once: the decision path only indexes a tuple.
         self.gamma_chosen = tuple(gamma_chosen.labels(b) for b in BATCH_BUCKETS)
         self.step_duration = Histogram(
-            "nightjar_step_duration_seconds", "Engine step wall time as reported.",
-            buckets=STEP_BUCKETS, registry=r,
-        )  # fmt: skip
+            "nightjar_step_duration_seconds",
+            "Engine step wall time as reported.",
+            buckets=STEP_BUCKETS,
+            registry=r,
+        )
         self.decision_latency = Histogram(
-            "nightjar_decision_latency_seconds", "Time to compute a decision inside the server.",
-            buckets=LATENCY_BUCKETS, registry=r,
-        )  # fmt: skip
+            "nightjar_decision_latency_seconds",
+            "Time to compute a decision inside the server.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.invalid_requests = Counter(
-            "nightjar_invalid_requests", "Rejected requests, by method and gRPC status code.",
-            ["method", "code"], registry=r,
-        )  # fmt: skip
+            "nightjar_invalid_requests",
+            "Rejected requests, by method and gRPC status code.",
+            ["method", "code"],
+            registry=r,
+        )
         self.policy_swaps = Counter(
-            "nightjar_policy_swaps", "Policy activations (swap, set-params, restore, reset).",
-            ["result"], registry=r,
-        )  # fmt: skip
+            "nightjar_policy_swaps",
+            "Policy activations (swap, set-params, restore, reset).",
+            ["result"],
+            registry=r,
+        )
         self.snapshots = Counter(
-            "nightjar_snapshots", "State snapshots written; result=ok|failed.",
-            ["result"], registry=r,
-        )  # fmt: skip
+            "nightjar_snapshots",
+            "State snapshots written; result=ok|failed.",
+            ["result"],
+            registry=r,
+        )
         self.snapshot_last_success = Gauge(
             "nightjar_snapshot_last_success_timestamp_seconds",
-            "Unix time of the last snapshot this process wrote (0 = none yet).", registry=r,
-        )  # fmt: skip
+            "Unix time of the last snapshot this process wrote (0 = none yet).",
+            registry=r,
+        )
         self.expired_decisions = Counter(
             "nightjar_decisions_expired",
-            "Decisions dropped from the pending table without an outcome.", registry=r,
-        )  # fmt: skip
+            "Decisions dropped from the pending table without an outcome.",
+            registry=r,
+        )
         self.engines = Gauge(
             "nightjar_engines",
             "Engines that asked for a decision recently (see DecisionService.engine_idle_s).",
             registry=r,
-        )  # fmt: skip
+        )
         self.serving = Gauge(
             "nightjar_serving",
-            "1 while a policy is loaded and gRPC health is SERVING, else 0.", registry=r,
-        )  # fmt: skip
-        self.decision_log_dropped = Counter(
-            "nightjar_decision_log_dropped", "Decision-log records dropped (writer behind).",
+            "1 while a policy is loaded and gRPC health is SERVING, else 0.",
             registry=r,
-        )  # fmt: skip
+        )
+        self.decision_log_dropped = Counter(
+            "nightjar_decision_log_dropped",
+            "Decision-log records dropped (writer behind).",
+            registry=r,
+        )
         self.memory_directives = Counter(
-            "nightjar_memory_directives", "Memory directives issued, by engine and action.",
-            ["engine", "action"], registry=r,
-        )  # fmt: skip
+            "nightjar_memory_directives",
+            "Memory directives issued, by engine and action.",
+            ["engine", "action"],
+            registry=r,
+        )
         self.memory_draft_state = Gauge(
             "nightjar_memory_draft_state",
             "1 for the draft model's current state per engine "
             "(resident|offloading|offloaded|reloading).",
-            ["engine", "state"], registry=r,
-        )  # fmt: skip
+            ["engine", "state"],
+            registry=r,
+        )
         self.policy_info = Info("nightjar_policy", "The active policy.", registry=r)
         self.evictions = Counter(
             "nightjar_evictions",
             "Entries evicted to keep memory bounded (least recently used first), by kind: "
             "engine, learner_key, pending (a decision never reported).",
-            ["kind"], registry=r,
-        )  # fmt: skip
+            ["kind"],
+            registry=r,
+        )
         self.superseded = Counter(
             "nightjar_superseded_contexts",
             "Step contexts not decided because a newer context of the same engine came "
             "on the same stream first (the engine had stopped waiting: it was overloaded "
-            "or behind); answered ABORTED, their outcome applied.", registry=r,
-        )  # fmt: skip
+            "or behind); answered ABORTED, their outcome applied.",
+            registry=r,
+        )
         self.tentative = Counter(
             "nightjar_tentative_decisions",
             "Tentative candidate decisions (StepContext.candidate_batch_sizes), by what "
             "became of them: committed (the engine ran it), dropped (it ran another "
             "batch size), unknown (the engine named one no longer open).",
-            ["result"], registry=r,
-        )  # fmt: skip
+            ["result"],
+            registry=r,
+        )
         for kind in ("engine", "learner_key", "pending"):
             self.evictions.labels(kind)
         for result in ("committed", "dropped", "unknown"):

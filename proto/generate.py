@@ -43,11 +43,20 @@ def toolchain() -> Path:
     if not (TOOLCHAIN / ".complete").exists():
         shutil.rmtree(TOOLCHAIN, ignore_errors=True)
         subprocess.run(
-            [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
-             "--no-warn-conflicts",
-             "--target", str(TOOLCHAIN), GRPC_TOOLS],
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--disable-pip-version-check",
+                "--no-warn-conflicts",
+                "--target",
+                str(TOOLCHAIN),
+                GRPC_TOOLS,
+            ],
             check=True,
-        )  # fmt: skip
+        )
         (TOOLCHAIN / ".complete").touch()
     return TOOLCHAIN
 

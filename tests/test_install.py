@@ -24,18 +24,31 @@ REPO = Path(__file__).resolve().parents[1]
 # Build outputs and environments are not sources; everything else travels (a wheel is
 # built from the working tree, as `pip wheel .` would).
 NOT_SOURCES = shutil.ignore_patterns(
-    ".git", ".venv*", "build", "dist", "*.egg-info", "out", "state", "__pycache__",
-    ".pytest_cache", ".mypy_cache", ".ruff_cache",
-)  # fmt: skip
+    ".git",
+    ".venv*",
+    "build",
+    "dist",
+    "*.egg-info",
+    "out",
+    "state",
+    "__pycache__",
+    ".pytest_cache",
+    ".mypy_cache",
+    ".ruff_cache",
+)
 
 
 # The oldest runtime the wheel declares (pyproject.toml; the stubs' generator sets the
 # gRPC and protobuf floors, proto/generate.py). Installed from PyPI, nothing newer.
 FLOORS = (
-    "grpcio==1.70.0", "grpcio-health-checking==1.70.0", "grpcio-reflection==1.70.0",
-    "protobuf==5.29.0", "numpy==1.26.4", "prometheus-client==0.20.0",
+    "grpcio==1.70.0",
+    "grpcio-health-checking==1.70.0",
+    "grpcio-reflection==1.70.0",
+    "protobuf==5.29.0",
+    "numpy==1.26.4",
+    "prometheus-client==0.20.0",
     "python-json-logger==3.1.0",
-)  # fmt: skip
+)
 PIP = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
 
 
@@ -45,8 +58,18 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("wheel")
     source = root / "source"
     shutil.copytree(REPO, source, ignore=NOT_SOURCES)
-    run([*PIP, "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w", str(root),
-         str(source)])  # fmt: skip
+    run(
+        [
+            *PIP,
+            "wheel",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(root),
+            str(source),
+        ]
+    )
     (built,) = root.glob("nightjar_sidecar-*.whl")
     return built
 
@@ -69,8 +92,18 @@ def installed(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     Path(site.strip(), "stock_image.pth").write_text(sysconfig.get_path("purelib") + "\n")
     # --no-deps: the image already has the dependencies; test_dependencies_are_satisfied
     # checks that none would need an upgrade.
-    run([*PIP, "--python", str(python), "install", "--quiet", "--no-deps", "--force-reinstall",
-         str(wheel)])  # fmt: skip
+    run(
+        [
+            *PIP,
+            "--python",
+            str(python),
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--force-reinstall",
+            str(wheel),
+        ]
+    )
     return venv / "bin"
 
 
@@ -108,9 +141,13 @@ def test_modules_come_from_the_wheel(installed: Path, tmp_path: Path) -> None:
         assert Path(file).resolve().is_relative_to(venv), f"{name} imported from {file}"
     data = Path(files["nightjar_data"]).parent
     # The data and their licences travel with the package.
-    for shipped in ("calibration/LICENSE_MIT", "traces/azure_llm_2023_conv.csv",
-                    "traces/LICENSE_azure_CC-BY-4.0", "prompts/specbench_question.jsonl",
-                    "README.md"):  # fmt: skip
+    for shipped in (
+        "calibration/LICENSE_MIT",
+        "traces/azure_llm_2023_conv.csv",
+        "traces/LICENSE_azure_CC-BY-4.0",
+        "prompts/specbench_question.jsonl",
+        "README.md",
+    ):
         assert (data / shipped).is_file(), shipped
 
 
@@ -120,9 +157,14 @@ def test_wheel_ships_the_product_packages_only(wheel: Path) -> None:
         top = {name.split("/")[0] for name in archive.namelist() if "/" in name}
     packages = {name for name in top if not name.endswith((".dist-info", ".data"))}
     assert packages == {
-        "nightjar_common", "nightjar_data", "nightjar_kernels", "nightjar_proto",
-        "policy_server", "vllm_client_patch", "memory_agent",
-    }  # fmt: skip
+        "nightjar_common",
+        "nightjar_data",
+        "nightjar_kernels",
+        "nightjar_proto",
+        "policy_server",
+        "vllm_client_patch",
+        "memory_agent",
+    }
 
 
 def test_dependencies_are_satisfied_by_the_image(installed: Path, tmp_path: Path) -> None:
@@ -152,8 +194,15 @@ def serve_and_query(bin_dir: Path, workdir: Path, *commands: list[str]) -> list[
     for SERVING, run each ``nightjarctl`` command against it; their outputs."""
     env = clean_env()
     sock = workdir / "nightjar.sock"
-    argv = [str(bin_dir / "nightjar-server"), "--uds", str(sock), "--policy", "static",
-            "--params", '{"gamma": 2}']  # fmt: skip
+    argv = [
+        str(bin_dir / "nightjar-server"),
+        "--uds",
+        str(sock),
+        "--policy",
+        "static",
+        "--params",
+        '{"gamma": 2}',
+    ]
     server = subprocess.Popen(
         argv, cwd=workdir, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -161,8 +210,9 @@ def serve_and_query(bin_dir: Path, workdir: Path, *commands: list[str]) -> list[
         ctl = [str(bin_dir / "nightjarctl"), "--target", f"unix:{sock}"]
         deadline = time.monotonic() + 30
         while True:
-            health = subprocess.run([*ctl, "health"], cwd=workdir, env=env,
-                                    capture_output=True, text=True, timeout=30)  # fmt: skip
+            health = subprocess.run(
+                [*ctl, "health"], cwd=workdir, env=env, capture_output=True, text=True, timeout=30
+            )
             if health.returncode == 0 or time.monotonic() > deadline or server.poll() is not None:
                 break
             time.sleep(0.2)
@@ -192,8 +242,22 @@ def test_clis_run_from_an_unrelated_directory(installed: Path, tmp_path: Path) -
         env,
     )
     report = tmp_path / "sim.json"
-    run([str(installed / "nightjar-sim"), trace.strip(), "--seconds", "20", "--qps", "2",
-         "--policies", "off,static-1", "--json", str(report)], tmp_path, env)  # fmt: skip
+    run(
+        [
+            str(installed / "nightjar-sim"),
+            trace.strip(),
+            "--seconds",
+            "20",
+            "--qps",
+            "2",
+            "--policies",
+            "off,static-1",
+            "--json",
+            str(report),
+        ],
+        tmp_path,
+        env,
+    )
     figures = json.loads(report.read_text())
     assert figures, "nightjar-sim wrote no figures"
     assert not (tmp_path / "data").exists()  # nothing was looked for beside the caller
@@ -222,9 +286,15 @@ def test_one_variable_turns_the_plugin_on(installed: Path, tmp_path: Path) -> No
 
 def test_the_oldest_declared_dependencies_run_the_sidecar(floor: Path, tmp_path: Path) -> None:
     """The floors in pyproject.toml are real: the stubs load and a decision round-trips."""
-    versions = run([str(floor / "python"), "-c",
-                    "import google.protobuf, grpc; print(google.protobuf.__version__, "
-                    "grpc.__version__)"], tmp_path, clean_env())  # fmt: skip
+    versions = run(
+        [
+            str(floor / "python"),
+            "-c",
+            "import google.protobuf, grpc; print(google.protobuf.__version__, grpc.__version__)",
+        ],
+        tmp_path,
+        clean_env(),
+    )
     assert versions.split() == ["5.29.0", "1.70.0"]
     policies, decision = serve_and_query(
         floor, tmp_path, ["policies"], ["decide", "--batch-size", "4"]

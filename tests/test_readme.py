@@ -27,8 +27,18 @@ from tests.rigs.sidecar import free_port
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 # Every subcommand the block is meant to show an operator.
-DOCUMENTED = {"health", "policies", "decide", "state", "swap", "set-params", "snapshot",
-              "restore", "reset", "replay"}  # fmt: skip
+DOCUMENTED = {
+    "health",
+    "policies",
+    "decide",
+    "state",
+    "swap",
+    "set-params",
+    "snapshot",
+    "restore",
+    "reset",
+    "replay",
+}
 
 
 def bash_block(after_heading: str) -> list[str]:
@@ -72,14 +82,25 @@ def test_readme_nightjarctl_block_runs_in_order(root: Path) -> None:
     token_file.write_text(secrets.token_hex(24) + "\n")
     assert f"NIGHTJAR_TOKEN_FILE={token_file}" in " ".join(exports)
     log = (root / "server.log").open("wb")
-    server = subprocess.Popen(["bash", "-c", f"exec {server_line}"], env=env, cwd=root,
-                              stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    server = subprocess.Popen(
+        ["bash", "-c", f"exec {server_line}"],
+        env=env,
+        cwd=root,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     try:
         wait_serving(flag_value(server_line, "--uds"), server)
         for line in commands:
             command = rooted(line, root)
-            done = subprocess.run(["bash", "-c", "\n".join([*exports, command])], env=env,
-                                  cwd=root, capture_output=True, text=True, timeout=60)  # fmt: skip
+            done = subprocess.run(
+                ["bash", "-c", "\n".join([*exports, command])],
+                env=env,
+                cwd=root,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
             assert done.returncode == 0, f"README line failed: {line}\n{done.stdout}{done.stderr}"
             assert "nightjarctl:" not in done.stderr, f"{line}\n{done.stderr}"
             if line.startswith("nightjarctl health"):

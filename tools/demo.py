@@ -95,10 +95,20 @@ def start_server(
 ) -> tuple[subprocess.Popen[bytes], str]:
     sock = Path(tempfile.mkdtemp(prefix="nj-demo-")) / "nightjar.sock"
     command = [
-        sys.executable, "-m", "policy_server.cli", "--uds", str(sock),
-        "--metrics-port", str(metrics_port), "--state-dir", str(workdir / "state"),
-        "--log-level", "WARNING", "--params", json.dumps(dict(params)),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "policy_server.cli",
+        "--uds",
+        str(sock),
+        "--metrics-port",
+        str(metrics_port),
+        "--state-dir",
+        str(workdir / "state"),
+        "--log-level",
+        "WARNING",
+        "--params",
+        json.dumps(dict(params)),
+    ]
     proc = subprocess.Popen(command, stderr=(workdir / "server.log").open("wb"))
     target = f"unix:{sock}"
     # Serve the replay only once the sidecar answers (as a pod's startup probe would).
@@ -131,12 +141,17 @@ def run(
     native_qps = len(trace) / trace[-1].arrival_s
     # The slice of the trace that lasts `seconds` once rescaled to `qps`.
     specs = scale_to_qps(window(trace, 0, seconds * qps / native_qps), qps)
-    say(f"replaying {len(specs)} requests of the Azure conv trace at {qps:g} req/s "
-        f"on the {profile_name} profile")  # fmt: skip
+    say(
+        f"replaying {len(specs)} requests of the Azure conv trace at {qps:g} req/s "
+        f"on the {profile_name} profile"
+    )
     with tempfile.TemporaryDirectory(prefix="nightjar-demo-") as tmp:
         assets = ProfileAssets.build(profile, Path(tmp))
-        params = {"seed": seed, "gamma_max": GAMMA_MAX,
-                  "prefill_cost_table": assets.prefill_cost_table}  # fmt: skip
+        params = {
+            "seed": seed,
+            "gamma_max": GAMMA_MAX,
+            "prefill_cost_table": assets.prefill_cost_table,
+        }
         metrics_port = free_port()
         proc, target = start_server(Path(tmp), metrics_port, params)
         try:
@@ -146,8 +161,10 @@ def run(
             if not client.connected:
                 raise RuntimeError("the sidecar did not come up; see its log")
             say(f"sidecar up at {target}; metrics on http://127.0.0.1:{metrics_port}/metrics\n")
-            say(f"{'sim time':>8} {'B':>4} {'queue':>5} {'γ':>2}  {'bin':<11} {'tok/s':>8}   "
-                f"steps so far with γ = 0..{GAMMA_MAX} (tok/s: mean so far)")  # fmt: skip
+            say(
+                f"{'sim time':>8} {'B':>4} {'queue':>5} {'γ':>2}  {'bin':<11} {'tok/s':>8}   "
+                f"steps so far with γ = 0..{GAMMA_MAX} (tok/s: mean so far)"
+            )
             live = LiveSource(client, say, every_s=max(1.0, seconds / 20))
             config = SimConfig(seed=seed, gamma_max=GAMMA_MAX, engine_id=ENGINE, track_regret=True)
             started = time.perf_counter()
@@ -169,8 +186,15 @@ def run(
     cells = {name: summarise(profile_name, "azure-conv", name, r) for name, r in results.items()}
     figures = write_plots(out, profile_name, results)
     if not quiet:
-        print_summary(cells, learned, metrics_line, client_stats.fallbacks_total, wall,
-                      len(sidecar_run.steps), figures)  # fmt: skip
+        print_summary(
+            cells,
+            learned,
+            metrics_line,
+            client_stats.fallbacks_total,
+            wall,
+            len(sidecar_run.steps),
+            figures,
+        )
     return {
         "cells": cells,
         "learned_best_gamma": {b: g for b, (g, _) in learned.items()},
@@ -214,24 +238,37 @@ def write_plots(out: Path, profile: str, results: dict[str, SimResult]) -> list[
     # The plots colour policies by name; the sidecar run is Nightjar.
     named = {(DEFAULT_POLICY if k == SIDECAR else k): r for k, r in results.items()}
     return [
-        plots.plot_gamma_timeline({k: named[k] for k in (DEFAULT_POLICY, "ema", "oracle")},
-                                  out / "gamma.png", f"{profile}: γ chosen and decode batch"),
-        plots.plot_throughput_over_time(named, out / "throughput.png",
-                                        f"{profile}: throughput on the Azure conv slice"),
+        plots.plot_gamma_timeline(
+            {k: named[k] for k in (DEFAULT_POLICY, "ema", "oracle")},
+            out / "gamma.png",
+            f"{profile}: γ chosen and decode batch",
+        ),
+        plots.plot_throughput_over_time(
+            named, out / "throughput.png", f"{profile}: throughput on the Azure conv slice"
+        ),
         plots.plot_regret(named, out / "regret.png", f"{profile}: regret against the oracle"),
-    ]  # fmt: skip
+    ]
 
 
 def print_summary(
-    cells: dict[str, Cell], learned: dict[int, tuple[int, float]], metrics_line: str,
-    fallbacks: int, wall: float, steps: int, figures: list[Path],
-) -> None:  # fmt: skip
-    print(f"\n{steps} engine steps decided by the sidecar in {wall:.1f} s of wall time "
-          f"({1e3 * wall / max(steps, 1):.2f} ms per simulated step, RPC included)\n")  # fmt: skip
+    cells: dict[str, Cell],
+    learned: dict[int, tuple[int, float]],
+    metrics_line: str,
+    fallbacks: int,
+    wall: float,
+    steps: int,
+    figures: list[Path],
+) -> None:
+    print(
+        f"\n{steps} engine steps decided by the sidecar in {wall:.1f} s of wall time "
+        f"({1e3 * wall / max(steps, 1):.2f} ms per simulated step, RPC included)\n"
+    )
     print("\n".join(summary_table(cells)))
     shown = {b: g for b, (g, _) in learned.items() if b & (b - 1) == 0}  # powers of two
-    print(f"\nlearned best γ for {len(learned)} batch-size contexts (admin API GetState), "
-          "powers of two shown:")  # fmt: skip
+    print(
+        f"\nlearned best γ for {len(learned)} batch-size contexts (admin API GetState), "
+        "powers of two shown:"
+    )
     print("  " + ", ".join(f"B={b}: γ={g}" for b, g in shown.items()))
     print(f"\nclient fallbacks: {fallbacks}   {metrics_line}")
     print("plots: " + ", ".join(str(f) for f in figures))
@@ -254,7 +291,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("out/demo"), help="where plots go")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quiet", action="store_true", help="print nothing")
-    args = parser.parse_args(argv)  # fmt: skip
+    args = parser.parse_args(argv)
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     run(args.seconds, args.qps, args.seed, args.profile, args.data, args.out, args.quiet)
     return 0

@@ -52,12 +52,25 @@ from nightjar_common.uds import DEFAULT_MODE, parse_mode
 from nightjar_common.validation import MAX_ID_LENGTH
 
 ENV_PREFIX = "NIGHTJAR_"
-KEYS = ("sidecar", "enabled", "engine_id", "learner_key", "deadline_ms", "fallback_table",
-        "stats_file", "memory_agent", "memory_socket", "memory_socket_mode",
-        "admin_token_file", "tls_ca", "tls_cert", "tls_key", "tls_server_name")  # fmt: skip
+KEYS = (
+    "sidecar",
+    "enabled",
+    "engine_id",
+    "learner_key",
+    "deadline_ms",
+    "fallback_table",
+    "stats_file",
+    "memory_agent",
+    "memory_socket",
+    "memory_socket_mode",
+    "admin_token_file",
+    "tls_ca",
+    "tls_cert",
+    "tls_key",
+    "tls_server_name",
+)
 # The TLS settings that are files, with what each holds (for the error messages).
-_TLS_FILES = {"tls_ca": "CA certificate", "tls_cert": "client certificate",
-              "tls_key": "client key"}  # fmt: skip
+_TLS_FILES = {"tls_ca": "CA certificate", "tls_cert": "client certificate", "tls_key": "client key"}
 _TLS_SETTINGS = (*_TLS_FILES, "tls_server_name")
 
 

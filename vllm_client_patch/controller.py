@@ -152,11 +152,12 @@ class GammaController:
         self.config = config
         self.metrics = metrics
         client_config = ClientConfig(
-            target=config.sidecar, engine_id=config.engine_id,
+            target=config.sidecar,
+            engine_id=config.engine_id,
             deadline_s=config.deadline_ms / 1000,
             fallback_schedule=config.fallback_table or fallback_table or DEFAULT_SCHEDULE,
             tls=config.tls,
-        )  # fmt: skip
+        )
         self.client = client_factory(client_config)
         self._step_index = 0
         self._previous_gamma: int | None = None
@@ -304,15 +305,18 @@ class GammaController:
             return  # a fallback decision: the sidecar never saw it
         self.client.report(
             StepOutcome(
-                decision_id=decision_id, engine_id=flight.ctx.engine_id,
-                gamma=flight.decision.gamma, step_seconds=seconds,
+                decision_id=decision_id,
+                engine_id=flight.ctx.engine_id,
+                gamma=flight.decision.gamma,
+                step_seconds=seconds,
                 generated_tokens=verified.generated_tokens,
                 drafted_tokens=verified.drafted_tokens,
                 accepted_tokens=verified.accepted_tokens,
                 request_accepts=verified.request_accepts,
-                prefill_tokens=step.prefill_tokens, draft_gamma=step.decision.gamma,
+                prefill_tokens=step.prefill_tokens,
+                draft_gamma=step.decision.gamma,
             )
-        )  # fmt: skip
+        )
         self._reported += 1
         self._drafted_reported += verified.drafted_tokens
 
@@ -360,11 +364,13 @@ class GammaController:
             hook, self._hook_unexported = self._hook_unexported, []
         self.metrics.flush(
             Totals(
-                sources=dict(self._sources), fallbacks=dict(client.fallbacks),
-                gammas=dict(self._gammas), prefetch_misses=client.prefetch_misses,
+                sources=dict(self._sources),
+                fallbacks=dict(client.fallbacks),
+                gammas=dict(self._gammas),
+                prefetch_misses=client.prefetch_misses,
                 new_hook_seconds=hook,
             )
-        )  # fmt: skip
+        )
 
     def _telemetry_loop(self) -> None:
         while not self._closed.wait(STATS_INTERVAL_S):

@@ -33,8 +33,10 @@ from vllm_client_patch.worker_memory import RunnerMemory, draft_weights, slot_by
 log = logging.getLogger(__name__)
 
 ORDER_ATTR = "nightjar_memory_order"
-_DIRECTIVE_ACTIONS = {"offload_draft_expand_kv": Action.OFFLOAD_DRAFT,
-                      "compact_kv_reload_draft": Action.RELOAD_DRAFT}  # fmt: skip
+_DIRECTIVE_ACTIONS = {
+    "offload_draft_expand_kv": Action.OFFLOAD_DRAFT,
+    "compact_kv_reload_draft": Action.RELOAD_DRAFT,
+}
 
 
 class _Published:
@@ -106,8 +108,11 @@ def _size_for_draft(worker_class: type) -> None:
         _Published.slot_runner = self.model_runner if extra is not None else None
         if extra is None:
             return available
-        log.info("nightjar memory: KV cache sized %d MiB larger: the draft's weights will "
-                 "live in its top blocks", extra >> 20)  # fmt: skip
+        log.info(
+            "nightjar memory: KV cache sized %d MiB larger: the draft's weights will "
+            "live in its top blocks",
+            extra >> 20,
+        )
         return available + extra
 
     worker_class.determine_available_memory = determine_available_memory  # type: ignore[attr-defined]
@@ -132,20 +137,29 @@ def _attach(runner: Any, evicted: DraftWeights | None) -> None:
         _Published.agent = _Published.runner_memory = None
         return
     memory = RunnerMemory(runner, evicted)
-    agent = MemoryAgent(memory.num_blocks, memory.block_bytes, memory.draft_bytes,
-                        compaction_supported=memory.can_compact,
-                        offload_blocker=memory.offload_blocker,
-                        draft_blocks=memory.slot_blocks)  # fmt: skip
+    agent = MemoryAgent(
+        memory.num_blocks,
+        memory.block_bytes,
+        memory.draft_bytes,
+        compaction_supported=memory.can_compact,
+        offload_blocker=memory.offload_blocker,
+        draft_blocks=memory.slot_blocks,
+    )
     if memory.offload_blocker:
         log.warning("nightjar memory: draft offload off: %s", memory.offload_blocker)
     if memory.weights is not None:
         memory.guard_drafter(lambda: agent.draft_resident)
     _Published.agent, _Published.runner_memory = agent, memory
-    log.info("nightjar memory: agent ready: KV buffer %d blocks of %d KiB, draft %d KiB = %d "
-             "blocks (%s), usable pool %d blocks", memory.num_blocks,
-             memory.block_bytes >> 10, memory.draft_bytes >> 10, agent.draft_blocks,
-             "in the buffer's top blocks" if memory.slot_blocks else "own memory",
-             agent.kv_blocks)  # fmt: skip
+    log.info(
+        "nightjar memory: agent ready: KV buffer %d blocks of %d KiB, draft %d KiB = %d "
+        "blocks (%s), usable pool %d blocks",
+        memory.num_blocks,
+        memory.block_bytes >> 10,
+        memory.draft_bytes >> 10,
+        agent.draft_blocks,
+        "in the buffer's top blocks" if memory.slot_blocks else "own memory",
+        agent.kv_blocks,
+    )
 
 
 class SchedulerMemory:
@@ -169,8 +183,10 @@ class SchedulerMemory:
             return None
         agent = published_agent()
         if agent is None:
-            log.warning("nightjar memory: agent off: the model runner is not in this process "
-                        "(needs vLLM's uniproc executor and the V1 model runner)")  # fmt: skip
+            log.warning(
+                "nightjar memory: agent off: the model runner is not in this process "
+                "(needs vLLM's uniproc executor and the V1 model runner)"
+            )
             return None
         return cls(agent, kv_cache_manager, config)
 

@@ -50,8 +50,18 @@ METRICS_DIR_ENV = "NIGHTJAR_METRICS_DIR"
 PROMETHEUS_DIR_ENV = "PROMETHEUS_MULTIPROC_DIR"
 # Time in the hook per step: tens of µs (sidecar answer waiting) to the deadline and past.
 HOOK_BUCKETS = (
-    2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2e-3, 3e-3, 5e-3, 1e-2, 2.5e-2,
-)  # fmt: skip
+    2.5e-5,
+    5e-5,
+    1e-4,
+    2.5e-4,
+    5e-4,
+    1e-3,
+    2e-3,
+    3e-3,
+    5e-3,
+    1e-2,
+    2.5e-2,
+)
 # The client's fallback reasons (client.py), exported from zero.
 FALLBACK_REASONS = ("disconnected", "deadline", "rejected", "unavailable")
 # Where a step's γ came from: the sidecar, the local table, or forced to 0 by the plugin
@@ -158,27 +168,33 @@ class PluginMetrics:
         decisions = Counter(
             "nightjar_plugin_decisions",
             "Steps whose γ the plugin decided, by source (sidecar|fallback|forced: γ = 0 "
-            "while the draft is not resident).", ["source"], registry=None,
-        )  # fmt: skip
+            "while the draft is not resident).",
+            ["source"],
+            registry=None,
+        )
         fallbacks = Counter(
             "nightjar_plugin_fallbacks",
             "Decisions taken from the local fallback table, by reason.",
-            ["reason"], registry=None,
-        )  # fmt: skip
+            ["reason"],
+            registry=None,
+        )
         self.hook_seconds = Histogram(
             "nightjar_plugin_hook_seconds",
             "Time inside the plugin's scheduler hooks per engine step.",
-            buckets=HOOK_BUCKETS, registry=None,
-        )  # fmt: skip
+            buckets=HOOK_BUCKETS,
+            registry=None,
+        )
         self.gamma = Histogram(
-            "nightjar_plugin_gamma", "γ the engine actually ran per step.",
-            buckets=GAMMA_BUCKETS, registry=None,
-        )  # fmt: skip
+            "nightjar_plugin_gamma",
+            "γ the engine actually ran per step.",
+            buckets=GAMMA_BUCKETS,
+            registry=None,
+        )
         self.prefetch_misses = Counter(
             "nightjar_plugin_prefetch_misses",
             "Prefetched decisions not usable (the batch changed): asked again.",
             registry=None,
-        )  # fmt: skip
+        )
         self.decisions = {source: decisions.labels(source) for source in SOURCES}
         self._fallbacks = fallbacks
         self.fallbacks = {reason: fallbacks.labels(reason) for reason in FALLBACK_REASONS}

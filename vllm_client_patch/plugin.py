@@ -35,8 +35,11 @@ def register() -> None:
     if release not in SUPPORTED:
         import vllm
 
-        log.warning("nightjar: vLLM %s is not a supported release %s; plugin off",
-                    getattr(vllm, "__version__", "?"), SUPPORTED)  # fmt: skip
+        log.warning(
+            "nightjar: vLLM %s is not a supported release %s; plugin off",
+            getattr(vllm, "__version__", "?"),
+            SUPPORTED,
+        )
         return
     _install_default_scheduler()
     # First called in vLLM's API server, before the engine process starts (metrics.py).
@@ -65,9 +68,10 @@ def _install_default_scheduler() -> None:
         from vllm_client_patch import scheduler
 
         return (
-            scheduler.NightjarAsyncScheduler if self.async_scheduling
+            scheduler.NightjarAsyncScheduler
+            if self.async_scheduling
             else scheduler.NightjarScheduler
-        )  # fmt: skip
+        )
 
     get_scheduler_cls.__nightjar__ = True  # type: ignore[attr-defined]
     SchedulerConfig.get_scheduler_cls = get_scheduler_cls

@@ -8,6 +8,7 @@ import re
 # _update_after_schedule, update_from_output), checked here and by the scheduler.
 SUPPORTED = ((0, 32), (0, 33))
 
+
 def vllm_release() -> tuple[int, int] | None:
     """(major, minor) of the installed vLLM; None when its version string is unusual
     (a source build may say "dev" or "unknown"), which the guard treats as unsupported."""

@@ -227,9 +227,12 @@ class _NightjarMixin:
         self._memory = SchedulerMemory.create(config, self.kv_cache_manager)
         log.info(
             "nightjar: γ per step from %s (engine %s, learner key %r, Γmax %d, deadline %.1f ms)",
-            config.sidecar, config.engine_id, config.learner_key, self.num_spec_tokens,
+            config.sidecar,
+            config.engine_id,
+            config.learner_key,
+            self.num_spec_tokens,
             config.deadline_ms,
-        )  # fmt: skip
+        )
 
     def _engine_view(self: Any, shape: BatchShape) -> EngineView:
         pool = self.kv_cache_manager.block_pool

@@ -59,8 +59,10 @@ def slot_bytes(runner: Any) -> int | None:
             "nightjar memory: the draft's largest tensor (%d MiB) does not fit the pages of "
             "%d KV blocks in one layer: the draft keeps its own memory, and the agent "
             "withholds its share of the KV buffer instead (a block-outermost KV layout "
-            "would hold it)", max(sizes) >> 20, limit,
-        )  # fmt: skip
+            "would hold it)",
+            max(sizes) >> 20,
+            limit,
+        )
         return None
     return draft // block * block
 
@@ -72,8 +74,10 @@ def _graph_blocker(runner: Any) -> str:
     mode = getattr(getattr(runner, "compilation_config", None), "cudagraph_mode", None)
     uses_graphs = mode is not None and getattr(mode, "name", "NONE") != "NONE"
     if runner.device.type == "cuda" and uses_graphs:
-        return ("the drafter runs under CUDA graphs, which keep its weights' addresses: "
-                "start the engine with enforce_eager to offload the draft")  # fmt: skip
+        return (
+            "the drafter runs under CUDA graphs, which keep its weights' addresses: "
+            "start the engine with enforce_eager to offload the draft"
+        )
     return ""
 
 
@@ -86,8 +90,10 @@ class RunnerMemory:
         self.buffers = kv_buffers(list(runner.kv_caches))
         config = runner.kv_cache_config
         self.num_blocks: int = config.num_blocks
-        storages = {(v.device, v.untyped_storage().data_ptr()): v.untyped_storage().nbytes()
-                    for v in runner.kv_caches}  # fmt: skip
+        storages = {
+            (v.device, v.untyped_storage().data_ptr()): v.untyped_storage().nbytes()
+            for v in runner.kv_caches
+        }
         self.block_bytes = max(1, sum(storages.values()) // self.num_blocks)
         # Blocks on top of the buffer the draft's weights live in (None: their own memory).
         self.slot_blocks: int | None = None
@@ -102,22 +108,24 @@ class RunnerMemory:
         self.backend = ""
         # Settled weights keep their addresses through offload and reload; others do not.
         self.offload_blocker = (
-            _graph_blocker(runner) if self.weights is not None and self.slot_blocks is None
-            else ""
-        )  # fmt: skip
+            _graph_blocker(runner) if self.weights is not None and self.slot_blocks is None else ""
+        )
         # vLLM's CPU backend packs linear weights into oneDNN / sgl-kernel handles and
         # leaves an empty tensor in the module: those bytes are out of PyTorch's reach.
         self.packed_tensors = sum(
-            1 for module in (draft.modules() if draft is not None else ())
-            if hasattr(module, "cpu_linear") and getattr(module, "weight", None) is not None
+            1
+            for module in (draft.modules() if draft is not None else ())
+            if hasattr(module, "cpu_linear")
+            and getattr(module, "weight", None) is not None
             and module.weight.numel() == 0
-        )  # fmt: skip
+        )
         if self.packed_tensors:
             log.warning(
                 "nightjar memory: %d of the draft's linear layers keep their weights packed "
                 "by vLLM's CPU backend outside PyTorch; offloading moves the other %d KiB only",
-                self.packed_tensors, self.draft_bytes >> 10,
-            )  # fmt: skip
+                self.packed_tensors,
+                self.draft_bytes >> 10,
+            )
 
     def _settle(self, weights: DraftWeights) -> int | None:
         # Pack into as few top blocks as hold everything (worth_it: as planned at sizing).
@@ -130,8 +138,10 @@ class RunnerMemory:
                 return blocks
             except ReloadError:
                 log.exception("nightjar memory: the draft did not verify in the KV buffer")
-        log.warning("nightjar memory: the draft's weights do not fit the KV buffer's top "
-                    "blocks; they go back to memory of their own")  # fmt: skip
+        log.warning(
+            "nightjar memory: the draft's weights do not fit the KV buffer's top "
+            "blocks; they go back to memory of their own"
+        )
         weights.restore()
         return None
 

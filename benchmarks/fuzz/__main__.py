@@ -30,10 +30,24 @@ from benchmarks.fuzz.runner import Method, Sender, Tally, message_class, methods
 
 # Share of the requests each RPC gets: the per-step RPCs most, memory orders (which wait
 # for a step boundary) and snapshot writes least.
-WEIGHTS = {"Decide": 10, "Report": 10, "Step": 10, "StepStream": 10, "GetState": 3,
-           "ListPolicies": 1, "SwapPolicy": 4, "SetParameters": 4, "Snapshot": 1,
-           "Restore": 4, "Reset": 2, "GetStatus": 1, "OffloadDraft": 1, "ReloadDraft": 1,
-           "ExpandKv": 2, "CompactKv": 2}  # fmt: skip
+WEIGHTS = {
+    "Decide": 10,
+    "Report": 10,
+    "Step": 10,
+    "StepStream": 10,
+    "GetState": 3,
+    "ListPolicies": 1,
+    "SwapPolicy": 4,
+    "SetParameters": 4,
+    "Snapshot": 1,
+    "Restore": 4,
+    "Reset": 2,
+    "GetStatus": 1,
+    "OffloadDraft": 1,
+    "ReloadDraft": 1,
+    "ExpandKv": 2,
+    "CompactKv": 2,
+}
 # Messages hypothesis generates per example (a stream carries them all), and the byte-level
 # variants of each in the raw phase.
 MESSAGES_PER_EXAMPLE = 4
@@ -54,16 +68,21 @@ def request_strategy(method: Method, issued: fs.Issued) -> st.SearchStrategy[Mes
     if method.request is policy_pb2.StepRequest:
         near = st.builds(
             lambda seq, o, c: policy_pb2.StepRequest(
-                seq=seq, outcome=policy_pb2.StepOutcome(**o) if o else None,
-                context=policy_pb2.StepContext(**c) if c else None),
-            st.integers(0, 1 << 20), st.one_of(st.none(), outcome), st.one_of(st.none(), context),
-        )  # fmt: skip
+                seq=seq,
+                outcome=policy_pb2.StepOutcome(**o) if o else None,
+                context=policy_pb2.StepContext(**c) if c else None,
+            ),
+            st.integers(0, 1 << 20),
+            st.one_of(st.none(), outcome),
+            st.one_of(st.none(), context),
+        )
         return st.one_of(generic, near, near)
     return generic
 
 
-def run_method(method: Method, sender: Sender, issued: fs.Issued, budget: int,
-               raw: bool, run_seed: int) -> None:  # fmt: skip
+def run_method(
+    method: Method, sender: Sender, issued: fs.Issued, budget: int, raw: bool, run_seed: int
+) -> None:
     """Send about ``budget`` requests of one RPC. Hypothesis generates the messages; in
     the raw phase each generated message also seeds :data:`RAW_VARIANTS` byte-level
     variants (random bytes, or its own bytes flipped, cut or extended)."""
@@ -73,15 +92,32 @@ def run_method(method: Method, sender: Sender, issued: fs.Issued, budget: int,
     # Hypothesis caches thousands of test cases per run: runs of a few hundred examples
     # (each with its own seed) keep the fuzzer's memory flat over 100,000 requests.
     for chunk in range(0, examples, EXAMPLES_PER_RUN):
-        run_chunk(method, sender, typed, min(EXAMPLES_PER_RUN, examples - chunk), raw,
-                  run_seed * 1000 + chunk // EXAMPLES_PER_RUN)  # fmt: skip
+        run_chunk(
+            method,
+            sender,
+            typed,
+            min(EXAMPLES_PER_RUN, examples - chunk),
+            raw,
+            run_seed * 1000 + chunk // EXAMPLES_PER_RUN,
+        )
 
 
-def run_chunk(method: Method, sender: Sender, typed: st.SearchStrategy[bytes], examples: int,
-              raw: bool, run_seed: int) -> None:  # fmt: skip
+def run_chunk(
+    method: Method,
+    sender: Sender,
+    typed: st.SearchStrategy[bytes],
+    examples: int,
+    raw: bool,
+    run_seed: int,
+) -> None:
     @seed(run_seed)
-    @settings(max_examples=examples, database=None, deadline=None, phases=[Phase.generate],
-              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @settings(
+        max_examples=examples,
+        database=None,
+        deadline=None,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
     @given(
         st.lists(typed, min_size=1, max_size=MESSAGES_PER_EXAMPLE),
         st.integers(0, (1 << 32) - 1),
@@ -123,16 +159,32 @@ def fuzz(workdir: Path, total: int, run_seed: int) -> Tally:
     token_file.write_text(token)
     sidecar = ServerProcess(
         "sidecar",
-        ["policy_server.cli", "--uds", str(workdir / "sidecar.sock"), "--state-dir",
-         str(workdir / "state"), "--admin-token-file", str(token_file), "--log-level", "WARNING"],
-        workdir / "sidecar.sock", workdir / "sidecar.log",
-    )  # fmt: skip
+        [
+            "policy_server.cli",
+            "--uds",
+            str(workdir / "sidecar.sock"),
+            "--state-dir",
+            str(workdir / "state"),
+            "--admin-token-file",
+            str(token_file),
+            "--log-level",
+            "WARNING",
+        ],
+        workdir / "sidecar.sock",
+        workdir / "sidecar.log",
+    )
     memory = ServerProcess(
         "memory",
-        ["benchmarks.fuzz.memory_host", "--uds", str(workdir / "memory.sock"),
-         "--admin-token-file", str(token_file)],
-        workdir / "memory.sock", workdir / "memory.log",
-    )  # fmt: skip
+        [
+            "benchmarks.fuzz.memory_host",
+            "--uds",
+            str(workdir / "memory.sock"),
+            "--admin-token-file",
+            str(token_file),
+        ],
+        workdir / "memory.sock",
+        workdir / "memory.log",
+    )
     issued = fs.Issued()
     tally = Tally()
 
@@ -155,10 +207,20 @@ def fuzz(workdir: Path, total: int, run_seed: int) -> Tally:
             for index, method in enumerate(rpcs):
                 # Three quarters typed messages, one quarter raw bytes.
                 share = (1 if raw else 3) / 4 * WEIGHTS.get(method.name, 1) / weight
-                run_method(method, sender, issued, max(1, int(total * share)), raw,
-                           run_seed * 100 + index + (50 if raw else 0))  # fmt: skip
-                print(f"{'raw' if raw else 'typed'} {method.label}: {tally.requests} requests, "
-                      f"{tally.failures} failures", file=sys.stderr, flush=True)  # fmt: skip
+                run_method(
+                    method,
+                    sender,
+                    issued,
+                    max(1, int(total * share)),
+                    raw,
+                    run_seed * 100 + index + (50 if raw else 0),
+                )
+                print(
+                    f"{'raw' if raw else 'typed'} {method.label}: {tally.requests} requests, "
+                    f"{tally.failures} failures",
+                    file=sys.stderr,
+                    flush=True,
+                )
         for server in (sidecar, memory):
             if not server.alive():
                 tally.crashes += 1

@@ -50,17 +50,23 @@ class HostedAgent:
         draft = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Linear(64, 8))
         rows = np.zeros((4, BLOCKS), dtype=np.int32)
         runner = SimpleNamespace(
-            model=torch.nn.Linear(8, 8), drafter=SimpleNamespace(model=draft),
+            model=torch.nn.Linear(8, 8),
+            drafter=SimpleNamespace(model=draft),
             kv_caches=[views[layer] for layer in range(LAYERS)],
             kv_cache_config=SimpleNamespace(
                 num_blocks=BLOCKS,
                 kv_cache_groups=[SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=TOKENS))],
             ),
-            input_batch=SimpleNamespace(block_table=SimpleNamespace(block_tables=[
-                SimpleNamespace(block_size=TOKENS, block_table=SimpleNamespace(np=rows))
-            ])),
-            requests={}, device=torch.device("cpu"),
-        )  # fmt: skip
+            input_batch=SimpleNamespace(
+                block_table=SimpleNamespace(
+                    block_tables=[
+                        SimpleNamespace(block_size=TOKENS, block_table=SimpleNamespace(np=rows))
+                    ]
+                )
+            ),
+            requests={},
+            device=torch.device("cpu"),
+        )
         self.memory = RunnerMemory(runner)
         self.agent = MemoryAgent(BLOCKS, -(-self.memory.draft_bytes // 6), self.memory.draft_bytes)
         self.elastic = ElasticBlockPool(kv_manager, self.agent.kv_blocks)

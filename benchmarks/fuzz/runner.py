@@ -26,12 +26,17 @@ from nightjar_proto.v1 import admin_pb2, memory_pb2, policy_pb2
 
 from benchmarks.fuzz.processes import ServerProcess
 
-RIGHT_CODES = frozenset({
-    grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
-    grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNAUTHENTICATED,
-    grpc.StatusCode.PERMISSION_DENIED,
-    grpc.StatusCode.RESOURCE_EXHAUSTED,
-})  # fmt: skip
+RIGHT_CODES = frozenset(
+    {
+        grpc.StatusCode.OK,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+    }
+)
 CODE_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}
 TIMEOUT_S = 30.0
 # Memory orders wait for a step boundary; a short deadline keeps an idle wait short.
@@ -76,12 +81,17 @@ class Tally:
 
     def as_dict(self) -> dict[str, Any]:
         return {
-            "requests": self.requests, "crashes": self.crashes,
-            "non_grpc_errors": self.non_grpc_errors, "wrong_codes": self.wrong_codes,
-            "state_changes_on_reject": self.state_changes_on_reject, "rejected": self.rejected,
-            "state_checks": self.state_checks, "by_code": dict(sorted(self.by_code.items())),
-            "by_method": dict(sorted(self.by_method.items())), "examples": self.examples,
-        }  # fmt: skip
+            "requests": self.requests,
+            "crashes": self.crashes,
+            "non_grpc_errors": self.non_grpc_errors,
+            "wrong_codes": self.wrong_codes,
+            "state_changes_on_reject": self.state_changes_on_reject,
+            "rejected": self.rejected,
+            "state_checks": self.state_checks,
+            "by_code": dict(sorted(self.by_code.items())),
+            "by_method": dict(sorted(self.by_method.items())),
+            "examples": self.examples,
+        }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,8 +157,13 @@ class Answer:
 class Sender:
     """Sends one request's bytes to its server and judges the answer."""
 
-    def __init__(self, servers: dict[str, ServerProcess], tally: Tally, token: str,
-                 on_reply: Callable[[Method, bytes, Message], None]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        servers: dict[str, ServerProcess],
+        tally: Tally,
+        token: str,
+        on_reply: Callable[[Method, bytes, Message], None],
+    ) -> None:
         self.servers = servers
         self.tally = tally
         self.token = token
@@ -158,9 +173,12 @@ class Sender:
 
     def metadata(self, auth: int) -> Metadata:
         """0: none, 1: the admin token, 2: a wrong one, 3: a malformed header."""
-        return ((), (("authorization", f"Bearer {self.token}"),),
-                (("authorization", "Bearer " + "0" * len(self.token)),),
-                (("authorization", "Basic"),))[auth % 4]  # fmt: skip
+        return (
+            (),
+            (("authorization", f"Bearer {self.token}"),),
+            (("authorization", "Bearer " + "0" * len(self.token)),),
+            (("authorization", "Basic"),),
+        )[auth % 4]
 
     def send(self, method: Method, payloads: list[bytes], auth: int) -> None:
         if self.tally.requests >= self._next_reset:
@@ -176,10 +194,12 @@ class Sender:
         self.tally.by_code[answer.code.name] += 1
         if answer.code not in RIGHT_CODES:
             self.tally.wrong_codes += 1
-            self.tally.failure("wrong-code", method.label, f"{answer.code.name}: {answer.detail}",
-                               payloads[0])  # fmt: skip
-        errors = [r for r in answer.replies if isinstance(r, policy_pb2.StepReply)
-                  and r.HasField("error")]  # fmt: skip
+            self.tally.failure(
+                "wrong-code", method.label, f"{answer.code.name}: {answer.detail}", payloads[0]
+            )
+        errors = [
+            r for r in answer.replies if isinstance(r, policy_pb2.StepReply) and r.HasField("error")
+        ]
         for reply in errors:
             code = CODE_BY_VALUE.get(reply.error.code)
             self.tally.by_code[f"stream:{code.name if code else reply.error.code}"] += 1
@@ -201,11 +221,11 @@ class Sender:
             if after != before:
                 self.tally.state_changes_on_reject += 1
                 changed = sorted(k for k in before if before[k] != after.get(k))
-                self.tally.failure("state-change", method.label, f"changed: {changed}",
-                                   payloads[0])  # fmt: skip
+                self.tally.failure("state-change", method.label, f"changed: {changed}", payloads[0])
 
-    def _call(self, server: ServerProcess, method: Method, payloads: list[bytes],
-              metadata: Metadata) -> Answer | None:  # fmt: skip
+    def _call(
+        self, server: ServerProcess, method: Method, payloads: list[bytes], metadata: Metadata
+    ) -> Answer | None:
         timeout = MEMORY_TIMEOUT_S if method.target == "memory" else TIMEOUT_S
         # Replies as they arrive: a stream that ends with an error status (an oversized or
         # undecodable message) has answered, and applied, the messages before it.
@@ -216,8 +236,11 @@ class Sender:
                 call = server.channel.stream_stream(method.path, None, None)
                 raw.extend(call(iter(payloads), metadata=metadata, timeout=timeout))
             else:
-                raw.append(unary(server.channel, method.path)(
-                    payloads[0], metadata=metadata, timeout=timeout))  # fmt: skip
+                raw.append(
+                    unary(server.channel, method.path)(
+                        payloads[0], metadata=metadata, timeout=timeout
+                    )
+                )
             return Answer(grpc.StatusCode.OK, "", [method.response.FromString(r) for r in raw])
         except grpc.RpcError as exc:
             if not server.alive():
@@ -237,8 +260,10 @@ class Sender:
         assert channel is not None
         with contextlib.suppress(grpc.RpcError):  # a dead server is found by the next call
             unary(channel, "/nightjar.v1.AdminService/Reset")(
-                admin_pb2.ResetRequest().SerializeToString(), metadata=self.metadata(1),
-                timeout=TIMEOUT_S)  # fmt: skip
+                admin_pb2.ResetRequest().SerializeToString(),
+                metadata=self.metadata(1),
+                timeout=TIMEOUT_S,
+            )
         self._state.pop("sidecar", None)
 
     def _crashed(self, server: ServerProcess, method: Method, payload: bytes) -> None:
@@ -261,12 +286,15 @@ class Sender:
                     get_state(admin_pb2.GetStateRequest().SerializeToString(), timeout=TIMEOUT_S)
                 )
                 view = {
-                    "policy_name": state.policy_name, "policy_version": state.policy_version,
-                    "params": state.params_json, "state": json.loads(state.state_json),
+                    "policy_name": state.policy_name,
+                    "policy_version": state.policy_version,
+                    "params": state.params_json,
+                    "state": json.loads(state.state_json),
                     "decisions_total": state.decisions_total,
-                    "reports_total": state.reports_total, "engine_ids": list(state.engine_ids),
+                    "reports_total": state.reports_total,
+                    "engine_ids": list(state.engine_ids),
                     "memory": state.memory_json,
-                }  # fmt: skip
+                }
             else:
                 get_status = unary(channel, "/nightjar.v1.MemoryAgentService/GetStatus")
                 status = memory_pb2.MemoryStatus.FromString(
@@ -276,9 +304,18 @@ class Sender:
                 )
                 # Learned / applied state only: last_error and pending_action report the
                 # rejection itself, free blocks and timings move with the engine's steps.
-                view = {name: getattr(status, name) for name in (
-                    "draft_resident", "draft_state", "total_kv_blocks", "draft_bytes",
-                    "offloads", "reloads", "migrated_blocks")}  # fmt: skip
+                view = {
+                    name: getattr(status, name)
+                    for name in (
+                        "draft_resident",
+                        "draft_state",
+                        "total_kv_blocks",
+                        "draft_bytes",
+                        "offloads",
+                        "reloads",
+                        "migrated_blocks",
+                    )
+                }
         except grpc.RpcError:
             return None
         self._state[target] = view

@@ -27,8 +27,20 @@ POLICIES = tuple(sorted(REGISTRY))  # every registered policy, the default inclu
 INT32 = (-(1 << 31), (1 << 31) - 1)
 INT64 = (-(1 << 63), (1 << 63) - 1)
 UINT64 = (0, (1 << 64) - 1)
-FLOAT_EDGES = (0.0, -0.0, math.nan, math.inf, -math.inf, 5e-324, 1e-300, 1e308, -1.0, 600.0,
-               600.0001, 0.001)  # fmt: skip
+FLOAT_EDGES = (
+    0.0,
+    -0.0,
+    math.nan,
+    math.inf,
+    -math.inf,
+    5e-324,
+    1e-300,
+    1e308,
+    -1.0,
+    600.0,
+    600.0001,
+    0.001,
+)
 
 
 @dataclasses.dataclass
@@ -50,9 +62,28 @@ class Issued:
 
 def ints(bounds: tuple[int, int]) -> st.SearchStrategy[int]:
     low, high = bounds
-    edges = [v for v in (0, 1, -1, 2, 64, 65, 256, 65536, 65537, 1 << 20, 10**9,
-                         INT32[0], INT32[1], INT64[0], INT64[1], UINT64[1])
-             if low <= v <= high]  # fmt: skip
+    edges = [
+        v
+        for v in (
+            0,
+            1,
+            -1,
+            2,
+            64,
+            65,
+            256,
+            65536,
+            65537,
+            1 << 20,
+            10**9,
+            INT32[0],
+            INT32[1],
+            INT64[0],
+            INT64[1],
+            UINT64[1],
+        )
+        if low <= v <= high
+    ]
     return st.one_of(
         st.integers(max(low, 0), min(high, 100)),
         st.integers(max(low, 0), min(high, 100)),
@@ -82,10 +113,21 @@ def json_text() -> st.SearchStrategy[str]:
         st.none(), st.booleans(), ints(INT64), st.floats(allow_nan=False), st.text(max_size=8)
     )
     values = st.recursive(scalar, lambda inner: st.lists(inner, max_size=3), max_leaves=5)
-    names = st.sampled_from((
-        "gamma_max", "max_batch_size", "batch_bucketing", "seed", "share_learner", "gamma",
-        "prefill_cost_table", "epsilon", "alpha", "table", "unknown_param",
-    ))  # fmt: skip
+    names = st.sampled_from(
+        (
+            "gamma_max",
+            "max_batch_size",
+            "batch_bucketing",
+            "seed",
+            "share_learner",
+            "gamma",
+            "prefill_cost_table",
+            "epsilon",
+            "alpha",
+            "table",
+            "unknown_param",
+        )
+    )
     objects = st.dictionaries(names, values, max_size=3).map(json.dumps)
     nan = st.dictionaries(names, st.sampled_from((math.nan, math.inf)), max_size=2).map(json.dumps)
     return st.one_of(objects, objects, nan, plain_strings(), st.just("[1, 2]"), st.just("{"))
@@ -94,32 +136,58 @@ def json_text() -> st.SearchStrategy[str]:
 def snapshot_text() -> st.SearchStrategy[str]:
     """Snapshot documents that are almost right (format, policy, state, engines)."""
     policy = st.fixed_dictionaries(
-        {"name": st.one_of(st.sampled_from(POLICIES), st.integers(), st.none()),
-         "params": st.one_of(st.just({}), st.lists(st.integers(), max_size=2), st.none(),
-                             st.dictionaries(st.sampled_from(("gamma_max", "x")), st.integers(),
-                                             max_size=2)),
-         "state": st.one_of(st.just({}), st.none(), st.integers(),
-                            st.fixed_dictionaries({"schema": st.text(max_size=12),
-                                                   "gamma_max": st.integers(-1, 70)}))},
-    )  # fmt: skip
+        {
+            "name": st.one_of(st.sampled_from(POLICIES), st.integers(), st.none()),
+            "params": st.one_of(
+                st.just({}),
+                st.lists(st.integers(), max_size=2),
+                st.none(),
+                st.dictionaries(st.sampled_from(("gamma_max", "x")), st.integers(), max_size=2),
+            ),
+            "state": st.one_of(
+                st.just({}),
+                st.none(),
+                st.integers(),
+                st.fixed_dictionaries(
+                    {"schema": st.text(max_size=12), "gamma_max": st.integers(-1, 70)}
+                ),
+            ),
+        },
+    )
     document = st.fixed_dictionaries(
         {"format": st.sampled_from(("nightjar-snapshot/1", "nightjar-snapshot/0", ""))},
         optional={
             "policy": st.one_of(policy, st.integers(), st.none()),
-            "engines": st.one_of(st.lists(st.sampled_from(ENGINES), max_size=3), st.integers(),
-                                 st.none(), st.just("engine-a")),
+            "engines": st.one_of(
+                st.lists(st.sampled_from(ENGINES), max_size=3),
+                st.integers(),
+                st.none(),
+                st.just("engine-a"),
+            ),
             "created_unix": st.one_of(st.floats(allow_nan=False), st.text(max_size=4)),
         },
-    )  # fmt: skip
+    )
     return st.one_of(document.map(json.dumps), json_text())
 
 
 def paths() -> st.SearchStrategy[str]:
     return st.one_of(
-        st.sampled_from(("snapshot.json", "/nonexistent/snapshot.json", "", "/", ".", "..",
-                         "\x00", "a\x00b", "/proc/self/status", "x" * 5000)),
+        st.sampled_from(
+            (
+                "snapshot.json",
+                "/nonexistent/snapshot.json",
+                "",
+                "/",
+                ".",
+                "..",
+                "\x00",
+                "a\x00b",
+                "/proc/self/status",
+                "x" * 5000,
+            )
+        ),
         plain_strings(),
-    )  # fmt: skip
+    )
 
 
 def field_strategies(issued: Issued) -> dict[str, st.SearchStrategy[Any]]:
@@ -147,9 +215,11 @@ def repeated(field: FieldDescriptor) -> bool:
 
 
 def message(
-    descriptor: Descriptor, cls_of: Callable[[Descriptor], type[Message]],
-    named: dict[str, st.SearchStrategy[Any]], depth: int = 0,
-) -> st.SearchStrategy[Message]:  # fmt: skip
+    descriptor: Descriptor,
+    cls_of: Callable[[Descriptor], type[Message]],
+    named: dict[str, st.SearchStrategy[Any]],
+    depth: int = 0,
+) -> st.SearchStrategy[Message]:
     """Any message of ``descriptor``: every field set or not, values from its wire type."""
     fields: dict[str, st.SearchStrategy[Any]] = {}
     for field in descriptor.fields:
@@ -181,9 +251,11 @@ def message(
 
 
 def _value(
-    field: FieldDescriptor, cls_of: Callable[[Descriptor], type[Message]],
-    named: dict[str, st.SearchStrategy[Any]], depth: int,
-) -> st.SearchStrategy[Any] | None:  # fmt: skip
+    field: FieldDescriptor,
+    cls_of: Callable[[Descriptor], type[Message]],
+    named: dict[str, st.SearchStrategy[Any]],
+    depth: int,
+) -> st.SearchStrategy[Any] | None:
     kind = field.type
     if kind == FieldDescriptor.TYPE_STRING:
         return named.get(field.name, plain_strings())
@@ -204,36 +276,45 @@ def _value(
 
 def near_valid_context(issued: Issued) -> st.SearchStrategy[dict[str, Any]]:
     """StepContext fields a real engine sends; the fuzzer's mutations push one out."""
-    return st.fixed_dictionaries({
-        "engine_id": st.sampled_from(ENGINES),
-        "step_index": st.integers(0, 10**6),
-        "batch_size": st.integers(1, 64),
-        "num_waiting": st.integers(0, 16),
-        "free_kv_blocks": st.integers(0, 500),
-        "total_kv_blocks": st.just(1000),
-        "max_draft_lag_tokens": st.integers(0, 64),
-        "draft_resident": st.booleans(),
-        "max_gamma": st.integers(0, 8),
-        "context_tokens": st.integers(0, 10**5),
-        "min_draft_passes": st.integers(0, 1),
-    })  # fmt: skip
+    return st.fixed_dictionaries(
+        {
+            "engine_id": st.sampled_from(ENGINES),
+            "step_index": st.integers(0, 10**6),
+            "batch_size": st.integers(1, 64),
+            "num_waiting": st.integers(0, 16),
+            "free_kv_blocks": st.integers(0, 500),
+            "total_kv_blocks": st.just(1000),
+            "max_draft_lag_tokens": st.integers(0, 64),
+            "draft_resident": st.booleans(),
+            "max_gamma": st.integers(0, 8),
+            "context_tokens": st.integers(0, 10**5),
+            "min_draft_passes": st.integers(0, 1),
+        }
+    )
 
 
 def near_valid_outcome(issued: Issued) -> st.SearchStrategy[dict[str, Any]]:
     def fill(values: dict[str, Any]) -> dict[str, Any]:
         decision_id, engine_id, gamma = issued.pick(values.pop("pick"))
         drafted = values["drafted_tokens"]
-        return {**values, "decision_id": decision_id, "engine_id": engine_id, "gamma": gamma,
-                "accepted_tokens": min(values["accepted_tokens"], drafted)}  # fmt: skip
+        return {
+            **values,
+            "decision_id": decision_id,
+            "engine_id": engine_id,
+            "gamma": gamma,
+            "accepted_tokens": min(values["accepted_tokens"], drafted),
+        }
 
-    return st.fixed_dictionaries({
-        "pick": st.integers(0, 1 << 16),
-        "step_seconds": st.floats(0.001, 1.0),
-        "generated_tokens": st.integers(1, 256),
-        "drafted_tokens": st.integers(0, 256),
-        "accepted_tokens": st.integers(0, 256),
-        "prefill_tokens": st.integers(0, 512),
-    }).map(fill)  # fmt: skip
+    return st.fixed_dictionaries(
+        {
+            "pick": st.integers(0, 1 << 16),
+            "step_seconds": st.floats(0.001, 1.0),
+            "generated_tokens": st.integers(1, 256),
+            "drafted_tokens": st.integers(0, 256),
+            "accepted_tokens": st.integers(0, 256),
+            "prefill_tokens": st.integers(0, 512),
+        }
+    ).map(fill)
 
 
 def mutated(
@@ -243,8 +324,9 @@ def mutated(
 ) -> st.SearchStrategy[dict[str, Any]]:
     """Near-valid fields, most left as they are and at most one replaced by any value of
     its wire type (the boundary values included)."""
-    scalar = [f for f in descriptor.fields if f.type != FieldDescriptor.TYPE_MESSAGE
-              and not repeated(f)]  # fmt: skip
+    scalar = [
+        f for f in descriptor.fields if f.type != FieldDescriptor.TYPE_MESSAGE and not repeated(f)
+    ]
 
     def one(draw: Callable[[st.SearchStrategy[Any]], Any]) -> dict[str, Any]:
         values = dict(draw(fields))

@@ -104,8 +104,9 @@ class DsdPolicy(LearnerTablePolicy[DsdParams, AcceptanceModel]):
 
     def observe(self, ctx: StepContext, choice: Choice, outcome: StepOutcome) -> None:
         model = self._table.get(ctx)
-        model.observe(outcome.gamma, outcome.drafted_tokens, outcome.accepted_tokens,
-                      outcome.request_accepts)  # fmt: skip
+        model.observe(
+            outcome.gamma, outcome.drafted_tokens, outcome.accepted_tokens, outcome.request_accepts
+        )
         if model.alpha < RESET_BELOW:
             self._table.replace(ctx, self._prior(RESET_TO))
 

@@ -185,8 +185,9 @@ class RandomPolicy(ParamsPolicy[RandomParams], _StatelessPolicy):
         rng = self._rngs.get(ctx.engine_id)
         if rng is None:
             rng = self._rngs[ctx.engine_id] = engine_rng(self._params.seed, ctx.engine_id)
-        return Choice(gamma=rng.randint(0, top), bin_type=BinType.EXPLORE,
-                      exploration_probability=1.0)  # fmt: skip
+        return Choice(
+            gamma=rng.randint(0, top), bin_type=BinType.EXPLORE, exploration_probability=1.0
+        )
 
     def checkpoint(self, ctx: StepContext) -> object:
         """decide(ctx) only draws from (or creates) the engine's RNG."""

@@ -233,12 +233,19 @@ class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner])
         engine = self._book.engine(ctx)
         learner = self._book.learner(engine.learner_id)
         learner.acceptance.observe(
-            outcome.gamma, outcome.drafted_tokens, outcome.accepted_tokens,
+            outcome.gamma,
+            outcome.drafted_tokens,
+            outcome.accepted_tokens,
             outcome.request_accepts,
-        )  # fmt: skip
-        x = step_features(ctx.batch_size, outcome.gamma, outcome.prefill_tokens,
-                          ctx.context_tokens, outcome.drafted_gamma,
-                          ctx.min_draft_passes)  # fmt: skip
+        )
+        x = step_features(
+            ctx.batch_size,
+            outcome.gamma,
+            outcome.prefill_tokens,
+            ctx.context_tokens,
+            outcome.drafted_gamma,
+            ctx.min_draft_passes,
+        )
         milliseconds = 1000.0 * outcome.step_seconds
         learner.step_time.observe(x, milliseconds)
         # Kept while the correction is off too (a few adds into a bounded block per batch
@@ -363,13 +370,22 @@ class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner])
         return Prediction([expected_tokens(alpha, g) for g in range(top + 1)], ms)
 
     def _step_ms(
-        self, learner: Learner, weights: FloatArray, ctx: StepContext, top: int,
+        self,
+        learner: Learner,
+        weights: FloatArray,
+        ctx: StepContext,
+        top: int,
         normals: FloatArray | None = None,
-    ) -> FloatArray:  # fmt: skip
+    ) -> FloatArray:
         """Decode-step ms for γ = 0..top under ``weights``, with the local correction
         (drawn from its posterior given ``normals``)."""
-        ms = predict_ms(weights, ctx.batch_size, top, context_tokens=ctx.context_tokens,
-                        min_draft_passes=min(ctx.min_draft_passes, top))  # fmt: skip
+        ms = predict_ms(
+            weights,
+            ctx.batch_size,
+            top,
+            context_tokens=ctx.context_tokens,
+            min_draft_passes=min(ctx.min_draft_passes, top),
+        )
         if self._params.local_correction:
             noise = learner.step_time.noise_variance
             ms = ms + learner.correction.offsets_ms(weights, ctx.batch_size, top, noise, normals)
@@ -388,9 +404,14 @@ class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner])
         ]
 
     def _trial(
-        self, learner: Learner, engine: EngineState, batch_size: int, point: list[float],
-        allowed: list[int], greedy: int,
-    ) -> int | None:  # fmt: skip
+        self,
+        learner: Learner,
+        engine: EngineState,
+        batch_size: int,
+        point: list[float],
+        allowed: list[int],
+        greedy: int,
+    ) -> int | None:
         """A γ never run in this batch size's octave, to run now, if one is plausible.
 
         Why: a cap on the point estimate alone can lock the policy out of a γ the
@@ -412,10 +433,13 @@ class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner])
         # "Trials").
         switch_back = self._prefill_cost is not None and greedy > 0
         untried = [
-            g for g in allowed
-            if abs(g - greedy) <= 1 and learner.correction.steps(batch_size, g) == 0
-            and (octave, g) not in engine.trials and not (g == 0 and switch_back)
-        ]  # fmt: skip
+            g
+            for g in allowed
+            if abs(g - greedy) <= 1
+            and learner.correction.steps(batch_size, g) == 0
+            and (octave, g) not in engine.trials
+            and not (g == 0 and switch_back)
+        ]
         if not untried:  # nearly every decision, once the engine has run a while
             return None
         misfit = learner.correction.misfit(learner.step_time.fit().weights, batch_size)
@@ -455,11 +479,17 @@ class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner])
         fit = learner.step_time.solve()
         out: dict[str, list[float]] = {}
         for batch in (1 << k for k in range(9)):
-            ctx = StepContext("", batch, context_tokens=round(learner.context_per_request * batch),
-                              min_draft_passes=learner.min_draft_passes)  # fmt: skip
+            ctx = StepContext(
+                "",
+                batch,
+                context_tokens=round(learner.context_per_request * batch),
+                min_draft_passes=learner.min_draft_passes,
+            )
             point = self._point(learner, ctx, self._params.gamma_max, fit)
-            goodput = [1000.0 * batch * t / max(float(ms), 1e-9)
-                       for t, ms in zip(point.tokens, point.step_ms, strict=True)]  # fmt: skip
+            goodput = [
+                1000.0 * batch * t / max(float(ms), 1e-9)
+                for t, ms in zip(point.tokens, point.step_ms, strict=True)
+            ]
             best = max(range(len(goodput)), key=lambda g: (goodput[g], -g))
             out[str(batch)] = [best, round(goodput[best], 1)]
         return out

@@ -43,8 +43,11 @@ class LearnerTable(LearnerBook[str, L]):
     ) -> dict[str, dict[str, Any]]:
         """``engines`` and ``learners`` of a policy state (one engine's part when given)."""
         engines = {e: lid for e, lid in sorted(self.engines.items()) if engine_id in (None, e)}
-        learners = {lid: learner_json(self.learners[lid])
-                    for lid in sorted(set(engines.values())) if lid in self.learners}  # fmt: skip
+        learners = {
+            lid: learner_json(self.learners[lid])
+            for lid in sorted(set(engines.values()))
+            if lid in self.learners
+        }
         return {"engines": engines, "learners": learners}
 
     def load(self, state: Mapping[str, Any], learner_from_json: Callable[[Any], L]) -> None:

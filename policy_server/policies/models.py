@@ -84,9 +84,13 @@ def shape_features(
 
 
 def step_features(
-    batch_size: int, gamma: int, prefill_tokens: int = 0, context_tokens: int = 0,
-    draft_gamma: int | None = None, min_draft_passes: int = 0,
-) -> FloatArray:  # fmt: skip
+    batch_size: int,
+    gamma: int,
+    prefill_tokens: int = 0,
+    context_tokens: int = 0,
+    draft_gamma: int | None = None,
+    min_draft_passes: int = 0,
+) -> FloatArray:
     """The regression features of one step (the row ``predict_ms`` evaluates for γ): the
     shape features, then attention, which reads the batch's KV once per query token.
 
@@ -99,17 +103,27 @@ def step_features(
     drafted = max(gamma if draft_gamma is None else draft_gamma, min_draft_passes)
     tokens = batch_size * (gamma + 1) + prefill_tokens
     context = context_tokens / CONTEXT_SCALE
-    return np.array([
-        1.0, tokens / TOKEN_SCALE,
-        *(max(0.0, tokens - knot) / TOKEN_SCALE for knot in TOKEN_KNOTS),
-        drafted, drafted * batch_size / 64.0, context, context * gamma,
-    ])  # fmt: skip
+    return np.array(
+        [
+            1.0,
+            tokens / TOKEN_SCALE,
+            *(max(0.0, tokens - knot) / TOKEN_SCALE for knot in TOKEN_KNOTS),
+            drafted,
+            drafted * batch_size / 64.0,
+            context,
+            context * gamma,
+        ]
+    )
 
 
 def predict_ms(
-    weights: FloatArray, batch_size: int, gamma_top: int, prefill_tokens: int = 0,
-    context_tokens: int = 0, min_draft_passes: int = 0,
-) -> FloatArray:  # fmt: skip
+    weights: FloatArray,
+    batch_size: int,
+    gamma_top: int,
+    prefill_tokens: int = 0,
+    context_tokens: int = 0,
+    min_draft_passes: int = 0,
+) -> FloatArray:
     """Step milliseconds for γ = 0..gamma_top under ``weights`` (the fast path of a
     decision: one cached matrix product plus the two context terms)."""
     shape = shape_features(batch_size, gamma_top, prefill_tokens, min_draft_passes)
@@ -296,8 +310,12 @@ class StepTimeModel:
     def to_json(self) -> dict[str, Any]:
         fit = None
         if self._fit is not None:
-            fit = {"weights": self._fit.weights.tolist(), "factor": self._fit.factor.tolist(),
-                   "stale": self._stale, "stale_ms": self._stale_ms}  # fmt: skip
+            fit = {
+                "weights": self._fit.weights.tolist(),
+                "factor": self._fit.factor.tolist(),
+                "stale": self._stale,
+                "stale_ms": self._stale_ms,
+            }
         return {
             "gram": self.gram.tolist(),
             "moment": self.moment.tolist(),
@@ -397,9 +415,13 @@ class LocalCorrection:
         return float(np.max(np.abs(total - predicted) / np.maximum(predicted, 0.1 * total)))
 
     def offsets_ms(
-        self, weights: FloatArray, batch_size: int, gamma_top: int,
-        noise_variance: float = 0.0, normals: FloatArray | None = None,
-    ) -> FloatArray:  # fmt: skip
+        self,
+        weights: FloatArray,
+        batch_size: int,
+        gamma_top: int,
+        noise_variance: float = 0.0,
+        normals: FloatArray | None = None,
+    ) -> FloatArray:
         """Milliseconds to add to the regression's prediction for γ = 0..gamma_top. With
         ``normals``, a draw from the mean's posterior: the regression's residual variance
         is relative (σ²·y, see StepTimeModel), so the mean of n steps near ȳ has variance

@@ -115,6 +115,7 @@ class UcbPolicy(LearnerTablePolicy[UcbParams, dict[int, ArmSet]]):
         bucket = bucket_of(ctx.batch_size)
         arms = buckets.get(bucket)
         if arms is None:
-            arms = buckets[bucket] = ArmSet([0.0] * (self.gamma_max + 1),
-                                            [0] * (self.gamma_max + 1))  # fmt: skip
+            arms = buckets[bucket] = ArmSet(
+                [0.0] * (self.gamma_max + 1), [0] * (self.gamma_max + 1)
+            )
         return arms

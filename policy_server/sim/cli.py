@@ -70,7 +70,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help=DATA_HELP,
     )
     parser.add_argument("--json", type=Path, help="also write the figures here")
-    return parser.parse_args(argv)  # fmt: skip
+    return parser.parse_args(argv)
 
 
 def load_requests(args: argparse.Namespace) -> list[RequestSpec]:
@@ -97,21 +97,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"nightjar-sim: {exc}", file=sys.stderr)
         return 2
     profile = profiles[args.profile]
-    print(f"{len(specs)} requests over {specs[-1].arrival_s:.0f} s on {args.profile}",
-          file=sys.stderr)  # fmt: skip
+    print(
+        f"{len(specs)} requests over {specs[-1].arrival_s:.0f} s on {args.profile}", file=sys.stderr
+    )
     results: dict[str, SimResult] = {}
     with tempfile.TemporaryDirectory(prefix="nightjar-sim-") as scratch:
         assets = ProfileAssets.build(profile, Path(scratch))
-        bench = BenchConfig(args.data, [args.seed], quick=False,
-                            chunked_prefill=args.chunked_prefill, acceptance=args.acceptance,
-                            assets={args.profile: assets})  # fmt: skip
+        bench = BenchConfig(
+            args.data,
+            [args.seed],
+            quick=False,
+            chunked_prefill=args.chunked_prefill,
+            acceptance=args.acceptance,
+            assets={args.profile: assets},
+        )
         for policy in policies:
             results[policy] = simulate(profile, specs, policy, bench, args.seed)
     if args.sidecar:
         with NightjarClient(ClientConfig(target=args.sidecar, engine_id="nightjar-sim")) as client:
             source = ClientSource(client)
-            sim = Simulator(profile, WORKLOADS[args.acceptance], specs, source,
-                            bench.sim(args.seed))  # fmt: skip
+            sim = Simulator(
+                profile, WORKLOADS[args.acceptance], specs, source, bench.sim(args.seed)
+            )
             results["sidecar"] = sim.run()
     cells: dict[str, Cell] = {
         name: summarise(args.profile, str(args.trace), name, result)

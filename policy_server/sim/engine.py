@@ -256,16 +256,29 @@ class Simulator:
         self._finish()
         if ctx is not None:
             outcome = StepOutcome(
-                decision_id, ctx.engine_id, gamma, step_s, generated,
-                drafted_tokens=len(decode) * gamma, accepted_tokens=accepted,
+                decision_id,
+                ctx.engine_id,
+                gamma,
+                step_s,
+                generated,
+                drafted_tokens=len(decode) * gamma,
+                accepted_tokens=accepted,
                 prefill_tokens=prefill_tokens,
-            )  # fmt: skip
+            )
             self.source.report(ctx, decision_id, outcome)
             self.previous_gamma = gamma
         self.step_index += 1
         regret = (max(goodputs) - goodputs[gamma]) * step_s if goodputs else 0.0
-        return StepRecord(self.now, len(decode), gamma, step_s, generated, len(self.waiting),
-                          self.free_blocks, regret)  # fmt: skip
+        return StepRecord(
+            self.now,
+            len(decode),
+            gamma,
+            step_s,
+            generated,
+            len(self.waiting),
+            self.free_blocks,
+            regret,
+        )
 
     # -- pieces of a step -------------------------------------------------------------------
 

@@ -94,10 +94,20 @@ def plot_gamma_timeline(
     for label, result in results.items():
         bins = binned([s for s in result.steps if s.batch_size > 0], bin_s)
         times = [start for start, _ in bins]
-        top.step(times, [sum(s.gamma for s in b) / len(b) for _, b in bins], where="post",
-                 color=COLOURS.get(label), label=label)  # fmt: skip
-        bottom.step(times, [sum(s.batch_size for s in b) / len(b) for _, b in bins],
-                    where="post", color=COLOURS.get(label), label=label)  # fmt: skip
+        top.step(
+            times,
+            [sum(s.gamma for s in b) / len(b) for _, b in bins],
+            where="post",
+            color=COLOURS.get(label),
+            label=label,
+        )
+        bottom.step(
+            times,
+            [sum(s.batch_size for s in b) / len(b) for _, b in bins],
+            where="post",
+            color=COLOURS.get(label),
+            label=label,
+        )
     top.set(title=title, ylabel=f"mean γ per {bin_s:g} s")
     bottom.set(xlabel="time s", ylabel="decode batch size")
     top.legend(fontsize=8)
@@ -113,8 +123,9 @@ def plot_throughput_over_time(
     for label, result in results.items():
         bins = binned(result.steps, bin_s)
         rates = [sum(s.generated for s in b) / bin_s for _, b in bins]
-        ax.plot([start for start, _ in bins], rates, color=COLOURS.get(label), label=label,
-                linewidth=1)  # fmt: skip
+        ax.plot(
+            [start for start, _ in bins], rates, color=COLOURS.get(label), label=label, linewidth=1
+        )
     ax.set(title=title, xlabel="time s", ylabel="tok/s")
     ax.legend(fontsize=7, ncol=2)
     return _save(fig, path)

@@ -74,10 +74,15 @@ def _static(gamma: int) -> SourceFactory:
 
 def _learning(policy: str, **params: object) -> SourceFactory:
     # Deployed as their papers run them: with the engine's profiled switching cost.
-    return lambda seed, assets: PolicySource.named(policy, {
-        "seed": seed, "gamma_max": GAMMA_MAX, "prefill_cost_table": assets.prefill_cost_table,
-        **params,
-    })  # fmt: skip
+    return lambda seed, assets: PolicySource.named(
+        policy,
+        {
+            "seed": seed,
+            "gamma_max": GAMMA_MAX,
+            "prefill_cost_table": assets.prefill_cost_table,
+            **params,
+        },
+    )
 
 
 POLICIES: dict[str, SourceFactory] = {
@@ -109,16 +114,33 @@ SLO_ONLY: dict[str, SourceFactory] = {
 FIXED = ["off"] + [p for p in POLICIES if p.startswith("static-")]
 # The policy the targets are judged for: the server's default.
 DEFAULT = "goodput"
-SWEEP_POLICIES = ["goodput", "nightjar", "off", "static-1", "static-3", "table", "ema", "dsd",
-                  "oracle"]  # fmt: skip
+SWEEP_POLICIES = [
+    "goodput",
+    "nightjar",
+    "off",
+    "static-1",
+    "static-3",
+    "table",
+    "ema",
+    "dsd",
+    "oracle",
+]
 # Lines in the over-time plots (all of them would be unreadable).
 PLOTTED = ["goodput", "nightjar", "off", "static-1", "ema", "table", "oracle"]
 SLO_WORKLOADS = ("step", "azure-conv")
-SLO_POLICIES = ["goodput-slo", "goodput", "static-1", "static-2", "table", "ema", "dsd",
-                "oracle"]  # fmt: skip
+SLO_POLICIES = ["goodput-slo", "goodput", "static-1", "static-2", "table", "ema", "dsd", "oracle"]
 # `make bench-quick` (the CI smoke run): fewer policies, SLO on one workload, one rate.
-QUICK_POLICIES = ["goodput", "nightjar", "off", "static-1", "static-3", "table", "ema", "dsd",
-                  "oracle"]  # fmt: skip
+QUICK_POLICIES = [
+    "goodput",
+    "nightjar",
+    "off",
+    "static-1",
+    "static-3",
+    "table",
+    "ema",
+    "dsd",
+    "oracle",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,9 +191,11 @@ class BenchConfig:
     @property
     def sim(self) -> Callable[[int], SimConfig]:
         return lambda seed: SimConfig(
-            seed=seed, gamma_max=GAMMA_MAX, chunked_prefill=self.chunked_prefill,
+            seed=seed,
+            gamma_max=GAMMA_MAX,
+            chunked_prefill=self.chunked_prefill,
             track_regret=True,
-        )  # fmt: skip
+        )
 
 
 # The drift workload: the request mix changes half-way from one a draft predicts well
@@ -190,10 +214,11 @@ def workloads(data: Path, seed: int, quick: bool) -> dict[str, list[RequestSpec]
     trace = read_trace(data / "traces" / "azure_llm_2023_conv.csv")
     scale = 0.5 if quick else 1.0
     out = {
-        name: synthetic([dataclasses.replace(p, seconds=p.seconds * scale) for p in phases],
-                        trace, seed)
+        name: synthetic(
+            [dataclasses.replace(p, seconds=p.seconds * scale) for p in phases], trace, seed
+        )
         for name, phases in SCHEDULES.items()
-    }  # fmt: skip
+    }
     # A slice of the real trace at its own burstiness, rescaled to 4 req/s.
     out["azure-conv"] = scale_to_qps(window(trace, 0, 600 * scale), 4.0)
     out["drift"] = synthetic([RatePhase(DRIFT_SECONDS * scale, DRIFT_QPS)], trace, seed)
@@ -213,9 +238,13 @@ def acceptance_of(
 
 
 def simulate(
-    profile: HardwareProfile, specs: list[RequestSpec], policy: str, bench: BenchConfig, seed: int,
+    profile: HardwareProfile,
+    specs: list[RequestSpec],
+    policy: str,
+    bench: BenchConfig,
+    seed: int,
     workload: str = "",
-) -> SimResult:  # fmt: skip
+) -> SimResult:
     factory = POLICIES[policy] if policy in POLICIES else SLO_ONLY[policy]
     source = factory(seed, bench.assets.get(profile.name, ProfileAssets()))
     acceptance = acceptance_of(workload, specs, bench)
@@ -225,10 +254,16 @@ def simulate(
 def summarise(profile: str, workload: str, policy: str, result: SimResult) -> Cell:
     lat = result.latencies()
     return Cell(
-        profile, workload, policy, result.throughput, statistics.fmean(lat),
-        lat[min(len(lat) - 1, int(0.99 * len(lat)))], 1000 * statistics.fmean(result.tpots()),
-        result.generated_tokens, result.regret_tokens,
-    )  # fmt: skip
+        profile,
+        workload,
+        policy,
+        result.throughput,
+        statistics.fmean(lat),
+        lat[min(len(lat) - 1, int(0.99 * len(lat)))],
+        1000 * statistics.fmean(result.tpots()),
+        result.generated_tokens,
+        result.regret_tokens,
+    )
 
 
 def attainment(result: SimResult, slo_ms: float) -> float:
@@ -240,13 +275,15 @@ def attainment(result: SimResult, slo_ms: float) -> float:
 def summary_table(cells: Mapping[str, Cell], reference: str = "oracle") -> list[str]:
     """Plain-text table of one workload's runs, throughput relative to `reference`."""
     base = cells[reference].throughput if reference in cells else 0.0
-    lines = [f"{'policy':<20} {'tok/s':>7} {'vs ' + reference:>10} {'mean e2e s':>10} "
-             f"{'p99 e2e s':>9} {'TPOT ms':>8} {'regret %':>8}"]  # fmt: skip
+    lines = [
+        f"{'policy':<20} {'tok/s':>7} {'vs ' + reference:>10} {'mean e2e s':>10} "
+        f"{'p99 e2e s':>9} {'TPOT ms':>8} {'regret %':>8}"
+    ]
     for name, c in cells.items():
         regret = 100 * c.regret_tokens / c.generated_tokens if c.generated_tokens else 0.0
         ratio = f"{c.throughput / base:.3f}" if base else "-"
-        lines.append(f"{name:<20} {c.throughput:>7.0f} {ratio:>10} {c.mean_latency:>10.2f} "
-                     f"{c.p99_latency:>9.2f} {c.mean_tpot_ms:>8.1f} {regret:>8.2f}")  # fmt: skip
+        lines.append(
+            f"{name:<20} {c.throughput:>7.0f} {ratio:>10} {c.mean_latency:>10.2f} "
+            f"{c.p99_latency:>9.2f} {c.mean_tpot_ms:>8.1f} {regret:>8.2f}"
+        )
     return lines
-
-

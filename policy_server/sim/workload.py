@@ -74,11 +74,13 @@ def read_trace(path: str | Path) -> list[RequestSpec]:
             for number, record in enumerate(records, start=1):
                 origin = f"{path}:{number}"
                 try:
-                    rows.append((
-                        _parse_time(str(_pick(record, TIME_COLUMNS, origin))),
-                        int(str(_pick(record, PROMPT_COLUMNS, origin))),
-                        int(str(_pick(record, OUTPUT_COLUMNS, origin))),
-                    ))  # fmt: skip
+                    rows.append(
+                        (
+                            _parse_time(str(_pick(record, TIME_COLUMNS, origin))),
+                            int(str(_pick(record, PROMPT_COLUMNS, origin))),
+                            int(str(_pick(record, OUTPUT_COLUMNS, origin))),
+                        )
+                    )
                 except ValueError as exc:
                     if isinstance(exc, TraceError):
                         raise

@@ -53,8 +53,21 @@ def assert_run_sane(
 
 
 def test_soak_quick_swaps_snapshots_and_reports(tmp_path: Path) -> None:
-    raw = run_main(tmp_path, "--soak", "--quick", "--engines", "2", "--rate", "200",
-                   "--duration", "13", "--swap-every", "4", "--snapshot-every", "4")  # fmt: skip
+    raw = run_main(
+        tmp_path,
+        "--soak",
+        "--quick",
+        "--engines",
+        "2",
+        "--rate",
+        "200",
+        "--duration",
+        "13",
+        "--swap-every",
+        "4",
+        "--snapshot-every",
+        "4",
+    )
     soak = raw["soak"]
     assert_run_sane(soak, engines=2, rate=200, seconds=13)
     events = soak["admin_events"]
@@ -82,9 +95,23 @@ def test_soak_quick_swaps_snapshots_and_reports(tmp_path: Path) -> None:
 
 
 def test_bench_load_quick_paced_and_max_rate(tmp_path: Path) -> None:
-    raw = run_main(tmp_path, "--quick", "--engines", "2", "--rate", "200", "--duration", "8",
-                   "--max-rate", "5", "--max-rate-engines", "2", "--transport", "tcp",
-                   "--pipelined")  # fmt: skip
+    raw = run_main(
+        tmp_path,
+        "--quick",
+        "--engines",
+        "2",
+        "--rate",
+        "200",
+        "--duration",
+        "8",
+        "--max-rate",
+        "5",
+        "--max-rate-engines",
+        "2",
+        "--transport",
+        "tcp",
+        "--pipelined",
+    )
     assert_run_sane(raw["load"], engines=2, rate=200, seconds=8, pipelined=True)
     peak = raw["max_rate"]
     # Unpaced engines go faster than the paced run asked for.
@@ -100,8 +127,19 @@ def test_bench_load_quick_paced_and_max_rate(tmp_path: Path) -> None:
 
 
 def test_bench_load_measures_the_bare_stream_baseline_the_same_way(tmp_path: Path) -> None:
-    raw = run_main(tmp_path, "--engines", "2", "--rate", "200", "--duration", "6",
-                   "--max-rate", "0", "--baseline", "6")  # fmt: skip
+    raw = run_main(
+        tmp_path,
+        "--engines",
+        "2",
+        "--rate",
+        "200",
+        "--duration",
+        "6",
+        "--max-rate",
+        "0",
+        "--baseline",
+        "6",
+    )
     assert_run_sane(raw["load"], engines=2, rate=200, seconds=6)
     baseline = raw["baseline"]
     assert_run_sane(baseline, engines=2, rate=200, seconds=6)

@@ -39,10 +39,24 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """One `--quick` run (one engine start) on the small test pair."""
     tmp = tmp_path_factory.mktemp("bench-vllm")
     report, results = tmp / "BENCHMARKS.md", tmp / "results"
-    command = [sys.executable, "-m", "benchmarks.vllm_serve", "--quick", "--kind", "perturbed",
-               "--models", str(tmp / "models"), "--out", str(report),
-               "--result-dir", str(results), "--port", str(free_port()),
-               "--engine-warmup", str(WARMUP_PROMPTS)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "benchmarks.vllm_serve",
+        "--quick",
+        "--kind",
+        "perturbed",
+        "--models",
+        str(tmp / "models"),
+        "--out",
+        str(report),
+        "--result-dir",
+        str(results),
+        "--port",
+        str(free_port()),
+        "--engine-warmup",
+        str(WARMUP_PROMPTS),
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     begin, end = markers("bench-vllm")
@@ -140,14 +154,20 @@ def test_quick_run_counts_the_plugins_decisions_per_policy(quick_run: dict[str, 
 
 def test_schedule_and_policies_are_validated() -> None:
     assert [(p.rate, p.prompts) for p in parse_schedule("0.5x16, 8x160,0.5x16")] == [
-        (0.5, 16), (8.0, 160), (0.5, 16),
-    ]  # fmt: skip
+        (0.5, 16),
+        (8.0, 160),
+        (0.5, 16),
+    ]
     for bad in ("0x4", "2x0", "2", "fast x 4", "infx4", "2x4,"):
         with pytest.raises(ValueError, match="RATExPROMPTS"):
             parse_schedule(bad)
-    for argv in (["--schedule", "2x"], ["--policies", "nightjar,bogus"], ["--repetitions", "0"],
-                 ["--policies", "goodput:local_correction=3"],
-                 ["--policies", "goodput:local_correction=no"]):  # fmt: skip
+    for argv in (
+        ["--schedule", "2x"],
+        ["--policies", "nightjar,bogus"],
+        ["--repetitions", "0"],
+        ["--policies", "goodput:local_correction=3"],
+        ["--policies", "goodput:local_correction=no"],
+    ):
         with pytest.raises(SystemExit) as exit_info:
             parse_args(argv)
         assert exit_info.value.code == 2
@@ -156,8 +176,9 @@ def test_schedule_and_policies_are_validated() -> None:
     assert args.policies == ["static-1", "table"] and args.repetitions == 1
     # A variant: one parameter more, for an A/B within one run.
     assert policy_request("goodput:local_correction=false") == (
-        "goodput", {"gamma_max": 3, "local_correction": False},
-    )  # fmt: skip
+        "goodput",
+        {"gamma_max": 3, "local_correction": False},
+    )
 
 
 def test_plan_alternates_order_and_runs_warm_passes_right_after() -> None:

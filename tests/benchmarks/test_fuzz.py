@@ -22,8 +22,10 @@ def test_quick_fuzz_slice_finds_no_crash_wrong_code_or_state_change(tmp_path: Pa
     out = tmp_path / "fuzz.json"
     run = subprocess.run(
         [sys.executable, "-m", "benchmarks.fuzz", "--quick", "--seed", "7", "--json", str(out)],
-        capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert out.exists(), run.stderr[-3000:]
     result = json.loads(out.read_text())
     details = result["details"]

@@ -12,17 +12,24 @@ import pytest
 from benchmarks.reliability_report import ResultError, load, main
 
 RESULT = {
-    "test": "Protocol fuzzing", "what": "every RPC | raw bytes", "figure": "100,000 requests",
-    "passed": True, "date": "2026-11-23", "machine": "AMD EPYC, 2 cores", "command": "make fuzz",
-}  # fmt: skip
+    "test": "Protocol fuzzing",
+    "what": "every RPC | raw bytes",
+    "figure": "100,000 requests",
+    "passed": True,
+    "date": "2026-11-23",
+    "machine": "AMD EPYC, 2 cores",
+    "command": "make fuzz",
+}
 
 
 def test_every_result_file_becomes_a_row_and_other_sections_stay(tmp_path: Path) -> None:
     results = tmp_path / "reliability"
     results.mkdir()
     (results / "fuzz.json").write_text(json.dumps({**RESULT, "details": {"requests": 1}}))
-    soak = [{**RESULT, "test": "Soak", "figure": "RSS +3 %\nover 10 min", "command": "make soak"},
-            {**RESULT, "test": "Soak swaps", "passed": False, "command": "make soak"}]  # fmt: skip
+    soak = [
+        {**RESULT, "test": "Soak", "figure": "RSS +3 %\nover 10 min", "command": "make soak"},
+        {**RESULT, "test": "Soak swaps", "passed": False, "command": "make soak"},
+    ]
     (results / "soak.json").write_text(json.dumps(soak))
     report = tmp_path / "BENCHMARKS.md"
     report.write_text(
@@ -50,16 +57,30 @@ def test_every_result_file_becomes_a_row_and_other_sections_stay(tmp_path: Path)
 
 @pytest.mark.parametrize(
     ("content", "message"),
-    [("{", "not readable JSON"), (json.dumps({"test": "x"}), "missing what"),
-     (json.dumps({**RESULT, "passed": "yes"}), "'passed' must be"), ("[1]", "JSON object")],
-)  # fmt: skip
+    [
+        ("{", "not readable JSON"),
+        (json.dumps({"test": "x"}), "missing what"),
+        (json.dumps({**RESULT, "passed": "yes"}), "'passed' must be"),
+        ("[1]", "JSON object"),
+    ],
+)
 def test_a_malformed_result_file_is_named(tmp_path: Path, content: str, message: str) -> None:
     (tmp_path / "bad.json").write_text(content)
     with pytest.raises(ResultError, match=message) as info:
         load(tmp_path)
     assert "bad.json" in str(info.value)
     run = subprocess.run(
-        [sys.executable, "-m", "benchmarks.reliability_report", "--results", str(tmp_path),
-         "--out", str(tmp_path / "B.md")], capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.reliability_report",
+            "--results",
+            str(tmp_path),
+            "--out",
+            str(tmp_path / "B.md"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert run.returncode == 1 and "bad.json" in run.stderr and not (tmp_path / "B.md").exists()

@@ -96,8 +96,11 @@ json.dump(out, sys.stdout)
 def helm(requests: list[dict[str, Any]]) -> list[Any]:
     done = subprocess.run(
         [sys.executable, "-c", HELM_CHILD, str(CHART)],
-        input=json.dumps(requests), capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        input=json.dumps(requests),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     results: list[Any] = json.loads(done.stdout)
     return results
@@ -124,9 +127,9 @@ def helm_variants() -> dict[str, list[dict[str, Any]]]:
 @cache
 def rendered(variant: str) -> tuple[dict[str, Any], ...]:
     tool, name = variant.split(":")
-    documents = kustomize(KUSTOMIZE / "overlays" / name) if tool == "kustomize" else (
-        helm_variants()[name]
-    )  # fmt: skip
+    documents = (
+        kustomize(KUSTOMIZE / "overlays" / name) if tool == "kustomize" else (helm_variants()[name])
+    )
     return tuple(documents)
 
 
@@ -260,11 +263,13 @@ def test_helm_chart_lints_clean() -> None:
 
 
 def test_helm_refuses_values_its_schema_does_not_know() -> None:
-    typo, wrong_type, bad_interval = helm([
-        {"values": {"engine": {"modle": "x"}}, "lint": False},
-        {"values": {"elasticMemory": {"enabled": "yes"}}, "lint": False},
-        {"values": {"metrics": {"serviceMonitor": {"interval": 15}}}, "lint": False},
-    ])  # fmt: skip
+    typo, wrong_type, bad_interval = helm(
+        [
+            {"values": {"engine": {"modle": "x"}}, "lint": False},
+            {"values": {"elasticMemory": {"enabled": "yes"}}, "lint": False},
+            {"values": {"metrics": {"serviceMonitor": {"interval": 15}}}, "lint": False},
+        ]
+    )
     assert "modle" in typo["error"]
     assert "enabled" in wrong_type["error"]
     assert "interval" in bad_interval["error"]
@@ -388,9 +393,10 @@ def test_metrics_are_scraped_by_port_number(variant: str) -> None:
     assert all(isinstance(p["targetPort"], int) for s in services for p in s["spec"]["ports"])
     monitor = one(documents, "ServiceMonitor")
     selected = [
-        s for s in services
+        s
+        for s in services
         if monitor["spec"]["selector"]["matchLabels"].items() <= s["metadata"]["labels"].items()
-    ]  # fmt: skip
+    ]
     (scraped,) = selected
     ports = {p["name"]: p["targetPort"] for p in scraped["spec"]["ports"]}
     jobs = {ports[e["port"]]: scrape_job(e) for e in monitor["spec"]["endpoints"]}

@@ -54,8 +54,20 @@ def test_install_step_adds_nightjar_and_changes_nothing(tmp_path: Path) -> None:
     source = tmp_path / "source"
     shutil.copytree(REPO, source, ignore=NOT_SOURCES)
     wheels = tmp_path / "wheels"
-    run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-         "-w", str(wheels), str(source)])  # fmt: skip
+    run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(wheels),
+            str(source),
+        ]
+    )
 
     image = tmp_path / "image"
     run([sys.executable, "-m", "venv", str(image)])
@@ -67,8 +79,9 @@ def test_install_step_adds_nightjar_and_changes_nothing(tmp_path: Path) -> None:
 
     step = install_step().replace(IMAGE_TMP, f"{tmp_path}/")
     env = clean_env(PATH=f"{image / 'bin'}:/usr/bin:/bin", PIP_DISABLE_PIP_VERSION_CHECK="1")
-    done = subprocess.run(["bash", "-c", step], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
+    done = subprocess.run(
+        ["bash", "-c", step], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stdout + done.stderr
 
     after = packages(python)

@@ -113,9 +113,16 @@ def test_kernel_compiles_to_cuda_machine_code_without_a_gpu(
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     kv_migrate._KERNEL = None
-    signature = {"buf": "*bf16", "src_ids": "*i64", "dst_ids": "*i64", "num_layers": "i32",
-                 "layer_stride": "i64", "block_stride": "i32", "page_numel": "i32",
-                 "BLOCK": "constexpr"}  # fmt: skip
+    signature = {
+        "buf": "*bf16",
+        "src_ids": "*i64",
+        "dst_ids": "*i64",
+        "num_layers": "i32",
+        "layer_stride": "i64",
+        "block_stride": "i32",
+        "page_numel": "i32",
+        "BLOCK": "constexpr",
+    }
     source = triton.compiler.ASTSource(
         fn=kv_migrate._kernel(), signature=signature, constexprs={"BLOCK": 1024}
     )

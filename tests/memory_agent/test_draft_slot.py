@@ -66,8 +66,11 @@ def test_home_views_live_in_the_top_blocks_only_and_do_not_overlap(
     block_outermost: bool, device: str
 ) -> None:
     flat, layout = buffer(block_outermost, device)
-    tensors = {"embed": torch.randn(10, 16), "norm": torch.randn(16, dtype=torch.float16),
-               "head": torch.randn(16, 12, dtype=torch.bfloat16)}  # fmt: skip
+    tensors = {
+        "embed": torch.randn(10, 16),
+        "norm": torch.randn(16, dtype=torch.float16),
+        "head": torch.randn(16, 12, dtype=torch.bfloat16),
+    }
     tensors = {name: t.to(device) for name, t in tensors.items()}
     homed = home_views(tensors, [(flat, layout)], BLOCKS, limit=BLOCKS // 2)
     assert homed is not None
@@ -96,9 +99,13 @@ if torch.cuda.is_available():  # a CUDA-only case: not collected without a GPU
         head = torch.nn.Linear(hidden, vocab, bias=False)
         head.weight = embed.weight  # tied, as in small drafts
         model = torch.nn.Sequential(
-            embed, torch.nn.Linear(hidden, 4 * hidden), torch.nn.SiLU(),
-            torch.nn.Linear(4 * hidden, hidden), torch.nn.LayerNorm(hidden), head,
-        ).to(device="cuda", dtype=torch.float16)  # fmt: skip
+            embed,
+            torch.nn.Linear(hidden, 4 * hidden),
+            torch.nn.SiLU(),
+            torch.nn.Linear(4 * hidden, hidden),
+            torch.nn.LayerNorm(hidden),
+            head,
+        ).to(device="cuda", dtype=torch.float16)
         weights = DraftWeights(model)
         weights.offload()
         layers, blocks_total, page = 4, 64, 4096  # block-outermost, 32 KiB blocks

@@ -16,15 +16,19 @@ DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
 def draft(dtype: torch.dtype, device: str = "cpu") -> torch.nn.Module:
     torch.manual_seed(0)
     model = torch.nn.Sequential(
-        torch.nn.Embedding(50, 16), torch.nn.Linear(16, 32), torch.nn.LayerNorm(32),
+        torch.nn.Embedding(50, 16),
+        torch.nn.Linear(16, 32),
+        torch.nn.LayerNorm(32),
         torch.nn.Linear(32, 50, bias=False),
-    )  # fmt: skip
+    )
     return model.to(device=device, dtype=dtype)
 
 
 def snapshot(model: torch.nn.Module) -> dict[str, bytes]:
-    return {k: v.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
-            for k, v in model.state_dict().items()}  # fmt: skip
+    return {
+        k: v.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+        for k, v in model.state_dict().items()
+    }
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -77,12 +81,15 @@ def test_tied_weights_move_once_and_come_back_tied(tie: str, device: str) -> Non
     under two names: it is moved once and both names get it back."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(
-        torch.nn.Embedding(50, 16), torch.nn.Linear(16, 16), torch.nn.LayerNorm(16),
+        torch.nn.Embedding(50, 16),
+        torch.nn.Linear(16, 16),
+        torch.nn.LayerNorm(16),
         torch.nn.Linear(16, 50, bias=False),
-    ).to(device)  # fmt: skip
+    ).to(device)
     embedding, head = model[0], model[3]
-    head.weight = (embedding.weight if tie == "one parameter"
-                   else torch.nn.Parameter(embedding.weight.data))  # fmt: skip
+    head.weight = (
+        embedding.weight if tie == "one parameter" else torch.nn.Parameter(embedding.weight.data)
+    )
     before = snapshot(model)
     weights = DraftWeights(model)
     distinct = 4 * (50 * 16 + 16 * 16 + 16 + 16 + 16)  # fp32 bytes, the tied matrix once

@@ -59,17 +59,25 @@ class Engine:
         self.draft = self.draft.to(draft_dtype)
         self.rows = np.zeros((8, BLOCKS), dtype=np.int32)
         self.runner = SimpleNamespace(
-            model=torch.nn.Linear(8, 8), drafter=SimpleNamespace(model=self.draft),
+            model=torch.nn.Linear(8, 8),
+            drafter=SimpleNamespace(model=self.draft),
             kv_caches=[views[layer] for layer in range(LAYERS)],
             kv_cache_config=SimpleNamespace(
                 num_blocks=BLOCKS,
                 kv_cache_groups=[SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=TOKENS))],
             ),
-            input_batch=SimpleNamespace(block_table=SimpleNamespace(block_tables=[
-                SimpleNamespace(block_size=TOKENS, block_table=SimpleNamespace(np=self.rows))
-            ])),
-            requests={}, device=torch.device("cpu"),
-        )  # fmt: skip
+            input_batch=SimpleNamespace(
+                block_table=SimpleNamespace(
+                    block_tables=[
+                        SimpleNamespace(
+                            block_size=TOKENS, block_table=SimpleNamespace(np=self.rows)
+                        )
+                    ]
+                )
+            ),
+            requests={},
+            device=torch.device("cpu"),
+        )
         evicted = None
         if homed:
             evicted = DraftWeights(self.draft, shared_with=self.runner.model)
@@ -77,8 +85,12 @@ class Engine:
         self.memory = RunnerMemory(self.runner, evicted)
         # Homed, the draft takes the blocks it was packed into; otherwise it is made worth
         # 6 blocks (the real one is tiny next to a KV block of this test).
-        self.agent = MemoryAgent(BLOCKS, -(-self.memory.draft_bytes // 6), self.memory.draft_bytes,
-                                 draft_blocks=self.memory.slot_blocks)  # fmt: skip
+        self.agent = MemoryAgent(
+            BLOCKS,
+            -(-self.memory.draft_bytes // 6),
+            self.memory.draft_bytes,
+            draft_blocks=self.memory.slot_blocks,
+        )
         self.elastic = ElasticBlockPool(kv_manager, self.agent.kv_blocks)
 
     def add_request(self, req_id: str, blocks: int) -> None:
@@ -112,8 +124,10 @@ class Engine:
     def pages(self) -> dict[str, list[torch.Tensor]]:
         """Every request's KV pages (all layers), in table order."""
         views = self.buffer.view(LAYERS, BLOCKS, PAGE)
-        return {req: [views[:, b.block_id].clone() for b in blocks]
-                for req, blocks in self.tables.items()}  # fmt: skip
+        return {
+            req: [views[:, b.block_id].clone() for b in blocks]
+            for req, blocks in self.tables.items()
+        }
 
     def check_tables_agree(self) -> None:
         for req, blocks in self.tables.items():
@@ -124,8 +138,9 @@ class Engine:
 
 
 def weights(module: torch.nn.Module) -> list[bytes]:
-    return [p.detach().contiguous().view(torch.uint8).numpy().tobytes()
-            for p in module.parameters()]  # fmt: skip
+    return [
+        p.detach().contiguous().view(torch.uint8).numpy().tobytes() for p in module.parameters()
+    ]
 
 
 def test_the_draft_share_is_withheld_from_the_pool_until_the_draft_leaves() -> None:
@@ -264,7 +279,10 @@ def test_kv_buffers_merge_layer_views_into_one_layout_per_storage() -> None:
     layer_major = flat.view(LAYERS, BLOCKS, PAGE)
     ((buf, layout),) = kv_buffers([layer_major[layer] for layer in range(LAYERS)])
     assert (layout.num_layers, layout.layer_stride, layout.block_stride) == (
-        LAYERS, BLOCKS * PAGE, PAGE)  # fmt: skip
+        LAYERS,
+        BLOCKS * PAGE,
+        PAGE,
+    )
     block_major = flat.view(BLOCKS, LAYERS, PAGE)
     ((_, layout),) = kv_buffers([block_major[:, layer] for layer in range(LAYERS)])
     assert (layout.layer_stride, layout.block_stride) == (PAGE, LAYERS * PAGE)
@@ -323,8 +341,9 @@ def test_grpc_service_guards_waits_for_the_boundary_and_maps_errors(
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert engine.agent.status().pending_action == ""  # nothing queued by a refused call
     # No step boundary comes (an idle engine): the call returns with its order pending.
-    status = stub.OffloadDraft(memory_pb2.OffloadDraftRequest(expand_kv=True), metadata=auth,
-                               timeout=0.5)  # fmt: skip
+    status = stub.OffloadDraft(
+        memory_pb2.OffloadDraftRequest(expand_kv=True), metadata=auth, timeout=0.5
+    )
     assert status.pending_action == "offload_draft" and status.draft_resident
     stop = steps_in_background(engine)
     try:
@@ -341,32 +360,47 @@ def test_grpc_service_guards_waits_for_the_boundary_and_maps_errors(
             stub.CompactKv(memory_pb2.CompactKvRequest(target_kv_blocks=0), metadata=auth)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         with pytest.raises(grpc.RpcError) as err:
-            stub.ReloadDraft(memory_pb2.ReloadDraftRequest(compact_kv=False), metadata=auth,
-                             timeout=5)  # fmt: skip
+            stub.ReloadDraft(
+                memory_pb2.ReloadDraftRequest(compact_kv=False), metadata=auth, timeout=5
+            )
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "compact" in (err.value.details() or "")
-        status = stub.ReloadDraft(memory_pb2.ReloadDraftRequest(compact_kv=True), metadata=auth,
-                                  timeout=5)  # fmt: skip
+        status = stub.ReloadDraft(
+            memory_pb2.ReloadDraftRequest(compact_kv=True), metadata=auth, timeout=5
+        )
         assert status.draft_resident and status.reloads == 1
         assert status.total_kv_blocks == BLOCKS - 6 and status.last_error == ""
         assert status.last_order_ms > 0
         assert [action for action, _, _ in engine.agent.history] == [
-            "offload_draft", "offload_draft", "reload_draft", "reload_draft"]  # fmt: skip
+            "offload_draft",
+            "offload_draft",
+            "reload_draft",
+            "reload_draft",
+        ]
         assert [bool(error) for _, _, error in engine.agent.history] == [False, True, True, False]
     finally:
         stop.set()
 
 
-def test_nightjarctl_memory_commands(agent_service: tuple[Any, Engine, str, Path],
-                                     tmp_path: Path) -> None:  # fmt: skip
+def test_nightjarctl_memory_commands(
+    agent_service: tuple[Any, Engine, str, Path], tmp_path: Path
+) -> None:
     _, engine, token, sock = agent_service
     token_file = tmp_path / "token"
     token_file.write_text(token + "\n")
 
     def ctl(*args: str, token_file: Path | None = None) -> subprocess.CompletedProcess[str]:
         auth = ["--token-file", str(token_file)] if token_file else []
-        command = [sys.executable, "-m", "policy_server.ctl", "--target", f"unix:{sock}",
-                   *auth, "memory", *args]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "policy_server.ctl",
+            "--target",
+            f"unix:{sock}",
+            *auth,
+            "memory",
+            *args,
+        ]
         return subprocess.run(command, capture_output=True, text=True, timeout=60)
 
     status = ctl("status")

@@ -85,8 +85,13 @@ def test_a_cycle_goes_through_the_scratch_block() -> None:
     assert plan.scratch == 99
     assert plan.waves[0] == [(7, 8)] or (1, 99) in plan.waves[0]
     assert execute({1: "a", 2: "b", 3: "c", 7: "x", 8: "y", 99: None}, plan) == {
-        1: "c", 2: "a", 3: "b", 7: "x", 8: "x", 99: "a",
-    }  # fmt: skip
+        1: "c",
+        2: "a",
+        3: "b",
+        7: "x",
+        8: "x",
+        99: "a",
+    }
     assert order_moves({4: 5, 5: 6}, scratch=99).scratch is None  # a chain needs none
 
 

@@ -26,10 +26,19 @@ def test_server_refuses_a_weak_token_with_rc_2(tmp_path: Path, content: str, rea
     token_file = tmp_path / "admin-token"
     token_file.write_text(content)
     result = subprocess.run(
-        [sys.executable, "-m", "policy_server.cli", "--uds", str(tmp_path / "s.sock"),
-         "--admin-token-file", str(token_file)],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "policy_server.cli",
+            "--uds",
+            str(tmp_path / "s.sock"),
+            "--admin-token-file",
+            str(token_file),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2, result.stderr
     assert f"admin token file {token_file} is not usable: {reason}" in result.stderr
     assert "Traceback" not in result.stderr

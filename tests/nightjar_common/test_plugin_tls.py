@@ -49,13 +49,24 @@ def engine_ids(server: Any) -> set[str]:
 def test_plugin_decides_over_mutual_tls_and_falls_back_when_refused(make_server, pki) -> None:
     ca, srv, client, intruder = pki["ca"], pki["server"], pki["client"], pki["intruder"]
     server = make_server(
-        "--port", "0", "--tls-cert", str(srv.cert), "--tls-key", str(srv.key),
-        "--tls-client-ca", str(ca.files.cert), "--policy", "static", "--params", '{"gamma": 2}',
-    )  # fmt: skip
+        "--port",
+        "0",
+        "--tls-cert",
+        str(srv.cert),
+        "--tls-key",
+        str(srv.key),
+        "--tls-client-ca",
+        str(ca.files.cert),
+        "--policy",
+        "static",
+        "--params",
+        '{"gamma": 2}',
+    )
     target = f"localhost:{tcp_port(server)}"
     env = tls_env(target, ca, client.cert, client.key) | {
-        "NIGHTJAR_ENGINE_ID": "tls-engine", "NIGHTJAR_DEADLINE_MS": "200",
-    }  # fmt: skip
+        "NIGHTJAR_ENGINE_ID": "tls-engine",
+        "NIGHTJAR_DEADLINE_MS": "200",
+    }
     config = PluginConfig.load(env)
     assert config.tls == tls.ClientTls(str(ca.files.cert), str(client.cert), str(client.key))
     controller = GammaController(config, fallback_table=((1, 64, 1),))
@@ -111,23 +122,45 @@ def bad_tls_settings(pki: Any, tmp_path: Path) -> list[tuple[dict[str, str], str
     unreadable = tmp_path / "missing.crt"
     tcp = {"NIGHTJAR_SIDECAR": "nightjar.example:50051"}
     return [
-        (tcp | {"NIGHTJAR_TLS_CERT": str(client.cert)},
-         "NIGHTJAR_TLS_CERT is set without NIGHTJAR_TLS_KEY"),
-        (tcp | {"NIGHTJAR_TLS_CA": ca, "NIGHTJAR_TLS_KEY": str(client.key)},
-         "NIGHTJAR_TLS_KEY is set without NIGHTJAR_TLS_CERT"),
-        ({"NIGHTJAR_SIDECAR": "unix:/run/nightjar/nightjar.sock", "NIGHTJAR_TLS_CA": ca},
-         "NIGHTJAR_TLS_CA set with the Unix socket NIGHTJAR_SIDECAR=unix:"),
-        (tcp | {"NIGHTJAR_TLS_CA": str(unreadable)},
-         f"NIGHTJAR_TLS_CA: cannot read the CA certificate {unreadable}"),
-        (tcp | {"NIGHTJAR_TLS_CA": ca, "NIGHTJAR_TLS_CERT": str(not_pem),
-                "NIGHTJAR_TLS_KEY": str(client.key)},
-         f"NIGHTJAR_TLS_CERT: the client certificate {not_pem} is not a PEM file"),
-        (tcp | {"NIGHTJAR_TLS_CA": ca, "NIGHTJAR_TLS_CERT": str(client.cert),
-                "NIGHTJAR_TLS_KEY": str(unreadable)},
-         f"NIGHTJAR_TLS_KEY: cannot read the client key {unreadable}"),
-        (tcp | {"NIGHTJAR_TLS_SERVER_NAME": "sidecar.internal"},
-         "NIGHTJAR_TLS_SERVER_NAME is set but TLS is off"),
-    ]  # fmt: skip
+        (
+            tcp | {"NIGHTJAR_TLS_CERT": str(client.cert)},
+            "NIGHTJAR_TLS_CERT is set without NIGHTJAR_TLS_KEY",
+        ),
+        (
+            tcp | {"NIGHTJAR_TLS_CA": ca, "NIGHTJAR_TLS_KEY": str(client.key)},
+            "NIGHTJAR_TLS_KEY is set without NIGHTJAR_TLS_CERT",
+        ),
+        (
+            {"NIGHTJAR_SIDECAR": "unix:/run/nightjar/nightjar.sock", "NIGHTJAR_TLS_CA": ca},
+            "NIGHTJAR_TLS_CA set with the Unix socket NIGHTJAR_SIDECAR=unix:",
+        ),
+        (
+            tcp | {"NIGHTJAR_TLS_CA": str(unreadable)},
+            f"NIGHTJAR_TLS_CA: cannot read the CA certificate {unreadable}",
+        ),
+        (
+            tcp
+            | {
+                "NIGHTJAR_TLS_CA": ca,
+                "NIGHTJAR_TLS_CERT": str(not_pem),
+                "NIGHTJAR_TLS_KEY": str(client.key),
+            },
+            f"NIGHTJAR_TLS_CERT: the client certificate {not_pem} is not a PEM file",
+        ),
+        (
+            tcp
+            | {
+                "NIGHTJAR_TLS_CA": ca,
+                "NIGHTJAR_TLS_CERT": str(client.cert),
+                "NIGHTJAR_TLS_KEY": str(unreadable),
+            },
+            f"NIGHTJAR_TLS_KEY: cannot read the client key {unreadable}",
+        ),
+        (
+            tcp | {"NIGHTJAR_TLS_SERVER_NAME": "sidecar.internal"},
+            "NIGHTJAR_TLS_SERVER_NAME is set but TLS is off",
+        ),
+    ]
 
 
 def test_bad_tls_settings_name_the_variable(pki, tmp_path: Path) -> None:

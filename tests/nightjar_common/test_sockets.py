@@ -44,8 +44,10 @@ def stale_socket(path: Path) -> None:
 def run_server(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "policy_server.cli", *args],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_second_server_on_a_live_socket_refuses_and_the_first_keeps_it(make_server: Any) -> None:
@@ -163,9 +165,10 @@ def test_memory_agent_socket_mode(short_dir: Path) -> None:
     for name, mode in (("default.sock", None), ("private.sock", 0o600)):
         path = short_dir / name
         server: Any = (
-            service.serve(agent(), str(path)) if mode is None
+            service.serve(agent(), str(path))
+            if mode is None
             else service.serve(agent(), str(path), mode=mode)
-        )  # fmt: skip
+        )
         try:
             assert file_mode(path) == (0o660 if mode is None else mode)
             assert healthy(f"unix:{path}")
@@ -189,8 +192,9 @@ def test_plugin_warns_once_when_it_cannot_connect_and_once_when_it_does(
         assert "local fallback table" in warning.message
         server.start()
         assert client.wait_connected(10)
-        assert wait_until(lambda: any("connected to the sidecar" in r.message
-                                      for r in caplog.records))  # fmt: skip
+        assert wait_until(
+            lambda: any("connected to the sidecar" in r.message for r in caplog.records)
+        )
         (connected,) = [r for r in caplog.records if "connected to the sidecar" in r.message]
         assert connected.levelno == logging.WARNING  # as loud as the warning it ends
     finally:
@@ -218,8 +222,9 @@ def test_plugin_logs_a_quiet_first_connection_at_info(
     client = NightjarClient(ClientConfig(target=server.target, engine_id="e", connect_timeout_s=5))
     try:
         assert client.connected
-        assert wait_until(lambda: any("connected to the sidecar" in r.message
-                                      for r in caplog.records))  # fmt: skip
+        assert wait_until(
+            lambda: any("connected to the sidecar" in r.message for r in caplog.records)
+        )
         assert [r.levelno for r in caplog.records if r.levelno >= logging.WARNING] == []
     finally:
         client.close()

@@ -14,9 +14,18 @@ from nightjar_common.types import BinType, Decision, MemoryDirective, StepContex
 
 def test_an_outcome_with_per_request_accepts_round_trips_in_order() -> None:
     accepts = tuple(i % 4 for i in range(64))
-    outcome = StepOutcome("d-7", "engine-a", 3, 0.25, 160, drafted_tokens=192,
-                          accepted_tokens=sum(accepts), request_accepts=accepts,
-                          prefill_tokens=512, draft_gamma=2)  # fmt: skip
+    outcome = StepOutcome(
+        "d-7",
+        "engine-a",
+        3,
+        0.25,
+        160,
+        drafted_tokens=192,
+        accepted_tokens=sum(accepts),
+        request_accepts=accepts,
+        prefill_tokens=512,
+        draft_gamma=2,
+    )
     msg = wire.outcome_to_pb(outcome)
     assert not msg.requests  # the packed form only
     assert wire.outcome_from_pb(msg) == outcome
@@ -26,8 +35,15 @@ def test_an_outcome_with_per_request_accepts_round_trips_in_order() -> None:
 
 
 def test_an_engine_older_than_v1_5_sends_accepts_with_request_ids() -> None:
-    old = pb.StepOutcome(decision_id="d-1", engine_id="e", gamma=2, step_seconds=0.1,
-                         generated_tokens=5, drafted_tokens=4, accepted_tokens=1)  # fmt: skip
+    old = pb.StepOutcome(
+        decision_id="d-1",
+        engine_id="e",
+        gamma=2,
+        step_seconds=0.1,
+        generated_tokens=5,
+        drafted_tokens=4,
+        accepted_tokens=1,
+    )
     old.requests.add(request_id="cmpl-a", accepted_tokens=0)
     old.requests.add(request_id="cmpl-b", accepted_tokens=1)
     assert wire.outcome_from_pb(old).request_accepts == (0, 1)
@@ -40,12 +56,21 @@ def test_an_engine_older_than_v1_5_sends_accepts_with_request_ids() -> None:
 
 def test_a_decision_converts_with_or_without_its_candidates() -> None:
     def decision(batch: int, gamma: int, **extra: object) -> Decision:
-        return Decision(gamma, f"d-{batch}", BinType.EXPLOIT, 0.0, "goodput", "r1",
-                        step_index=9, batch_size=batch, tentative=True, **extra)  # type: ignore[arg-type]  # fmt: skip
+        return Decision(
+            gamma,
+            f"d-{batch}",
+            BinType.EXPLOIT,
+            0.0,
+            "goodput",
+            "r1",
+            step_index=9,
+            batch_size=batch,
+            tentative=True,
+            **extra,
+        )  # type: ignore[arg-type]
 
     directive = MemoryDirective("offload_draft_expand_kv", 1200, "kv pressure")
-    asked = decision(8, 2, memory_directive=directive,
-                     candidates=(decision(7, 2), decision(12, 1)))  # fmt: skip
+    asked = decision(8, 2, memory_directive=directive, candidates=(decision(7, 2), decision(12, 1)))
     msg = wire.decision_to_pb(asked)
     assert wire.decision_from_pb(msg) == asked
     bare = wire.decision_from_pb(msg, candidates=False)
@@ -54,7 +79,14 @@ def test_a_decision_converts_with_or_without_its_candidates() -> None:
 
 
 def test_a_context_round_trips_with_the_drafters_minimum_passes() -> None:
-    ctx = StepContext("e", 48, step_index=7, max_gamma=3, context_tokens=9000,
-                      candidate_batch_sizes=(47, 49), min_draft_passes=1)  # fmt: skip
+    ctx = StepContext(
+        "e",
+        48,
+        step_index=7,
+        max_gamma=3,
+        context_tokens=9000,
+        candidate_batch_sizes=(47, 49),
+        min_draft_passes=1,
+    )
     assert wire.context_from_pb(wire.context_to_pb(ctx)) == ctx
     assert wire.context_from_pb(pb.StepContext(engine_id="e", batch_size=4)).min_draft_passes == 0

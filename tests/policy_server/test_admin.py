@@ -47,8 +47,9 @@ def test_swap_under_a_running_client_loop(make_server) -> None:
             threading.Event().wait(0.01)
         reply = server.admin.SwapPolicy(
             admin_pb2.SwapPolicyRequest(name="static", params_json='{"gamma": 2}'),
-            metadata=server.auth, timeout=5,
-        )  # fmt: skip
+            metadata=server.auth,
+            timeout=5,
+        )
         swapped_at = len(seen)
         while len(seen) < swapped_at + 200:
             threading.Event().wait(0.01)
@@ -114,14 +115,16 @@ def test_keep_state_swap_set_params_and_reset(make_server) -> None:
     md = server.auth
     server.admin.SwapPolicy(
         admin_pb2.SwapPolicyRequest(name="nightjar", params_json='{"seed": 5}', keep_state=True),
-        metadata=md, timeout=5,
-    )  # fmt: skip
+        metadata=md,
+        timeout=5,
+    )
     after = server.state()
     assert after["params"]["seed"] == 5 and after["state"]["learners"] == learned
     server.admin.SetParameters(
         admin_pb2.SetParametersRequest(params_json='{"batch_bucketing": "exact"}'),
-        metadata=md, timeout=5,
-    )  # fmt: skip
+        metadata=md,
+        timeout=5,
+    )
     assert server.state()["state"]["learners"] == learned
     drive(server, 5, engine="other")
     server.admin.Reset(admin_pb2.ResetRequest(engine_id="e"), metadata=md, timeout=5)
@@ -168,8 +171,15 @@ def test_decision_log_is_written_rotated_and_replayable(make_server, tmp_path) -
     joined = list(join(read_records(files)))
     assert len(joined) == 40 and all(j.outcome is not None for j in joined)
     first = joined[0].decision
-    assert {"decision_id", "engine_id", "context", "gamma", "exploration",
-            "exploration_probability", "policy_version"} <= set(first)  # fmt: skip
+    assert {
+        "decision_id",
+        "engine_id",
+        "context",
+        "gamma",
+        "exploration",
+        "exploration_probability",
+        "policy_version",
+    } <= set(first)
     # Replaying the log rebuilds the same goodput tables the live server learned.
     rebuilt = replay([log_path], "nightjar").policy.state()
     assert rebuilt["learners"] == live["learners"]

@@ -120,8 +120,12 @@ def test_unknown_and_duplicate_decision_ids(self_checked_server: Any) -> None:
     server = self_checked_server
     decision = server.policy.Decide(context(), timeout=5)
     forged = policy_pb2.Decision(decision_id="nope-1", gamma=1)
-    expect(grpc.StatusCode.NOT_FOUND, "unknown decision_id 'nope-1'", server.policy.Report,
-           outcome(forged))  # fmt: skip
+    expect(
+        grpc.StatusCode.NOT_FOUND,
+        "unknown decision_id 'nope-1'",
+        server.policy.Report,
+        outcome(forged),
+    )
     server.policy.Report(outcome(decision), timeout=5)
     expect(grpc.StatusCode.NOT_FOUND, "already reported", server.policy.Report, outcome(decision))
 
@@ -134,39 +138,69 @@ def test_step_is_all_or_nothing(self_checked_server: Any) -> None:
     expect(INVALID, "batch_size", server.policy.Step, bad)
     assert server.state() == before  # the valid outcome was not applied either
     assert server.policy.Report(outcome(decision), timeout=5).applied
-    expect(INVALID, "needs an outcome, a context or both", server.policy.Step,
-           policy_pb2.StepRequest())  # fmt: skip
+    expect(
+        INVALID, "needs an outcome, a context or both", server.policy.Step, policy_pb2.StepRequest()
+    )
 
 
 def test_admin_calls_need_the_token(server: Any) -> None:
     swap = admin_pb2.SwapPolicyRequest(name="static")
     unauth = grpc.StatusCode.UNAUTHENTICATED
     expect(unauth, "admin token required", server.admin.SwapPolicy, swap)
-    expect(unauth, "invalid admin token", server.admin.SwapPolicy, swap,
-           metadata=[("authorization", "Bearer wrong")])  # fmt: skip
-    expect(unauth, "invalid admin token", server.admin.Reset, admin_pb2.ResetRequest(),
-           metadata=[("authorization", "Basic abc")])  # fmt: skip
+    expect(
+        unauth,
+        "invalid admin token",
+        server.admin.SwapPolicy,
+        swap,
+        metadata=[("authorization", "Bearer wrong")],
+    )
+    expect(
+        unauth,
+        "invalid admin token",
+        server.admin.Reset,
+        admin_pb2.ResetRequest(),
+        metadata=[("authorization", "Basic abc")],
+    )
     expect(unauth, "admin token required", server.admin.Snapshot, admin_pb2.SnapshotRequest())
 
 
 @pytest.mark.parametrize(
     ("request_", "code", "fragment"),
     [
-        (admin_pb2.SwapPolicyRequest(name="magic"), grpc.StatusCode.NOT_FOUND,
-         "unknown policy 'magic'"),
-        (admin_pb2.SwapPolicyRequest(name="static", params_json='{"gamma": -2}'), INVALID,
-         "gamma must be in 0..64"),
-        (admin_pb2.SwapPolicyRequest(name="static", params_json="{gamma: 2"), INVALID,
-         "not valid JSON"),
-        (admin_pb2.SwapPolicyRequest(name="nightjar", params_json='{"gama_max": 2}'), INVALID,
-         "unknown parameter(s) ['gama_max']"),
-        (admin_pb2.SwapPolicyRequest(name="static", keep_state=True),
-         grpc.StatusCode.FAILED_PRECONDITION, "cannot keep state"),
-        (admin_pb2.SwapPolicyRequest(name="goodput", params_json='{"gamma_max": 2}',
-                                     keep_state=True),
-         grpc.StatusCode.FAILED_PRECONDITION, "gamma_max"),
+        (
+            admin_pb2.SwapPolicyRequest(name="magic"),
+            grpc.StatusCode.NOT_FOUND,
+            "unknown policy 'magic'",
+        ),
+        (
+            admin_pb2.SwapPolicyRequest(name="static", params_json='{"gamma": -2}'),
+            INVALID,
+            "gamma must be in 0..64",
+        ),
+        (
+            admin_pb2.SwapPolicyRequest(name="static", params_json="{gamma: 2"),
+            INVALID,
+            "not valid JSON",
+        ),
+        (
+            admin_pb2.SwapPolicyRequest(name="nightjar", params_json='{"gama_max": 2}'),
+            INVALID,
+            "unknown parameter(s) ['gama_max']",
+        ),
+        (
+            admin_pb2.SwapPolicyRequest(name="static", keep_state=True),
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "cannot keep state",
+        ),
+        (
+            admin_pb2.SwapPolicyRequest(
+                name="goodput", params_json='{"gamma_max": 2}', keep_state=True
+            ),
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "gamma_max",
+        ),
     ],
-)  # fmt: skip
+)
 def test_failed_swaps_keep_the_last_good_policy(
     server: Any, request_: Any, code: grpc.StatusCode, fragment: str
 ) -> None:
@@ -175,15 +209,44 @@ def test_failed_swaps_keep_the_last_good_policy(
 
 def test_bad_set_params_restore_reset_and_state_queries(server: Any) -> None:
     md = server.auth
-    expect(INVALID, "must be in 1..64", server.admin.SetParameters,
-           admin_pb2.SetParametersRequest(params_json='{"gamma_max": 0}'), metadata=md)  # fmt: skip
-    expect(grpc.StatusCode.NOT_FOUND, "does not exist", server.admin.Restore,
-           admin_pb2.RestoreRequest(path="missing/snapshot.json"), metadata=md)  # fmt: skip
-    expect(INVALID, "not valid JSON", server.admin.Restore,
-           admin_pb2.RestoreRequest(snapshot_json="{]"), metadata=md)  # fmt: skip
-    expect(INVALID, "needs a path or snapshot_json", server.admin.Restore,
-           admin_pb2.RestoreRequest(), metadata=md)  # fmt: skip
-    expect(grpc.StatusCode.NOT_FOUND, "unknown engine 'ghost'", server.admin.Reset,
-           admin_pb2.ResetRequest(engine_id="ghost"), metadata=md)  # fmt: skip
-    expect(grpc.StatusCode.NOT_FOUND, "unknown engine 'ghost'", server.admin.GetState,
-           admin_pb2.GetStateRequest(engine_id="ghost"))  # fmt: skip
+    expect(
+        INVALID,
+        "must be in 1..64",
+        server.admin.SetParameters,
+        admin_pb2.SetParametersRequest(params_json='{"gamma_max": 0}'),
+        metadata=md,
+    )
+    expect(
+        grpc.StatusCode.NOT_FOUND,
+        "does not exist",
+        server.admin.Restore,
+        admin_pb2.RestoreRequest(path="missing/snapshot.json"),
+        metadata=md,
+    )
+    expect(
+        INVALID,
+        "not valid JSON",
+        server.admin.Restore,
+        admin_pb2.RestoreRequest(snapshot_json="{]"),
+        metadata=md,
+    )
+    expect(
+        INVALID,
+        "needs a path or snapshot_json",
+        server.admin.Restore,
+        admin_pb2.RestoreRequest(),
+        metadata=md,
+    )
+    expect(
+        grpc.StatusCode.NOT_FOUND,
+        "unknown engine 'ghost'",
+        server.admin.Reset,
+        admin_pb2.ResetRequest(engine_id="ghost"),
+        metadata=md,
+    )
+    expect(
+        grpc.StatusCode.NOT_FOUND,
+        "unknown engine 'ghost'",
+        server.admin.GetState,
+        admin_pb2.GetStateRequest(engine_id="ghost"),
+    )

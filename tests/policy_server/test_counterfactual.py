@@ -76,8 +76,9 @@ def test_a_gamma_is_priced_only_from_steps_near_the_batch_size() -> None:
     logged += [(54, 2), (60, 2)]
     steps = [
         LoggedStep(context(batch, i), env.outcome(context(batch, i), gamma), "static", "r1")
-        for i in range(40) for batch, gamma in logged
-    ]  # fmt: skip
+        for i in range(40)
+        for batch, gamma in logged
+    ]
     at_64 = evaluate(steps, "static", {"gamma": 2}, seeds=1, min_batch=64)
     assert at_64.decisions == 160 and at_64.unpriced == [80]  # batch 128 unpriced
     truth_64 = env.goodput(64, 2) / max(env.goodput(64, g) for g in range(3))
@@ -102,8 +103,10 @@ def test_nightjarctl_evaluate(explored_log: tuple[Path, Environment], tmp_path: 
     run = [sys.executable, "-m", "policy_server.ctl", "evaluate", str(path), "--seeds", "1"]
     done = subprocess.run(
         [*run, "--policy", "static", "--params", '{"gamma": 1}', "--min-batch", "64"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert "2000 decode decisions at batch >= 64, γ 0..4" in done.stdout
     assert "logged (nightjar)" in done.stdout

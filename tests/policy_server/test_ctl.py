@@ -37,8 +37,18 @@ def test_operator_session(make_server, tmp_path: Path) -> None:
     assert "* goodput" in listing and "  nightjar" in listing and '"gamma": 3' in listing
 
     for step in range(12):
-        result = ctl(server, "decide", "--batch-size", "4", "--step-index", str(step),
-                     "--report-step-seconds", "0.02", "--report-tokens", "9")  # fmt: skip
+        result = ctl(
+            server,
+            "decide",
+            "--batch-size",
+            "4",
+            "--step-index",
+            str(step),
+            "--report-step-seconds",
+            "0.02",
+            "--report-tokens",
+            "9",
+        )
         assert result.returncode == 0, result.stderr
     decision = json.loads(result.stdout.splitlines()[0])
     assert decision["policy"] == "goodput" and 0 <= decision["gamma"] <= 4
@@ -75,10 +85,19 @@ def test_operator_session(make_server, tmp_path: Path) -> None:
     server.terminate()
     out = tmp_path / "warm.json"
     replayed = subprocess.run(
-        [sys.executable, "-m", "policy_server.ctl", "replay",
-         str(tmp_path / "log" / "decisions.jsonl"), "--out", str(out)],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "policy_server.ctl",
+            "replay",
+            str(tmp_path / "log" / "decisions.jsonl"),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert replayed.returncode == 0, replayed.stderr
     assert "12 decisions, 12 with outcomes" in replayed.stdout
     assert json.loads(out.read_text())["policy"]["state"]["learners"] == state["state"]["learners"]
@@ -86,10 +105,20 @@ def test_operator_session(make_server, tmp_path: Path) -> None:
 
 def test_ctl_reports_an_unreachable_sidecar(tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "policy_server.ctl", "--target", f"unix:{tmp_path}/none.sock",
-         "--timeout", "0.5", "policies"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "policy_server.ctl",
+            "--target",
+            f"unix:{tmp_path}/none.sock",
+            "--timeout",
+            "0.5",
+            "policies",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 1 and "UNAVAILABLE" in result.stderr
 
 
@@ -109,8 +138,11 @@ def test_server_refuses_bad_configuration_clearly(
 ) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "policy_server.cli", *args],
-        capture_output=True, text=True, timeout=60, cwd=tmp_path,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
     assert result.returncode == 2
     assert message in result.stderr
 
@@ -120,8 +152,10 @@ def test_config_file_with_an_unknown_setting(tmp_path: Path) -> None:
     config.write_text('uds = "x.sock"\nsnapshot_every = 3\n')
     result = subprocess.run(
         [sys.executable, "-m", "policy_server.cli", "--config", str(config)],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2 and "unknown setting(s) ['snapshot_every']" in result.stderr
 
 
@@ -129,23 +163,32 @@ def run_ctl(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
     environ = {k: v for k, v in os.environ.items() if not k.startswith("NIGHTJAR_")}
     return subprocess.run(
         [sys.executable, "-m", "policy_server.ctl", *args],
-        capture_output=True, text=True, timeout=60, env={**environ, **(env or {})},
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**environ, **(env or {})},
+    )
 
 
 def test_bad_log_level_is_a_usage_error(tmp_path: Path) -> None:
     flag = subprocess.run(
         [sys.executable, "-m", "policy_server.cli", "--uds", "x.sock", "--log-level", "verbose"],
-        capture_output=True, text=True, timeout=60, cwd=tmp_path,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
     assert flag.returncode == 2 and "Traceback" not in flag.stderr
     assert "argument --log-level: invalid choice: 'VERBOSE'" in flag.stderr
     config = tmp_path / "nightjar.toml"
     config.write_text('uds = "x.sock"\nlog_level = "loud"\n')
     from_file = subprocess.run(
         [sys.executable, "-m", "policy_server.cli", "--config", str(config)],
-        capture_output=True, text=True, timeout=60, cwd=tmp_path,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
     assert from_file.returncode == 2 and "Traceback" not in from_file.stderr
     assert "log_level must be one of DEBUG, INFO, WARNING, ERROR, CRITICAL" in from_file.stderr
 
@@ -160,8 +203,9 @@ def test_global_flags_go_either_side_of_the_subcommand(make_server: Any) -> None
     assert both.returncode == 0 and both.stdout.strip() == "SERVING"
     before = run_ctl("--target", server.target, "--timeout", "2", "policies")
     assert before.returncode == 0 and "* goodput" in before.stdout
-    swapped = run_ctl("swap", "static", "--target", server.target,
-                      "--token-file", str(server.token_file))  # fmt: skip
+    swapped = run_ctl(
+        "swap", "static", "--target", server.target, "--token-file", str(server.token_file)
+    )
     assert swapped.returncode == 0 and "active: static" in swapped.stdout
 
 

@@ -69,10 +69,21 @@ def test_nightjarctl_replay_reads_the_rotated_files(tmp_path: Path) -> None:
     assert len(log_files(path)) > 3
     out = tmp_path / "warm.json"
     replayed = subprocess.run(
-        [sys.executable, "-m", "policy_server.ctl", "replay", str(path), "--policy", "nightjar",
-         "--out", str(out)],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "policy_server.ctl",
+            "replay",
+            str(path),
+            "--policy",
+            "nightjar",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert replayed.returncode == 0, replayed.stderr
     assert "60 decisions, 60 with outcomes" in replayed.stdout
     rebuilt = json.loads(out.read_text())["policy"]["state"]["learners"]
@@ -88,8 +99,17 @@ def test_server_log_as_json_lines(make_server: Any, tmp_path: Path) -> None:
     assert any(m.startswith("nightjar-server ") and " listening on " in m for m in messages)
     assert messages[-1] == "stopped"
     bad = subprocess.run(
-        [sys.executable, "-m", "policy_server.cli", "--uds", str(tmp_path / "s.sock"),
-         "--log-format", "xml"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "policy_server.cli",
+            "--uds",
+            str(tmp_path / "s.sock"),
+            "--log-format",
+            "xml",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode == 2 and "invalid choice: 'xml'" in bad.stderr

@@ -18,18 +18,29 @@ KEY = "Llama-3.1-8B@NVIDIA H100 80GB HBM3"
 
 def ctl(server: Any, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "policy_server.ctl", "--target", server.target,
-         "--token-file", str(server.token_file), *args],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "policy_server.ctl",
+            "--target",
+            server.target,
+            "--token-file",
+            str(server.token_file),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def serve_steps(server: Any, engine: str, steps: int) -> list[policy_pb2.Decision]:
     decisions, outcome = [], None
     for i in range(steps):
         batch = (2, 8, 32, 64)[i % 4]
-        ctx = StepContext(engine, batch, step_index=i, max_gamma=4, learner_key=KEY,
-                          context_tokens=500 * batch)  # fmt: skip
+        ctx = StepContext(
+            engine, batch, step_index=i, max_gamma=4, learner_key=KEY, context_tokens=500 * batch
+        )
         request = policy_pb2.StepRequest(context=wire.context_to_pb(ctx))
         if outcome is not None:
             request.outcome.CopyFrom(wire.outcome_to_pb(outcome))

@@ -16,17 +16,22 @@ BATCH = 4
 
 
 def step(server: Any, engine: str, key: str, index: int) -> policy_pb2.Decision:
-    ctx = policy_pb2.StepContext(engine_id=engine, learner_key=key, batch_size=BATCH,
-                                 step_index=index, draft_resident=True)  # fmt: skip
+    ctx = policy_pb2.StepContext(
+        engine_id=engine, learner_key=key, batch_size=BATCH, step_index=index, draft_resident=True
+    )
     decision = server.policy.Decide(ctx, timeout=5)
     server.policy.Report(
         policy_pb2.StepOutcome(
-            decision_id=decision.decision_id, engine_id=engine, gamma=decision.gamma,
-            step_seconds=0.02, generated_tokens=BATCH * TOKENS_PER_REQUEST[decision.gamma],
-            drafted_tokens=BATCH * decision.gamma, accepted_tokens=0,
+            decision_id=decision.decision_id,
+            engine_id=engine,
+            gamma=decision.gamma,
+            step_seconds=0.02,
+            generated_tokens=BATCH * TOKENS_PER_REQUEST[decision.gamma],
+            drafted_tokens=BATCH * decision.gamma,
+            accepted_tokens=0,
         ),
         timeout=5,
-    )  # fmt: skip
+    )
     return decision
 
 
@@ -52,11 +57,15 @@ def test_engines_with_one_learner_key_share_learned_state(make_server: Any) -> N
     )
     with pytest.raises(grpc.RpcError) as error:
         server.policy.Report(
-            policy_pb2.StepOutcome(decision_id=decision.decision_id, engine_id="pod-b",
-                                   gamma=decision.gamma, step_seconds=0.02,
-                                   generated_tokens=4),
+            policy_pb2.StepOutcome(
+                decision_id=decision.decision_id,
+                engine_id="pod-b",
+                gamma=decision.gamma,
+                step_seconds=0.02,
+                generated_tokens=4,
+            ),
             timeout=5,
-        )  # fmt: skip
+        )
     assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "was made for engine 'pod-a'" in (error.value.details() or "")
 

@@ -18,13 +18,25 @@ TOTAL = 1000  # τ_low = 10 % → scarce below 100 free blocks
 
 
 def ctx(free: int, waiting: int = 0, resident: bool = True, total: int = TOTAL) -> StepContext:
-    return StepContext(engine_id="e", batch_size=32, num_waiting=waiting, free_kv_blocks=free,
-                       total_kv_blocks=total, draft_resident=resident)  # fmt: skip
+    return StepContext(
+        engine_id="e",
+        batch_size=32,
+        num_waiting=waiting,
+        free_kv_blocks=free,
+        total_kv_blocks=total,
+        draft_resident=resident,
+    )
 
 
 def controller(**overrides: object) -> MemoryController:
-    params = {"enabled": True, "t_persist": 5, "draft_blocks": 200, "cooldown_steps": 20,
-              "order_timeout_steps": 50, **overrides}  # fmt: skip
+    params = {
+        "enabled": True,
+        "t_persist": 5,
+        "draft_blocks": 200,
+        "cooldown_steps": 20,
+        "order_timeout_steps": 50,
+        **overrides,
+    }
     return MemoryController(MemoryParams(**params))  # type: ignore[arg-type]
 
 
@@ -109,11 +121,14 @@ def test_the_server_attaches_directives_and_shows_memory_state(make_server, tmp_
     from tests.policy_server.test_server import context, scrape
 
     memory = {"enabled": True, "t_persist": 3, "draft_blocks": 200, "cooldown_steps": 1}
-    server = make_server("--policy", "static", "--params", '{"gamma": 0}',
-                         "--memory", json.dumps(memory))  # fmt: skip
+    server = make_server(
+        "--policy", "static", "--params", '{"gamma": 0}', "--memory", json.dumps(memory)
+    )
     scarce = {"free_kv_blocks": 50, "total_kv_blocks": TOTAL}
-    actions = [server.policy.Decide(context(step_index=i, **scarce), timeout=5)
-               .memory_directive.action for i in range(3)]  # fmt: skip
+    actions = [
+        server.policy.Decide(context(step_index=i, **scarce), timeout=5).memory_directive.action
+        for i in range(3)
+    ]
     offload = policy_pb2.MemoryDirective.OFFLOAD_DRAFT_EXPAND_KV
     assert actions == [0, 0, offload]
 
@@ -125,15 +140,19 @@ def test_the_server_attaches_directives_and_shows_memory_state(make_server, tmp_
     state = json.loads(server.admin.GetState(admin_pb2.GetStateRequest(), timeout=5).memory_json)
     assert state["engines"]["e"]["state"] == "offloading"
     # The static policy would say γ=0 anyway; switch to γ=3 and it is still held at 0.
-    server.admin.SwapPolicy(admin_pb2.SwapPolicyRequest(name="static", params_json='{"gamma": 3}'),
-                            metadata=server.auth, timeout=5)  # fmt: skip
+    server.admin.SwapPolicy(
+        admin_pb2.SwapPolicyRequest(name="static", params_json='{"gamma": 3}'),
+        metadata=server.auth,
+        timeout=5,
+    )
     assert server.policy.Decide(context(step_index=3, **scarce), timeout=5).gamma == 0
     # The engine reports the draft offloaded and the pool grown; with room and an empty
     # queue the sidecar orders the reload and holds γ = 0 until the engine reports the
     # draft resident again — then the policy's γ = 3 is back.
     roomy = {"free_kv_blocks": 900, "total_kv_blocks": TOTAL + 200, "draft_resident": False}
-    replies = [server.policy.Decide(context(step_index=4 + i, **roomy), timeout=5)
-               for i in range(4)]  # fmt: skip
+    replies = [
+        server.policy.Decide(context(step_index=4 + i, **roomy), timeout=5) for i in range(4)
+    ]
     reload = policy_pb2.MemoryDirective.COMPACT_KV_RELOAD_DRAFT
     assert [r.memory_directive.action for r in replies] == [0, 0, reload, 0]
     assert {r.gamma for r in replies} == {0}
@@ -148,7 +167,14 @@ def test_the_server_attaches_directives_and_shows_memory_state(make_server, tmp_
     samples = scrape(server.metrics_port)["nightjar_memory_directives"]
     assert any(s.labels["action"] == "offload_draft_expand_kv" and s.value == 1 for s in samples)
     assert any(s.labels["action"] == "compact_kv_reload_draft" and s.value == 1 for s in samples)
-    command = [sys.executable, "-m", "policy_server.cli", "--uds", str(tmp_path / "x"),
-               "--memory", '{"tau_low": 3}']  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "policy_server.cli",
+        "--uds",
+        str(tmp_path / "x"),
+        "--memory",
+        '{"tau_low": 3}',
+    ]
     bad = subprocess.run(command, capture_output=True, text=True)
     assert bad.returncode == 2 and "tau_low" in bad.stderr

@@ -18,8 +18,9 @@ from policy_server.service import DecisionService
 
 
 def request(seq: int, step: int, notices: bool) -> policy_pb2.StepRequest:
-    ctx = StepContext(engine_id="e", batch_size=4, step_index=step, free_kv_blocks=500,
-                      total_kv_blocks=1000)  # fmt: skip
+    ctx = StepContext(
+        engine_id="e", batch_size=4, step_index=step, free_kv_blocks=500, total_kv_blocks=1000
+    )
     msg = policy_pb2.StepRequest(seq=seq, policy_notices=notices)
     msg.context.CopyFrom(wire.context_to_pb(ctx))
     return msg
@@ -66,8 +67,11 @@ def test_a_stream_that_asks_is_told_of_each_activation_in_order() -> None:
     # Its own answer, the confirmation (the version that decided it), the swap's notice,
     # then the next answer, decided by the new version.
     assert [(r.seq, r.policy_version) for r in replies] == [
-        (1, ""), (0, before), (0, after), (2, ""),
-    ]  # fmt: skip
+        (1, ""),
+        (0, before),
+        (0, after),
+        (2, ""),
+    ]
     assert [r.decision.gamma for r in replies if r.seq] == [2, 0]
     assert [r.decision.policy_version for r in replies if r.seq] == [before, after]
     assert not any(r.HasField("decision") or r.HasField("error") for r in replies if not r.seq)

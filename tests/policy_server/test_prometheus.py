@@ -62,10 +62,15 @@ def test_every_alert_is_documented_and_unit_tested_both_ways() -> None:
     for test in yaml.safe_load(RULE_TESTS.read_text())["tests"]:
         for case in test.get("alert_rule_test", []):
             cases.setdefault(case["alertname"], []).append(len(case["exp_alerts"]))
-    assert {"NightjarSidecarDown", "NightjarSidecarNotServing", "NightjarFallbackRateHigh",
-            "NightjarDecisionLatencyHigh", "NightjarSnapshotTooOld",
-            "NightjarPolicySwapFailed", "NightjarMemoryOrderFailed"} <= {
-        a["alert"] for a in alerts}  # fmt: skip
+    assert {
+        "NightjarSidecarDown",
+        "NightjarSidecarNotServing",
+        "NightjarFallbackRateHigh",
+        "NightjarDecisionLatencyHigh",
+        "NightjarSnapshotTooOld",
+        "NightjarPolicySwapFailed",
+        "NightjarMemoryOrderFailed",
+    } <= {a["alert"] for a in alerts}
     for alert in alerts:
         name = alert["alert"]
         assert "for" in alert and alert["labels"]["severity"] in ("warning", "critical"), name
@@ -122,8 +127,7 @@ def test_plugin_metrics_are_exported_off_the_step_loop(
     assert metrics is not None
     config = PluginConfig(sidecar=f"unix:{tmp_path}/none.sock", engine_id="alone")
     controller = GammaController(config, ((1, 2, 3), (3, 64, 1)), metrics=metrics)
-    view = EngineView(batch_size=1, waiting=0, free_kv_blocks=9, total_kv_blocks=10,
-                      max_gamma=3)  # fmt: skip
+    view = EngineView(batch_size=1, waiting=0, free_kv_blocks=9, total_kv_blocks=10, max_gamma=3)
     assert controller.decide(view) == 3
     controller.end_step(VerifiedStep(0, 0, 1))
     assert controller.decide(EngineView(8, 0, 9, 10, 3)) == 1
@@ -186,8 +190,7 @@ def test_memory_agent_metrics_follow_orders_and_draft_state(
 def context(engine: str, batch_size: int, step: int) -> policy_pb2.StepContext:
     from nightjar_common import wire
 
-    return wire.context_to_pb(StepContext(engine_id=engine, batch_size=batch_size,
-                                          step_index=step))  # fmt: skip
+    return wire.context_to_pb(StepContext(engine_id=engine, batch_size=batch_size, step_index=step))
 
 
 def test_prometheus_scrapes_a_live_sidecar_and_evaluates_the_rules(
@@ -195,8 +198,7 @@ def test_prometheus_scrapes_a_live_sidecar_and_evaluates_the_rules(
 ) -> None:
     # The rules are queried for policy="nightjar" below (goodput is the default policy).
     server = make_server("--snapshot-interval", "600", "--policy", "nightjar")
-    prom = make_prometheus({SIDECAR_JOB: [f"127.0.0.1:{server.metrics_port}"]},
-                           rule_files=[RULES])  # fmt: skip
+    prom = make_prometheus({SIDECAR_JOB: [f"127.0.0.1:{server.metrics_port}"]}, rule_files=[RULES])
     prom.wait_for(f'nightjar_serving{{job="{SIDECAR_JOB}"}} == 1')
     for step in range(60):
         if step == 30:  # let a scrape see the first half, so that rates see an increase
@@ -204,21 +206,30 @@ def test_prometheus_scrapes_a_live_sidecar_and_evaluates_the_rules(
         batch = (1, 5, 40)[step % 3]
         d = server.policy.Decide(context("e1", batch, step), timeout=5)
         server.policy.Report(
-            policy_pb2.StepOutcome(decision_id=d.decision_id, engine_id="e1", gamma=d.gamma,
-                                   step_seconds=0.02, generated_tokens=d.gamma + 1,
-                                   drafted_tokens=d.gamma, accepted_tokens=d.gamma // 2),
+            policy_pb2.StepOutcome(
+                decision_id=d.decision_id,
+                engine_id="e1",
+                gamma=d.gamma,
+                step_seconds=0.02,
+                generated_tokens=d.gamma + 1,
+                drafted_tokens=d.gamma,
+                accepted_tokens=d.gamma // 2,
+            ),
             timeout=5,
-        )  # fmt: skip
+        )
     server.admin.Snapshot(admin_pb2.SnapshotRequest(), metadata=server.auth, timeout=5)
     with pytest.raises(grpc.RpcError):  # a refused policy change
-        server.admin.SwapPolicy(admin_pb2.SwapPolicyRequest(name="no-such-policy"),
-                                metadata=server.auth, timeout=5)  # fmt: skip
+        server.admin.SwapPolicy(
+            admin_pb2.SwapPolicyRequest(name="no-such-policy"), metadata=server.auth, timeout=5
+        )
 
     chosen = prom.wait_for(
         "sum by (batch_bucket) (nightjar_gamma_chosen_count)",
-        until=lambda r: {x["metric"]["batch_bucket"]: float(x["value"][1]) for x in r
-                         if float(x["value"][1])} == {"1": 20, "4-7": 20, "32-63": 20},
-    )  # fmt: skip
+        until=lambda r: (
+            {x["metric"]["batch_bucket"]: float(x["value"][1]) for x in r if float(x["value"][1])}
+            == {"1": 20, "4-7": 20, "32-63": 20}
+        ),
+    )
     assert len(chosen) == 9  # every batch range exported, most at zero
     decided = prom.values("sum(nightjar_decisions_total)")
     assert list(decided.values()) == [60]
@@ -247,8 +258,15 @@ def test_prometheus_scrapes_a_live_sidecar_and_evaluates_the_rules(
 
 
 def completion(base: str, prompt: str, max_tokens: int) -> dict[str, Any]:
-    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": max_tokens,
-                       "temperature": 0, "ignore_eos": True}).encode()  # fmt: skip
+    body = json.dumps(
+        {
+            "model": "tiny",
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+        }
+    ).encode()
     request = urllib.request.Request(
         f"{base}/v1/completions", body, {"Content-Type": "application/json"}
     )
@@ -266,20 +284,49 @@ def vllm_server(models: Any, make_server: Any, tmp_path: Path) -> Iterator[dict[
 
     sidecar = make_server()
     port = free_port()
-    spec = {"method": "draft_model", "model": str(models.draft),
-            "num_speculative_tokens": GAMMA_MAX,
-            "num_speculative_tokens_per_batch_size": [[1, 1024, GAMMA_MAX]]}  # fmt: skip
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("NIGHTJAR_") and k != "PROMETHEUS_MULTIPROC_DIR"}  # fmt: skip
+    spec = {
+        "method": "draft_model",
+        "model": str(models.draft),
+        "num_speculative_tokens": GAMMA_MAX,
+        "num_speculative_tokens_per_batch_size": [[1, 1024, GAMMA_MAX]],
+    }
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("NIGHTJAR_") and k != "PROMETHEUS_MULTIPROC_DIR"
+    }
     env.update(CPU_ENV)
-    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="1", NIGHTJAR_SIDECAR=sidecar.target,
-               NIGHTJAR_ENGINE_ID="served", NIGHTJAR_DEADLINE_MS="50")  # fmt: skip
+    env.update(
+        VLLM_ENABLE_V1_MULTIPROCESSING="1",
+        NIGHTJAR_SIDECAR=sidecar.target,
+        NIGHTJAR_ENGINE_ID="served",
+        NIGHTJAR_DEADLINE_MS="50",
+    )
     log = tmp_path / "vllm.log"
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-               "--model", str(models.target), "--served-model-name", "tiny",
-               "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-               "--max-model-len", "512", "--enforce-eager", "--max-num-seqs", "8",
-               "--seed", "0", "--speculative-config", json.dumps(spec)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(models.target),
+        "--served-model-name",
+        "tiny",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "512",
+        "--enforce-eager",
+        "--max-num-seqs",
+        "8",
+        "--seed",
+        "0",
+        "--speculative-config",
+        json.dumps(spec),
+    ]
     base = f"http://127.0.0.1:{port}"
     with process(command, log, env) as proc:
         try:
@@ -303,10 +350,12 @@ def test_prometheus_scrapes_the_plugin_from_vllms_own_metrics_endpoint(
         c.name() for c in children
     ]
     prom = make_prometheus(
-        {SIDECAR_JOB: [f"127.0.0.1:{sidecar.metrics_port}"],
-         "vllm": [f"127.0.0.1:{vllm_server['port']}"]},
+        {
+            SIDECAR_JOB: [f"127.0.0.1:{sidecar.metrics_port}"],
+            "vllm": [f"127.0.0.1:{vllm_server['port']}"],
+        },
         rule_files=[RULES],
-    )  # fmt: skip
+    )
     engine = '{job="vllm"}'
     prom.wait_for(f"nightjar_plugin_decisions_total{engine}")  # exported from zero
     assert completion(base, "the quick brown fox", 32)["usage"]["completion_tokens"] == 32

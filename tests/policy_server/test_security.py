@@ -44,8 +44,9 @@ def listening_addresses(port: int) -> set[str]:
             address, hex_port = local.split(":")
             if state == "0A" and int(hex_port, 16) == port:  # 0A = LISTEN
                 # 32-bit words in host (little-endian) order; IPv4 mapped into IPv6 unmapped.
-                raw = b"".join(bytes.fromhex(address[i : i + 8])[::-1]
-                               for i in range(0, len(address), 8))  # fmt: skip
+                raw = b"".join(
+                    bytes.fromhex(address[i : i + 8])[::-1] for i in range(0, len(address), 8)
+                )
                 ip = ipaddress.ip_address(raw)
                 mapped = getattr(ip, "ipv4_mapped", None)
                 found.add(str(mapped or ip))
@@ -74,9 +75,15 @@ def test_tcp_port_is_loopback_only_unless_widened(make_server) -> None:
 def test_mutual_tls_admits_only_clients_with_a_certificate_of_the_ca(make_server, pki) -> None:
     ca, srv, client, intruder = pki["ca"], pki["server"], pki["client"], pki["intruder"]
     server = make_server(
-        "--port", "0", "--tls-cert", str(srv.cert), "--tls-key", str(srv.key),
-        "--tls-client-ca", str(ca.files.cert),
-    )  # fmt: skip
+        "--port",
+        "0",
+        "--tls-cert",
+        str(srv.cert),
+        "--tls-key",
+        str(srv.key),
+        "--tls-client-ca",
+        str(ca.files.cert),
+    )
     assert "(TCP with mutual TLS)" in server.log()
     target = f"localhost:{tcp_port(server)}"
     trusted = tls.ClientTls(str(ca.files.cert), str(client.cert), str(client.key))
@@ -96,17 +103,31 @@ def test_mutual_tls_admits_only_clients_with_a_certificate_of_the_ca(make_server
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE, why
     # nightjarctl speaks it too, its TLS files from flags.
     done = subprocess.run(
-        [sys.executable, "-m", "policy_server.ctl", "--target", target, "--tls-ca",
-         str(ca.files.cert), "--tls-cert", str(client.cert), "--tls-key", str(client.key),
-         "state"],
-        capture_output=True, text=True, timeout=30,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "policy_server.ctl",
+            "--target",
+            target,
+            "--tls-ca",
+            str(ca.files.cert),
+            "--tls-cert",
+            str(client.cert),
+            "--tls-key",
+            str(client.key),
+            "state",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert done.returncode == 0 and "engines  tls" in done.stdout, done.stderr  # from Decide
     plain = subprocess.run(
-        [sys.executable, "-m", "policy_server.ctl", "--target", target, "--timeout", "2",
-         "state"],
-        capture_output=True, text=True, timeout=30,
-    )  # fmt: skip
+        [sys.executable, "-m", "policy_server.ctl", "--target", target, "--timeout", "2", "state"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert plain.returncode == 1 and "UNAVAILABLE" in plain.stderr
 
 
@@ -145,17 +166,22 @@ def test_tls_from_the_config_file_and_certificate_rotation(make_server, pki, tmp
         (["--port", "0", "--tls-cert", "x.crt"], "needs both tls_cert and tls_key"),
         (["--port", "0", "--tls-client-ca", "ca.crt"], "needs tls_cert and tls_key as well"),
         (["--tls-cert", "x.crt", "--tls-key", "x.key"], "give --port as well"),
-        (["--port", "0", "--tls-cert", "missing.crt", "--tls-key", "missing.key"],
-         "cannot read the TLS certificate missing.crt"),
+        (
+            ["--port", "0", "--tls-cert", "missing.crt", "--tls-key", "missing.key"],
+            "cannot read the TLS certificate missing.crt",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_tls_settings_stop_the_start_with_a_clear_error(
     args: list[str], message: str, tmp_path: Path
 ) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "policy_server.cli", "--uds", str(tmp_path / "s.sock"), *args],
-        capture_output=True, text=True, timeout=30, cwd=tmp_path,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=tmp_path,
+    )
     assert done.returncode == 2 and message in done.stderr, done.stderr
 
 
@@ -163,8 +189,9 @@ def swap(server: Any, token: str, name: str = "static") -> grpc.StatusCode:
     try:
         server.admin.SwapPolicy(
             admin_pb2.SwapPolicyRequest(name=name),
-            metadata=[("authorization", f"Bearer {token}")], timeout=5,
-        )  # fmt: skip
+            metadata=[("authorization", f"Bearer {token}")],
+            timeout=5,
+        )
     except grpc.RpcError as exc:
         return typing.cast(grpc.StatusCode, exc.code())
     return grpc.StatusCode.OK
@@ -241,8 +268,12 @@ def test_path_parameters_are_confined_to_the_state_directory(make_server, tmp_pa
             admin_pb2.SwapPolicyRequest(name="nightjar", params_json=params),
             server,
         )
-        expect_denied(denied, server.admin.SetParameters,
-                      admin_pb2.SetParametersRequest(params_json=params), server)  # fmt: skip
+        expect_denied(
+            denied,
+            server.admin.SetParameters,
+            admin_pb2.SetParametersRequest(params_json=params),
+            server,
+        )
         document = {
             "format": "nightjar-snapshot/1",
             "engines": [],
@@ -256,14 +287,16 @@ def test_path_parameters_are_confined_to_the_state_directory(make_server, tmp_pa
         expect_denied(denied, server.admin.Restore, restore, server)
     reply = server.admin.SetParameters(
         admin_pb2.SetParametersRequest(params_json='{"prefill_cost_table": "cost.csv"}'),
-        metadata=server.auth, timeout=5,
-    )  # fmt: skip
+        metadata=server.auth,
+        timeout=5,
+    )
     assert reply.policy_name == "nightjar"
     table = server.state()["params"]["prefill_cost_table"]
     assert Path(table) == (server.state_dir / "cost.csv").resolve()
     # Unchanged by a later SetParameters (the merged params carry it as it is).
-    server.admin.SetParameters(admin_pb2.SetParametersRequest(params_json='{"seed": 3}'),
-                               metadata=server.auth, timeout=5)  # fmt: skip
+    server.admin.SetParameters(
+        admin_pb2.SetParametersRequest(params_json='{"seed": 3}'), metadata=server.auth, timeout=5
+    )
     assert server.state()["params"]["prefill_cost_table"] == table
 
 
@@ -311,8 +344,12 @@ def test_no_parameter_makes_the_server_allocate_a_client_chosen_size(make_server
             admin_pb2.SwapPolicyRequest(name="nightjar", params_json=text),
             server,
         )
-        expect_denied(invalid, server.admin.SetParameters,
-                      admin_pb2.SetParametersRequest(params_json=text), server)  # fmt: skip
+        expect_denied(
+            invalid,
+            server.admin.SetParameters,
+            admin_pb2.SetParametersRequest(params_json=text),
+            server,
+        )
     for name, text in (
         ("table", json.dumps({"schedule": [[b, b, 1] for b in range(1, 100_001)]})),
         ("ema", json.dumps({"tiers": [[1, list(range(65)) * 1000]]})),
@@ -320,8 +357,12 @@ def test_no_parameter_makes_the_server_allocate_a_client_chosen_size(make_server
         ("ema", json.dumps({"tiers": [[1, [-5]]]})),
         ("random", '{"seed": ' + "9" * 5000 + "}"),
     ):
-        expect_denied(invalid, server.admin.SwapPolicy,
-                      admin_pb2.SwapPolicyRequest(name=name, params_json=text), server)  # fmt: skip
+        expect_denied(
+            invalid,
+            server.admin.SwapPolicy,
+            admin_pb2.SwapPolicyRequest(name=name, params_json=text),
+            server,
+        )
     baseline = rss_bytes(server.proc.pid)
     accepted = []
     for name, spec in REGISTRY.items():

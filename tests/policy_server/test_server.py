@@ -25,10 +25,14 @@ def outcome(
     decision: policy_pb2.Decision, engine: str = "e", **kw: object
 ) -> policy_pb2.StepOutcome:
     fields = dict(
-        decision_id=decision.decision_id, engine_id=engine, gamma=decision.gamma,
-        step_seconds=0.02, generated_tokens=4 * (1 + decision.gamma),
-        drafted_tokens=4 * decision.gamma, accepted_tokens=3 * decision.gamma,
-    )  # fmt: skip
+        decision_id=decision.decision_id,
+        engine_id=engine,
+        gamma=decision.gamma,
+        step_seconds=0.02,
+        generated_tokens=4 * (1 + decision.gamma),
+        drafted_tokens=4 * decision.gamma,
+        accepted_tokens=3 * decision.gamma,
+    )
     fields.update(kw)
     return policy_pb2.StepOutcome(**fields)  # type: ignore[arg-type]
 
@@ -98,9 +102,12 @@ def test_health_and_reflection_v1alpha_and_v1(make_server) -> None:
 
     server = make_server()
     expected = {
-        "nightjar.v1.PolicyService", "nightjar.v1.AdminService", "grpc.health.v1.Health",
-        "grpc.reflection.v1alpha.ServerReflection", "grpc.reflection.v1.ServerReflection",
-    }  # fmt: skip
+        "nightjar.v1.PolicyService",
+        "nightjar.v1.AdminService",
+        "grpc.health.v1.Health",
+        "grpc.reflection.v1alpha.ServerReflection",
+        "grpc.reflection.v1.ServerReflection",
+    }
     # v1alpha with grpcio-reflection's own client, resolving a service into descriptors.
     database = ProtoReflectionDescriptorDatabase(server.channel)
     assert set(database.get_services()) == expected
@@ -117,11 +124,15 @@ def test_health_and_reflection_v1alpha_and_v1(make_server) -> None:
         ),
     )
     assert {s.name for s in listing.list_services_response.service} == expected
-    files = [descriptor_pb2.FileDescriptorProto.FromString(b)
-             for b in policy_file.file_descriptor_response.file_descriptor_proto]  # fmt: skip
+    files = [
+        descriptor_pb2.FileDescriptorProto.FromString(b)
+        for b in policy_file.file_descriptor_response.file_descriptor_proto
+    ]
     assert "AdminService" in {s.name for f in files for s in f.service}
-    (v1,) = [descriptor_pb2.FileDescriptorProto.FromString(b)
-             for b in v1_file.file_descriptor_response.file_descriptor_proto]  # fmt: skip
+    (v1,) = [
+        descriptor_pb2.FileDescriptorProto.FromString(b)
+        for b in v1_file.file_descriptor_response.file_descriptor_proto
+    ]
     assert v1.package == "grpc.reflection.v1"
     (method,) = v1.service[0].method
     assert method.input_type == ".grpc.reflection.v1.ServerReflectionRequest"
@@ -206,10 +217,14 @@ def test_an_engine_older_than_v1_5_reports_per_request_accepts_with_ids(make_ser
             accepts = [min(decision.gamma, k) for k in (0, 1, 2, 3)]
             per_request: dict[str, Any] = {
                 "packed": {"request_accepted_tokens": accepts},
-                "with-ids": {"requests": [policy_pb2.RequestAccepts(
-                    request_id=f"cmpl-{i}", accepted_tokens=k) for i, k in enumerate(accepts)]},
+                "with-ids": {
+                    "requests": [
+                        policy_pb2.RequestAccepts(request_id=f"cmpl-{i}", accepted_tokens=k)
+                        for i, k in enumerate(accepts)
+                    ]
+                },
                 "totals": {},
-            }[engine]  # fmt: skip
+            }[engine]
             report = outcome(decision, engine, accepted_tokens=sum(accepts), **per_request)
             assert server.policy.Report(report, timeout=5).applied
     learners = server.state()["state"]["learners"]

@@ -24,17 +24,26 @@ from policy_server.service import DecisionService
 
 def context(engine_id: str, step: int, batch: int, **extra: object) -> StepContext:
     return StepContext(
-        engine_id=engine_id, learner_key="tiny@cpu", batch_size=batch, step_index=step,
-        free_kv_blocks=500, total_kv_blocks=1000, **extra,  # type: ignore[arg-type]
-    )  # fmt: skip
+        engine_id=engine_id,
+        learner_key="tiny@cpu",
+        batch_size=batch,
+        step_index=step,
+        free_kv_blocks=500,
+        total_kv_blocks=1000,
+        **extra,  # type: ignore[arg-type]
+    )
 
 
 def outcome(decision: Decision, engine_id: str) -> StepOutcome:
     return StepOutcome(
-        decision_id=decision.decision_id, engine_id=engine_id, gamma=decision.gamma,
-        step_seconds=0.02, generated_tokens=4, drafted_tokens=4 * decision.gamma,
+        decision_id=decision.decision_id,
+        engine_id=engine_id,
+        gamma=decision.gamma,
+        step_seconds=0.02,
+        generated_tokens=4,
+        drafted_tokens=4 * decision.gamma,
         accepted_tokens=decision.gamma,
-    )  # fmt: skip
+    )
 
 
 def request(seq: int, ctx: StepContext | None, report: StepOutcome | None = None) -> object:
@@ -74,13 +83,17 @@ def test_queued_contexts_of_an_engine_are_applied_and_only_the_newest_is_decided
     (ran_ahead,) = [c for c in ahead.candidates if c.batch_size == 5]
     before = service.state_view()
 
-    replies = stream(service, [
-        # Stale: the engine ran the batch-5 candidate, reported step 0, then gave up on it.
-        request(1, context("e0", 2, 5, ran_decision_id=ran_ahead.decision_id),
-                outcome(ran, "e0")),
-        request(2, context("e1", 0, 2)),  # another engine on the same stream: not stale
-        request(3, context("e0", 2, 6)),  # what e0 waits for now
-    ])  # fmt: skip
+    replies = stream(
+        service,
+        [
+            # Stale: the engine ran the batch-5 candidate, reported step 0, then gave up on it.
+            request(
+                1, context("e0", 2, 5, ran_decision_id=ran_ahead.decision_id), outcome(ran, "e0")
+            ),
+            request(2, context("e1", 0, 2)),  # another engine on the same stream: not stale
+            request(3, context("e0", 2, 6)),  # what e0 waits for now
+        ],
+    )
 
     assert [r.seq for r in replies] == [1, 2, 3]
     stale, other, newest = replies
@@ -103,8 +116,9 @@ def test_a_bad_stale_context_still_gets_its_own_error_and_changes_nothing() -> N
     bad = dataclasses.replace(context("e0", 1, 4), batch_size=-1)
     before = service.state_view()
 
-    stale, newest = stream(service, [request(1, bad, outcome(ran, "e0")),
-                                     request(2, context("e0", 1, 4))])  # fmt: skip
+    stale, newest = stream(
+        service, [request(1, bad, outcome(ran, "e0")), request(2, context("e0", 1, 4))]
+    )
 
     assert stale.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
     assert "batch_size" in stale.error.message
@@ -118,8 +132,9 @@ def test_an_engine_that_waits_for_each_reply_is_never_superseded() -> None:
     """The ordinary case: one context at a time (an outcome-only request between)."""
     service = DecisionService("nightjar", {"seed": 3})
     first = service.decide(context("e0", 0, 4))
-    replies = stream(service, [request(1, None, outcome(first, "e0")),
-                               request(2, context("e0", 1, 4))])  # fmt: skip
+    replies = stream(
+        service, [request(1, None, outcome(first, "e0")), request(2, context("e0", 1, 4))]
+    )
     assert not replies[0].HasField("error") and replies[1].HasField("decision")
     assert counter(service, "nightjar_superseded_contexts_total") == 0
 

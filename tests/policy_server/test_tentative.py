@@ -43,17 +43,26 @@ def outcome(decision: Decision, ctx: StepContext) -> StepOutcome:
     gamma, batch = decision.gamma, ctx.batch_size
     accepted = gamma * batch // 2
     return StepOutcome(
-        decision_id=decision.decision_id, engine_id=ctx.engine_id, gamma=gamma,
-        step_seconds=0.01 + 0.0004 * batch * (1 + gamma), generated_tokens=batch + accepted,
-        drafted_tokens=gamma * batch, accepted_tokens=accepted,
-    )  # fmt: skip
+        decision_id=decision.decision_id,
+        engine_id=ctx.engine_id,
+        gamma=gamma,
+        step_seconds=0.01 + 0.0004 * batch * (1 + gamma),
+        generated_tokens=batch + accepted,
+        drafted_tokens=gamma * batch,
+        accepted_tokens=accepted,
+    )
 
 
 def context(step: int, batch: int, **extra: Any) -> StepContext:
     return StepContext(
-        engine_id="e0", learner_key="tiny@cpu", batch_size=batch, step_index=step,
-        free_kv_blocks=500, total_kv_blocks=1000, **extra,
-    )  # fmt: skip
+        engine_id="e0",
+        learner_key="tiny@cpu",
+        batch_size=batch,
+        step_index=step,
+        free_kv_blocks=500,
+        total_kv_blocks=1000,
+        **extra,
+    )
 
 
 def blocking_run(policy: str, sizes: list[int]) -> tuple[list[int], DecisionService]:
@@ -159,8 +168,12 @@ def test_old_client_without_new_fields_is_served_as_before(make_server: Any) -> 
         )
         report = None
         if remote_previous is not None and local_previous is not None:
-            fields = dict(engine_id="old", gamma=remote_previous.gamma, step_seconds=0.02,
-                          generated_tokens=batch + remote_previous.gamma)  # fmt: skip
+            fields = dict(
+                engine_id="old",
+                gamma=remote_previous.gamma,
+                step_seconds=0.02,
+                generated_tokens=batch + remote_previous.gamma,
+            )
             request.outcome.CopyFrom(
                 policy_pb2.StepOutcome(decision_id=remote_previous.decision_id, **fields)
             )

@@ -56,10 +56,14 @@ class ServerProcess:
         )
         # Retry the connection every 100-500 ms while the server starts: gRPC's default
         # backoff (1 s, growing) can outlast the start-up wait on a loaded machine.
-        self.channel = grpc.insecure_channel(self.target, options=[
-            ("grpc.initial_reconnect_backoff_ms", 100), ("grpc.min_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 500),
-        ])  # fmt: skip
+        self.channel = grpc.insecure_channel(
+            self.target,
+            options=[
+                ("grpc.initial_reconnect_backoff_ms", 100),
+                ("grpc.min_reconnect_backoff_ms", 100),
+                ("grpc.max_reconnect_backoff_ms", 500),
+            ],
+        )
         deadline = time.monotonic() + timeout
         health = health_pb2_grpc.HealthStub(self.channel)
         while time.monotonic() < deadline:
@@ -133,10 +137,18 @@ def server_factory(tmp_path: Path) -> Iterator[Any]:
         state_dir = tmp_path / f"state-{name}"
         metrics_port = free_port()
         args = [
-            "--uds", str(uds), "--metrics-port", str(metrics_port),
-            "--state-dir", str(state_dir), "--admin-token-file", str(token_file),
-            "--log-level", "INFO", *extra,
-        ]  # fmt: skip
+            "--uds",
+            str(uds),
+            "--metrics-port",
+            str(metrics_port),
+            "--state-dir",
+            str(state_dir),
+            "--admin-token-file",
+            str(token_file),
+            "--log-level",
+            "INFO",
+            *extra,
+        ]
         server = ServerProcess(
             tmp_path, args, uds, state_dir, metrics_port, token_file, tmp_path / f"{name}.log"
         )

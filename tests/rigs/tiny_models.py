@@ -87,9 +87,12 @@ def build_tokenizer() -> Any:
         single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", bos)]
     )
     hf = PreTrainedTokenizerFast(
-        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
         pad_token="<pad>",
-    )  # fmt: skip
+    )
     hf.chat_template = (
         "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
     )
@@ -100,13 +103,19 @@ def _config(recipe: Recipe, tokenizer: Any, layers: int) -> Any:
     from transformers import LlamaConfig
 
     return LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=recipe.hidden,
-        intermediate_size=recipe.intermediate, num_hidden_layers=layers,
-        num_attention_heads=recipe.heads, num_key_value_heads=recipe.heads,
-        max_position_embeddings=2048, bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False, torch_dtype="float32",
-    )  # fmt: skip
+        vocab_size=len(tokenizer),
+        hidden_size=recipe.hidden,
+        intermediate_size=recipe.intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=recipe.heads,
+        num_key_value_heads=recipe.heads,
+        max_position_embeddings=2048,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
 
 
 def build(out_dir: str | Path, recipe: Recipe) -> ModelPair:
@@ -164,9 +173,12 @@ def greedy_agreement(pair: ModelPair, new_tokens: int = 32) -> list[list[bool]]:
         for sentence in CORPUS:
             prompt = tokenizer(" ".join(sentence.split()[:4]), return_tensors="pt").input_ids
             sequence = target.generate(
-                prompt, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                prompt,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
                 pad_token_id=tokenizer.pad_token_id,
-            )  # fmt: skip
+            )
             start = prompt.shape[1]
             # Logits at position t predict token t + 1.
             predicted = draft(sequence).logits[0, start - 1 : -1].argmax(-1)
@@ -196,12 +208,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tiny-models", description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--kind", default="perturbed", choices=("perturbed", "truncated"))
-    parser.add_argument("--noise", "--draft-noise", dest="noise", type=float,
-                        help="perturbed: relative weight noise")  # fmt: skip
+    parser.add_argument(
+        "--noise",
+        "--draft-noise",
+        dest="noise",
+        type=float,
+        help="perturbed: relative weight noise",
+    )
     parser.add_argument("--damping", type=float, help="truncated: upper-layer output scale")
     parser.add_argument("--seed", type=int)
-    parser.add_argument("--measure", action="store_true",
-                        help="print the draft's greedy acceptance per γ")  # fmt: skip
+    parser.add_argument(
+        "--measure", action="store_true", help="print the draft's greedy acceptance per γ"
+    )
     args = parser.parse_args(argv)
     recipe = Recipe.for_kind(args.kind, noise=args.noise, damping=args.damping, seed=args.seed)
     pair = build(args.out, recipe)
@@ -210,8 +228,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         agreement = greedy_agreement(pair)
         per_token = sum(map(sum, agreement)) / sum(map(len, agreement))
         rates = ", ".join(f"γ={g}: {acceptance_rate(agreement, g):.2f}" for g in (1, 2, 3, 4))
-        print(f"draft agrees with the target on {per_token:.2f} of greedy tokens; "
-              f"acceptance (accepted / drafted) {rates}")  # fmt: skip
+        print(
+            f"draft agrees with the target on {per_token:.2f} of greedy tokens; "
+            f"acceptance (accepted / drafted) {rates}"
+        )
     return 0
 
 

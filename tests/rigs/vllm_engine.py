@@ -42,8 +42,10 @@ def speculative_config(method: str, draft: Path | None) -> dict[str, Any] | None
     if method == "none":
         return None
     # The dynamic-SD schedule turns on vLLM's per-step K path; it is also the fallback table.
-    common = {"num_speculative_tokens": GAMMA_MAX,
-              "num_speculative_tokens_per_batch_size": [[1, 1024, GAMMA_MAX]]}  # fmt: skip
+    common = {
+        "num_speculative_tokens": GAMMA_MAX,
+        "num_speculative_tokens_per_batch_size": [[1, 1024, GAMMA_MAX]],
+    }
     if method == "draft_model":
         return {"method": "draft_model", "model": str(draft), **common}
     return {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3, **common}
@@ -55,10 +57,16 @@ def make_llm(
     from vllm import LLM
 
     return LLM(
-        model=str(target), dtype="float32", max_model_len=512, enforce_eager=True, seed=0,
-        max_num_seqs=8, disable_log_stats=False, scheduler_cls=scheduler_cls,
+        model=str(target),
+        dtype="float32",
+        max_model_len=512,
+        enforce_eager=True,
+        seed=0,
+        max_num_seqs=8,
+        disable_log_stats=False,
+        scheduler_cls=scheduler_cls,
         speculative_config=speculative_config(method, draft),
-    )  # fmt: skip
+    )
 
 
 def generate(llm: Any, max_tokens: int = 48) -> list[list[int]]:
@@ -87,9 +95,11 @@ def run_engine(tmp: Path, spec: dict[str, Any], env: dict[str, str] | None = Non
     environ = {k: v for k, v in os.environ.items() if not k.startswith("NIGHTJAR_")}
     subprocess.run(
         [sys.executable, str(HERE / "vllm_engine.py"), str(spec_file), str(out)],
-        env={**environ, **CPU_ENV, **(env or {})}, check=True, timeout=300,
+        env={**environ, **CPU_ENV, **(env or {})},
+        check=True,
+        timeout=300,
         capture_output=True,
-    )  # fmt: skip
+    )
     return json.loads(out.read_text())
 
 
@@ -116,10 +126,16 @@ def main() -> int:
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler
     controller = getattr(scheduler, "nightjar", None)
     stats = controller.stats() if controller is not None else None
-    out.write_text(json.dumps({
-        "tokens": tokens, "spec": spec_counters(llm), "nightjar": stats,
-        "scheduler": type(scheduler).__name__,
-    }))  # fmt: skip
+    out.write_text(
+        json.dumps(
+            {
+                "tokens": tokens,
+                "spec": spec_counters(llm),
+                "nightjar": stats,
+                "scheduler": type(scheduler).__name__,
+            }
+        )
+    )
     return 0
 
 

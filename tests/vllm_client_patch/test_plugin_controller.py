@@ -25,8 +25,10 @@ from vllm_client_patch.controller import (
 def test_config_from_environment_and_toml(tmp_path: Path) -> None:
     assert not PluginConfig.load({}).active  # no sidecar: stock vLLM
     toml = tmp_path / "nightjar.toml"
-    toml.write_text('[plugin]\nsidecar = "unix:/run/nj.sock"\ndeadline_ms = 5\n'
-                    'fallback_table = [[1, 4, 3], [5, 64, 0]]\n')  # fmt: skip
+    toml.write_text(
+        '[plugin]\nsidecar = "unix:/run/nj.sock"\ndeadline_ms = 5\n'
+        "fallback_table = [[1, 4, 3], [5, 64, 0]]\n"
+    )
     config = PluginConfig.load({"NIGHTJAR_CONFIG": str(toml), "NIGHTJAR_ENGINE_ID": "pod-7"})
     assert config.active and config.sidecar == "unix:/run/nj.sock"
     assert (config.engine_id, config.deadline_ms) == ("pod-7", 5.0)
@@ -75,8 +77,9 @@ def test_unknown_toml_key_is_rejected(tmp_path: Path) -> None:
 
 
 def view(batch: int) -> EngineView:
-    return EngineView(batch_size=batch, waiting=0, free_kv_blocks=900, total_kv_blocks=1000,
-                      max_gamma=3)  # fmt: skip
+    return EngineView(
+        batch_size=batch, waiting=0, free_kv_blocks=900, total_kv_blocks=1000, max_gamma=3
+    )
 
 
 def wait_for(condition: Any, timeout: float = 5.0) -> None:
@@ -100,8 +103,13 @@ def test_each_decision_is_reported_with_the_step_that_verified_it(
 ) -> None:
     server, log = static_sidecar_logging(make_server, tmp_path)
     stats_file = tmp_path / "plugin.json"
-    config = PluginConfig(sidecar=server.target, engine_id="ctl", deadline_ms=200,
-                          stats_file=str(stats_file), learner_key="tiny@cpu")  # fmt: skip
+    config = PluginConfig(
+        sidecar=server.target,
+        engine_id="ctl",
+        deadline_ms=200,
+        stats_file=str(stats_file),
+        learner_key="tiny@cpu",
+    )
     controller = GammaController(config)
     wait_for(lambda: controller.client.connected)
     verified = [VerifiedStep(0, 0, 4), VerifiedStep(8, 5, 9), VerifiedStep(8, 2, 6)]

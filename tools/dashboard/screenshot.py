@@ -58,13 +58,24 @@ DRAFT_BLOCKS = 512
 # The sidecar's flags for the run: fast snapshots and a memory controller that reacts
 # within a few seconds (production keeps the defaults: 30 s, T_persist = 32 steps).
 SIDECAR_ARGS = (
-    "--policy", "nightjar",
-    "--params", json.dumps({"gamma_max": GAMMA_MAX, "batch_bucketing": "pow2", "seed": 0}),
-    "--snapshot-interval", "2",
-    "--memory", json.dumps({"enabled": True, "tau_low": 0.3, "t_persist": 8,
-                            "draft_blocks": DRAFT_BLOCKS, "cooldown_steps": 150,
-                            "order_timeout_steps": 200}),
-)  # fmt: skip
+    "--policy",
+    "nightjar",
+    "--params",
+    json.dumps({"gamma_max": GAMMA_MAX, "batch_bucketing": "pow2", "seed": 0}),
+    "--snapshot-interval",
+    "2",
+    "--memory",
+    json.dumps(
+        {
+            "enabled": True,
+            "tau_low": 0.3,
+            "t_persist": 8,
+            "draft_blocks": DRAFT_BLOCKS,
+            "cooldown_steps": 150,
+            "order_timeout_steps": 200,
+        }
+    ),
+)
 
 
 @dataclass
@@ -247,8 +258,9 @@ def default_events(
 def reject_one(target: str) -> str:
     """A step context the sidecar must refuse (more free KV blocks than blocks): the
     client falls back and the sidecar counts an INVALID_ARGUMENT."""
-    with NightjarClient(ClientConfig(target=target, engine_id="bad-engine",
-                                     deadline_s=1.0, connect_timeout_s=10)) as client:  # fmt: skip
+    with NightjarClient(
+        ClientConfig(target=target, engine_id="bad-engine", deadline_s=1.0, connect_timeout_s=10)
+    ) as client:
         bad = StepContext("bad-engine", batch_size=4, free_kv_blocks=10, total_kv_blocks=5)
         return client.decide(bad).fallback_reason
 
@@ -265,21 +277,49 @@ def vllm_engine(workdir: Path, sidecar: Any) -> Iterator[tuple[str, Path]]:
 
     models = build(workdir / "models", Recipe(noise=0.05))
     port, socket = free_port(), Path(tempfile.mkdtemp(prefix="nj-")) / "memory.sock"
-    spec = {"method": "draft_model", "model": str(models.draft),
-            "num_speculative_tokens": ENGINE_GAMMA_MAX,
-            "num_speculative_tokens_per_batch_size": [[1, 1024, ENGINE_GAMMA_MAX]]}  # fmt: skip
+    spec = {
+        "method": "draft_model",
+        "model": str(models.draft),
+        "num_speculative_tokens": ENGINE_GAMMA_MAX,
+        "num_speculative_tokens_per_batch_size": [[1, 1024, ENGINE_GAMMA_MAX]],
+    }
     env = {k: v for k, v in os.environ.items() if not k.startswith("NIGHTJAR_")}
     env.update(CPU_ENV)
-    env.update(VLLM_ENABLE_V1_MULTIPROCESSING="1", NIGHTJAR_SIDECAR=sidecar.target,
-               NIGHTJAR_ENGINE_ID="vllm-0", NIGHTJAR_DEADLINE_MS="50",
-               NIGHTJAR_MEMORY_AGENT="1", NIGHTJAR_MEMORY_SOCKET=str(socket),
-               NIGHTJAR_ADMIN_TOKEN_FILE=str(sidecar.token_file))  # fmt: skip
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-               "--model", str(models.target), "--served-model-name", "tiny",
-               "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
-               "--max-model-len", "512", "--enforce-eager", "--max-num-seqs", "8",
-               "--seed", "0", "--distributed-executor-backend", "uni",
-               "--speculative-config", json.dumps(spec)]  # fmt: skip
+    env.update(
+        VLLM_ENABLE_V1_MULTIPROCESSING="1",
+        NIGHTJAR_SIDECAR=sidecar.target,
+        NIGHTJAR_ENGINE_ID="vllm-0",
+        NIGHTJAR_DEADLINE_MS="50",
+        NIGHTJAR_MEMORY_AGENT="1",
+        NIGHTJAR_MEMORY_SOCKET=str(socket),
+        NIGHTJAR_ADMIN_TOKEN_FILE=str(sidecar.token_file),
+    )
+    command = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(models.target),
+        "--served-model-name",
+        "tiny",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "512",
+        "--enforce-eager",
+        "--max-num-seqs",
+        "8",
+        "--seed",
+        "0",
+        "--distributed-executor-backend",
+        "uni",
+        "--speculative-config",
+        json.dumps(spec),
+    ]
     base = f"http://127.0.0.1:{port}"
     with process(command, workdir / "vllm.log", env) as proc:
         wait_healthy(base, proc, 600)
@@ -291,8 +331,15 @@ def serve_load(base: str, stop: threading.Event, concurrency: int = 3) -> list[t
 
     def loop(index: int) -> None:
         while not stop.is_set():
-            body = json.dumps({"model": "tiny", "prompt": f"request {index} says hello",
-                               "max_tokens": 48, "temperature": 0, "ignore_eos": True})  # fmt: skip
+            body = json.dumps(
+                {
+                    "model": "tiny",
+                    "prompt": f"request {index} says hello",
+                    "max_tokens": 48,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                }
+            )
             request = urllib.request.Request(
                 f"{base}/v1/completions", body.encode(), {"Content-Type": "application/json"}
             )

@@ -15,8 +15,13 @@ def feed(policy: EmaPolicy, batch_size: int, accepted_per_request: float, steps:
         ctx = StepContext("e", batch_size=batch_size)
         choice = policy.decide(ctx)
         accepted = int(accepted_per_request * batch_size) if choice.gamma else 0
-        policy.observe(ctx, choice, StepOutcome("d", "e", choice.gamma, 0.01, batch_size,
-                                                batch_size * choice.gamma, accepted))  # fmt: skip
+        policy.observe(
+            ctx,
+            choice,
+            StepOutcome(
+                "d", "e", choice.gamma, 0.01, batch_size, batch_size * choice.gamma, accepted
+            ),
+        )
         gammas.append(choice.gamma)
     return gammas
 
@@ -24,8 +29,12 @@ def feed(policy: EmaPolicy, batch_size: int, accepted_per_request: float, steps:
 def test_tiers_start_in_the_middle_candidate_and_clip_to_gamma_max() -> None:
     policy = EmaPolicy({"gamma_max": 4})
     assert [policy.decide(StepContext("e", batch_size=b)).gamma for b in (1, 8, 32, 64, 500)] == [
-        3, 1, 1, 0, 0,
-    ]  # fmt: skip
+        3,
+        1,
+        1,
+        0,
+        0,
+    ]
 
 
 def test_high_acceptance_moves_up_low_moves_down() -> None:

@@ -49,9 +49,13 @@ class Environment:
         return max(range(GAMMA_MAX + 1), key=lambda g: self.goodput(batch, g))
 
     def outcome(
-        self, ctx: StepContext, gamma: int, decision_id: str = "d", drafted: int | None = None,
+        self,
+        ctx: StepContext,
+        gamma: int,
+        decision_id: str = "d",
+        drafted: int | None = None,
         report_drafted: bool = True,
-    ) -> StepOutcome:  # fmt: skip
+    ) -> StepOutcome:
         runs = []
         for _ in range(ctx.batch_size):
             run = 0
@@ -61,16 +65,20 @@ class Environment:
         ms = self.step_ms(ctx.batch_size, gamma, drafted)
         seconds = ms * self.rng.uniform(0.97, 1.03) / 1000
         return StepOutcome(
-            decision_id, ctx.engine_id, gamma, seconds, sum(runs) + ctx.batch_size,
-            drafted_tokens=gamma * ctx.batch_size, accepted_tokens=sum(runs),
+            decision_id,
+            ctx.engine_id,
+            gamma,
+            seconds,
+            sum(runs) + ctx.batch_size,
+            drafted_tokens=gamma * ctx.batch_size,
+            accepted_tokens=sum(runs),
             request_accepts=tuple(runs),
             draft_gamma=drafted if report_drafted else None,
-        )  # fmt: skip
+        )
 
 
 def context(batch: int, step: int = 0) -> StepContext:
-    return StepContext("e", batch, step_index=step, max_gamma=GAMMA_MAX,
-                       context_tokens=600 * batch)  # fmt: skip
+    return StepContext("e", batch, step_index=step, max_gamma=GAMMA_MAX, context_tokens=600 * batch)
 
 
 def sampled_outcome(
@@ -78,17 +86,23 @@ def sampled_outcome(
 ) -> StepOutcome:
     """One step of engine "e": each request's accepted run (per-token acceptance α) and
     the step's ``ms`` with ±``jitter`` uniform noise."""
-    runs = [sum(1 for _ in itertools.takewhile(lambda _: rng.random() < alpha, range(gamma)))
-            for _ in range(batch)]  # fmt: skip
+    runs = [
+        sum(1 for _ in itertools.takewhile(lambda _: rng.random() < alpha, range(gamma)))
+        for _ in range(batch)
+    ]
     seconds = ms * rng.uniform(1.0 - jitter, 1.0 + jitter) / 1000
-    return StepOutcome("d", "e", gamma, seconds, sum(runs) + batch, gamma * batch, sum(runs),
-                       tuple(runs))  # fmt: skip
+    return StepOutcome(
+        "d", "e", gamma, seconds, sum(runs) + batch, gamma * batch, sum(runs), tuple(runs)
+    )
 
 
 def drive(
-    policy: GoodputModelPolicy, env: Environment, steps: int, batches: tuple[int, ...] = BATCHES,
+    policy: GoodputModelPolicy,
+    env: Environment,
+    steps: int,
+    batches: tuple[int, ...] = BATCHES,
     start: int = 0,
-) -> list[tuple[int, int]]:  # fmt: skip
+) -> list[tuple[int, int]]:
     """Run `steps` decisions (batch sizes cycling); (batch, γ) of each."""
     chosen = []
     for i in range(start, start + steps):
@@ -126,9 +140,12 @@ def test_converges_to_the_best_gamma_of_every_batch_size() -> None:
 
 
 def drive_pipelined(
-    policy: GoodputModelPolicy, env: Environment, steps: int, report_drafted: bool,
+    policy: GoodputModelPolicy,
+    env: Environment,
+    steps: int,
+    report_drafted: bool,
     start: int = 0,
-) -> list[tuple[int, int]]:  # fmt: skip
+) -> list[tuple[int, int]]:
     """As vLLM runs it: the step that verifies decision k's drafts also runs the drafter
     for decision k+1, so decision k's outcome (sent after k+1 was decided) holds k+1's
     draft passes. Batch sizes change every 7 steps."""
@@ -139,8 +156,9 @@ def drive_pipelined(
         choice = policy.decide(ctx)
         if previous is not None:
             pctx, pchoice = previous
-            outcome = env.outcome(pctx, pchoice.gamma, drafted=choice.gamma,
-                                  report_drafted=report_drafted)  # fmt: skip
+            outcome = env.outcome(
+                pctx, pchoice.gamma, drafted=choice.gamma, report_drafted=report_drafted
+            )
             policy.observe(pctx, pchoice, outcome)
         previous = (ctx, choice)
         chosen.append((ctx.batch_size, choice.gamma))
@@ -239,8 +257,9 @@ def test_early_exploration_at_large_batches_is_capped_by_the_predicted_loss() ->
             env = Environment(alpha=0.7)
             policy = GoodputModelPolicy({"gamma_max": GAMMA_MAX, "seed": seed, **params})
             chosen = drive(policy, env, 200, batches=(64, 48, 56))[32:]
-            losses += [1.0 - env.goodput(b, g) / env.goodput(b, env.best_gamma(b))
-                       for b, g in chosen]  # fmt: skip
+            losses += [
+                1.0 - env.goodput(b, g) / env.goodput(b, env.best_gamma(b)) for b, g in chosen
+            ]
         return sum(losses) / len(losses)
 
     plain, capped = (
@@ -297,8 +316,9 @@ def test_follows_a_drop_in_acceptance_within_k_steps() -> None:
 
 
 def test_warm_up_follows_the_prior_table() -> None:
-    policy = GoodputModelPolicy({"gamma_max": GAMMA_MAX, "warmup_steps": 10,
-                                 "prior_schedule": [[1, 8, 3], [9, 1000, 1]]})  # fmt: skip
+    policy = GoodputModelPolicy(
+        {"gamma_max": GAMMA_MAX, "warmup_steps": 10, "prior_schedule": [[1, 8, 3], [9, 1000, 1]]}
+    )
     env = Environment(alpha=0.7)
     first = drive(policy, env, 10, batches=(4, 40))
     assert first == [(4, 3), (40, 1)] * 5
@@ -339,8 +359,13 @@ def test_slo_mode_prices_decode_steps_whatever_the_prefill_load() -> None:
         ctx = context(BATCHES[i % len(BATCHES)], i)
         choice = policy.decide(ctx)
         outcome = env.outcome(ctx, choice.gamma)
-        policy.observe(ctx, choice, dataclasses.replace(
-            outcome, prefill_tokens=2048, step_seconds=outcome.step_seconds + 0.2))  # fmt: skip
+        policy.observe(
+            ctx,
+            choice,
+            dataclasses.replace(
+                outcome, prefill_tokens=2048, step_seconds=outcome.step_seconds + 0.2
+            ),
+        )
     learner = policy.learner_of("e")
     assert policy.state()["learners"][learner]["prefill_tokens"] > 1500
     for batch in BATCHES:
@@ -357,13 +382,23 @@ def test_forced_when_the_draft_is_away() -> None:
 
 @pytest.mark.parametrize(
     "params",
-    [{"gamma_max": 10**9}, {"ridge": -1.0}, {"prior_alpha": 1.5}, {"tpot_slo_ms": -3.0},
-     {"time_window_steps": 0}, {"warmup_steps": 10**9}, {"gama_max": 2},
-     {"explore_loss_cap": 1.5}, {"explore_loss_cap": float("nan")},
-     {"trial_loss_cap": -0.1}, {"trial_loss_cap": float("inf")},
-     {"correction_prior_steps": 0.0}, {"correction_window_steps": 0},
-     {"local_correction": 1}],
-)  # fmt: skip
+    [
+        {"gamma_max": 10**9},
+        {"ridge": -1.0},
+        {"prior_alpha": 1.5},
+        {"tpot_slo_ms": -3.0},
+        {"time_window_steps": 0},
+        {"warmup_steps": 10**9},
+        {"gama_max": 2},
+        {"explore_loss_cap": 1.5},
+        {"explore_loss_cap": float("nan")},
+        {"trial_loss_cap": -0.1},
+        {"trial_loss_cap": float("inf")},
+        {"correction_prior_steps": 0.0},
+        {"correction_window_steps": 0},
+        {"local_correction": 1},
+    ],
+)
 def test_bad_parameters_are_refused(params: dict[str, Any]) -> None:
     with pytest.raises(PolicyError):
         create_policy("goodput", params)
@@ -397,9 +432,13 @@ def test_the_drafters_minimum_passes_survive_a_snapshot_within_gamma_max() -> No
 
 @pytest.mark.parametrize(
     ("part", "value"),
-    [("step_time", {"gram": [[1.0]]}), ("correction", [[6, 1, -2.0] + [0.0] * 15]),
-     ("correction", [[6, 1, 3.0]]), ("min_draft_passes", GAMMA_MAX + 1)],
-)  # fmt: skip
+    [
+        ("step_time", {"gram": [[1.0]]}),
+        ("correction", [[6, 1, -2.0] + [0.0] * 15]),
+        ("correction", [[6, 1, 3.0]]),
+        ("min_draft_passes", GAMMA_MAX + 1),
+    ],
+)
 def test_malformed_state_is_refused_and_changes_nothing(part: str, value: Any) -> None:
     policy = GoodputModelPolicy({"gamma_max": GAMMA_MAX})
     drive(policy, Environment(alpha=0.7), 50)
@@ -509,17 +548,20 @@ def test_state_survives_snapshot_kill9_restart_and_keep_state_swaps(make_server:
     assert _admin_state(server)["learners"] == learned["learners"]
     # A parameter change of the same policy keeps what was learned ...
     server.admin.SwapPolicy(
-        admin_pb2.SwapPolicyRequest(name="goodput", params_json='{"tpot_slo_ms": 50.0}',
-                                    keep_state=True),
-        metadata=server.auth, timeout=5,
-    )  # fmt: skip
+        admin_pb2.SwapPolicyRequest(
+            name="goodput", params_json='{"tpot_slo_ms": 50.0}', keep_state=True
+        ),
+        metadata=server.auth,
+        timeout=5,
+    )
     assert _admin_state(server)["learners"] == learned["learners"]
     # ... bad parameters are refused, and nothing changes.
     with pytest.raises(grpc.RpcError) as refused:
         server.admin.SwapPolicy(
             admin_pb2.SwapPolicyRequest(name="goodput", params_json='{"ridge": -1}'),
-            metadata=server.auth, timeout=5,
-        )  # fmt: skip
+            metadata=server.auth,
+            timeout=5,
+        )
     assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     after = server.state()
     assert after["policy"] == "goodput" and after["params"]["tpot_slo_ms"] == 50.0
@@ -575,15 +617,22 @@ def test_a_gamma_zero_step_is_priced_with_the_draft_pass_the_engine_runs_anyway(
         policy = GoodputModelPolicy({"gamma_max": 3, "seed": 0})
         for i in range(400):
             batch = 1 + i % 4
-            ctx = StepContext("e", batch, step_index=i, max_gamma=3, context_tokens=100 * batch,
-                              min_draft_passes=min_draft_passes)  # fmt: skip
+            ctx = StepContext(
+                "e",
+                batch,
+                step_index=i,
+                max_gamma=3,
+                context_tokens=100 * batch,
+                min_draft_passes=min_draft_passes,
+            )
             choice = policy.decide(ctx)
             gamma = choice.gamma
             policy.observe(
                 ctx, choice, sampled_outcome(rng, alpha, batch, gamma, step_ms(batch, gamma), 0.03)
             )
-        at_64 = StepContext("e", 64, max_gamma=3, context_tokens=6400,
-                            min_draft_passes=min_draft_passes)  # fmt: skip
+        at_64 = StepContext(
+            "e", 64, max_gamma=3, context_tokens=6400, min_draft_passes=min_draft_passes
+        )
         return policy.predicted_goodput(policy.learner_of("e"), at_64)[:4]
 
     assert truth(64, 1) > truth(64, 0)
@@ -666,9 +715,10 @@ def test_no_trial_turns_speculation_off_where_turning_it_on_again_costs(
     step would make the next decisions pay c_prefill to speculate again, and keep them at
     γ = 0 (simulator: 24,000 steps)."""
     table = tmp_path / "c_prefill.csv"
-    table.write_text("lag_tokens,batch_size,c_prefill_ms\n" + "".join(
-        f"{lag},{bs},{lag / 16}\n" for lag in (128, 4096) for bs in (4, 128)
-    ))  # fmt: skip
+    table.write_text(
+        "lag_tokens,batch_size,c_prefill_ms\n"
+        + "".join(f"{lag},{bs},{lag / 16}\n" for lag in (128, 4096) for bs in (4, 128))
+    )
 
     def first_at_64(params: dict[str, Any]) -> list[int]:
         env = Environment(alpha=0.7)
@@ -706,8 +756,9 @@ def test_runs_once_a_gamma_the_model_has_only_extrapolated_to() -> None:
         previous: tuple[StepContext, Any] | None = None
         for i in range(360):
             batch = 1 + i % 4 if i < 300 else 64
-            ctx = StepContext("e", batch, step_index=i, max_gamma=GAMMA_MAX,
-                              context_tokens=600 * batch)  # fmt: skip
+            ctx = StepContext(
+                "e", batch, step_index=i, max_gamma=GAMMA_MAX, context_tokens=600 * batch
+            )
             choice = policy.decide(ctx)
             if previous is not None:
                 pctx, pchoice = previous

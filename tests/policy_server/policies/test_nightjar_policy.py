@@ -18,11 +18,17 @@ from policy_server.policies.nightjar import NightjarPolicy
 PINNED_SCHEDULE = [
     (1, 1, 1, 1),
     (2, 2, 1, 1),
-    (3, 4, 1, 1), (3, 4, 1, 2), (3, 4, 2, 1), (3, 4, 2, 2),
-    (4, 8, 1, 1), (4, 8, 1, 2), (4, 8, 2, 1), (4, 8, 2, 2),
+    (3, 4, 1, 1),
+    (3, 4, 1, 2),
+    (3, 4, 2, 1),
+    (3, 4, 2, 2),
+    (4, 8, 1, 1),
+    (4, 8, 1, 2),
+    (4, 8, 2, 1),
+    (4, 8, 2, 2),
     *[(5, 16, b, t) for b in range(1, 5) for t in range(1, 5)],
     (6, 32, 1, 1),
-]  # fmt: skip
+]
 
 
 def ctx(batch_size: int, engine: str = "e", **kw: Any) -> StepContext:

@@ -18,8 +18,12 @@ def test_fit_latency_recovers_a_linear_profile() -> None:
         return 5.0 + 0.02 * b * (g + 1) + 1e-4 * c + g * (0.8 + 0.01 * b)
 
     # Two context lengths per batch: with one, context and tokens would be collinear.
-    grid = [(b, g, c * b, ms(b, g, c * b))
-            for b in (1, 4, 16, 64, 256) for g in range(5) for c in (300, 1500)]  # fmt: skip
+    grid = [
+        (b, g, c * b, ms(b, g, c * b))
+        for b in (1, 4, 16, 64, 256)
+        for g in range(5)
+        for c in (300, 1500)
+    ]
     fitted = fit_latency(grid)
     assert fitted["target_ms"] == pytest.approx([5.0, 0.02, 1e-4], rel=1e-6, abs=1e-9)
     assert fitted["draft_ms"] == pytest.approx([0.8, 0.01], rel=1e-6)
@@ -47,8 +51,7 @@ def test_dsd_acceptance_follows_the_counters_and_resets_below_0_3() -> None:
     ctx = StepContext("e", 8)
     choice = policy.decide(ctx)
     for _ in range(50):  # every request rejects its first draft token: α → 0
-        policy.observe(ctx, choice, StepOutcome("d", "e", 4, 0.02, 8, 32, 0,
-                                                (0,) * 8))  # fmt: skip
+        policy.observe(ctx, choice, StepOutcome("d", "e", 4, 0.02, 8, 32, 0, (0,) * 8))
     alpha = policy.state()["learners"]["engine:e"]
     # Below 0.3 SmartSpec resets α to 0.65 (a prior worth one small step).
     assert alpha["successes"] / (alpha["successes"] + alpha["failures"]) == pytest.approx(0.65)
@@ -63,8 +66,9 @@ def test_ucb_pulls_every_arm_once_then_follows_the_best_mean() -> None:
         choice = policy.decide(ctx)
         first.append(choice.gamma)
         assert choice.bin_type is BinType.EXPLORE
-        policy.observe(ctx, choice, StepOutcome("d", "e", choice.gamma, 0.01,
-                                                int(goodput[choice.gamma] / 100)))  # fmt: skip
+        policy.observe(
+            ctx, choice, StepOutcome("d", "e", choice.gamma, 0.01, int(goodput[choice.gamma] / 100))
+        )
     assert first == [0, 1, 2, 3]
     assert {policy.decide(ctx).gamma for _ in range(5)} == {1}
     # Another bucket has arms of its own.
@@ -88,10 +92,14 @@ def test_ucb_state_round_trips_and_bad_state_is_refused() -> None:
 
 @pytest.mark.parametrize(
     ("name", "params"),
-    [("dsd", {"target_ms": [1.0, 2.0]}), ("dsd", {"off_bias": 0.0}),
-     ("dsd", {"draft_ms": [float("nan"), 0.0]}), ("ucb", {"exploration": -1.0}),
-     ("ucb", {"gamma_max": 10**9})],
-)  # fmt: skip
+    [
+        ("dsd", {"target_ms": [1.0, 2.0]}),
+        ("dsd", {"off_bias": 0.0}),
+        ("dsd", {"draft_ms": [float("nan"), 0.0]}),
+        ("ucb", {"exploration": -1.0}),
+        ("ucb", {"gamma_max": 10**9}),
+    ],
+)
 def test_bad_parameters_are_refused(name: str, params: dict[str, object]) -> None:
     with pytest.raises(PolicyError):
         create_policy(name, params)

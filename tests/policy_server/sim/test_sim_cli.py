@@ -29,13 +29,27 @@ def test_replays_a_user_trace_against_policies_and_a_sidecar(
 ) -> None:
     server = make_server()
     out = tmp_path / "figures.json"
-    code = main([str(trace), "--qps", "8", "--policies", "off,static-1,oracle", "--data",
-                 str(DATA), "--sidecar", server.target, "--json", str(out)])  # fmt: skip
+    code = main(
+        [
+            str(trace),
+            "--qps",
+            "8",
+            "--policies",
+            "off,static-1,oracle",
+            "--data",
+            str(DATA),
+            "--sidecar",
+            server.target,
+            "--json",
+            str(out),
+        ]
+    )
     assert code == 0
     figures = json.loads(out.read_text())
     assert set(figures) == {"off", "static-1", "oracle", "sidecar"}
-    assert all(f["generated_tokens"] == sum(40 + i % 13 for i in range(120))
-               for f in figures.values())  # fmt: skip
+    assert all(
+        f["generated_tokens"] == sum(40 + i % 13 for i in range(120)) for f in figures.values()
+    )
     assert "vs oracle" in capsys.readouterr().out
 
 

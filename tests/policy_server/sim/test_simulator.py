@@ -71,8 +71,7 @@ def test_a_request_longer_than_the_kv_cache_is_refused_and_the_run_ends() -> Non
     alone used to wait forever (the run never ended). It is refused at arrival."""
     profile = dataclasses.replace(PROFILES["llama2-7b-a100"], kv_blocks=200, draft_kv_blocks=0)
     capacity = 200 * profile.block_size
-    specs = [RequestSpec(0.0, 100, 20), RequestSpec(0.1, capacity, 10),
-             RequestSpec(0.2, 200, 20)]  # fmt: skip
+    specs = [RequestSpec(0.0, 100, 20), RequestSpec(0.1, capacity, 10), RequestSpec(0.2, 200, 20)]
     result = Simulator(profile, SPS, specs, PolicySource.named("off"), SimConfig()).run()
     assert [r.rejected for r in result.requests] == [False, True, False]
     assert result.rejected == 1 and result.generated_tokens == 40
@@ -126,8 +125,9 @@ class _PrefillWatch(Simulator):
 @pytest.mark.parametrize("chunked", [True, False])
 def test_chunked_prefill_option(busy_specs, chunked) -> None:
     config = SimConfig(chunked_prefill=chunked, max_batch_tokens=512)
-    sim = _PrefillWatch(PROFILES["llama2-7b-a100"], SPS, busy_specs[:120],
-                        PolicySource.named("off"), config)  # fmt: skip
+    sim = _PrefillWatch(
+        PROFILES["llama2-7b-a100"], SPS, busy_specs[:120], PolicySource.named("off"), config
+    )
     result = sim.run()
     assert all(r.generated == r.spec.output_tokens for r in result.requests)
     assert (sim.partial_steps > 0) == chunked
@@ -198,10 +198,11 @@ def test_plots_are_written_as_png(tmp_path: Path, busy_specs) -> None:
         plots.plot_gamma_timeline({"oracle": result}, tmp_path / "g.png", "γ"),
         plots.plot_throughput_over_time({"oracle": result}, tmp_path / "t.png", "tok/s"),
         plots.plot_regret({"oracle": result}, tmp_path / "r.png", "regret"),
-        plots.plot_qps_sweep({"p": {"oracle": [(1.0, 10.0, 1.0), (2.0, 20.0, 2.0)]}},
-                             tmp_path / "q.png"),
+        plots.plot_qps_sweep(
+            {"p": {"oracle": [(1.0, 10.0, 1.0), (2.0, 20.0, 2.0)]}}, tmp_path / "q.png"
+        ),
         plots.plot_profiles(PROFILES, calibration_points(DATA / "calibration"), tmp_path / "p.png"),
-    ]  # fmt: skip
+    ]
     for figure in figures:
         data = figure.read_bytes()
         assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 5000
