@@ -25,6 +25,7 @@ from google.protobuf.message import DecodeError, Message
 from nightjar_proto.v1 import admin_pb2, memory_pb2, policy_pb2
 
 from benchmarks.fuzz.processes import ServerProcess
+from policy_server.grpc_server import SUPERSEDED
 
 RIGHT_CODES = frozenset(
     {
@@ -200,6 +201,11 @@ class Sender:
         errors = [
             r for r in answer.replies if isinstance(r, policy_pb2.StepReply) and r.HasField("error")
         ]
+        # A context still queued when a newer one of its engine arrives behind it is answered
+        # ABORTED with its outcome applied (StepStream's contract): right, and not a reject.
+        superseded = [r for r in errors if _superseded(r)]
+        self.tally.by_code["stream:ABORTED (superseded)"] += len(superseded)
+        errors = [r for r in errors if not _superseded(r)]
         for reply in errors:
             code = CODE_BY_VALUE.get(reply.error.code)
             self.tally.by_code[f"stream:{code.name if code else reply.error.code}"] += 1
@@ -210,7 +216,7 @@ class Sender:
             self.on_reply(method, payload, reply)
         # Rejected: nothing of it was applied (no reply without an error; a unary call
         # that failed has no reply at all).
-        rejected = len(errors) == len(answer.replies)
+        rejected = not superseded and len(errors) == len(answer.replies)
         if not rejected:
             self._state.pop(method.target, None)  # an applied request may change state
             return
@@ -331,3 +337,8 @@ def chunks(payloads: Iterator[bytes], size: int) -> Iterator[list[bytes]]:
             batch = []
     if batch:
         yield batch
+
+
+def _superseded(reply: policy_pb2.StepReply) -> bool:
+    code: int = grpc.StatusCode.ABORTED.value[0]
+    return bool(reply.error.code == code and reply.error.message == SUPERSEDED)
