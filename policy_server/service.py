@@ -63,7 +63,7 @@ from policy_server.policies import (
     UnknownPolicyError,
     create_policy,
 )
-from policy_server.policies.base import file_path_params
+from policy_server.policies.base import at_batch_size, file_path_params
 
 log = logging.getLogger(__name__)
 
@@ -266,10 +266,7 @@ class DecisionService:
         sizes = [b for b in dict.fromkeys(reported.candidate_batch_sizes) if b != ctx.batch_size]
         tentative = bool(sizes)
         if tentative:
-            decided = [
-                _decide_tentative(policy, ctx, batch_size)
-                for batch_size in (ctx.batch_size, *sizes)
-            ]
+            decided = _decide_tentative(policy, ctx, (ctx.batch_size, *sizes))
         else:
             decided = [(ctx, policy.decide(ctx), None)]
         members: dict[str, Candidate] = {}
@@ -572,20 +569,19 @@ class DecisionService:
 
 
 def _decide_tentative(
-    policy: ServedPolicy, ctx: StepContext, batch_size: int
-) -> tuple[StepContext, Choice, object]:
-    """Decide for ``batch_size`` and leave the policy as it was: between the policy's own
-    checkpoints when they cover decide (``checkpoints_decide``), else on a deep copy of it
-    (the chosen one is then decided again on the live policy when the engine names it)."""
-    if batch_size != ctx.batch_size:
-        ctx = dataclasses.replace(ctx, batch_size=batch_size)
-    if not policy.checkpoints_decide:
-        return ctx, copy.deepcopy(policy).decide(ctx), DECIDE_AGAIN
-    before = policy.checkpoint(ctx)
-    choice = policy.decide(ctx)
-    after = policy.checkpoint(ctx)
-    policy.restore(ctx, before)
-    return ctx, choice, after
+    policy: ServedPolicy, ctx: StepContext, batch_sizes: tuple[int, ...]
+) -> list[tuple[StepContext, Choice, object]]:
+    """Decide for each batch size and leave the policy as it was: by the policy itself,
+    with the checkpoint each decision leaves, when its checkpoints cover decide
+    (``checkpoints_decide``), else each on a deep copy of it (the chosen one is then
+    decided again on the live policy when the engine names it)."""
+    if policy.checkpoints_decide:
+        return policy.decide_candidates(ctx, batch_sizes)
+    decided: list[tuple[StepContext, Choice, object]] = []
+    for batch_size in batch_sizes:
+        candidate = at_batch_size(ctx, batch_size)
+        decided.append((candidate, copy.deepcopy(policy).decide(candidate), DECIDE_AGAIN))
+    return decided
 
 
 def _decision_record(

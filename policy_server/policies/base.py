@@ -10,7 +10,7 @@ import dataclasses
 import logging
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from nightjar_common.types import BinType, Choice, StepContext, StepOutcome
@@ -56,10 +56,12 @@ class LearnedState(Protocol):
     only that decision may count. With ``checkpoints_decide`` the server decides each
     candidate between ``checkpoint`` and ``restore``, and at the engine's word restores the
     chosen candidate's after-decide checkpoint, so schedules, RNG draws and γ_prev advance
-    exactly as if only that decision had been asked for. Without it (a decide() that
-    changes state no checkpoint holds, such as new entries of shared learner tables) the
-    server decides each candidate on a deep copy of the policy and the chosen one again on
-    the live policy when the engine names it; checkpoint and restore are then not called.
+    exactly as if only that decision had been asked for. ``decide_candidates`` decides a
+    whole set with these checkpoints (CheckpointedDecide: one candidate after the other;
+    goodput: in one pass). Without ``checkpoints_decide`` (a decide() that changes state no
+    checkpoint holds, such as new entries of shared learner tables) the server decides each
+    candidate on a deep copy of the policy and the chosen one again on the live policy when
+    the engine names it; checkpoint, restore and decide_candidates are then not called.
     """
 
     # Policies with the same schema can carry learned state across a swap.
@@ -93,6 +95,14 @@ class LearnedState(Protocol):
         """Put back what checkpoint(ctx) returned (for the same ctx)."""
         ...
 
+    def decide_candidates(
+        self, ctx: StepContext, batch_sizes: Sequence[int]
+    ) -> list[tuple[StepContext, Choice, object]]:
+        """The choice for ``ctx`` at each batch size (in order), each with its context and
+        the checkpoint its decision would leave (what ``restore`` takes to commit it); the
+        policy's state is left unchanged. Only where ``checkpoints_decide``."""
+        ...
+
 
 class ServedPolicy(Policy, LearnedState, Protocol):
     """What the server holds: a policy together with its learned state."""
@@ -122,6 +132,43 @@ class ParamsPolicy(Generic[G]):
 
     def params(self) -> dict[str, Any]:
         return dataclasses.asdict(self._params)
+
+
+class Checkpointed(Protocol):
+    """What deciding candidates between checkpoints takes of a policy."""
+
+    def decide(self, ctx: StepContext) -> Choice: ...
+
+    def checkpoint(self, ctx: StepContext) -> object: ...
+
+    def restore(self, ctx: StepContext, saved: object) -> None: ...
+
+
+class CheckpointedDecide:
+    """LearnedState.decide_candidates of a policy whose checkpoint(ctx) holds everything
+    decide(ctx) may change (``checkpoints_decide``): each candidate is decided between a
+    checkpoint and its restore, and keeps the checkpoint taken right after deciding."""
+
+    checkpoints_decide: ClassVar[bool] = True
+
+    def decide_candidates(
+        self: Checkpointed, ctx: StepContext, batch_sizes: Sequence[int]
+    ) -> list[tuple[StepContext, Choice, object]]:
+        decided: list[tuple[StepContext, Choice, object]] = []
+        for batch_size in batch_sizes:
+            candidate = at_batch_size(ctx, batch_size)
+            before = self.checkpoint(candidate)
+            choice = self.decide(candidate)
+            decided.append((candidate, choice, self.checkpoint(candidate)))
+            self.restore(candidate, before)
+        return decided
+
+
+def at_batch_size(ctx: StepContext, batch_size: int) -> StepContext:
+    """``ctx`` as a candidate with ``batch_size`` (itself when it has that size already)."""
+    if batch_size == ctx.batch_size:
+        return ctx
+    return dataclasses.replace(ctx, batch_size=batch_size)
 
 
 def feasible_gamma_max(ctx: StepContext, gamma_max: int) -> int:

@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 
 from nightjar_common.types import BinType, Choice, StepContext, StepOutcome
 from policy_server.policies.base import (
+    CheckpointedDecide,
     ParamsPolicy,
     PolicyError,
     feasible_gamma_max,
@@ -83,10 +84,9 @@ class Slot:
         return self.candidates[self.index]
 
 
-class EmaPolicy(ParamsPolicy[EmaParams]):
+class EmaPolicy(ParamsPolicy[EmaParams], CheckpointedDecide):
     name: ClassVar[str] = "ema"
     state_schema: ClassVar[str] = "ema/1"
-    checkpoints_decide: ClassVar[bool] = True
 
     def __init__(self, params: Mapping[str, Any] | None = None) -> None:
         self._params = parse_params(EmaParams, params, self.name)

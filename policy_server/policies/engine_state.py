@@ -11,13 +11,13 @@ LearnerBook too: learner_table.py.)
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar, Generic, Protocol, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 from nightjar_common.types import StepContext
 from policy_server.policies.base import (
+    CheckpointedDecide,
     GammaParams,
     ParamsPolicy,
     PolicyError,
@@ -75,7 +75,9 @@ class LearnerBook(Generic[E, L]):
 
 class RngStream(Protocol):
     """An RNG whose whole state reads and writes as ``state`` (SplitMix64, numpy's
-    bit generators)."""
+    bit generators). A read is a value the stream does not change later and a write copies
+    it in (SplitMix64's is an int; numpy's getter builds a new dict, its setter reads one),
+    so checkpoints hold states without copying them."""
 
     state: Any
 
@@ -150,8 +152,7 @@ class EngineStates(LearnerBook[R, L]):
         engine = self.engines.get(ctx.engine_id)
         if engine is None:
             return None
-        rng_state = copy.deepcopy(engine.stream.state)
-        return EngineCheckpoint(engine, rng_state, engine.previous_gamma, part(engine))
+        return EngineCheckpoint(engine, engine.stream.state, engine.previous_gamma, part(engine))
 
     def restore(self, ctx: StepContext, saved: object, put_back: Callable[[R, Any], None]) -> None:
         """Put back what checkpoint(ctx) returned; ``put_back(engine, part)`` the part."""
@@ -160,17 +161,16 @@ class EngineStates(LearnerBook[R, L]):
             return
         assert isinstance(saved, EngineCheckpoint)
         engine: R = saved.engine
-        engine.stream.state = copy.deepcopy(saved.rng_state)
+        engine.stream.state = saved.rng_state
         engine.previous_gamma = saved.previous_gamma
         put_back(engine, saved.part)
         self.engines[ctx.engine_id] = engine
 
 
-class EngineStatePolicy(ParamsPolicy[G], Generic[G, R, L]):
+class EngineStatePolicy(ParamsPolicy[G], CheckpointedDecide, Generic[G, R, L]):
     """LearnedState plumbing of a policy whose state is EngineStates (``_book``): goodput
     and nightjar. Its checkpoints hold all its decide() changes (``checkpoints_decide``)."""
 
-    checkpoints_decide: ClassVar[bool] = True
     _book: EngineStates[R, L]
 
     def _checkpoint_part(self, ctx: StepContext, engine: R) -> Any:

@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 from nightjar_common.fallback import DEFAULT_SCHEDULE, BatchSizeTable, ScheduleError, check_schedule
 from nightjar_common.types import BinType, Choice, StepContext, StepOutcome
 from policy_server.policies.base import (
+    CheckpointedDecide,
     ParamsPolicy,
     PolicyError,
     feasible_gamma_max,
@@ -25,11 +26,10 @@ from policy_server.policies.engine_state import engine_rng
 from policy_server.policies.rng import SplitMix64
 
 
-class _StatelessPolicy:
+class _StatelessPolicy(CheckpointedDecide):
     """LearnedState of policies that learn nothing."""
 
     state_schema: ClassVar[str] = "stateless/1"
-    checkpoints_decide: ClassVar[bool] = True
 
     def observe(self, ctx: StepContext, choice: Choice, outcome: StepOutcome) -> None:
         return None

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -43,10 +43,11 @@ from nightjar_common.types import BinType, Choice, StepContext, StepOutcome
 from policy_server.policies.base import (
     FILE_PATH,
     PolicyError,
+    at_batch_size,
     load_prefill_cost,
     parse_params,
 )
-from policy_server.policies.engine_state import EngineStatePolicy, EngineStates
+from policy_server.policies.engine_state import EngineCheckpoint, EngineStatePolicy, EngineStates
 from policy_server.policies.fixed import TablePolicy
 from policy_server.policies.models import (
     FEATURES,
@@ -178,6 +179,74 @@ class Prediction:
     step_ms: FloatArray
 
 
+@dataclasses.dataclass(slots=True)
+class Estimate:
+    """The model of one decision, point or drawn, for any batch size of its step: expected
+    tokens per request per γ (independent of the batch size) and the step-time weights,
+    with the local correction's offsets cached per batch-size octave (all they depend on
+    of the batch size), so the candidates of a set share everything but the product."""
+
+    tokens: list[float]
+    top: int
+    learner: Learner
+    weights: FloatArray
+    context_tokens: int
+    min_draft_passes: int
+    # The correction's standard normals for a drawn estimate, None for the point one.
+    normals: FloatArray | None
+    correct: bool
+    # Predictions below this are extrapolation noise: a tenth of the mean step time.
+    floor_ms: float
+    offsets: dict[int, FloatArray] = dataclasses.field(default_factory=dict)
+
+    def goodput(self, batch_size: int, switch_ms: list[float]) -> tuple[Prediction, list[float]]:
+        """The prediction at ``batch_size`` and its goodput per γ: tokens per request per
+        ms with the switch cost (the batch size is a common factor)."""
+        prediction = self.predict(batch_size)
+        floor = self.floor_ms
+        goodput = [
+            tokens / (max(ms, floor) + switch)
+            for tokens, ms, switch in zip(
+                prediction.tokens, prediction.step_ms.tolist(), switch_ms, strict=True
+            )
+        ]
+        return prediction, goodput
+
+    def predict(self, batch_size: int) -> Prediction:
+        """Decode-step ms for γ = 0..top at ``batch_size``, with the local correction."""
+        ms = predict_ms(
+            self.weights,
+            batch_size,
+            self.top,
+            context_tokens=self.context_tokens,
+            min_draft_passes=self.min_draft_passes,
+        )
+        if self.correct:
+            octave = batch_octave(batch_size)
+            offsets = self.offsets.get(octave)
+            if offsets is None:
+                noise = self.learner.step_time.noise_variance
+                offsets = self.learner.correction.offsets_ms(
+                    self.weights, batch_size, self.top, noise, self.normals
+                )
+                self.offsets[octave] = offsets
+            ms = ms + offsets
+        return Prediction(self.tokens, ms)
+
+
+@dataclasses.dataclass(slots=True)
+class Judgement:
+    """What the point estimate says at one batch size: the γ a decision may pick, their
+    goodput (with the switch cost), the best of them, and a trial to run if any."""
+
+    batch_size: int
+    switch_ms: list[float]
+    allowed: list[int]
+    point: list[float]
+    greedy: int
+    trial: int | None
+
+
 class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner]):
     name: ClassVar[str] = "goodput"
     state_schema: ClassVar[str] = STATE_SCHEMA
@@ -198,36 +267,34 @@ class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner])
 
     def decide(self, ctx: StepContext) -> Choice:
         engine, top = self._engine_and_top(ctx)
-        if top == 0:
-            return Choice(gamma=0, bin_type=BinType.FORCED)
-        learner = self._book.learner(engine.learner_id)
-        if learner.steps < self._params.warmup_steps:
-            gamma = min(self._prior.gamma_for(ctx.batch_size), top)
-            engine.previous_gamma = gamma
-            return Choice(gamma=gamma, bin_type=BinType.EXPLOIT)
-        switch_ms = self._switch_ms(ctx, engine, top)
-        estimate = self._point(learner, ctx, top)
-        allowed = self._allowed(estimate)
-        point = self._goodput(learner, switch_ms, estimate)
-        greedy = _best(point, allowed)
-        trial = self._trial(learner, engine, ctx.batch_size, point, allowed, greedy)
-        if trial is not None:
-            engine.trials |= {(batch_octave(ctx.batch_size), trial)}
-            engine.previous_gamma = trial
-            return Choice(gamma=trial, bin_type=BinType.EXPLORE)
-        drawn = self._goodput(learner, switch_ms, self._sample(learner, engine, ctx, top))
-        sampled = _best(drawn, allowed)
-        # Why the cap: with a 14-feature posterior and the few hundred steps a busy engine
-        # runs at one batch size, plain Thompson draws keep trying γ far behind the best
-        # (docs/POLICIES.md, "Decision"). Near-ties, where a wrong point estimate is
-        # plausible and cheap, are still explored; a γ the estimate is only extrapolated for
-        # was tried above.
-        least = (1.0 - self._params.explore_loss_cap) * point[greedy]
-        if point[sampled] < least:
-            sampled = greedy
-        engine.previous_gamma = sampled
-        bin_type = BinType.EXPLOIT if sampled == greedy else BinType.EXPLORE
-        return Choice(gamma=sampled, bin_type=bin_type)
+        choice, engine.trials, _ = self._choose(engine, top, ctx, [ctx])[0]
+        engine.previous_gamma = choice.gamma
+        return choice
+
+    def decide_candidates(
+        self, ctx: StepContext, batch_sizes: Sequence[int]
+    ) -> list[tuple[StepContext, Choice, object]]:
+        """CheckpointedDecide's loop in one pass (the same choices and checkpoints,
+        tests/policy_server/policies/test_goodput_candidates.py). The loop restores the RNG
+        before each candidate, so all of them decide on the same posterior draw: what does
+        not depend on the batch size (the engine, the fit, the draw, the expected tokens,
+        the correction's offsets per octave) is worked out once, and each checkpoint is
+        built directly instead of copied."""
+        candidates = [at_batch_size(ctx, batch_size) for batch_size in batch_sizes]
+        before = self.checkpoint(ctx)
+        engine, top = self._engine_and_top(ctx)
+        unchanged = engine.stream.state
+        chosen = self._choose(engine, top, ctx, candidates)
+        drawn = engine.stream.state  # advanced by the draw if any candidate drew
+        self.restore(ctx, before)
+        return [
+            (
+                candidate,
+                choice,
+                EngineCheckpoint(engine, drawn if drew else unchanged, choice.gamma, trials),
+            )
+            for candidate, (choice, trials, drew) in zip(candidates, chosen, strict=True)
+        ]
 
     def observe(self, ctx: StepContext, choice: Choice, outcome: StepOutcome) -> None:
         engine = self._book.engine(ctx)
@@ -343,6 +410,64 @@ class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner])
             LocalCorrection(self._correction_decay, p.correction_prior_steps, p.gamma_max),
         )
 
+    def _choose(
+        self, engine: EngineState, top: int, ctx: StepContext, candidates: list[StepContext]
+    ) -> list[tuple[Choice, frozenset[tuple[int, int]], bool]]:
+        """What deciding each candidate (``ctx`` at another batch size) would do to
+        ``engine`` as it is: the choice, the engine's trials after it, and whether it drew
+        from the RNG. Changes nothing of the engine but its RNG, by the one draw every
+        candidate that draws shares."""
+        trials = engine.trials
+        if top == 0:
+            return [(Choice(gamma=0, bin_type=BinType.FORCED), trials, False)] * len(candidates)
+        learner = self._book.learner(engine.learner_id)
+        if learner.steps < self._params.warmup_steps:
+            return [(self._prior_choice(c.batch_size, top), trials, False) for c in candidates]
+        point = self._estimate(learner, ctx, top)
+        drawn: Estimate | None = None  # drawn once, when the first candidate needs it
+        chosen = []
+        for candidate in candidates:
+            judgement = self._judge(learner, engine, point, candidate)
+            if judgement.trial is not None:
+                trial = Choice(gamma=judgement.trial, bin_type=BinType.EXPLORE)
+                tried = trials | {(batch_octave(candidate.batch_size), judgement.trial)}
+                chosen.append((trial, tried, False))
+                continue
+            if drawn is None:
+                drawn = self._sample(learner, engine, ctx, top)
+            chosen.append((self._settle(judgement, drawn), trials, True))
+        return chosen
+
+    def _prior_choice(self, batch_size: int, top: int) -> Choice:
+        """The warm-up's choice: the prior table's γ."""
+        return Choice(gamma=min(self._prior.gamma_for(batch_size), top), bin_type=BinType.EXPLOIT)
+
+    def _judge(
+        self, learner: Learner, engine: EngineState, point: Estimate, ctx: StepContext
+    ) -> Judgement:
+        """The point estimate at ``ctx``'s batch size: allowed γ, goodput, best, trial."""
+        switch_ms = self._switch_ms(ctx, engine, point.top)
+        predicted, goodput = point.goodput(ctx.batch_size, switch_ms)
+        allowed = self._allowed(predicted)
+        greedy = _best(goodput, allowed)
+        trial = self._trial(learner, engine, ctx.batch_size, goodput, allowed, greedy)
+        return Judgement(ctx.batch_size, switch_ms, allowed, goodput, greedy, trial)
+
+    def _settle(self, judged: Judgement, drawn: Estimate) -> Choice:
+        """The Thompson choice at the judged batch size, under the exploration cap."""
+        _, sampled_goodput = drawn.goodput(judged.batch_size, judged.switch_ms)
+        sampled = _best(sampled_goodput, judged.allowed)
+        # Why the cap: with a 14-feature posterior and the few hundred steps a busy engine
+        # runs at one batch size, plain Thompson draws keep trying γ far behind the best
+        # (docs/POLICIES.md, "Decision"). Near-ties, where a wrong point estimate is
+        # plausible and cheap, are still explored; a γ the estimate is only extrapolated for
+        # was tried before any draw.
+        point, greedy = judged.point, judged.greedy
+        if point[sampled] < (1.0 - self._params.explore_loss_cap) * point[greedy]:
+            sampled = greedy
+        bin_type = BinType.EXPLOIT if sampled == greedy else BinType.EXPLORE
+        return Choice(gamma=sampled, bin_type=bin_type)
+
     def _switch_ms(self, ctx: StepContext, engine: EngineState, top: int) -> list[float]:
         """Catch-up milliseconds each γ pays this step (only when speculation was off)."""
         cost = 0.0
@@ -353,55 +478,46 @@ class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner])
     def _point(
         self, learner: Learner, ctx: StepContext, top: int, fit: Fit | None = None
     ) -> Prediction:
-        alpha = learner.acceptance.alpha
+        return self._estimate(learner, ctx, top, fit).predict(ctx.batch_size)
+
+    def _estimate(
+        self, learner: Learner, ctx: StepContext, top: int, fit: Fit | None = None
+    ) -> Estimate:
+        """The point estimate for ``ctx``'s step, under ``fit`` or the fit in use."""
         weights = (fit or learner.step_time.fit()).weights
-        ms = self._step_ms(learner, weights, ctx, top)
-        return Prediction([expected_tokens(alpha, g) for g in range(top + 1)], ms)
+        return self._model(learner, learner.acceptance.alpha, weights, ctx, top, None)
 
     def _sample(
         self, learner: Learner, engine: EngineState, ctx: StepContext, top: int
-    ) -> Prediction:
+    ) -> Estimate:
+        """A draw from the posterior (α, the weights, the correction) with the engine's RNG."""
         # The correction's draws only when it is on: off, the stream is as before it.
         extra = top + 1 if self._params.local_correction else 0
         normals = engine.rng.standard_normal(1 + FEATURES + extra)
         alpha = learner.acceptance.sample(float(normals[0]))
         weights = learner.step_time.fit().sample(normals[1 : 1 + FEATURES])
-        ms = self._step_ms(learner, weights, ctx, top, normals=normals[1 + FEATURES :])
-        return Prediction([expected_tokens(alpha, g) for g in range(top + 1)], ms)
+        return self._model(learner, alpha, weights, ctx, top, normals[1 + FEATURES :])
 
-    def _step_ms(
+    def _model(
         self,
         learner: Learner,
+        alpha: float,
         weights: FloatArray,
         ctx: StepContext,
         top: int,
-        normals: FloatArray | None = None,
-    ) -> FloatArray:
-        """Decode-step ms for γ = 0..top under ``weights``, with the local correction
-        (drawn from its posterior given ``normals``)."""
-        ms = predict_ms(
-            weights,
-            ctx.batch_size,
+        normals: FloatArray | None,
+    ) -> Estimate:
+        return Estimate(
+            [expected_tokens(alpha, g) for g in range(top + 1)],
             top,
-            context_tokens=ctx.context_tokens,
-            min_draft_passes=min(ctx.min_draft_passes, top),
+            learner,
+            weights,
+            ctx.context_tokens,
+            min(ctx.min_draft_passes, top),
+            normals,
+            self._params.local_correction,
+            0.1 * max(learner.step_time.mean_ms, 1e-6),
         )
-        if self._params.local_correction:
-            noise = learner.step_time.noise_variance
-            ms = ms + learner.correction.offsets_ms(weights, ctx.batch_size, top, noise, normals)
-        return ms
-
-    @staticmethod
-    def _goodput(learner: Learner, switch_ms: list[float], prediction: Prediction) -> list[float]:
-        """Tokens per request per ms for γ = 0..Γ (the batch size is a common factor)."""
-        # A prediction below a tenth of the mean step time is extrapolation noise.
-        floor = 0.1 * max(learner.step_time.mean_ms, 1e-6)
-        return [
-            tokens / (max(ms, floor) + switch)
-            for tokens, ms, switch in zip(
-                prediction.tokens, prediction.step_ms.tolist(), switch_ms, strict=True
-            )
-        ]
 
     def _trial(
         self,

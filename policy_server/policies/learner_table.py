@@ -7,10 +7,10 @@ batch bucket) and, per engine, only which learner it updates.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, Generic, TypeVar
 
-from nightjar_common.types import StepContext
+from nightjar_common.types import Choice, StepContext
 from policy_server.policies.base import GammaParams, ParamsPolicy, PolicyError, learner_id
 from policy_server.policies.engine_state import LearnerBook
 
@@ -103,3 +103,9 @@ class LearnerTablePolicy(ParamsPolicy[G], Generic[G, L]):
 
     def restore(self, ctx: StepContext, saved: object) -> None:
         return None
+
+    def decide_candidates(
+        self, ctx: StepContext, batch_sizes: Sequence[int]
+    ) -> list[tuple[StepContext, Choice, object]]:
+        # Checkpoints would not hold the table entries decide() adds.
+        raise NotImplementedError(f"{self.name}: checkpoints_decide is False")

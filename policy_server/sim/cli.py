@@ -27,6 +27,7 @@ from policy_server.sim.profile import builtin_profiles
 from policy_server.sim.runs import (
     DATA_HELP,
     POLICIES,
+    TABLE_MODE,
     BenchConfig,
     Cell,
     ProfileAssets,
@@ -58,7 +59,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="acceptance model of the draft/target pair",
     )
     parser.add_argument(
-        "--policies", default=DEFAULT_POLICIES, help=f"comma-separated, from: {', '.join(POLICIES)}"
+        "--policies",
+        default=DEFAULT_POLICIES,
+        help=f"comma-separated, from: {', '.join([*POLICIES, *TABLE_MODE])}",
     )
     parser.add_argument("--sidecar", help="also replay with γ from this sidecar (unix:PATH)")
     parser.add_argument("--no-chunked-prefill", dest="chunked_prefill", action="store_false")
@@ -85,7 +88,7 @@ def load_requests(args: argparse.Namespace) -> list[RequestSpec]:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
-    unknown = [p for p in policies if p not in POLICIES]
+    unknown = [p for p in policies if p not in POLICIES and p not in TABLE_MODE]
     profiles = builtin_profiles(args.data / "calibration")
     if unknown or args.profile not in profiles:
         bad = unknown or [args.profile]

@@ -15,7 +15,7 @@ from policy_server.policies.dsd import fit_latency
 from policy_server.sim.acceptance import WORKLOADS, AcceptanceModel, AcceptanceSchedule
 from policy_server.sim.engine import DecisionSource, SimConfig, SimResult, Simulator
 from policy_server.sim.profile import HardwareProfile
-from policy_server.sim.sources import OracleSource, PolicySource
+from policy_server.sim.sources import OracleSource, PolicySource, TableSource
 from policy_server.sim.workload import (
     SCHEDULES,
     RatePhase,
@@ -72,17 +72,22 @@ def _static(gamma: int) -> SourceFactory:
     return lambda seed, assets: PolicySource.named("static", {"gamma": gamma})
 
 
-def _learning(policy: str, **params: object) -> SourceFactory:
-    # Deployed as their papers run them: with the engine's profiled switching cost.
-    return lambda seed, assets: PolicySource.named(
-        policy,
-        {
+def _learning(policy: str, tables: int = 0, **params: object) -> SourceFactory:
+    """Deployed as their papers run them: with the engine's profiled switching cost;
+    ``tables`` > 0: through decision tables refreshed every that many steps."""
+
+    def make(seed: int, assets: ProfileAssets) -> DecisionSource:
+        named = {
             "seed": seed,
             "gamma_max": GAMMA_MAX,
             "prefill_cost_table": assets.prefill_cost_table,
             **params,
-        },
-    )
+        }
+        if tables:
+            return TableSource.named(policy, named, refresh_steps=tables)
+        return PolicySource.named(policy, named)
+
+    return make
 
 
 POLICIES: dict[str, SourceFactory] = {
@@ -110,6 +115,11 @@ SLO_ONLY: dict[str, SourceFactory] = {
             "tpot_slo_ms": assets.tpot_slo_ms,
         },
     ),
+}
+# The default policy through decision tables (docs/DECISION_TABLES.md), by refresh period
+# in steps: what the per-step protocol's replacement would decide; not in the matrix.
+TABLE_MODE: dict[str, SourceFactory] = {
+    f"goodput-tables-{steps}": _learning("goodput", tables=steps) for steps in (8, 32)
 }
 FIXED = ["off"] + [p for p in POLICIES if p.startswith("static-")]
 # The policy the targets are judged for: the server's default.
@@ -245,7 +255,7 @@ def simulate(
     seed: int,
     workload: str = "",
 ) -> SimResult:
-    factory = POLICIES[policy] if policy in POLICIES else SLO_ONLY[policy]
+    factory = {**POLICIES, **SLO_ONLY, **TABLE_MODE}[policy]
     source = factory(seed, bench.assets.get(profile.name, ProfileAssets()))
     acceptance = acceptance_of(workload, specs, bench)
     return Simulator(profile, acceptance, specs, source, bench.sim(seed)).run()
