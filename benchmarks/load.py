@@ -1,26 +1,34 @@
 """`make bench-load` / `make soak`: many engine processes on one real sidecar.
 
-N engine processes (default 8), each pacing R decisions/s (default 1,000) for a
-duration (default 10 min), drive a `nightjar-server` process started here (Unix
-socket by default, or loopback TCP). Each engine uses the plugin's client
-(`NightjarClient`, default 2 ms deadline, one stream): it asks for γ with a step
-context whose batch grows and shrinks as simulated requests join and finish, and
-reports an outcome consistent with the γ it ran on the next request.
+N engine processes, each pacing R steps/s for a duration (default 10 min), drive a
+`nightjar-server` process started here (Unix socket by default, or loopback TCP). Each
+engine uses the plugin's client (`NightjarClient`, default 2 ms deadline, one stream),
+pipelined (prefetch the next step's γ while this one runs, as the plugin) or blocking: it
+asks for γ with a step context whose batch grows and shrinks as simulated requests join and
+finish, and reports an outcome consistent with the γ it ran on the next request.
 
-Reported: decisions/s achieved, client-side latency of a decision p50/p99/p999,
-fallbacks by reason, errors, the sidecar's CPU (user + sys) and RSS at start and
-end (from /proc of its pid). `--max-rate` adds a phase with unpaced engines that
-measures the most decisions one sidecar serves, per second and per second of its
-own CPU. `--soak` swaps the policy and takes a snapshot periodically (through the
-admin RPC, with a token), and checks each snapshot file can be read and loaded
-into its policy.
+`--preset` names the shapes of load: `pod` (1 engine × 200 steps/s, pipelined), `node`
+(8 engines × 125 steps/s, pipelined: one node of 8 GPUs, 8 ms steps) and `stress` (8 ×
+1,000 steps/s, blocking; the default); explicit flags override a preset's values.
 
-Writes its section of docs/BENCHMARKS.md and a reliability record
-(docs/reliability/load.json or soak.json); prints the raw figures as JSON.
+Then the same load (engines, rate, duration, transport, pipelining, deadline) against a
+bare stream server (`benchmarks/bare_server.py`: the same wire contract, answers γ = 1,
+no work), so that every run reports the sidecar's CPU per engine step beside the bare
+server's and their ratio. Reported: steps/s achieved, the engines' time to get γ
+p50/p99/p999, fallbacks by reason, errors, the server's CPU (user + sys, from /proc of its
+pid) per engine step (the engines' own step counts, answered or fallen back) and its RSS at
+start and end. `--max-rate` adds a phase with unpaced engines (and its bare twin) that
+measures the most steps one sidecar serves, per second and per second of its own CPU.
+`--soak` swaps the policy and takes a snapshot periodically (through the admin RPC, with a
+token), and checks each snapshot file can be read and loaded into its policy.
 
-This module drives a run and is the command line; the engine processes are in
-`benchmarks/load_engines.py`, the sidecar's process, /proc sampling and soak admin calls in
-`benchmarks/load_sidecar.py`, the figures, verdicts and sections in
+Writes the shape's subsection of docs/BENCHMARKS.md's bench-load section (or the soak
+section) and a reliability record (docs/reliability/load.json, one per shape, or
+soak.json); prints the raw figures as JSON.
+
+This module drives a run and is the command line; the engine processes and the presets are
+in `benchmarks/load_engines.py`, the sidecar's process, /proc sampling and soak admin calls
+in `benchmarks/load_sidecar.py`, the figures, verdicts and sections in
 `benchmarks/load_report.py`.
 """
 
@@ -48,6 +56,7 @@ from typing import Any
 from benchmarks.host import machine
 from benchmarks.load_engines import (
     MAX_ERROR_TEXTS,
+    PRESETS,
     EngineJob,
     EngineResult,
     LoadConfig,
@@ -57,11 +66,14 @@ from benchmarks.load_report import (
     LoadResult,
     describe,
     load_verdicts,
+    merge_records,
+    record_name,
     reliability_record,
     render_load,
     render_soak,
     soak_verdicts,
     summary_figure,
+    write_load_section,
 )
 from benchmarks.load_sidecar import (
     AdminEvent,
@@ -182,8 +194,8 @@ def _progress(total: float | None, config: LoadConfig, enabled: bool) -> Any:
     label = f"{config.engines} engines × {config.rate:,.0f}/s" if config.rate else "max rate"
     return tqdm(
         total=int(total) if total else None,
-        desc=label,
-        unit="dec",
+        desc=f"{label}, {config.server}",
+        unit="step",
         unit_scale=True,
         disable=not enabled,
         file=sys.stderr,
@@ -222,14 +234,15 @@ def _collect(
     ordered = sorted(latencies)
     elapsed = max((r.elapsed_s for r in results), default=0.0) or config.duration_s
     cpu_s = samples[-1].cpu_s - samples[0].cpu_s
-    decisions = sum(r.decisions for r in results)
+    steps = sum(r.steps for r in results)
     return LoadResult(
         config=dataclasses.asdict(config),
         started=started,
-        decisions=decisions,
+        steps=steps,
+        decisions=sum(r.decisions for r in results),
         sidecar_decisions=sum(r.sidecar_decisions for r in results),
         server_decisions=server_decisions,
-        decisions_per_s=decisions / elapsed,
+        decisions_per_s=steps / elapsed,
         elapsed_s=elapsed,
         latency_us={
             name: percentile(ordered, q) if ordered else float("nan")
@@ -243,7 +256,6 @@ def _collect(
         error_texts=error_texts[: 4 * MAX_ERROR_TEXTS],
         server_cpu_s=cpu_s,
         server_cpu_percent=100 * cpu_s / max(1e-9, samples[-1].at_s - samples[0].at_s),
-        server_decisions_per_cpu_s=server_decisions / max(1e-9, cpu_s),
         rss_start_bytes=samples[0].rss_bytes,
         rss_warm_bytes=warm.rss_bytes,
         rss_end_bytes=samples[-1].rss_bytes,
@@ -252,6 +264,7 @@ def _collect(
         load_average_max=max(s.load_average for s in samples),
         admin_events=[dataclasses.asdict(e) for e in events],
         starting_policy=server.starting_policy,
+        host_cores=os.cpu_count() or 1,
     )
 
 
@@ -260,10 +273,17 @@ def _collect(
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench-load", description=__doc__.splitlines()[0])
-    p.add_argument("--engines", type=int, default=8, help="engine processes (default 8)")
     p.add_argument(
-        "--rate", type=float, default=1000.0, help="decisions/s per engine (default 1000)"
+        "--preset",
+        choices=tuple(PRESETS),
+        default="stress",
+        help="the shape of load: "
+        + "; ".join(f"{name} = {preset.what}" for name, preset in PRESETS.items())
+        + " (default stress; --engines, --rate, --pipelined/--no-pipelined, --max-rate "
+        "override it)",
     )
+    p.add_argument("--engines", type=int, help="engine processes (default: the preset's)")
+    p.add_argument("--rate", type=float, help="steps/s per engine (default: the preset's)")
     p.add_argument("--duration", type=float, default=600.0, help="seconds (default 600)")
     p.add_argument(
         "--quick", action="store_true", help="60 s (a smoke run; --duration still wins when given)"
@@ -277,25 +297,25 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument(
         "--pipelined",
-        action="store_true",
-        help="prefetch/take as the plugin, not a blocking decide",
+        action=argparse.BooleanOptionalAction,
+        help="prefetch/take as the plugin, or (--no-pipelined) a blocking decide per step "
+        "(default: the preset's)",
     )
     p.add_argument(
         "--max-rate",
         type=float,
-        default=60.0,
         metavar="SECONDS",
         help="then this long with unpaced engines: the most one sidecar serves "
-        "(0 = skip; not in --soak)",
+        "(0 = skip; default 60 for the stress shape, 0 for any other; not in --soak)",
     )
     p.add_argument("--max-rate-engines", type=int, default=4)
     p.add_argument(
         "--baseline",
         type=float,
-        default=60.0,
         metavar="SECONDS",
-        help="then this long the paced load against a bare stream server that "
-        "decides nothing: stock-gRPC baseline (0 = skip; not in --soak)",
+        help="then this long the same load against a bare stream server that decides "
+        "nothing, the stock-gRPC baseline each figure is compared with (default: as long as "
+        "the run; 0 = skip)",
     )
     p.add_argument("--soak", action="store_true", help="swap the policy and snapshot periodically")
     p.add_argument("--swap-every", type=float, default=60.0, help="soak: seconds between swaps")
@@ -310,8 +330,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--revision", help="the source revision measured (default: from git)")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
-    if args.quick and "--duration" not in (argv if argv is not None else sys.argv):
+    given = list(argv if argv is not None else sys.argv[1:])
+    if args.quick and not any(a.split("=", 1)[0] == "--duration" for a in given):
         args.duration = 60.0
+    preset = PRESETS[args.preset]
+    if args.engines is None:
+        args.engines = preset.engines
+    if args.rate is None:
+        args.rate = preset.rate
+    if args.pipelined is None:
+        args.pipelined = preset.pipelined
+    if args.max_rate is None:
+        # The unpaced phase belongs to a preset's shape, not to one changed by flags.
+        shape = LoadConfig(engines=args.engines, rate=args.rate, pipelined=args.pipelined).shape
+        args.max_rate = PRESETS[shape].max_rate_s if shape in PRESETS else 0.0
+    if args.baseline is None:
+        args.baseline = args.duration
     return args
 
 
@@ -343,7 +377,8 @@ def source_revision() -> str:
 
 
 def shown_command(argv: list[str]) -> str:
-    """The command as the report states it: the make target when run as one."""
+    """The command as the report states it (without the options of where results go):
+    `make soak` when run as that target."""
     shown, skip = [], 0
     for arg in argv:
         name = arg.split("=", 1)[0]
@@ -353,8 +388,6 @@ def shown_command(argv: list[str]) -> str:
             skip = OUTPUT_OPTIONS[name] if "=" not in arg else 0
         else:
             shown.append(arg)
-    if shown == []:
-        return "make bench-load"
     if shown == ["--soak"]:
         return "make soak"
     return " ".join(["python -m benchmarks.load", *shown])
@@ -395,12 +428,26 @@ def _main(argv: Sequence[str] | None) -> int:
     progress = not args.no_progress
     args.reliability_dir.mkdir(parents=True, exist_ok=True)
     raw: dict[str, Any] = {"header": header}
+
+    def bare_twin(measured: LoadConfig, seconds: float) -> LoadResult | None:
+        """The same load against the bare stream server (no swaps or snapshots there)."""
+        if seconds <= 0:
+            return None
+        twin = dataclasses.replace(
+            measured, server="bare", duration_s=seconds, swap_every_s=0.0, snapshot_every_s=0.0
+        )
+        return run_load(twin, progress)
+
     if args.soak:
         soak = run_load(config, progress)
-        raw["soak"] = dataclasses.asdict(soak) | {"verdicts": soak_verdicts(soak)}
-        write_section(args.out, "soak", render_soak(soak, header))
+        baseline = bare_twin(config, args.baseline)
+        verdicts = soak_verdicts(soak)
+        raw["soak"] = soak.figures() | {"verdicts": verdicts}
+        if baseline is not None:
+            raw["baseline"] = baseline.figures()
+        write_section(args.out, "soak", render_soak(soak, header, baseline))
         figure = (
-            f"{summary_figure(soak)}; {sum(s['ok'] for s in soak.snapshots)}/"
+            f"{summary_figure(soak, baseline)}; {sum(s['ok'] for s in soak.snapshots)}/"
             f"{len(soak.snapshots)} snapshots readable"
         )
         record = reliability_record(
@@ -409,14 +456,14 @@ def _main(argv: Sequence[str] | None) -> int:
             f"{config.swap_every_s:g} s, snapshot every "
             f"{config.snapshot_every_s:g} s",
             figure,
-            soak_verdicts(soak),
+            verdicts,
             header,
         )
         (args.reliability_dir / "soak.json").write_text(json.dumps(record, indent=2) + "\n")
-        ok = all(soak_verdicts(soak).values())
     else:
         load = run_load(config, progress)
-        peak = None
+        baseline = bare_twin(config, args.baseline)
+        peak = peak_baseline = None
         if args.max_rate > 0:
             peak_config = dataclasses.replace(
                 config,
@@ -426,21 +473,26 @@ def _main(argv: Sequence[str] | None) -> int:
                 pipelined=False,
             )
             peak = run_load(peak_config, progress)
-        baseline = None
-        if args.baseline > 0 and config.transport == "uds":
-            base_config = dataclasses.replace(config, duration_s=args.baseline, server="bare")
-            baseline = run_load(base_config, progress)
-        raw["load"] = dataclasses.asdict(load) | {"verdicts": load_verdicts(load)}
-        if peak is not None:
-            raw["max_rate"] = dataclasses.asdict(peak)
-        if baseline is not None:
-            raw["baseline"] = dataclasses.asdict(baseline)
-        write_section(args.out, "bench-load", render_load(load, peak, header, baseline))
-        record = reliability_record(
-            "load", describe(load), summary_figure(load), load_verdicts(load), header
+            peak_baseline = bare_twin(peak_config, args.max_rate if args.baseline > 0 else 0)
+        verdicts = load_verdicts(load, baseline)
+        raw["load"] = load.figures() | {"verdicts": verdicts}
+        for name, run in (
+            ("baseline", baseline),
+            ("max_rate", peak),
+            ("max_rate_baseline", peak_baseline),
+        ):
+            if run is not None:
+                raw[name] = run.figures()
+        write_load_section(
+            args.out, config.shape, render_load(load, peak, header, baseline, peak_baseline)
         )
-        (args.reliability_dir / "load.json").write_text(json.dumps(record, indent=2) + "\n")
-        ok = all(load_verdicts(load).values())
+        record = reliability_record(
+            record_name(config), describe(load), summary_figure(load, baseline), verdicts, header
+        )
+        path = args.reliability_dir / "load.json"
+        records = merge_records(path, record)
+        path.write_text(json.dumps(records[0] if len(records) == 1 else records, indent=2) + "\n")
+    ok = all(verdicts.values())
     text = json.dumps(raw, indent=2)
     if args.json:
         args.json.write_text(text)

@@ -1,10 +1,10 @@
 """The engine processes of `make bench-load` / `make soak` and what they are asked to do.
 
-A run's configuration (`LoadConfig`); a decoding engine's batch in aggregate
-(`EngineModel`); and one engine process (`run_engine`): the plugin's client
-(`NightjarClient`) pacing decisions against the sidecar until a wall-clock end shared by
-all engines, reporting each outcome on the next request, and returning its counts and
-latencies (`EngineResult`).
+A run's configuration (`LoadConfig`) and the shapes `--preset` names (`PRESETS`); a
+decoding engine's batch in aggregate (`EngineModel`); and one engine process
+(`run_engine`): the plugin's client (`NightjarClient`) pacing decisions against the sidecar
+until a wall-clock end shared by all engines, reporting each outcome on the next request,
+and returning its counts and latencies (`EngineResult`).
 """
 
 from __future__ import annotations
@@ -51,12 +51,50 @@ class LoadConfig:
     snapshot_every_s: float = 0.0
     seed: int = 0
     # "nightjar" (the real sidecar) or "bare" (benchmarks/bare_server.py: the same wire
-    # contract deciding nothing, the stock-gRPC baseline; Unix socket only).
+    # contract deciding nothing, the stock-gRPC baseline).
     server: str = "nightjar"
 
     @property
     def warmup_s(self) -> float:
         return min(MAX_WARMUP_S, WARMUP_FRACTION * self.duration_s)
+
+    @property
+    def shape(self) -> str:
+        """The preset this run's shape is (engines, rate, pipelining), else "NxR-mode"."""
+        for name, preset in PRESETS.items():
+            if (self.engines, self.rate, self.pipelined) == (
+                preset.engines,
+                preset.rate,
+                preset.pipelined,
+            ):
+                return name
+        mode = "pipelined" if self.pipelined else "blocking"
+        return f"{self.engines}x{self.rate:g}-{mode}" if self.rate else f"{self.engines}x-unpaced"
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """A shape of load `--preset` names: engines × steps/s each, pipelined or blocking."""
+
+    engines: int
+    rate: float
+    pipelined: bool
+    # Seconds of the unpaced phase after the paced run (0 = none).
+    max_rate_s: float
+    what: str
+
+
+# The real shapes (issue 31) and the stress case the critical-path issue set. Each runs for
+# --duration (default 10 min) and is compared with the bare stream server in the same run.
+PRESETS: dict[str, Preset] = {
+    "stress": Preset(
+        8, 1000.0, False, 60.0, "8 engines × 1,000 steps/s, blocking: the critical-path stress case"
+    ),
+    "node": Preset(
+        8, 125.0, True, 0.0, "one node of 8 GPUs: 8 engines × 125 steps/s (8 ms steps), pipelined"
+    ),
+    "pod": Preset(1, 200.0, True, 0.0, "one engine per pod: 1 engine × 200 steps/s, pipelined"),
+}
 
 
 class EngineModel:
@@ -141,6 +179,9 @@ class EngineModel:
 @dataclasses.dataclass
 class EngineResult:
     engine_id: str
+    # Steps the engine ran (each got a γ: from the sidecar or from the fallback).
+    steps: int = 0
+    # The client's count of the same (`ClientStats.decisions`).
     decisions: int = 0
     sidecar_decisions: int = 0
     fallbacks: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -234,6 +275,7 @@ def run_engine(job: EngineJob, progress: Synchronized[int]) -> EngineResult:
     finally:
         client.close()
     stats = client.stats
+    result.steps = len(latencies)
     result.decisions = stats.decisions
     result.sidecar_decisions = stats.sidecar_decisions
     result.fallbacks = dict(stats.fallbacks)

@@ -1,34 +1,73 @@
 """What `make bench-load` / `make soak` report: a run's figures, the targets, the sections.
 
 `LoadResult` is one run's figures; the verdicts check them against the issues' targets;
-`render_load` / `render_soak` write the sections of docs/BENCHMARKS.md and
-`reliability_record` the record under docs/reliability/.
+`render_load` / `render_soak` write the sections of docs/BENCHMARKS.md (one subsection of
+the bench-load section per shape of load, `write_load_section`) and `reliability_record`
+the record under docs/reliability/.
+
+The sidecar's cost is its CPU (user + sys, from /proc) per engine step: the steps the
+engines ran, counted by the engines whether the sidecar answered them or they fell back,
+so a pipelined run, whose prefetched (tentative) decisions the sidecar's own counter does
+not count one for one, is costed like a blocking one. Each run is set beside the bare stream
+server (`benchmarks/bare_server.py`) driven the same way in the same invocation.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
+import re
+from pathlib import Path
 from typing import Any
 
-from benchmarks.load_engines import MAX_LAG_S, LoadConfig
+from benchmarks.load_engines import MAX_LAG_S, PRESETS, LoadConfig
 from benchmarks.load_sidecar import swap_plan
-from benchmarks.report import met
+from benchmarks.report import markers, met, write_section
 
-# Targets of the critical-path issue (8 engines × 1,000 decisions/s for 10 min) and of
-# the reliability issue's soak.
+# Targets of the critical-path issue (8 engines × 1,000 decisions/s for 10 min), of the
+# reliability issue's soak, and of issue 31 ("Decisions on time": the real shapes).
 TARGET_FALLBACK_FRACTION = 0.001
 TARGET_RSS_GROWTH = 0.10
 TARGET_DECISIONS_PER_CORE = 10_000.0
+TARGET_RATE_HELD = 0.99
+# Issue 31 on a 2-core host: 2 engines × 125 steps/s pipelined, the sidecar's CPU per step
+# at most this many times the bare stream server's in the same run.
+TARGET_CPU_RATIO = 1.5
+# Issue 31, one node (8 engines × 125 steps/s pipelined): the sidecar under this share of
+# one core (only meaningful where the node's cores are not shared with 8 engine processes).
+TARGET_NODE_CORE_FRACTION = 0.25
+
+FALLBACKS_VERDICT = "fallbacks ≤ 0.1 %"
+ERRORS_VERDICT = "0 errors"
+RSS_VERDICT = "sidecar RSS growth ≤ 10 %"
+SNAPSHOTS_VERDICT = "every snapshot readable and loadable"
+STRESS_VERDICT = "8 engines × 1,000 decisions/s for 10 min, rate held (≥ 99 %)"
+NODE_VERDICT = (
+    "node target (8 engines × 125 steps/s pipelined): fallbacks ≤ 0.1 % with the sidecar "
+    "under 25 % of one core"
+)
+TWO_CORE_VERDICT = (
+    "2-core target (2 engines × 125 steps/s pipelined): sidecar CPU per step ≤ 1.5 × the bare "
+    "server's in the same run, fallbacks ≤ 0.1 %"
+)
+
+SECTION = "bench-load"
+# Subsections of the bench-load section in this order; other shapes between node and stress.
+SHAPE_ORDER = ("pod", "node")
+LAST_SHAPES = ("stress",)
 
 
 @dataclasses.dataclass
 class LoadResult:
     config: dict[str, Any]
     started: str
+    # Steps the engines ran (each got a γ, from the sidecar or from the fallback), counted by
+    # the engines themselves.
+    steps: int
+    # The clients' count of decisions taken: one per step (`ClientStats.decisions`).
     decisions: int
     sidecar_decisions: int
+    # The sidecar's own counter (`decisions_total` of GetState) over the run.
     server_decisions: int
     decisions_per_s: float
     elapsed_s: float
@@ -39,9 +78,10 @@ class LoadResult:
     skipped_behind: int
     errors: int
     error_texts: list[str]
+    # User + sys CPU of the server process from the engines' start until they have all
+    # ended (their streams closed), from /proc.
     server_cpu_s: float
     server_cpu_percent: float
-    server_decisions_per_cpu_s: float
     rss_start_bytes: int
     rss_warm_bytes: int
     rss_end_bytes: int
@@ -51,10 +91,22 @@ class LoadResult:
     admin_events: list[dict[str, Any]]
     # The sidecar's policy at start (its default).
     starting_policy: str
+    # The machine's logical CPUs (os.cpu_count()), shared by the server and the engines.
+    host_cores: int
 
     @property
     def fallback_fraction(self) -> float:
-        return sum(self.fallbacks.values()) / max(1, self.decisions)
+        return sum(self.fallbacks.values()) / max(1, self.steps)
+
+    @property
+    def cpu_per_step_us(self) -> float:
+        """The server's CPU per engine step, µs (engine step counts, not its own counter)."""
+        return 1e6 * self.server_cpu_s / max(1, self.steps)
+
+    @property
+    def steps_per_cpu_s(self) -> float:
+        """Engine steps per second of the server's CPU."""
+        return self.steps / max(1e-9, self.server_cpu_s)
 
     @property
     def rss_growth(self) -> float:
@@ -65,42 +117,115 @@ class LoadResult:
     def snapshots(self) -> list[dict[str, Any]]:
         return [e for e in self.admin_events if e["action"] == "snapshot"]
 
+    @property
+    def load_config(self) -> LoadConfig:
+        return LoadConfig(**self.config)
+
+    def figures(self) -> dict[str, Any]:
+        """Its fields and the figures derived from them, as the raw JSON gives them."""
+        return dataclasses.asdict(self) | {
+            "fallback_fraction": self.fallback_fraction,
+            "server_cpu_us_per_step": self.cpu_per_step_us,
+            "steps_per_server_cpu_s": self.steps_per_cpu_s,
+            "rss_growth": self.rss_growth,
+        }
+
 
 def mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
-def load_verdicts(run: LoadResult) -> dict[str, bool]:
-    """The critical-path issue's targets for a paced run, each met or not."""
-    c = run.config
-    full = c["engines"] >= 8 and c["rate"] >= 1000 and c["duration_s"] >= 600
-    return {
-        "8 engines × 1,000 decisions/s for 10 min, rate held (≥ 99 %)": full
-        and run.decisions_per_s >= 0.99 * c["engines"] * c["rate"],
-        "0 errors": run.errors == 0,
-        "fallbacks ≤ 0.1 %": run.fallback_fraction <= TARGET_FALLBACK_FRACTION,
-        "sidecar RSS growth ≤ 10 %": run.rss_growth <= TARGET_RSS_GROWTH,
+def cpu_ratio(run: LoadResult, baseline: LoadResult | None) -> float | None:
+    """The sidecar's CPU per engine step over the bare server's (None without a baseline)."""
+    if baseline is None or baseline.steps == 0 or baseline.server_cpu_s <= 0:
+        return None
+    return run.cpu_per_step_us / baseline.cpu_per_step_us
+
+
+def rate_held(run: LoadResult) -> bool:
+    c = run.load_config
+    return run.decisions_per_s >= TARGET_RATE_HELD * c.engines * c.rate
+
+
+def is_two_core_shape(config: LoadConfig) -> bool:
+    return (config.engines, config.rate, config.pipelined) == (2, 125.0, True)
+
+
+def is_stress_shape(config: LoadConfig) -> bool:
+    return config.engines >= 8 and config.rate >= 1000
+
+
+def load_verdicts(run: LoadResult, baseline: LoadResult | None = None) -> dict[str, bool]:
+    """The targets for a paced run, each met or not: those of every run, then those of its
+    shape (the stress case, the node, the 2-core host)."""
+    c, config = run.config, run.load_config
+    fallbacks_ok = run.fallback_fraction <= TARGET_FALLBACK_FRACTION
+    verdicts = {}
+    if c["rate"]:
+        asked = f"{c['engines']} × {c['rate']:,.0f} steps/s"
+        verdicts[f"rate held (≥ 99 % of {asked})"] = rate_held(run)
+    verdicts |= {
+        ERRORS_VERDICT: run.errors == 0,
+        FALLBACKS_VERDICT: fallbacks_ok,
+        RSS_VERDICT: run.rss_growth <= TARGET_RSS_GROWTH,
     }
+    if is_stress_shape(config):
+        verdicts[STRESS_VERDICT] = c["duration_s"] >= 600 and rate_held(run)
+    if config.shape == "node":
+        verdicts[NODE_VERDICT] = (
+            fallbacks_ok and run.server_cpu_percent < 100 * TARGET_NODE_CORE_FRACTION
+        )
+    if is_two_core_shape(config):
+        ratio = cpu_ratio(run, baseline)
+        name = TWO_CORE_VERDICT + ("" if baseline is not None else " (no bare-server run)")
+        verdicts[name] = ratio is not None and ratio <= TARGET_CPU_RATIO and fallbacks_ok
+    return verdicts
 
 
 def soak_verdicts(run: LoadResult) -> dict[str, bool]:
     snapshots = run.snapshots
     return {
-        "0 errors": run.errors == 0,
-        "sidecar RSS growth ≤ 10 %": run.rss_growth <= TARGET_RSS_GROWTH,
-        "every snapshot readable and loadable": bool(snapshots) and all(s["ok"] for s in snapshots),
+        ERRORS_VERDICT: run.errors == 0,
+        FALLBACKS_VERDICT: run.fallback_fraction <= TARGET_FALLBACK_FRACTION,
+        RSS_VERDICT: run.rss_growth <= TARGET_RSS_GROWTH,
+        SNAPSHOTS_VERDICT: bool(snapshots) and all(s["ok"] for s in snapshots),
     }
 
 
 def describe(run: LoadResult) -> str:
     c = run.config
     mode = "pipelined (prefetch/take, as the plugin)" if c["pipelined"] else "blocking decide"
-    rate = f"{c['rate']:,.0f} decisions/s each" if c["rate"] else "unpaced (as fast as each can)"
+    rate = f"{c['rate']:,.0f} steps/s each" if c["rate"] else "unpaced (as fast as each can)"
+    processes = "engine process" if c["engines"] == 1 else "engine processes"
     return (
-        f"{c['engines']} engine processes × {rate} for {c['duration_s']:.0f} s, "
+        f"{c['engines']} {processes} × {rate} for {c['duration_s']:.0f} s, "
         f"{c['transport'].upper()}, one stream per engine, {mode}, "
         f"{c['deadline_s'] * 1000:g} ms deadline"
     )
+
+
+def shape_title(config: LoadConfig) -> str:
+    """A subsection's title: the preset's description, or the shape for another one."""
+    preset = PRESETS.get(config.shape)
+    if preset is not None:
+        return f"{config.shape}: {preset.what} (`--preset {config.shape}`)"
+    mode = "pipelined" if config.pipelined else "blocking"
+    return f"{config.engines} engines × {config.rate:,.0f} steps/s, {mode}"
+
+
+def cores_note(run: LoadResult) -> str:
+    """What the host's cores mean for the figures, when they are fewer than the engines."""
+    engines, cores = run.config["engines"], run.host_cores
+    if cores >= engines:
+        return ""
+    text = (
+        f"This host has {cores} logical CPUs for {engines} engine processes and the server: the "
+        "engines take the cores the server would have beside real engines (whose steps run "
+        "on GPUs), so latency and fallbacks here include waiting for a core."
+    )
+    if run.load_config.shape == "node":
+        text += " The node target is only meaningful on ≥ 8 cores; here it is not."
+    return text
 
 
 def run_table(run: LoadResult) -> list[str]:
@@ -109,26 +234,54 @@ def run_table(run: LoadResult) -> list[str]:
     return [
         "| figure | value |",
         "|---|---|",
-        f"| decisions (client side) | {run.decisions:,} in {run.elapsed_s:.1f} s |",
-        f"| decisions/s achieved | {run.decisions_per_s:,.0f} |",
-        f"| decisions served by the sidecar (its counter) | {run.server_decisions:,} "
-        f"({run.server_decisions / run.elapsed_s:,.0f}/s) |",
+        f"| engine steps (each got a γ: answered or fallen back) | {run.steps:,} in "
+        f"{run.elapsed_s:.1f} s |",
+        f"| steps/s achieved | {run.decisions_per_s:,.0f} |",
+        f"| server CPU (user + sys) | {run.server_cpu_s:.1f} s, {run.server_cpu_percent:.0f} % "
+        f"of one core |",
+        f"| server CPU per engine step | {run.cpu_per_step_us:,.0f} µs "
+        f"({run.steps_per_cpu_s:,.0f} steps per CPU-second) |",
+        f"| decisions the server counted (its decisions_total: a prefetched, tentative one "
+        f"only once committed) | {run.server_decisions:,} |",
         f"| time to get γ, p50 / p99 / p999 / max | {lat['p50'] / 1000:.3f} / "
         f"{lat['p99'] / 1000:.3f} / {lat['p999'] / 1000:.3f} / {lat['max'] / 1000:.3f} ms |",
         f"| fallbacks | {sum(run.fallbacks.values()):,} ({100 * run.fallback_fraction:.3f} %): "
         f"{fallbacks} |",
         f"| late replies (answered after the deadline) | {run.late_replies:,} |",
+        f"| prefetched answers not usable (the batch left the window, …) | "
+        f"{run.prefetch_misses:,} |",
         f"| engine fell > {MAX_LAG_S * 1000:.0f} ms behind its schedule | {run.skipped_behind:,} |",
         f"| errors | {run.errors} |",
-        f"| sidecar CPU (user + sys) | {run.server_cpu_s:.1f} s, {run.server_cpu_percent:.0f} % "
-        f"of one core |",
-        f"| sidecar decisions per CPU-second | {run.server_decisions_per_cpu_s:,.0f} |",
-        f"| sidecar RSS at start / after warm-up / end / max | {mib(run.rss_start_bytes)} / "
+        f"| server RSS at start / after warm-up / end / max | {mib(run.rss_start_bytes)} / "
         f"{mib(run.rss_warm_bytes)} / {mib(run.rss_end_bytes)} / {mib(run.rss_max_bytes)} |",
-        f"| RSS growth, end over after warm-up ({LoadConfig(**run.config).warmup_s:.0f} s) | "
+        f"| RSS growth, end over after warm-up ({run.load_config.warmup_s:.0f} s) | "
         f"{100 * run.rss_growth:+.1f} % |",
         f"| machine load average (1 min) during the run, mean / max | "
-        f"{run.load_average_mean:.1f} / {run.load_average_max:.1f} ({os.cpu_count()} cores) |",
+        f"{run.load_average_mean:.1f} / {run.load_average_max:.1f} ({run.host_cores} logical "
+        "CPUs) |",
+    ]
+
+
+def comparison_table(run: LoadResult, baseline: LoadResult) -> list[str]:
+    """The sidecar beside the bare stream server driven the same way."""
+    ratio = cpu_ratio(run, baseline)
+
+    def lat(r: LoadResult) -> str:
+        return f"{r.latency_us['p50'] / 1000:.3f} / {r.latency_us['p99'] / 1000:.3f} ms"
+
+    return [
+        "| figure | sidecar | bare stream server | sidecar ÷ bare |",
+        "|---|---:|---:|---:|",
+        f"| server CPU per engine step | {run.cpu_per_step_us:,.0f} µs | "
+        f"{baseline.cpu_per_step_us:,.0f} µs | {f'{ratio:.2f}' if ratio is not None else '–'} |",
+        f"| engine steps per server CPU-second | {run.steps_per_cpu_s:,.0f} | "
+        f"{baseline.steps_per_cpu_s:,.0f} | |",
+        f"| server CPU, % of one core | {run.server_cpu_percent:.1f} % | "
+        f"{baseline.server_cpu_percent:.1f} % | |",
+        f"| engine steps | {run.steps:,} | {baseline.steps:,} | |",
+        f"| fallbacks | {100 * run.fallback_fraction:.3f} % | "
+        f"{100 * baseline.fallback_fraction:.3f} % | |",
+        f"| time to get γ, p50 / p99 | {lat(run)} | {lat(baseline)} | |",
     ]
 
 
@@ -136,71 +289,130 @@ def verdict_lines(verdicts: dict[str, bool]) -> list[str]:
     return [f"- {name}: {met(ok)}" for name, ok in verdicts.items()]
 
 
+BASELINE_TEXT = (
+    "The bare stream server is `benchmarks/bare_server.py`: the sidecar's wire contract on a "
+    "`grpc.aio` server that answers every step with γ = 1 (and each candidate batch size of a "
+    "prefetched step, as the sidecar does) and does nothing else (no policy, "
+    "validation, bookkeeping or metrics), driven by the same engine processes, rate, "
+    "duration, transport, pipelining and deadline right after the sidecar. In its table the "
+    'rows that say "server" are that server\'s.'
+)
+
+
 def render_load(
     load: LoadResult,
     peak: LoadResult | None,
     header: dict[str, str],
     baseline: LoadResult | None = None,
+    peak_baseline: LoadResult | None = None,
 ) -> str:
+    """One shape's subsection of the bench-load section."""
+    config = load.load_config
+    note = " ".join(t for t in (cores_note(load), header["note"]) if t)
     lines = [
-        "## Many engines on one sidecar (`make bench-load`)",
+        f"### {shape_title(config)}",
         "",
         f"Measured {header['date']} on {header['machine']} at commit {header['revision']}, by "
-        f"`{header['command']}` "
-        "(`benchmarks/load.py`). A real `nightjar-server` process and the engine "
-        "processes share the machine's cores; each engine runs the plugin's client "
-        "(`NightjarClient`) with simulated step contexts (batch 1–64 as requests join and "
-        "finish, KV blocks, context tokens) and reports outcomes consistent with the γ it ran. "
-        "Latency is the engine's time to get γ (a fallback counts at its deadline). "
-        + header["note"],
+        f"`{header['command']}`. {describe(load)}." + (f" {note}" if note else ""),
         "",
-        f"### Paced: {describe(load)}",
+    ]
+    if baseline is not None:
+        lines += [*comparison_table(load, baseline), ""]
+    else:
+        lines += ["No bare-server run to compare with (`--baseline 0`).", ""]
+    lines += [
+        "Targets:",
+        "",
+        *verdict_lines(load_verdicts(load, baseline)),
+        "",
+        f"#### The sidecar: {describe(load)}",
         "",
         *run_table(load),
-        "",
-        "Targets (issue: 8 engines × 1,000 decisions/s for 10 minutes):",
-        "",
-        *verdict_lines(load_verdicts(load)),
     ]
-    if peak is not None:
-        per_core = peak.server_decisions_per_cpu_s
-        lines += [
-            "",
-            f"### Most decisions one sidecar serves: {describe(peak)}",
-            "",
-            *run_table(peak),
-            "",
-            f"- one sidecar core ≥ {TARGET_DECISIONS_PER_CORE:,.0f} decisions/s: "
-            f"{per_core:,.0f} decisions per second of sidecar CPU — "
-            f"{met(per_core >= TARGET_DECISIONS_PER_CORE)}",
-        ]
     if baseline is not None:
         lines += [
             "",
-            f"### Stock gRPC baseline, measured the same way: {describe(baseline)}, against "
-            "a bare stream server",
-            "",
-            "The same engine processes, rate and deadline against `benchmarks/bare_server.py`"
-            ": the sidecar's wire contract on a `grpc.aio` server that answers every step with "
-            "γ = 1 and does nothing else (no policy, validation, bookkeeping or metrics). The "
-            'rows that say "sidecar" are that server\'s.',
+            f"#### The bare stream server: {describe(baseline)}",
             "",
             *run_table(baseline),
-            "",
-            f"- fallbacks: sidecar {100 * load.fallback_fraction:.3f} %, bare server "
-            f"{100 * baseline.fallback_fraction:.3f} %; time to get γ p99: sidecar "
-            f"{load.latency_us['p99'] / 1000:.3f} ms, bare server "
-            f"{baseline.latency_us['p99'] / 1000:.3f} ms",
         ]
-    errors = load.error_texts + (peak.error_texts if peak else [])
-    errors += baseline.error_texts if baseline else []
+    if peak is not None:
+        per_core = peak.steps_per_cpu_s
+        lines += [
+            "",
+            f"#### Most steps one sidecar serves: {describe(peak)}",
+            "",
+        ]
+        if peak_baseline is not None:
+            lines += [*comparison_table(peak, peak_baseline), ""]
+        lines += [
+            *run_table(peak),
+            "",
+            f"- one sidecar core ≥ {TARGET_DECISIONS_PER_CORE:,.0f} decisions/s: "
+            f"{per_core:,.0f} engine steps per second of sidecar CPU — "
+            f"{met(per_core >= TARGET_DECISIONS_PER_CORE)}",
+        ]
+        if peak_baseline is not None:
+            lines += [
+                "",
+                f"#### The bare stream server, unpaced: {describe(peak_baseline)}",
+                "",
+                *run_table(peak_baseline),
+            ]
+    errors = [t for r in (load, baseline, peak, peak_baseline) if r for t in r.error_texts]
     if errors:
         lines += ["", "Errors seen (first ones):", "", *[f"- `{t}`" for t in errors[:10]]]
     return "\n".join(lines) + "\n"
 
 
-def render_soak(soak: LoadResult, header: dict[str, str]) -> str:
+def load_intro() -> str:
+    return "\n".join(
+        [
+            "## Many engines on one sidecar (`make bench-load`)",
+            "",
+            "`benchmarks/load.py` starts a real `nightjar-server` process and N engine "
+            "processes on the same machine; each engine runs the plugin's client "
+            "(`NightjarClient`) with simulated step contexts (batch 1–64 as requests join "
+            "and finish, KV blocks, context tokens), paced at R steps/s, pipelined (prefetch "
+            "the next step's γ while this one runs, as the plugin) or blocking, and reports "
+            "outcomes consistent with the γ it ran. Latency is the engine's time to get γ (a "
+            "fallback counts at its deadline). The server's cost is its CPU (user + sys, from "
+            "/proc) per engine step, the steps counted by the engines whether answered or "
+            "fallen back. " + BASELINE_TEXT + " One subsection per shape of load "
+            "(`--preset pod | node | stress`, or the flags), each written by its own run.",
+        ]
+    )
+
+
+def write_load_section(path: Path, shape: str, body: str) -> None:
+    """Write one shape's subsection into the bench-load section of the report at `path`,
+    keeping the other shapes' subsections."""
+    begin, end = markers(SECTION)
+    text = path.read_text() if path.exists() else ""
+    runs: dict[str, str] = {}
+    if begin in text and end in text:
+        outer = text.split(begin, 1)[1].split(end, 1)[0]
+        pattern = rf"<!-- {SECTION}/([\w.-]+):begin -->\n(.*?)\n<!-- {SECTION}/\1:end -->"
+        runs = {m.group(1): m.group(2) for m in re.finditer(pattern, outer, re.S)}
+    runs[shape] = body.strip("\n")
+
+    def rank(name: str) -> tuple[int, int | str]:
+        if name in SHAPE_ORDER:
+            return (0, SHAPE_ORDER.index(name))
+        if name in LAST_SHAPES:
+            return (2, LAST_SHAPES.index(name))
+        return (1, name)
+
+    parts = [load_intro()]
+    for name in sorted(runs, key=rank):
+        inner_begin, inner_end = markers(f"{SECTION}/{name}")
+        parts.append(f"{inner_begin}\n{runs[name]}\n{inner_end}")
+    write_section(path, SECTION, "\n\n".join(parts))
+
+
+def render_soak(soak: LoadResult, header: dict[str, str], baseline: LoadResult | None) -> str:
     swaps = [e for e in soak.admin_events if e["action"] != "snapshot"]
+    note = " ".join(t for t in (cores_note(soak), header["note"]) if t)
     lines = [
         "## Soak: swaps and snapshots under load (`make soak`)",
         "",
@@ -213,19 +425,29 @@ def render_soak(soak: LoadResult, header: dict[str, str]) -> str:
         + " (keep-state whenever the active policy's state schema allows it)"
         + f"; every {soak.config['snapshot_every_s']:g} s a snapshot through the admin RPC, "
         "whose file is then read back (`policy_server/snapshot.py`) and its state loaded into "
-        "a fresh instance of its policy. " + header["note"],
+        "a fresh instance of its policy." + (f" {note}" if note else ""),
         "",
         *run_table(soak),
         f"| swaps (ok / all) | {sum(e['ok'] for e in swaps)} / {len(swaps)} |",
         f"| snapshots readable and loadable | {sum(s['ok'] for s in soak.snapshots)} / "
         f"{len(soak.snapshots)} |",
         "",
-        "Targets (issue: 0 errors, RSS growth ≤ 10 %, snapshot always readable):",
+        "Targets (issue: 0 errors, ≤ 0.1 % fallbacks, RSS growth ≤ 10 %, snapshot always "
+        "readable):",
         "",
         *verdict_lines(soak_verdicts(soak)),
     ]
-    if soak.error_texts:
-        lines += ["", "Errors seen (first ones):", "", *[f"- `{t}`" for t in soak.error_texts[:10]]]
+    if baseline is not None:
+        lines += [
+            "",
+            f"Beside the bare stream server (no swaps or snapshots there): {describe(baseline)}."
+            f" {BASELINE_TEXT}",
+            "",
+            *comparison_table(soak, baseline),
+        ]
+    errors = soak.error_texts + (baseline.error_texts if baseline else [])
+    if errors:
+        lines += ["", "Errors seen (first ones):", "", *[f"- `{t}`" for t in errors[:10]]]
     return "\n".join(lines) + "\n"
 
 
@@ -243,10 +465,31 @@ def reliability_record(
     }
 
 
-def summary_figure(run: LoadResult) -> str:
+def record_name(config: LoadConfig) -> str:
+    """The reliability record's test name: "load" for the stress case (the critical-path
+    issue's), "load (SHAPE)" for another shape."""
+    return "load" if config.shape == "stress" else f"load ({config.shape})"
+
+
+def merge_records(path: Path, record: dict[str, Any]) -> list[dict[str, Any]]:
+    """The records of `path` (an object or a list) with `record` replacing the one of its
+    test name, sorted by test name."""
+    existing: list[dict[str, Any]] = []
+    if path.exists():
+        data = json.loads(path.read_text())
+        existing = data if isinstance(data, list) else [data]
+    kept = [r for r in existing if r.get("test") != record["test"]]
+    return sorted([*kept, record], key=lambda r: str(r.get("test")))
+
+
+def summary_figure(run: LoadResult, baseline: LoadResult | None = None) -> str:
+    ratio = cpu_ratio(run, baseline)
+    cost = f"server CPU {run.cpu_per_step_us:,.0f} µs per step"
+    if ratio is not None and baseline is not None:
+        cost += f" (bare server {baseline.cpu_per_step_us:,.0f} µs, × {ratio:.2f})"
     return (
-        f"{run.errors} errors; {run.decisions:,} decisions at {run.decisions_per_s:,.0f}/s; "
+        f"{run.errors} errors; {run.steps:,} steps at {run.decisions_per_s:,.0f}/s; "
         f"fallbacks {100 * run.fallback_fraction:.3f} %; p99 "
-        f"{run.latency_us['p99'] / 1000:.2f} ms; RSS {mib(run.rss_warm_bytes)} → "
+        f"{run.latency_us['p99'] / 1000:.2f} ms; {cost}; RSS {mib(run.rss_warm_bytes)} → "
         f"{mib(run.rss_end_bytes)} ({100 * run.rss_growth:+.1f} %)"
     )

@@ -105,7 +105,7 @@ SERVER_MODULES = {"nightjar": "policy_server.cli", "bare": "benchmarks.bare_serv
 def sidecar(transport: str, workdir: Path, server_kind: str = "nightjar") -> Iterator[Sidecar]:
     """A real `nightjar-server` with a state directory and an admin token (or, for
     ``server_kind`` "bare", the baseline stub in its place)."""
-    if server_kind not in ("nightjar", "bare") or (server_kind == "bare" and transport != "uds"):
+    if server_kind not in SERVER_MODULES or transport not in ("uds", "tcp"):
         raise ValueError(f"no {server_kind!r} server on {transport}")
     state_dir = workdir / "state"
     token = secrets.token_hex(16)
