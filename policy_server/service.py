@@ -4,6 +4,10 @@ This is the sidecar's core, free of gRPC: the gRPC servicers, the benchmarks
 and in-process users all call it. One lock guards the active policy and the
 pending-decision table; policy activation (swap, set-params, restore, reset)
 is atomic and leaves the last good policy in place when it fails.
+
+One thing over ~600 lines: every path that touches the active policy and the pending
+decisions (decide, report, commit, swap, restore, snapshot) shares that one lock, so they
+live together; per-engine bookkeeping is in engines.py, the policies in policies/.
 """
 
 from __future__ import annotations

@@ -17,6 +17,9 @@ arm:
   engine has run, for the curve shapes its few features cannot express.
 
 Pure numpy, no engine or gRPC knowledge. The state of both is plain JSON for snapshots.
+
+One thing over ~450 lines: the two models and the local correction share the feature
+map and the forgetting arithmetic of the step-time regression.
 """
 
 from __future__ import annotations
