@@ -122,7 +122,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.rpc_echo", description=__doc__.splitlines()[0]
     )
-    parser.add_argument("address", help="where to listen, e.g. unix:/tmp/echo.sock")
+    parser.add_argument(
+        "address", help="where to listen, e.g. unix:echo.sock (relative to the working directory)"
+    )
     parser.add_argument("--kind", choices=ECHO_KINDS, default="aio")
     args = parser.parse_args(argv)
     serve_echo(args.address, args.kind)  # until killed
