@@ -9,6 +9,10 @@ The engine must never wait on the sidecar longer than a step can afford:
   step's previous outcome together with the next context: one round trip a step;
 * pipelined mode asks for step t+1 while step t runs (:meth:`prefetch`), so the
   engine's critical path only reads a ready answer (:meth:`take`);
+* with decision tables (nightjar.v1.7, the default) a step is answered from the newest
+  table of γ per batch size the sidecar sent (nightjar_common/tables.py), and the steps
+  run and their outcomes go to the sidecar in batches, from a sender thread: the engine's
+  thread builds no protobuf and waits on nothing unless its table cannot answer;
 * a background thread reconnects with backoff after the sidecar goes away.
 
 One thing over ~700 lines: the client's connection, stream, prefetch and fallback share
@@ -33,8 +37,17 @@ from nightjar_proto.v1 import policy_pb2, policy_pb2_grpc
 
 from nightjar_common import uds, wire
 from nightjar_common.fallback import DEFAULT_SCHEDULE, BatchSizeTable
+from nightjar_common.tables import ReportBatch, TableCache, TableStep, refresh_due
 from nightjar_common.tls import ClientTls, open_channel
-from nightjar_common.types import Decision, MemoryDirective, StepContext, StepOutcome
+from nightjar_common.types import (
+    BinType,
+    Decision,
+    MemoryDirective,
+    RanStep,
+    StepContext,
+    StepOutcome,
+)
+from nightjar_common.validation import MAX_BATCHED
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +88,14 @@ class ClientConfig:
     connect_timeout_s: float = 0.0
     # TLS (mutual with a client certificate) to a host:port sidecar; None = plaintext.
     tls: ClientTls | None = None
+    # Decision tables (nightjar.v1.7): steps are answered from the newest table of γ per
+    # batch size the sidecar sent, without a round trip, and reported in batches. False:
+    # one decision per step (what a sidecar older than v1.7 gets anyway).
+    decision_tables: bool = True
+    # Ask for a new table after this many steps from one, or once it is this old; the
+    # answer arrives while the engine runs on the held one.
+    table_refresh_steps: int = 8
+    table_refresh_ms: float = 50.0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -110,6 +131,12 @@ class ClientStats:
     )
     # Policy notices received (the first on each stream confirms that they come).
     policy_notices: int = 0
+    # Decision tables: installed, and steps that found no usable entry, by why
+    # (nightjar_common/tables.py); each miss asks for a table and waits up to the deadline.
+    tables: int = 0
+    table_misses: collections.Counter[str] = dataclasses.field(
+        default_factory=collections.Counter
+    )
 
     @property
     def fallbacks_total(self) -> int:
@@ -308,6 +335,23 @@ class NightjarClient:
         self._ready_wait_ended = 0.0
         # Unary mode's connectivity subscription (the stream's end tells the stream mode).
         self._unary_watch: Callable[[grpc.ChannelConnectivity], None] | None = None
+        # Decision tables: the held table and the report batch (the engine's thread uses
+        # both without a lock); requests that drain the batch are sent under _send_lock, so
+        # the sidecar applies batches in the order they were drained.
+        self._use_tables = config.decision_tables
+        self._tables = TableCache()
+        self._reports = ReportBatch()
+        self._send_lock = threading.Lock()
+        # The step a refresh is for, handed to the sender thread; a refresh in flight.
+        self._refresh_ctx: StepContext | None = None
+        self._refresh_wanted = threading.Event()
+        self._refreshing = False
+        self._sender: threading.Thread | None = None
+        if self._use_tables:
+            self._sender = threading.Thread(
+                target=self._send_loop, name="nightjar-tables", daemon=True
+            )
+            self._sender.start()
         # TLS is the channel's business: calls over it are the same as over plaintext.
         self._channel = open_channel(config.target, config.tls, CHANNEL_OPTIONS)
         self._reconnector = threading.Thread(
@@ -340,8 +384,23 @@ class NightjarClient:
         transport = self._transport
         return isinstance(transport, _StreamTransport) and transport.alive and transport.notices
 
+    @property
+    def uses_tables(self) -> bool:
+        """Whether steps are answered from decision tables (asked for, and the sidecar
+        sends them: one older than v1.7 answers with a decision instead)."""
+        return self._use_tables
+
     def decide(self, ctx: StepContext) -> GammaDecision:
         """γ for the step described by ``ctx``, within the deadline or from the fallback."""
+        if self._use_tables:
+            taken = self._take_from_table(ctx)
+            if self._use_tables:  # the next step is like this one, after this γ
+                self._refresh_if_due(
+                    dataclasses.replace(
+                        ctx, step_index=ctx.step_index + 1, previous_gamma=taken.gamma
+                    )
+                )
+            return taken
         future = self._send(ctx)
         decision = self._resolve(ctx, future, ctx.batch_size)
         assert decision is not None  # the answer for the asked batch size is the decision
@@ -352,7 +411,14 @@ class NightjarClient:
 
         ``ctx.candidate_batch_sizes``: other batch sizes the step may turn out to have; the
         sidecar decides each tentatively and learns only from the one the engine ran,
-        which :meth:`take` picks and names to it with the next request."""
+        which :meth:`take` picks and names to it with the next request.
+
+        With decision tables: ask for a new table if the held one is due for a refresh or
+        cannot answer ``ctx``'s step (its candidate sizes are not needed: a table covers
+        the sizes around it)."""
+        if self._use_tables:
+            self._refresh_if_due(ctx)
+            return
         with self._prefetch_lock:
             self._ask_ahead_locked(ctx)
 
@@ -364,6 +430,8 @@ class NightjarClient:
     def take(self, ctx: StepContext) -> GammaDecision:
         """The prefetched decision for this step's batch size, else a fresh decide (also
         when a policy notice came after the prefetch was sent: its answer may be stale)."""
+        if self._use_tables:
+            return self._take_from_table(ctx)
         with self._prefetch_lock:
             prefetched, self._prefetched = self._prefetched, None
         if prefetched is not None:
@@ -388,6 +456,8 @@ class NightjarClient:
 
     def discard_prefetch(self) -> None:
         """Forget a prefetched decision that will not be taken (e.g. the engine idled)."""
+        if self._use_tables:
+            return  # a table is not for one step
         with self._prefetch_lock:
             prefetched, self._prefetched = self._prefetched, None
         if prefetched is not None:
@@ -397,6 +467,9 @@ class NightjarClient:
         """Queue a step's outcome; it rides on the next request (or goes alone)."""
         if not outcome.decision_id:
             return  # a fallback decision: the sidecar never saw it
+        if self._use_tables:
+            self._reports.outcome(outcome)  # goes with the next table request
+            return
         with self._lock:
             older, self._pending_outcome = self._pending_outcome, outcome
         if older is not None:
@@ -404,6 +477,10 @@ class NightjarClient:
 
     def flush(self) -> None:
         """Send a queued outcome now, without asking for a decision."""
+        if self._use_tables:
+            if len(self._reports):
+                self._send_batch(None, want_table=False)
+            return
         with self._lock:
             outcome, self._pending_outcome = self._pending_outcome, None
         if outcome is not None:
@@ -413,6 +490,7 @@ class NightjarClient:
         self.flush()
         self._closed.set()
         self._broken.set()
+        self._refresh_wanted.set()  # the sender thread sees _closed and ends
         if self._transport is not None:
             self._transport.close()
         self._reconnector.join(timeout=2)
@@ -548,6 +626,145 @@ class NightjarClient:
         decision = wire.decision_from_pb(chosen, candidates=False)
         return GammaDecision(gamma=decision.gamma, source="sidecar", decision=decision)
 
+    # -- decision tables ------------------------------------------------------------------
+
+    def _take_from_table(self, ctx: StepContext) -> GammaDecision:
+        """The held table's entry for this step; on a miss a table asked for now, waited
+        for up to the deadline, else the fallback."""
+        self.stats.decisions += 1
+        taken = self._tables.take(ctx, time.monotonic())
+        if isinstance(taken, str):
+            self.stats.table_misses[taken] += 1
+            waited = self._wait_for_table(ctx)
+            if isinstance(waited, GammaDecision):
+                return waited
+            taken = waited
+        self.stats.sidecar_decisions += 1
+        self._reports.ran(RanStep(taken.decision_id, ctx, taken.gamma))
+        table = taken.held.table
+        decision = Decision(
+            gamma=taken.gamma,
+            decision_id=taken.decision_id,
+            bin_type=BinType.EXPLORE if taken.exploring else BinType.EXPLOIT,
+            exploration_probability=0.0,
+            policy_name=table.policy_name,
+            policy_version=table.policy_version,
+            step_index=ctx.step_index,
+            batch_size=ctx.batch_size,
+        )
+        return GammaDecision(gamma=taken.gamma, source="sidecar", decision=decision)
+
+    def _wait_for_table(self, ctx: StepContext) -> TableStep | GammaDecision:
+        """Ask for a table for ``ctx`` now and take its entry, within the deadline."""
+        future, seq = self._send_batch(ctx, want_table=True)
+        if future is None:
+            return self._fall_back(ctx, "disconnected")
+        try:
+            reply = future.result(timeout=self.config.deadline_s)
+        except TimeoutError:
+            future.add_done_callback(self._count_late)
+            return self._fall_back(ctx, "deadline")
+        except SidecarRejected as exc:
+            log.warning("%s", exc)
+            return self._fall_back(ctx, "rejected")
+        except ConnectionError:
+            return self._fall_back(ctx, "unavailable")
+        if reply.HasField("error"):
+            log.warning("sidecar rejected a step context: %s", reply.error.message)
+            return self._fall_back(ctx, "rejected")
+        if not reply.HasField("table"):
+            self._tables_unsupported()
+            if not reply.HasField("decision"):
+                return self._fall_back(ctx, "answer")
+            self.stats.sidecar_decisions += 1
+            decision = wire.decision_from_pb(reply.decision, candidates=False)
+            return GammaDecision(gamma=decision.gamma, source="sidecar", decision=decision)
+        self._install(reply.table, seq)
+        taken = self._tables.take(ctx, time.monotonic())
+        if isinstance(taken, str):  # the answer does not fit the step (cannot happen)
+            return self._fall_back(ctx, "answer")
+        return taken
+
+    def _refresh_if_due(self, next_ctx: StepContext) -> None:
+        """Have the sender thread ask for a new table if the held one is due."""
+        config = self.config
+        if self._refreshing or not refresh_due(
+            self._tables.held,
+            next_ctx,
+            time.monotonic(),
+            config.table_refresh_steps,
+            config.table_refresh_ms,
+        ):
+            return
+        self._refresh_ctx = next_ctx
+        self._refreshing = True
+        self._refresh_wanted.set()
+
+    def _send_loop(self) -> None:
+        """The sender thread: builds and sends the refresh requests, off the engine's
+        thread (one wake-up per refresh instead of one queue hand-off per step)."""
+        while True:
+            self._refresh_wanted.wait()
+            self._refresh_wanted.clear()
+            if self._closed.is_set():
+                return
+            ctx = self._refresh_ctx
+            if ctx is not None and self._use_tables:
+                future, _ = self._send_batch(ctx, want_table=True)
+                if future is None:
+                    self._refreshing = False
+
+    def _send_batch(
+        self, ctx: StepContext | None, want_table: bool
+    ) -> tuple[PendingReply | None, int]:
+        """Send the queued reports, with ``ctx`` (and a table asked for it) if given."""
+        transport = self._transport
+        if transport is None or not transport.alive:
+            return None, 0
+        with self._send_lock:
+            ran, outcomes = self._reports.drain(MAX_BATCHED)
+            request = policy_pb2.StepRequest(seq=next(self._seq), want_table=want_table)
+            request.ran_steps.extend(wire.ran_step_to_pb(step) for step in ran)
+            request.outcomes.extend(wire.outcome_to_pb(outcome) for outcome in outcomes)
+            if ctx is not None:
+                request.context.CopyFrom(wire.context_to_pb(_without_candidates(ctx)))
+            future = transport.send(request)
+        seq = request.seq
+        future.add_done_callback(lambda done: self._on_table_reply(done, seq))
+        return future, seq
+
+    def _on_table_reply(self, future: PendingReply, seq: int) -> None:
+        """Every reply to a table request, on time or late: hold its table (unless a
+        newer one is held), keep its memory directive."""
+        self._refreshing = False
+        try:
+            reply = future.result(timeout=0)
+        except Exception:
+            return
+        if reply.HasField("table"):
+            self._install(reply.table, seq)
+        elif reply.HasField("error"):
+            if reply.error.code != grpc.StatusCode.ABORTED.value[0]:  # ABORTED: applied
+                self.stats.rejected_reports += 1
+                log.warning("sidecar rejected a report batch: %s", reply.error.message)
+        elif reply.HasField("decision"):
+            self._tables_unsupported()
+
+    def _install(self, message: policy_pb2.GammaTable, seq: int) -> None:
+        table = wire.table_from_pb(message)
+        if not self._tables.install(table, seq):
+            return
+        self.stats.tables += 1
+        if table.memory_directive.action:
+            with self._lock:
+                self._directives.append(table.memory_directive)
+
+    def _tables_unsupported(self) -> None:
+        """The sidecar answered a table request with a decision: it predates v1.7."""
+        if self._use_tables:
+            self._use_tables = False
+            log.info("nightjar: the sidecar sends no decision tables; one decision per step")
+
     def _fall_back(self, ctx: StepContext, reason: str) -> GammaDecision:
         self.stats.fallbacks[reason] += 1
         gamma = self._fallback.gamma_for_step(ctx)
@@ -567,6 +784,13 @@ class NightjarClient:
         self._policy_version = version
         log.debug("nightjar: sidecar policy version %s", version)
         if not changed:
+            return
+        if self._use_tables:
+            held = self._tables.held
+            if held is not None and held.table.policy_version != version:
+                self._tables.void()
+                if self._refresh_ctx is not None:
+                    self._refresh_wanted.set()  # a table of the new policy, before the step
             return
         with self._prefetch_lock:
             self._policy_epoch += 1
@@ -614,6 +838,8 @@ class NightjarClient:
                 with self._lock:
                     self._pending_outcome = None
                     self._ran_decision_id = ""
+                self._tables.void()
+                self._reports.clear()
             else:
                 self._log_first_connection()
             self._transport = transport
@@ -685,6 +911,12 @@ class NightjarClient:
         if watch is not None:
             self._channel.unsubscribe(watch)
             self._ready_wait_ended = time.monotonic()  # its poller leaves at its next wake-up
+
+
+def _without_candidates(ctx: StepContext) -> StepContext:
+    if not ctx.candidate_batch_sizes:
+        return ctx
+    return dataclasses.replace(ctx, candidate_batch_sizes=())
 
 
 def _pick(

@@ -141,3 +141,37 @@ class DraftState(enum.StrEnum):
     OFFLOADING = "offloading"  # ordered, not yet reported done
     OFFLOADED = "offloaded"
     RELOADING = "reloading"  # ordered, reload not yet verified
+
+
+@dataclass(frozen=True, slots=True)
+class GammaTable:
+    """The policy's γ for a range of batch sizes, for steps starting in one speculation
+    state (nightjar.v1.7 GammaTable)."""
+
+    table_id: str
+    policy_name: str
+    policy_version: str
+    first_batch_size: int
+    gammas: tuple[int, ...]
+    exploring: tuple[bool, ...]
+    speculation_off: bool
+    step_index: int
+    valid_steps: int
+    valid_ms: float
+    memory_directive: MemoryDirective = field(default_factory=MemoryDirective)
+
+    def covers(self, batch_size: int) -> bool:
+        return 0 <= batch_size - self.first_batch_size < len(self.gammas)
+
+
+@dataclass(frozen=True, slots=True)
+class RanStep:
+    """A step an engine ran from a table: "<table_id>.<n>", its context and the γ run."""
+
+    decision_id: str
+    context: StepContext
+    gamma: int
+
+    @property
+    def table_id(self) -> str:
+        return self.decision_id.rpartition(".")[0]

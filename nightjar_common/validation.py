@@ -7,10 +7,11 @@ changes no learned state.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from nightjar_common.errors import InvalidArgumentError
-from nightjar_common.types import StepContext, StepOutcome
+from nightjar_common.types import RanStep, StepContext, StepOutcome
 
 # γ is a small number of draft tokens; anything above this is a client bug.
 HARD_GAMMA_LIMIT = 64
@@ -18,6 +19,9 @@ HARD_GAMMA_LIMIT = 64
 MAX_ID_LENGTH = 256
 # Candidate batch sizes one context may ask for (StepContext.candidate_batch_sizes).
 MAX_CANDIDATES = 16
+# Ran steps and outcomes one request may carry (StepRequest.ran_steps, .outcomes): a
+# client reports every few steps, so a few dozen; bounded so one message stays small.
+MAX_BATCHED = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +151,40 @@ def check_outcome(outcome: StepOutcome, limits: Limits) -> None:
             f"per-request accepted_tokens sum to {sum(outcome.request_accepts)}, more than "
             f"the step's accepted_tokens ({outcome.accepted_tokens})"
         )
+
+
+def check_batch(
+    engine_id: str, ran_steps: Sequence[RanStep], outcomes: Sequence[StepOutcome], limits: Limits
+) -> None:
+    """A batch of ran steps and outcomes: every one well formed and of ``engine_id`` (the
+    request's; a batch is applied under that engine's lock)."""
+    for name, items in (("ran_steps", ran_steps), ("outcomes", outcomes)):
+        if len(items) > MAX_BATCHED:
+            raise InvalidArgumentError(f"{len(items)} {name}, more than {MAX_BATCHED}")
+    for step in ran_steps:
+        table_id, dot, number = step.decision_id.rpartition(".")
+        if not table_id or not dot or not number.isdigit():
+            raise InvalidArgumentError(
+                f"ran step decision_id {step.decision_id!r} is not '<table_id>.<n>'"
+            )
+        check_context(step.context, limits)
+        if step.context.engine_id != engine_id:
+            raise InvalidArgumentError(
+                f"ran step {step.decision_id} is of engine {step.context.engine_id!r}, "
+                f"not the request's {engine_id!r}"
+            )
+        if not 0 <= step.gamma <= limits.max_gamma:
+            raise InvalidArgumentError(
+                f"ran step {step.decision_id}: gamma must be in 0..{limits.max_gamma}, "
+                f"got {step.gamma}"
+            )
+    for outcome in outcomes:
+        check_outcome(outcome, limits)
+        if outcome.engine_id != engine_id:
+            raise InvalidArgumentError(
+                f"outcome of {outcome.decision_id} is of engine {outcome.engine_id!r}, "
+                f"not the request's {engine_id!r}"
+            )
 
 
 def check_outcome_against(outcome: StepOutcome, engine_id: str, gamma_max: int) -> None:

@@ -11,7 +11,9 @@ from nightjar_common.errors import InvalidArgumentError
 from nightjar_common.types import (
     BinType,
     Decision,
+    GammaTable,
     MemoryDirective,
+    RanStep,
     RequestSignals,
     StepContext,
     StepOutcome,
@@ -145,16 +147,17 @@ def decision_to_pb(decision: Decision) -> pb.Decision:
         candidates=[decision_to_pb(c) for c in decision.candidates],
         tentative=decision.tentative,
     )
-    directive = decision.memory_directive
-    if directive.action:
-        msg.memory_directive.CopyFrom(
-            pb.MemoryDirective(
-                action=_ACTIONS[directive.action],
-                target_kv_blocks=directive.target_kv_blocks,
-                reason=directive.reason,
-            )
-        )
+    if decision.memory_directive.action:
+        msg.memory_directive.CopyFrom(directive_to_pb(decision.memory_directive))
     return msg
+
+
+def directive_to_pb(directive: MemoryDirective) -> pb.MemoryDirective:
+    return pb.MemoryDirective(
+        action=_ACTIONS[directive.action],
+        target_kv_blocks=directive.target_kv_blocks,
+        reason=directive.reason,
+    )
 
 
 def directive_from_pb(msg: pb.MemoryDirective) -> MemoryDirective:
@@ -181,3 +184,50 @@ def decision_from_pb(msg: pb.Decision, *, candidates: bool = True) -> Decision:
         candidates=tuple(decision_from_pb(c) for c in msg.candidates) if candidates else (),
         tentative=msg.tentative,
     )
+
+
+def table_to_pb(table: GammaTable) -> pb.GammaTable:
+    msg = pb.GammaTable(
+        table_id=table.table_id,
+        policy_name=table.policy_name,
+        policy_version=table.policy_version,
+        first_batch_size=table.first_batch_size,
+        gammas=table.gammas,
+        exploring=table.exploring,
+        speculation_off=table.speculation_off,
+        step_index=table.step_index,
+        valid_steps=table.valid_steps,
+        valid_ms=table.valid_ms,
+    )
+    if table.memory_directive.action:
+        msg.memory_directive.CopyFrom(directive_to_pb(table.memory_directive))
+    return msg
+
+
+def table_from_pb(msg: pb.GammaTable) -> GammaTable:
+    directive = MemoryDirective()
+    if msg.HasField("memory_directive"):
+        directive = directive_from_pb(msg.memory_directive)
+    return GammaTable(
+        table_id=msg.table_id,
+        policy_name=msg.policy_name,
+        policy_version=msg.policy_version,
+        first_batch_size=msg.first_batch_size,
+        gammas=tuple(msg.gammas),
+        exploring=tuple(msg.exploring),
+        speculation_off=msg.speculation_off,
+        step_index=msg.step_index,
+        valid_steps=msg.valid_steps,
+        valid_ms=msg.valid_ms,
+        memory_directive=directive,
+    )
+
+
+def ran_step_to_pb(step: RanStep) -> pb.RanStep:
+    return pb.RanStep(
+        decision_id=step.decision_id, context=context_to_pb(step.context), gamma=step.gamma
+    )
+
+
+def ran_step_from_pb(msg: pb.RanStep) -> RanStep:
+    return RanStep(msg.decision_id, context_from_pb(msg.context), msg.gamma)

@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from nightjar_common.types import Choice, StepContext
+from nightjar_common.types import Choice, MemoryDirective, StepContext
 
 # Eviction kinds, as counted in nightjar_evictions_total{kind}.
 ENGINE = "engine"
@@ -72,6 +72,27 @@ class CandidateSet:
     touched: bool = False
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class IssuedTable:
+    """A decision table as the sidecar keeps it until the engine reports its steps: per
+    batch size, the context it was decided on, the choice and the policy's checkpoint
+    after it (committed by the step that runs it)."""
+
+    revision: int
+    gamma_max: int
+    first_batch_size: int
+    entries: tuple[tuple[StepContext, Choice, object], ...]
+
+    def entry(self, batch_size: int) -> tuple[StepContext, Choice, object] | None:
+        index = batch_size - self.first_batch_size
+        return self.entries[index] if 0 <= index < len(self.entries) else None
+
+
+# Tables an engine's ran steps may still name: the newest few (a report batch names the
+# table in use and, around a refresh, the one before).
+KEPT_TABLES = 4
+
+
 @dataclasses.dataclass(slots=True)
 class EngineShard:
     engine_id: str
@@ -80,6 +101,12 @@ class EngineShard:
         default_factory=collections.OrderedDict
     )
     open: CandidateSet | None = None
+    # Decision tables issued to the engine, oldest first (at most KEPT_TABLES).
+    tables: collections.OrderedDict[str, IssuedTable] = dataclasses.field(
+        default_factory=collections.OrderedDict
+    )
+    # A memory directive issued while applying ran steps, sent with the next table.
+    directive: MemoryDirective = dataclasses.field(default_factory=MemoryDirective)
     # perf_counter of the engine's last request (the nightjar_engines gauge).
     last_seen: float = 0.0
 
@@ -189,6 +216,12 @@ class EngineTable:
                 if decision_id != keep:
                     self.decision_engine.pop(decision_id, None)
         return candidates
+
+    def keep_table(self, shard: EngineShard, table_id: str, table: IssuedTable) -> None:
+        """Under the shard's lock: remember a table issued to the engine."""
+        shard.tables[table_id] = table
+        while len(shard.tables) > KEPT_TABLES:
+            shard.tables.popitem(last=False)
 
     def seen_since(self, since: float) -> int:
         """Engines seen at or after ``since`` (perf_counter)."""

@@ -37,6 +37,7 @@ from nightjar_common.errors import (
     NightjarError,
     status_of,
 )
+from nightjar_common.types import StepContext, StepOutcome
 from policy_server.aio import AioDecodeGuard, InThreads, LoopServer
 from policy_server.metrics import Metrics
 from policy_server.policies import PolicyError, parse_params_json
@@ -240,10 +241,34 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):  # type: ignore[mis
     def _step(self, request: policy_pb2.StepRequest, decide: bool = True) -> policy_pb2.StepReply:
         outcome = wire.outcome_from_pb(request.outcome) if request.HasField("outcome") else None
         ctx = wire.context_from_pb(request.context) if request.HasField("context") else None
+        if request.want_table or request.ran_steps or request.outcomes:
+            return self._table_step(request, outcome, ctx, decide)
         decision = self.service.step(outcome, ctx, decide)
         if decision is None:
             return policy_pb2.StepReply(seq=request.seq)
         return policy_pb2.StepReply(seq=request.seq, decision=wire.decision_to_pb(decision))
+
+    def _table_step(
+        self,
+        request: policy_pb2.StepRequest,
+        outcome: StepOutcome | None,
+        ctx: StepContext | None,
+        decide: bool,
+    ) -> policy_pb2.StepReply:
+        """A v1.7 request: a report batch, and a table for its context when asked."""
+        if request.want_table and ctx is None:
+            raise InvalidArgumentError("want_table needs a context to decide the table for")
+        ran = [wire.ran_step_from_pb(step) for step in request.ran_steps]
+        outcomes = [wire.outcome_from_pb(o) for o in request.outcomes]
+        if outcome is not None:
+            outcomes.insert(0, outcome)
+        if not request.want_table:  # a report batch alone: nothing to decide
+            self.service.table_step(ran, outcomes, ctx, decide=False)
+            return policy_pb2.StepReply(seq=request.seq)
+        table = self.service.table_step(ran, outcomes, ctx, decide)
+        if table is None:
+            return policy_pb2.StepReply(seq=request.seq)
+        return policy_pb2.StepReply(seq=request.seq, table=wire.table_to_pb(table))
 
     async def _abort(self, method: str, context: Any, exc: NightjarError) -> NoReturn:
         code = status_of(exc)

@@ -182,6 +182,28 @@ class Metrics:
             ["result"],
             registry=r,
         )
+        self.tables = Counter(
+            "nightjar_tables",
+            "Decision tables issued (StepRequest.want_table, nightjar.v1.7): each holds "
+            "the γ of a range of batch sizes, for the steps an engine runs until the next.",
+            registry=r,
+        )
+        self.table_steps = Counter(
+            "nightjar_table_steps",
+            "Steps engines ran from decision tables (StepRequest.ran_steps), by what the "
+            "sidecar did with them: committed (learned from like a decision), stale (the "
+            "table's policy is no longer active), unknown (a table it no longer holds).",
+            ["result"],
+            registry=r,
+        )
+        self.skipped_outcomes = Counter(
+            "nightjar_skipped_outcomes",
+            "Batched outcomes (StepRequest.outcomes) naming a decision the sidecar does not "
+            "hold (expired, or issued before a restart): counted and skipped.",
+            registry=r,
+        )
+        for result in ("committed", "stale", "unknown"):
+            self.table_steps.labels(result)
         for kind in ("engine", "learner_key", "pending"):
             self.evictions.labels(kind)
         for result in ("committed", "dropped", "unknown"):

@@ -22,7 +22,7 @@ import math
 import secrets
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,12 +36,15 @@ from nightjar_common.types import (
     Choice,
     Decision,
     DraftState,
+    GammaTable,
     MemoryDirective,
+    RanStep,
     StepContext,
     StepOutcome,
 )
 from nightjar_common.validation import (
     Limits,
+    check_batch,
     check_client_path,
     check_context,
     check_outcome,
@@ -55,6 +58,7 @@ from policy_server.engines import (
     CandidateSet,
     EngineShard,
     EngineTable,
+    IssuedTable,
     PendingDecision,
 )
 from policy_server.memory import OFFLOAD, RELOAD, MemoryController, MemoryParams
@@ -85,6 +89,24 @@ class ActivePolicy:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class TableOptions:
+    """What goes into a decision table (nightjar.v1.7; docs/DECISION_TABLES.md)."""
+
+    # Batch sizes either side of the context's: how far the batch may move before the
+    # engine's next report asks for a new table.
+    half_width: int = 8
+    # Steps and milliseconds a table serves at most (GammaTable.valid_steps, valid_ms):
+    # an engine whose sidecar stopped answering falls back past them. Engines refresh
+    # long before (the plugin every 8 steps); these bound what a frozen sidecar costs.
+    valid_steps: int = 64
+    valid_ms: float = 1000.0
+
+    def __post_init__(self) -> None:
+        if self.half_width < 0 or self.valid_steps < 1 or not self.valid_ms > 0:
+            raise ValueError("table options: half_width >= 0, valid_steps >= 1, valid_ms > 0")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class StateView:
     policy_name: str
     policy_version: str
@@ -110,8 +132,10 @@ class DecisionService:
         bounds: Bounds | None = None,
         memory: MemoryController | None = None,
         engine_idle_s: float = 300.0,
+        tables: TableOptions | None = None,
     ) -> None:
         self.limits = limits or Limits()
+        self.table_options = tables or TableOptions()
         self.metrics = metrics or Metrics()
         self.decision_log = decision_log
         self.state_dir = Path(state_dir) if state_dir else None
@@ -194,6 +218,127 @@ class DecisionService:
             self._resolve_locked(shard, None)
             return self._decide_locked(shard, ctx)
 
+    def table_step(
+        self,
+        ran_steps: Sequence[RanStep],
+        outcomes: Sequence[StepOutcome],
+        ctx: StepContext | None,
+        decide: bool = True,
+    ) -> GammaTable | None:
+        """Apply a report batch (the steps an engine ran from tables, then outcomes) and
+        decide its next table for ``ctx`` (nightjar.v1.7). Malformed input rejects the
+        whole request before anything is applied; a step or outcome naming a table or
+        decision the sidecar no longer holds is counted and skipped (one expired id must
+        not lose a batch). ``decide=False``: apply, decide nothing (superseded)."""
+        if ctx is not None:
+            check_context(ctx, self.limits)
+            engine_id = ctx.engine_id
+        elif ran_steps or outcomes:
+            engine_id = ran_steps[0].context.engine_id if ran_steps else outcomes[0].engine_id
+        else:
+            raise InvalidArgumentError("a step request needs an outcome, a context or both")
+        check_batch(engine_id, ran_steps, outcomes, self.limits)
+        shard, evicted = self.engines.shard(engine_id)
+        self._forget(evicted)
+        if ctx is not None:
+            self._forget_learners(self.engines.use_learner_key(ctx.learner_key))
+        with shard.lock, self._lock:
+            for step in ran_steps:
+                self._commit_table_step_locked(shard, step)
+            for outcome in outcomes:
+                self._report_batched_locked(shard, outcome)
+            if ctx is not None and ctx.ran_decision_id:
+                self._commit_locked(shard, ctx.ran_decision_id)
+            if ctx is None or not decide:
+                return None
+            self._resolve_locked(shard, None)
+            return self._decide_table_locked(shard, ctx)
+
+    def _commit_table_step_locked(self, shard: EngineShard, step: RanStep) -> None:
+        """The engine ran a table entry: commit what deciding it did to the policy (as for
+        a tentative decision it named) and await its outcome under the step's id."""
+        self.memory.observe(step.context)
+        directive = self._memory_directive(step.context, step.gamma)
+        if directive.action:
+            shard.directive = directive  # delivered with the next table
+        table = shard.tables.get(step.table_id)
+        entry = table.entry(step.context.batch_size) if table is not None else None
+        if table is None or entry is None or step.gamma > table.gamma_max:
+            self.metrics.table_steps.labels("unknown").inc()
+            return
+        entry_ctx, choice, after = entry
+        if table.revision == self._active.revision:
+            if after is DECIDE_AGAIN:
+                self._active.policy.decide(entry_ctx)
+            else:
+                self._active.policy.restore(entry_ctx, after)
+            self.metrics.table_steps.labels("committed").inc()
+        else:
+            self.metrics.table_steps.labels("stale").inc()
+        if step.gamma != choice.gamma:  # the engine clamped it
+            choice = dataclasses.replace(choice, gamma=step.gamma)
+        pending = PendingDecision(step.context, choice, table.revision, table.gamma_max)
+        self.engines.add_pending(shard, step.decision_id, pending)
+        self._count_decision(step.decision_id, pending)
+
+    def _report_batched_locked(self, shard: EngineShard, outcome: StepOutcome) -> None:
+        """An outcome of a report batch: applied as Report would, skipped (and counted)
+        where Report would answer NOT_FOUND or find it does not fit its decision."""
+        pending = shard.pending.get(outcome.decision_id)
+        if pending is None:
+            candidates = shard.open
+            member = candidates.members.get(outcome.decision_id) if candidates else None
+            pending = member.pending if member is not None else None
+        if pending is None or not 0 <= outcome.gamma <= pending.gamma_max:
+            self.metrics.skipped_outcomes.inc()
+            return
+        self._report_locked(shard, pending, outcome)
+
+    def _decide_table_locked(self, shard: EngineShard, ctx: StepContext) -> GammaTable:
+        """The γ of every batch size within half_width of ``ctx``'s, decided at once (one
+        posterior draw), for steps that start in ``ctx``'s speculation state."""
+        started = time.perf_counter()
+        active, options = self._active, self.table_options
+        ctx = self._policy_view(ctx)
+        low = max(1, ctx.batch_size - options.half_width)
+        high = min(self.limits.max_batch_size, ctx.batch_size + options.half_width)
+        sizes = (ctx.batch_size, *(b for b in range(low, high + 1) if b != ctx.batch_size))
+        decided = sorted(
+            _decide_tentative(active.policy, ctx, sizes), key=lambda entry: entry[0].batch_size
+        )
+        table_id = f"{self._boot_id}-{next(self._sequence):x}"
+        gamma_max = active.policy.gamma_max
+        issued = IssuedTable(active.revision, gamma_max, low, tuple(decided))
+        self.engines.keep_table(shard, table_id, issued)
+        directive, shard.directive = shard.directive, MemoryDirective()
+        self.metrics.tables.inc()
+        self.metrics.decision_latency.observe(time.perf_counter() - started)
+        return GammaTable(
+            table_id=table_id,
+            policy_name=active.name,
+            policy_version=active.version,
+            first_batch_size=low,
+            gammas=tuple(choice.gamma for _, choice, _ in decided),
+            exploring=tuple(choice.exploration for _, choice, _ in decided),
+            speculation_off=ctx.previous_gamma == 0,
+            step_index=ctx.step_index,
+            valid_steps=options.valid_steps,
+            valid_ms=options.valid_ms,
+            memory_directive=directive,
+        )
+
+    def _policy_view(self, reported: StepContext) -> StepContext:
+        """The context a policy decides on: the memory controller's view updated with the
+        engine's report, asking-ahead fields dropped, and the draft not resident while it
+        is (about to be) offloaded."""
+        self.memory.observe(reported)
+        ctx = reported
+        if ctx.candidate_batch_sizes or ctx.ran_decision_id:
+            ctx = dataclasses.replace(ctx, candidate_batch_sizes=(), ran_decision_id="")
+        if not self.memory.speculation_allowed(ctx):
+            ctx = dataclasses.replace(ctx, draft_resident=False)
+        return ctx
+
     def _locate(self, outcome: StepOutcome) -> tuple[EngineShard, PendingDecision]:
         """The decision an outcome answers, checked against it; changes nothing."""
         engine_id = self.engines.decision_engine.get(outcome.decision_id)
@@ -260,12 +405,7 @@ class DecisionService:
         started = time.perf_counter()
         active = self._active
         reported = ctx  # what the engine said; the memory controller tracks the draft by it
-        self.memory.observe(reported)
-        if ctx.candidate_batch_sizes or ctx.ran_decision_id:
-            ctx = dataclasses.replace(ctx, candidate_batch_sizes=(), ran_decision_id="")
-        if not self.memory.speculation_allowed(ctx):
-            # The draft is (about to be) offloaded: the policy sees it as not resident.
-            ctx = dataclasses.replace(ctx, draft_resident=False)
+        ctx = self._policy_view(reported)
         policy = active.policy
         sizes = [b for b in dict.fromkeys(reported.candidate_batch_sizes) if b != ctx.batch_size]
         tentative = bool(sizes)

@@ -146,17 +146,59 @@ class Decision(_message.Message):
     tentative: bool
     def __init__(self, gamma: _Optional[int] = ..., request_gammas: _Optional[_Iterable[_Union[RequestGamma, _Mapping]]] = ..., decision_id: _Optional[str] = ..., exploration: bool = ..., exploration_probability: _Optional[float] = ..., policy_name: _Optional[str] = ..., policy_version: _Optional[str] = ..., memory_directive: _Optional[_Union[MemoryDirective, _Mapping]] = ..., reason: _Optional[str] = ..., step_index: _Optional[int] = ..., batch_size: _Optional[int] = ..., candidates: _Optional[_Iterable[_Union[Decision, _Mapping]]] = ..., tentative: bool = ...) -> None: ...
 
+class GammaTable(_message.Message):
+    __slots__ = ("table_id", "policy_version", "first_batch_size", "gammas", "exploring", "speculation_off", "step_index", "valid_steps", "valid_ms", "memory_directive", "policy_name")
+    TABLE_ID_FIELD_NUMBER: _ClassVar[int]
+    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
+    GAMMAS_FIELD_NUMBER: _ClassVar[int]
+    EXPLORING_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_OFF_FIELD_NUMBER: _ClassVar[int]
+    STEP_INDEX_FIELD_NUMBER: _ClassVar[int]
+    VALID_STEPS_FIELD_NUMBER: _ClassVar[int]
+    VALID_MS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_DIRECTIVE_FIELD_NUMBER: _ClassVar[int]
+    POLICY_NAME_FIELD_NUMBER: _ClassVar[int]
+    table_id: str
+    policy_version: str
+    first_batch_size: int
+    gammas: _containers.RepeatedScalarFieldContainer[int]
+    exploring: _containers.RepeatedScalarFieldContainer[bool]
+    speculation_off: bool
+    step_index: int
+    valid_steps: int
+    valid_ms: float
+    memory_directive: MemoryDirective
+    policy_name: str
+    def __init__(self, table_id: _Optional[str] = ..., policy_version: _Optional[str] = ..., first_batch_size: _Optional[int] = ..., gammas: _Optional[_Iterable[int]] = ..., exploring: _Optional[_Iterable[bool]] = ..., speculation_off: bool = ..., step_index: _Optional[int] = ..., valid_steps: _Optional[int] = ..., valid_ms: _Optional[float] = ..., memory_directive: _Optional[_Union[MemoryDirective, _Mapping]] = ..., policy_name: _Optional[str] = ...) -> None: ...
+
+class RanStep(_message.Message):
+    __slots__ = ("decision_id", "context", "gamma")
+    DECISION_ID_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    GAMMA_FIELD_NUMBER: _ClassVar[int]
+    decision_id: str
+    context: StepContext
+    gamma: int
+    def __init__(self, decision_id: _Optional[str] = ..., context: _Optional[_Union[StepContext, _Mapping]] = ..., gamma: _Optional[int] = ...) -> None: ...
+
 class StepRequest(_message.Message):
-    __slots__ = ("seq", "outcome", "context", "policy_notices")
+    __slots__ = ("seq", "outcome", "context", "policy_notices", "ran_steps", "outcomes", "want_table")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
     POLICY_NOTICES_FIELD_NUMBER: _ClassVar[int]
+    RAN_STEPS_FIELD_NUMBER: _ClassVar[int]
+    OUTCOMES_FIELD_NUMBER: _ClassVar[int]
+    WANT_TABLE_FIELD_NUMBER: _ClassVar[int]
     seq: int
     outcome: StepOutcome
     context: StepContext
     policy_notices: bool
-    def __init__(self, seq: _Optional[int] = ..., outcome: _Optional[_Union[StepOutcome, _Mapping]] = ..., context: _Optional[_Union[StepContext, _Mapping]] = ..., policy_notices: bool = ...) -> None: ...
+    ran_steps: _containers.RepeatedCompositeFieldContainer[RanStep]
+    outcomes: _containers.RepeatedCompositeFieldContainer[StepOutcome]
+    want_table: bool
+    def __init__(self, seq: _Optional[int] = ..., outcome: _Optional[_Union[StepOutcome, _Mapping]] = ..., context: _Optional[_Union[StepContext, _Mapping]] = ..., policy_notices: bool = ..., ran_steps: _Optional[_Iterable[_Union[RanStep, _Mapping]]] = ..., outcomes: _Optional[_Iterable[_Union[StepOutcome, _Mapping]]] = ..., want_table: bool = ...) -> None: ...
 
 class StepError(_message.Message):
     __slots__ = ("code", "message")
@@ -167,16 +209,18 @@ class StepError(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class StepReply(_message.Message):
-    __slots__ = ("seq", "decision", "error", "policy_version")
+    __slots__ = ("seq", "decision", "error", "policy_version", "table")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     DECISION_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TABLE_FIELD_NUMBER: _ClassVar[int]
     seq: int
     decision: Decision
     error: StepError
     policy_version: str
-    def __init__(self, seq: _Optional[int] = ..., decision: _Optional[_Union[Decision, _Mapping]] = ..., error: _Optional[_Union[StepError, _Mapping]] = ..., policy_version: _Optional[str] = ...) -> None: ...
+    table: GammaTable
+    def __init__(self, seq: _Optional[int] = ..., decision: _Optional[_Union[Decision, _Mapping]] = ..., error: _Optional[_Union[StepError, _Mapping]] = ..., policy_version: _Optional[str] = ..., table: _Optional[_Union[GammaTable, _Mapping]] = ...) -> None: ...
 
 class ReportAck(_message.Message):
     __slots__ = ("applied",)

@@ -1,0 +1,153 @@
+"""The client's side of decision tables (nightjar.v1.7): the newest table it holds and the
+steps it ran from it, used on the engine's thread without a lock or a round trip.
+
+The sidecar decides the γ of every batch size the engine can reach next at once and
+sends them as a GammaTable; the engine answers each step from it (:meth:`TableCache.take`)
+and reports what it ran in batches (:class:`ReportBatch`). A table is used for steps that
+start in its speculation state, within its size range, for at most ``valid_steps`` steps
+and ``valid_ms`` milliseconds; an exploring entry (a trial, or a draw away from the greedy
+γ) runs once. Anything else is a miss: the client asks for a new table.
+
+Threads: the stream's reader installs tables (:meth:`TableCache.install`), the engine's
+thread takes from them. Each installed table gets a fresh :class:`HeldTable`, swapped in
+with one assignment; only the engine's thread changes a held table's use counts.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import TypeVar
+
+from nightjar_common.types import GammaTable, RanStep, StepContext, StepOutcome
+
+# Why a step found no usable entry (ClientStats.table_misses).
+NO_TABLE = "no_table"
+OUT_OF_RANGE = "batch_size"
+OTHER_STATE = "speculation_state"
+SPENT = "exploring_spent"
+EXPIRED = "expired"
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(slots=True)
+class HeldTable:
+    """A table as the engine uses it: when it arrived, how often it served, which of its
+    exploring entries already ran."""
+
+    table: GammaTable
+    # time.monotonic() at arrival; the request's sequence number (newer replaces older).
+    arrived: float
+    seq: int
+    uses: int = 0
+    spent: set[int] = dataclasses.field(default_factory=set)
+
+    def age_ms(self, now: float) -> float:
+        return 1000.0 * (now - self.arrived)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TableStep:
+    """One step answered from a table: the γ, the id to report it with, its entry."""
+
+    gamma: int
+    decision_id: str
+    exploring: bool
+    held: HeldTable
+
+
+class TableCache:
+    """The newest table; what a step runs from it."""
+
+    def __init__(self) -> None:
+        self.held: HeldTable | None = None
+
+    def install(self, table: GammaTable, seq: int) -> bool:
+        """Hold ``table`` unless a newer one (a later request's) is held already."""
+        held = self.held
+        if held is not None and held.seq > seq:
+            return False
+        self.held = HeldTable(table, time.monotonic(), seq)
+        return True
+
+    def void(self) -> None:
+        """Drop the held table (a policy change, a new connection)."""
+        self.held = None
+
+    def take(self, ctx: StepContext, now: float) -> TableStep | str:
+        """The entry for ``ctx``'s step, counted as used; else why there is none."""
+        held = self.held
+        if held is None:
+            return NO_TABLE
+        table = held.table
+        index = ctx.batch_size - table.first_batch_size
+        if not 0 <= index < len(table.gammas):
+            return OUT_OF_RANGE
+        if (ctx.previous_gamma == 0) != table.speculation_off:
+            return OTHER_STATE
+        if held.uses >= table.valid_steps or held.age_ms(now) >= table.valid_ms:
+            return EXPIRED
+        exploring = table.exploring[index] if index < len(table.exploring) else False
+        if exploring:
+            if index in held.spent:
+                return SPENT
+            held.spent.add(index)
+        held.uses += 1
+        return TableStep(
+            table.gammas[index], f"{table.table_id}.{held.uses}", exploring, held
+        )
+
+
+def refresh_due(
+    held: HeldTable | None, next_ctx: StepContext, now: float, every_steps: int, every_ms: float
+) -> bool:
+    """Whether to ask for a new table now, so that it is there for ``next_ctx``'s step:
+    the held one has served ``every_steps`` steps or is ``every_ms`` old, or will not
+    answer that step (its batch size or speculation state is not the table's, or its
+    entry explored already)."""
+    if held is None:
+        return True
+    table = held.table
+    index = next_ctx.batch_size - table.first_batch_size
+    return (
+        held.uses >= every_steps
+        or held.age_ms(now) >= every_ms
+        or not 0 <= index < len(table.gammas)
+        or index in held.spent
+        or (next_ctx.previous_gamma == 0) != table.speculation_off
+    )
+
+
+class ReportBatch:
+    """Steps run from tables and outcomes, queued by the engine's thread and taken whole
+    by whoever sends the next request (deque appends and pops are thread-safe)."""
+
+    def __init__(self) -> None:
+        self._ran: collections.deque[RanStep] = collections.deque()
+        self._outcomes: collections.deque[StepOutcome] = collections.deque()
+
+    def ran(self, step: RanStep) -> None:
+        self._ran.append(step)
+
+    def outcome(self, outcome: StepOutcome) -> None:
+        self._outcomes.append(outcome)
+
+    def __len__(self) -> int:
+        return len(self._ran) + len(self._outcomes)
+
+    def drain(self, limit: int) -> tuple[list[RanStep], list[StepOutcome]]:
+        """Up to ``limit`` of each, oldest first."""
+        return _pop(self._ran, limit), _pop(self._outcomes, limit)
+
+    def clear(self) -> None:
+        self._ran.clear()
+        self._outcomes.clear()
+
+
+def _pop(queue: collections.deque[T], limit: int) -> list[T]:
+    taken: list[T] = []
+    while queue and len(taken) < limit:
+        taken.append(queue.popleft())
+    return taken
