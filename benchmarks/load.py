@@ -251,6 +251,7 @@ def _collect(
         fallbacks=dict(fallbacks),
         late_replies=sum(r.late_replies for r in results),
         prefetch_misses=sum(r.prefetch_misses for r in results),
+        table_misses=sum(r.table_misses for r in results),
         skipped_behind=sum(r.skipped_behind for r in results),
         errors=errors,
         error_texts=error_texts[: 4 * MAX_ERROR_TEXTS],
@@ -300,6 +301,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action=argparse.BooleanOptionalAction,
         help="prefetch/take as the plugin, or (--no-pipelined) a blocking decide per step "
         "(default: the preset's)",
+    )
+    p.add_argument(
+        "--decision-tables",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="answer steps from the sidecar's decision tables (nightjar.v1.7, the plugin's "
+        "default), or (--no-decision-tables) one decision per step (default: tables)",
     )
     p.add_argument(
         "--max-rate",
@@ -421,6 +429,7 @@ def _main(argv: Sequence[str] | None) -> int:
         transport=args.transport,
         deadline_s=args.deadline_ms / 1000,
         pipelined=args.pipelined,
+        decision_tables=args.decision_tables,
         seed=args.seed,
         swap_every_s=args.swap_every if args.soak else 0.0,
         snapshot_every_s=args.snapshot_every if args.soak else 0.0,

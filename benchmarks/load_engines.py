@@ -47,6 +47,10 @@ class LoadConfig:
     # The plugin's pipelined mode (prefetch for step t+1 while step t runs) instead of a
     # blocking decide per step.
     pipelined: bool = False
+    # Steps answered from the sidecar's decision tables (nightjar.v1.7, the client's
+    # default) or one decision per step. The bare server sends no tables: its engines run
+    # per step whatever this says (the per-step baseline).
+    decision_tables: bool = True
     swap_every_s: float = 0.0
     snapshot_every_s: float = 0.0
     seed: int = 0
@@ -189,6 +193,8 @@ class EngineResult:
     rejected_reports: int = 0
     reconnects: int = 0
     prefetch_misses: int = 0
+    # Steps the held decision table could not answer (the client asked and waited).
+    table_misses: int = 0
     skipped_behind: int = 0
     errors: int = 0
     error_texts: list[str] = dataclasses.field(default_factory=list)
@@ -223,6 +229,7 @@ def run_engine(job: EngineJob, progress: Synchronized[int]) -> EngineResult:
             engine_id=engine_id,
             deadline_s=config.deadline_s,
             connect_timeout_s=30,
+            decision_tables=config.decision_tables,
         )
     )
     latencies = array("d")
@@ -252,15 +259,19 @@ def run_engine(job: EngineJob, progress: Synchronized[int]) -> EngineResult:
             previous_gamma = decision.gamma
             if config.pipelined:
                 # As the plugin: ask for the next step while this one runs, for the batch as it
-                # is and the sizes it may take (a move outside that window is a miss).
+                # is and the sizes it may take (a move outside that window is a miss); with
+                # tables, a new table when the held one is due.
+                candidates = (
+                    ()
+                    if client.uses_tables
+                    else candidate_batch_sizes(ctx.batch_size, ctx.num_waiting)
+                )
                 client.prefetch(
                     dataclasses.replace(
                         ctx,
                         step_index=ctx.step_index + 1,
                         previous_gamma=previous_gamma,
-                        candidate_batch_sizes=candidate_batch_sizes(
-                            ctx.batch_size, ctx.num_waiting
-                        ),
+                        candidate_batch_sizes=candidates,
                     )
                 )
             outcome = model.run_step(ctx, decision.gamma, decision.decision_id)
@@ -283,6 +294,7 @@ def run_engine(job: EngineJob, progress: Synchronized[int]) -> EngineResult:
     result.rejected_reports = stats.rejected_reports
     result.reconnects = stats.reconnects
     result.prefetch_misses = stats.prefetch_misses
+    result.table_misses = sum(stats.table_misses.values())
     for reason in ERROR_FALLBACK_REASONS:
         if result.fallbacks.get(reason):
             result.error(f"{result.fallbacks[reason]} fallback(s) for reason {reason!r}")

@@ -93,6 +93,8 @@ class LoadResult:
     starting_policy: str
     # The machine's logical CPUs (os.cpu_count()), shared by the server and the engines.
     host_cores: int
+    # Steps the held decision table could not answer (absent from records before tables).
+    table_misses: int = 0
 
     @property
     def fallback_fraction(self) -> float:
@@ -195,6 +197,10 @@ def soak_verdicts(run: LoadResult) -> dict[str, bool]:
 def describe(run: LoadResult) -> str:
     c = run.config
     mode = "pipelined (prefetch/take, as the plugin)" if c["pipelined"] else "blocking decide"
+    if c.get("decision_tables", False) and c.get("server", "nightjar") != "bare":
+        mode += ", decision tables (nightjar.v1.7)"
+    elif c.get("server", "nightjar") != "bare":
+        mode += ", one decision per step"
     rate = f"{c['rate']:,.0f} steps/s each" if c["rate"] else "unpaced (as fast as each can)"
     processes = "engine process" if c["engines"] == 1 else "engine processes"
     return (
@@ -250,6 +256,8 @@ def run_table(run: LoadResult) -> list[str]:
         f"| late replies (answered after the deadline) | {run.late_replies:,} |",
         f"| prefetched answers not usable (the batch left the window, …) | "
         f"{run.prefetch_misses:,} |",
+        f"| steps the held decision table could not answer (asked and waited) | "
+        f"{run.table_misses:,} |",
         f"| engine fell > {MAX_LAG_S * 1000:.0f} ms behind its schedule | {run.skipped_behind:,} |",
         f"| errors | {run.errors} |",
         f"| server RSS at start / after warm-up / end / max | {mib(run.rss_start_bytes)} / "

@@ -62,6 +62,8 @@ CHANNEL_OPTIONS = [
 POLLER_PERIOD_S = 0.25
 # A sidecar that accepts connections but gives no gRPC answer for this long is reported.
 UNREADY_WARNING_S = 2.0
+# How long closing waits for the sidecar to apply the last report batch.
+CLOSE_FLUSH_S = 1.0
 # What an operator should check, by the error connecting to the sidecar's address.
 _HINTS = {
     PermissionError: "the engine's user needs write access to the socket: run it in the "
@@ -134,9 +136,7 @@ class ClientStats:
     # Decision tables: installed, and steps that found no usable entry, by why
     # (nightjar_common/tables.py); each miss asks for a table and waits up to the deadline.
     tables: int = 0
-    table_misses: collections.Counter[str] = dataclasses.field(
-        default_factory=collections.Counter
-    )
+    table_misses: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
 
     @property
     def fallbacks_total(self) -> int:
@@ -342,8 +342,12 @@ class NightjarClient:
         self._tables = TableCache()
         self._reports = ReportBatch()
         self._send_lock = threading.Lock()
-        # The step a refresh is for, handed to the sender thread; a refresh in flight.
+        # The step a refresh is for, handed to the sender thread (None once sent, or once
+        # a blocking request for a later step made it moot: sent after that one, it would
+        # supersede it); the latest such step (asked for again after a policy change); a
+        # refresh in flight.
         self._refresh_ctx: StepContext | None = None
+        self._next_ctx: StepContext | None = None
         self._refresh_wanted = threading.Event()
         self._refreshing = False
         self._sender: threading.Thread | None = None
@@ -478,8 +482,7 @@ class NightjarClient:
     def flush(self) -> None:
         """Send a queued outcome now, without asking for a decision."""
         if self._use_tables:
-            if len(self._reports):
-                self._send_batch(None, want_table=False)
+            self._flush_reports()
             return
         with self._lock:
             outcome, self._pending_outcome = self._pending_outcome, None
@@ -487,6 +490,14 @@ class NightjarClient:
             self._send_outcome_only(outcome)
 
     def close(self) -> None:
+        if self._use_tables:
+            # The last batch is applied before the stream closes under it.
+            future = self._flush_reports()
+            if future is not None:
+                try:
+                    future.result(timeout=CLOSE_FLUSH_S)
+                except Exception:  # closing anyway: the sidecar may be gone
+                    log.debug("nightjar: the last report batch got no answer")
         self.flush()
         self._closed.set()
         self._broken.set()
@@ -645,7 +656,7 @@ class NightjarClient:
         decision = Decision(
             gamma=taken.gamma,
             decision_id=taken.decision_id,
-            bin_type=BinType.EXPLORE if taken.exploring else BinType.EXPLOIT,
+            bin_type=table.reason or (BinType.EXPLORE if taken.exploring else BinType.EXPLOIT),
             exploration_probability=0.0,
             policy_name=table.policy_name,
             policy_version=table.policy_version,
@@ -670,6 +681,8 @@ class NightjarClient:
         except ConnectionError:
             return self._fall_back(ctx, "unavailable")
         if reply.HasField("error"):
+            if reply.error.code == grpc.StatusCode.ABORTED.value[0]:
+                return self._fall_back(ctx, "superseded")  # its reports were applied
             log.warning("sidecar rejected a step context: %s", reply.error.message)
             return self._fall_back(ctx, "rejected")
         if not reply.HasField("table"):
@@ -688,6 +701,7 @@ class NightjarClient:
     def _refresh_if_due(self, next_ctx: StepContext) -> None:
         """Have the sender thread ask for a new table if the held one is due."""
         config = self.config
+        self._next_ctx = next_ctx
         if self._refreshing or not refresh_due(
             self._tables.held,
             next_ctx,
@@ -696,9 +710,16 @@ class NightjarClient:
             config.table_refresh_ms,
         ):
             return
-        self._refresh_ctx = next_ctx
+        with self._send_lock:
+            self._refresh_ctx = next_ctx
         self._refreshing = True
         self._refresh_wanted.set()
+
+    def _flush_reports(self) -> PendingReply | None:
+        if not len(self._reports):
+            return None
+        future, _ = self._send_batch(None, want_table=False)
+        return future
 
     def _send_loop(self) -> None:
         """The sender thread: builds and sends the refresh requests, off the engine's
@@ -708,20 +729,25 @@ class NightjarClient:
             self._refresh_wanted.clear()
             if self._closed.is_set():
                 return
-            ctx = self._refresh_ctx
-            if ctx is not None and self._use_tables:
-                future, _ = self._send_batch(ctx, want_table=True)
+            if self._use_tables:
+                future, _ = self._send_batch(None, want_table=True, refresh=True)
                 if future is None:
                     self._refreshing = False
 
     def _send_batch(
-        self, ctx: StepContext | None, want_table: bool
+        self, ctx: StepContext | None, want_table: bool, refresh: bool = False
     ) -> tuple[PendingReply | None, int]:
-        """Send the queued reports, with ``ctx`` (and a table asked for it) if given."""
+        """Send the queued reports, with ``ctx`` (and a table asked for it) if given;
+        ``refresh``: with the step handed to the sender instead (nothing if none is)."""
         transport = self._transport
         if transport is None or not transport.alive:
             return None, 0
         with self._send_lock:
+            if refresh:
+                ctx = self._refresh_ctx
+                if ctx is None:
+                    return None, 0
+            self._refresh_ctx = None
             ran, outcomes = self._reports.drain(MAX_BATCHED)
             request = policy_pb2.StepRequest(seq=next(self._seq), want_table=want_table)
             request.ran_steps.extend(wire.ran_step_to_pb(step) for step in ran)
@@ -741,6 +767,13 @@ class NightjarClient:
             reply = future.result(timeout=0)
         except Exception:
             return
+        if reply.skipped:
+            self.stats.rejected_reports += reply.skipped
+            log.warning(
+                "sidecar skipped %d reported step(s) or outcome(s): %s",
+                reply.skipped,
+                reply.skipped_reason,
+            )
         if reply.HasField("table"):
             self._install(reply.table, seq)
         elif reply.HasField("error"):
@@ -789,7 +822,9 @@ class NightjarClient:
             held = self._tables.held
             if held is not None and held.table.policy_version != version:
                 self._tables.void()
-                if self._refresh_ctx is not None:
+                with self._send_lock:
+                    self._refresh_ctx = self._next_ctx
+                if self._next_ctx is not None:
                     self._refresh_wanted.set()  # a table of the new policy, before the step
             return
         with self._prefetch_lock:
@@ -800,6 +835,13 @@ class NightjarClient:
     def _on_broken(self, transport: _StreamTransport) -> None:
         if not self._closed.is_set():
             log.warning("lost the sidecar stream; falling back and reconnecting")
+        self._connection_lost()
+
+    def _connection_lost(self) -> None:
+        """The sidecar went away: its tables go with it (a restarted one does not know
+        them, and the engine falls back until one answers), the reports too."""
+        self._tables.void()
+        self._reports.clear()
         self._broken.set()
 
     def _reconnect_loop(self) -> None:
@@ -901,7 +943,7 @@ class NightjarClient:
             ):
                 self._transport.alive = False
                 self._stop_watching_unary()
-                self._broken.set()
+                self._connection_lost()
 
         self._unary_watch = on_change
         self._channel.subscribe(on_change, try_to_connect=True)

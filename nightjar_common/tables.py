@@ -95,9 +95,7 @@ class TableCache:
                 return SPENT
             held.spent.add(index)
         held.uses += 1
-        return TableStep(
-            table.gammas[index], f"{table.table_id}.{held.uses}", exploring, held
-        )
+        return TableStep(table.gammas[index], f"{table.table_id}.{held.uses}", exploring, held)
 
 
 def refresh_due(

@@ -159,6 +159,9 @@ class GammaTable:
     valid_steps: int
     valid_ms: float
     memory_directive: MemoryDirective = field(default_factory=MemoryDirective)
+    # FIXED or FORCED when every entry is (a non-learning policy, a draft not resident);
+    # None: each entry is EXPLORE (exploring) or EXPLOIT.
+    reason: BinType | None = None
 
     def covers(self, batch_size: int) -> bool:
         return 0 <= batch_size - self.first_batch_size < len(self.gammas)

@@ -153,38 +153,40 @@ def check_outcome(outcome: StepOutcome, limits: Limits) -> None:
         )
 
 
-def check_batch(
-    engine_id: str, ran_steps: Sequence[RanStep], outcomes: Sequence[StepOutcome], limits: Limits
-) -> None:
-    """A batch of ran steps and outcomes: every one well formed and of ``engine_id`` (the
-    request's; a batch is applied under that engine's lock)."""
+def check_batch_size(ran_steps: Sequence[RanStep], outcomes: Sequence[StepOutcome]) -> None:
     for name, items in (("ran_steps", ran_steps), ("outcomes", outcomes)):
         if len(items) > MAX_BATCHED:
             raise InvalidArgumentError(f"{len(items)} {name}, more than {MAX_BATCHED}")
-    for step in ran_steps:
-        table_id, dot, number = step.decision_id.rpartition(".")
-        if not table_id or not dot or not number.isdigit():
-            raise InvalidArgumentError(
-                f"ran step decision_id {step.decision_id!r} is not '<table_id>.<n>'"
-            )
-        check_context(step.context, limits)
-        if step.context.engine_id != engine_id:
-            raise InvalidArgumentError(
-                f"ran step {step.decision_id} is of engine {step.context.engine_id!r}, "
-                f"not the request's {engine_id!r}"
-            )
-        if not 0 <= step.gamma <= limits.max_gamma:
-            raise InvalidArgumentError(
-                f"ran step {step.decision_id}: gamma must be in 0..{limits.max_gamma}, "
-                f"got {step.gamma}"
-            )
-    for outcome in outcomes:
-        check_outcome(outcome, limits)
-        if outcome.engine_id != engine_id:
-            raise InvalidArgumentError(
-                f"outcome of {outcome.decision_id} is of engine {outcome.engine_id!r}, "
-                f"not the request's {engine_id!r}"
-            )
+
+
+def check_ran_step(step: RanStep, engine_id: str, limits: Limits) -> None:
+    """A step run from a table, of ``engine_id`` (the request's: a batch is applied under
+    that engine's lock)."""
+    table_id, dot, number = step.decision_id.rpartition(".")
+    if not table_id or not dot or not number.isdigit():
+        raise InvalidArgumentError(
+            f"ran step decision_id {step.decision_id!r} is not '<table_id>.<n>'"
+        )
+    check_context(step.context, limits)
+    if step.context.engine_id != engine_id:
+        raise InvalidArgumentError(
+            f"ran step {step.decision_id} is of engine {step.context.engine_id!r}, "
+            f"not the request's {engine_id!r}"
+        )
+    if not 0 <= step.gamma <= limits.max_gamma:
+        raise InvalidArgumentError(
+            f"ran step {step.decision_id}: gamma must be in 0..{limits.max_gamma}, got {step.gamma}"
+        )
+
+
+def check_batched_outcome(outcome: StepOutcome, engine_id: str, limits: Limits) -> None:
+    """An outcome of a report batch, of ``engine_id`` (the request's)."""
+    check_outcome(outcome, limits)
+    if outcome.engine_id != engine_id:
+        raise InvalidArgumentError(
+            f"outcome of {outcome.decision_id} is of engine {outcome.engine_id!r}, "
+            f"not the request's {engine_id!r}"
+        )
 
 
 def check_outcome_against(outcome: StepOutcome, engine_id: str, gamma_max: int) -> None:

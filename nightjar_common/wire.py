@@ -25,6 +25,8 @@ _ACTIONS = {
     "compact_kv_reload_draft": pb.MemoryDirective.COMPACT_KV_RELOAD_DRAFT,
 }
 _ACTION_NAMES = {v: k for k, v in _ACTIONS.items()}
+# GammaTable.reason values: the bin types a whole table can have.
+_TABLE_REASONS = (BinType.FIXED.value, BinType.FORCED.value)
 
 
 def context_from_pb(msg: pb.StepContext) -> StepContext:
@@ -198,6 +200,7 @@ def table_to_pb(table: GammaTable) -> pb.GammaTable:
         step_index=table.step_index,
         valid_steps=table.valid_steps,
         valid_ms=table.valid_ms,
+        reason=table.reason.value if table.reason is not None else "",
     )
     if table.memory_directive.action:
         msg.memory_directive.CopyFrom(directive_to_pb(table.memory_directive))
@@ -220,6 +223,7 @@ def table_from_pb(msg: pb.GammaTable) -> GammaTable:
         valid_steps=msg.valid_steps,
         valid_ms=msg.valid_ms,
         memory_directive=directive,
+        reason=BinType(msg.reason) if msg.reason in _TABLE_REASONS else None,
     )
 
 

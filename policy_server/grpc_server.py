@@ -262,13 +262,14 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):  # type: ignore[mis
         outcomes = [wire.outcome_from_pb(o) for o in request.outcomes]
         if outcome is not None:
             outcomes.insert(0, outcome)
-        if not request.want_table:  # a report batch alone: nothing to decide
-            self.service.table_step(ran, outcomes, ctx, decide=False)
-            return policy_pb2.StepReply(seq=request.seq)
-        table = self.service.table_step(ran, outcomes, ctx, decide)
-        if table is None:
-            return policy_pb2.StepReply(seq=request.seq)
-        return policy_pb2.StepReply(seq=request.seq, table=wire.table_to_pb(table))
+        # A report batch alone (no table asked for) decides nothing.
+        result = self.service.table_step(ran, outcomes, ctx, decide and request.want_table)
+        reply = policy_pb2.StepReply(
+            seq=request.seq, skipped=result.skipped, skipped_reason=result.skipped_reason
+        )
+        if result.table is not None:
+            reply.table.CopyFrom(wire.table_to_pb(result.table))
+        return reply
 
     async def _abort(self, method: str, context: Any, exc: NightjarError) -> NoReturn:
         code = status_of(exc)

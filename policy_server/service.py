@@ -22,9 +22,9 @@ import math
 import secrets
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from nightjar_common.errors import (
     FailedPreconditionError,
@@ -33,6 +33,7 @@ from nightjar_common.errors import (
     PermissionDeniedError,
 )
 from nightjar_common.types import (
+    BinType,
     Choice,
     Decision,
     DraftState,
@@ -44,11 +45,13 @@ from nightjar_common.types import (
 )
 from nightjar_common.validation import (
     Limits,
-    check_batch,
+    check_batch_size,
+    check_batched_outcome,
     check_client_path,
     check_context,
     check_outcome,
     check_outcome_against,
+    check_ran_step,
 )
 from policy_server import snapshot
 from policy_server.decision_log import DecisionLog
@@ -74,6 +77,8 @@ from policy_server.policies import (
 from policy_server.policies.base import at_batch_size, file_path_params
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 # Candidate.after of a policy whose checkpoints do not cover decide (checkpoints_decide
 # False): decided again when the engine names it.
@@ -104,6 +109,20 @@ class TableOptions:
     def __post_init__(self) -> None:
         if self.half_width < 0 or self.valid_steps < 1 or not self.valid_ms > 0:
             raise ValueError("table options: half_width >= 0, valid_steps >= 1, valid_ms > 0")
+
+
+@dataclasses.dataclass(slots=True)
+class TableStepResult:
+    """What a v1.7 request did: the table decided (None when none was asked for or the
+    request was superseded), and the ran steps and outcomes it could not apply."""
+
+    table: GammaTable | None = None
+    skipped: int = 0
+    skipped_reason: str = ""
+
+    def skip(self, reason: str) -> None:
+        self.skipped += 1
+        self.skipped_reason = self.skipped_reason or reason
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -224,12 +243,14 @@ class DecisionService:
         outcomes: Sequence[StepOutcome],
         ctx: StepContext | None,
         decide: bool = True,
-    ) -> GammaTable | None:
+    ) -> TableStepResult:
         """Apply a report batch (the steps an engine ran from tables, then outcomes) and
-        decide its next table for ``ctx`` (nightjar.v1.7). Malformed input rejects the
-        whole request before anything is applied; a step or outcome naming a table or
-        decision the sidecar no longer holds is counted and skipped (one expired id must
-        not lose a batch). ``decide=False``: apply, decide nothing (superseded)."""
+        decide its next table for ``ctx`` (nightjar.v1.7). A malformed context or an
+        oversized batch rejects the request before anything is applied; a malformed step
+        or outcome, or one naming a table or decision the sidecar no longer holds, is
+        skipped and counted (one bad item must not lose a batch). ``decide=False``:
+        apply, decide nothing (superseded)."""
+        result = TableStepResult()
         if ctx is not None:
             check_context(ctx, self.limits)
             engine_id = ctx.engine_id
@@ -237,24 +258,50 @@ class DecisionService:
             engine_id = ran_steps[0].context.engine_id if ran_steps else outcomes[0].engine_id
         else:
             raise InvalidArgumentError("a step request needs an outcome, a context or both")
-        check_batch(engine_id, ran_steps, outcomes, self.limits)
+        check_batch_size(ran_steps, outcomes)
+        ran_steps = self._well_formed(ran_steps, check_ran_step, engine_id, result)
+        outcomes = self._well_formed(outcomes, check_batched_outcome, engine_id, result)
         shard, evicted = self.engines.shard(engine_id)
         self._forget(evicted)
         if ctx is not None:
             self._forget_learners(self.engines.use_learner_key(ctx.learner_key))
         with shard.lock, self._lock:
             for step in ran_steps:
-                self._commit_table_step_locked(shard, step)
+                if not self._commit_table_step_locked(shard, step):
+                    result.skip(f"ran step {step.decision_id}: its table is not held")
             for outcome in outcomes:
-                self._report_batched_locked(shard, outcome)
+                if not self._report_batched_locked(shard, outcome):
+                    result.skip(
+                        f"outcome of {outcome.decision_id}: unknown decision, or its gamma "
+                        "is past the deciding policy's"
+                    )
             if ctx is not None and ctx.ran_decision_id:
                 self._commit_locked(shard, ctx.ran_decision_id)
-            if ctx is None or not decide:
-                return None
-            self._resolve_locked(shard, None)
-            return self._decide_table_locked(shard, ctx)
+            if ctx is not None and decide:
+                self._resolve_locked(shard, None)
+                result.table = self._decide_table_locked(shard, ctx)
+        return result
 
-    def _commit_table_step_locked(self, shard: EngineShard, step: RanStep) -> None:
+    def _well_formed(
+        self,
+        items: Sequence[T],
+        check: Callable[[T, str, Limits], None],
+        engine_id: str,
+        result: TableStepResult,
+    ) -> list[T]:
+        """The items that pass ``check``; the others skipped, with the first reason."""
+        kept: list[T] = []
+        for item in items:
+            try:
+                check(item, engine_id, self.limits)
+            except InvalidArgumentError as exc:
+                self.metrics.invalid_requests.labels("StepStream", "INVALID_ARGUMENT").inc()
+                result.skip(str(exc))
+                continue
+            kept.append(item)
+        return kept
+
+    def _commit_table_step_locked(self, shard: EngineShard, step: RanStep) -> bool:
         """The engine ran a table entry: commit what deciding it did to the policy (as for
         a tentative decision it named) and await its outcome under the step's id."""
         self.memory.observe(step.context)
@@ -265,7 +312,7 @@ class DecisionService:
         entry = table.entry(step.context.batch_size) if table is not None else None
         if table is None or entry is None or step.gamma > table.gamma_max:
             self.metrics.table_steps.labels("unknown").inc()
-            return
+            return False
         entry_ctx, choice, after = entry
         if table.revision == self._active.revision:
             if after is DECIDE_AGAIN:
@@ -280,8 +327,9 @@ class DecisionService:
         pending = PendingDecision(step.context, choice, table.revision, table.gamma_max)
         self.engines.add_pending(shard, step.decision_id, pending)
         self._count_decision(step.decision_id, pending)
+        return True
 
-    def _report_batched_locked(self, shard: EngineShard, outcome: StepOutcome) -> None:
+    def _report_batched_locked(self, shard: EngineShard, outcome: StepOutcome) -> bool:
         """An outcome of a report batch: applied as Report would, skipped (and counted)
         where Report would answer NOT_FOUND or find it does not fit its decision."""
         pending = shard.pending.get(outcome.decision_id)
@@ -291,8 +339,9 @@ class DecisionService:
             pending = member.pending if member is not None else None
         if pending is None or not 0 <= outcome.gamma <= pending.gamma_max:
             self.metrics.skipped_outcomes.inc()
-            return
+            return False
         self._report_locked(shard, pending, outcome)
+        return True
 
     def _decide_table_locked(self, shard: EngineShard, ctx: StepContext) -> GammaTable:
         """The γ of every batch size within half_width of ``ctx``'s, decided at once (one
@@ -325,6 +374,7 @@ class DecisionService:
             valid_steps=options.valid_steps,
             valid_ms=options.valid_ms,
             memory_directive=directive,
+            reason=_table_reason(choice for _, choice, _ in decided),
         )
 
     def _policy_view(self, reported: StepContext) -> StepContext:
@@ -710,6 +760,14 @@ class DecisionService:
         for listener in self._activation_listeners:
             listener(active)
         return active
+
+
+def _table_reason(choices: Iterable[Choice]) -> BinType | None:
+    """GammaTable.reason: FIXED or FORCED when every entry has it, else None."""
+    kinds = {choice.bin_type for choice in choices}
+    if len(kinds) == 1 and (kind := kinds.pop()) in (BinType.FIXED, BinType.FORCED):
+        return kind
+    return None
 
 
 def _decide_tentative(

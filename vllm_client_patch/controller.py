@@ -14,6 +14,10 @@ sizes it can plausibly have (:func:`candidate_batch_sizes`); the sidecar decides
 tentatively and learns only from the one that ran, which the client names with its
 next request. When the batch moved outside that window or the answer is late, the
 client asks again and waits at most its deadline, then falls back to the local table.
+
+With decision tables (nightjar.v1.7, the client's default) the client answers each step
+from the table of γ per batch size the sidecar sent last and reports in batches; the
+request for step k+1 then only asks for a new table when the held one is due.
 """
 
 from __future__ import annotations
@@ -155,6 +159,7 @@ class GammaController:
             target=config.sidecar,
             engine_id=config.engine_id,
             deadline_s=config.deadline_ms / 1000,
+            decision_tables=config.decision_tables,
             fallback_schedule=config.fallback_table or fallback_table or DEFAULT_SCHEDULE,
             tls=config.tls,
         )
@@ -233,11 +238,14 @@ class GammaController:
         self._previous_gamma = gamma
         self._gammas[gamma] += 1
         self._sources[decision.source if view.draft_resident else "forced"] += 1
-        # Ask for the next step now, for the batch as it is and as it may become.
+        # Ask for the next step now, for the batch as it is and as it may become (with
+        # decision tables: a new table, when the held one is due or will not answer it).
         # One StepContext built with its candidates (a dataclasses.replace costs ~5 µs).
-        candidates = candidate_batch_sizes(
-            max(1, view.batch_size), view.waiting, view.batch_size - previous_batch
-        )
+        candidates: tuple[int, ...] = ()
+        if not self.client.uses_tables:
+            candidates = candidate_batch_sizes(
+                max(1, view.batch_size), view.waiting, view.batch_size - previous_batch
+            )
         self.client.prefetch(self._context(view, self._step_index + 1, candidates))
         self._hook_decide = started.elapsed()
         return gamma
@@ -339,6 +347,10 @@ class GammaController:
             "prefetch_misses": client.prefetch_misses,
             "prefetch_miss_reasons": dict(client.prefetch_miss_reasons),
             "late_replies": client.late_replies,
+            "decision_tables": self.client.uses_tables,
+            "tables": client.tables,
+            "table_misses": dict(client.table_misses),
+            "rejected_reports": client.rejected_reports,
             "connected": self.client.connected,
             "hook_us": _percentiles(self._hook_s, 1e6),
             "hook_cpu_us": _percentiles(self._hook_cpu_s, 1e6),

@@ -1,16 +1,20 @@
 """Decision sources for the simulator: a policy object in process (asked every step, or
-through decision tables), the real gRPC client, and the oracle that knows the simulator's
-true parameters."""
+through the decision-table protocol in process), the real gRPC client, and the oracle
+that knows the simulator's true parameters."""
 
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Mapping
 from typing import Any
 
 from nightjar_common.client import GammaDecision, NightjarClient
-from nightjar_common.types import BinType, Choice, StepContext, StepOutcome
-from policy_server.policies import Policy, ServedPolicy, create_policy
+from nightjar_common.tables import ReportBatch, TableCache, refresh_due
+from nightjar_common.types import Choice, RanStep, StepContext, StepOutcome
+from nightjar_common.validation import MAX_BATCHED
+from policy_server.policies import Policy, create_policy
+from policy_server.service import DecisionService
 from policy_server.sim.engine import Simulator
 
 
@@ -38,63 +42,49 @@ class PolicySource:
 
 
 class TableSource:
-    """A policy consulted through decision tables (docs/DECISION_TABLES.md), emulated in
-    process: every ``refresh_steps`` steps, or when the batch size leaves the table, the
-    policy decides the γ of every batch size within ``half_width`` of the current one at
-    once (one posterior draw for the table); each step runs its batch size's entry, commits
-    that entry's state (γ_prev, a trial started) and learns from its outcome at once, as a
-    sidecar applying a report batch before deciding the next table would. A table holds one
-    row per speculation state the step starts from (γ_prev = 0 or > 0), because turning
-    speculation back on pays a catch-up the policy prices (the switching cost). Only for
-    policies whose checkpoints cover decide (``checkpoints_decide``)."""
+    """A policy served through decision tables (nightjar.v1.7; docs/DECISION_TABLES.md) in
+    process: the sidecar's own DecisionService decides the tables and applies the report
+    batches, and the client's own TableCache answers each step, so the simulator runs
+    exactly the wire protocol's logic, without the transport. A table is asked for when the
+    held one cannot answer a step or has served ``refresh_steps`` steps, and carries the
+    steps run and outcomes since the last one, all of them known (an answer that always
+    arrives in time: on a real engine the refresh is asked for one step ahead)."""
 
-    def __init__(self, policy: ServedPolicy, refresh_steps: int = 8, half_width: int = 8) -> None:
-        if not policy.checkpoints_decide:
-            raise ValueError(f"{policy.name}: decision tables need checkpoints_decide")
-        self.policy = policy
+    def __init__(
+        self, policy: str, params: Mapping[str, Any] | None = None, refresh_steps: int = 8
+    ) -> None:
+        self.service = DecisionService(policy, params)
         self.refresh_steps = refresh_steps
-        self.half_width = half_width
         self.refreshes = 0
-        self._table: dict[tuple[int, bool], tuple[StepContext, Choice, object]] = {}
-        self._age = 0
-        self._ids = itertools.count(1)
-        self._choices: dict[str, Choice] = {}
+        self._cache = TableCache()
+        self._reports = ReportBatch()
+        self._seq = itertools.count(1)
 
     @classmethod
     def named(
         cls, name: str, params: Mapping[str, Any] | None = None, **options: int
     ) -> TableSource:
-        return cls(create_policy(name, params), **options)
+        return cls(name, params, **options)
 
     def decide(self, ctx: StepContext, sim: Simulator) -> tuple[int, str]:
-        key = (ctx.batch_size, ctx.previous_gamma == 0)
-        if self._age >= self.refresh_steps:
-            self._table.clear()
-        if key not in self._table:
+        if refresh_due(self._cache.held, ctx, 0.0, self.refresh_steps, math.inf):
             self._refresh(ctx)
-        entry_ctx, choice, after = self._table[key]
-        if choice.bin_type is BinType.EXPLORE:
-            del self._table[key]  # a trial or a draw's exploration runs once
-        self.policy.restore(entry_ctx, after)
-        self._age += 1
-        decision_id = str(next(self._ids))
-        self._choices[decision_id] = choice
-        return choice.gamma, decision_id
+        taken = self._cache.take(ctx, 0.0)
+        if isinstance(taken, str):  # an exploring entry of a fresh table ran already
+            self._refresh(ctx)
+            taken = self._cache.take(ctx, 0.0)
+            assert not isinstance(taken, str), taken
+        self._reports.ran(RanStep(taken.decision_id, ctx, taken.gamma))
+        return taken.gamma, taken.decision_id
 
     def report(self, ctx: StepContext, decision_id: str, outcome: StepOutcome) -> None:
-        self.policy.observe(ctx, self._choices.pop(decision_id), outcome)
+        self._reports.outcome(outcome)
 
     def _refresh(self, ctx: StepContext) -> None:
-        low = max(1, ctx.batch_size - self.half_width)
-        sizes = [
-            ctx.batch_size,
-            *(b for b in range(low, ctx.batch_size + self.half_width + 1) if b != ctx.batch_size),
-        ]
-        if not self._table:
-            self._age = 0
-        stopped = ctx.previous_gamma == 0
-        for entry in self.policy.decide_candidates(ctx, sizes):
-            self._table[entry[0].batch_size, stopped] = entry
+        ran, outcomes = self._reports.drain(MAX_BATCHED)
+        result = self.service.table_step(ran, outcomes, ctx)
+        assert result.table is not None and not result.skipped, result
+        self._cache.install(result.table, next(self._seq))
         self.refreshes += 1
 
 

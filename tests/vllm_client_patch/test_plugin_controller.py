@@ -98,8 +98,12 @@ def static_sidecar_logging(make_server: Any, tmp_path: Path) -> tuple[Any, Path]
     return server, log
 
 
+MODES = pytest.mark.parametrize("tables", [True, False], ids=["tables", "per-step"])
+
+
+@MODES
 def test_each_decision_is_reported_with_the_step_that_verified_it(
-    make_server: Any, tmp_path: Path
+    make_server: Any, tmp_path: Path, tables: bool
 ) -> None:
     server, log = static_sidecar_logging(make_server, tmp_path)
     stats_file = tmp_path / "plugin.json"
@@ -109,6 +113,7 @@ def test_each_decision_is_reported_with_the_step_that_verified_it(
         deadline_ms=200,
         stats_file=str(stats_file),
         learner_key="tiny@cpu",
+        decision_tables=tables,
     )
     controller = GammaController(config)
     wait_for(lambda: controller.client.connected)
@@ -116,14 +121,18 @@ def test_each_decision_is_reported_with_the_step_that_verified_it(
     for k, step in enumerate(verified):  # three steps at batch 4, each verifying γ = 2
         assert controller.decide(dataclasses.replace(view(4), prefill_tokens=10 * (k + 1))) == 2
         controller.end_step(step)
-    # The batch jumped outside the candidate window (1..6): the prefetch missed.
+    # The batch jumped outside the candidate window (1..6): the prefetch missed; a table
+    # covers 8 sizes either side.
     assert controller.decide(dataclasses.replace(view(12), prefill_tokens=40)) == 2
     controller.end_step(VerifiedStep(6, 6, 9))
     controller.idle()  # the last decision is dropped, the queued outcome sent
     stats = controller.stats()
     assert stats["sidecar_decisions"] == 4 and stats["fallbacks_total"] == 0
-    assert (stats["prefetch_hits"], stats["prefetch_misses"]) == (2, 1)
-    assert stats["prefetch_miss_reasons"] == {"batch_size": 1}
+    if tables:  # only the first step had no table to answer it
+        assert stats["decision_tables"] and stats["table_misses"] == {"no_table": 1}
+    else:
+        assert (stats["prefetch_hits"], stats["prefetch_misses"]) == (2, 1)
+        assert stats["prefetch_miss_reasons"] == {"batch_size": 1}
     assert stats["reported"] == 3 and stats["drafted_tokens"] == 22
     wait_for(lambda: log.exists() and log.read_text().count('"kind":"outcome"') == 3)
     records = [json.loads(line) for line in log.read_text().splitlines()]
@@ -152,7 +161,9 @@ def test_a_rejected_outcome_costs_one_step_and_the_engine_recovers(
     just run; that decision's own outcome then came back unknown and rejected the request
     it rode on, and so on: every other step fell back to the table for good."""
     server, log = static_sidecar_logging(make_server, tmp_path)
-    config = PluginConfig(sidecar=server.target, engine_id="ctl", deadline_ms=500)
+    config = PluginConfig(
+        sidecar=server.target, engine_id="ctl", deadline_ms=500, decision_tables=False
+    )
     controller = GammaController(
         config,
         client_factory=lambda c: NightjarClient(dataclasses.replace(c, use_stream=use_stream)),
@@ -171,6 +182,30 @@ def test_a_rejected_outcome_costs_one_step_and_the_engine_recovers(
     # outcome was applied.
     wait_for(lambda: log.read_text().count('"kind":"outcome"') == 37)
     assert server.state()["reports"] == 37
+    controller.close()
+
+
+def test_a_malformed_outcome_in_a_report_batch_loses_nothing_else(
+    make_server: Any, tmp_path: Path
+) -> None:
+    """With decision tables the same bad outcome rides in a batch with the steps around
+    it: it alone is skipped (and said so in the reply), the rest of the batch applied."""
+    server, log = static_sidecar_logging(make_server, tmp_path)
+    config = PluginConfig(sidecar=server.target, engine_id="ctl", deadline_ms=500)
+    controller = GammaController(config)
+    wait_for(lambda: controller.client.connected)
+    good = VerifiedStep(8, 4, 12, (1, 1, 1, 1))
+    bad = VerifiedStep(8, 4, 12, (3, 0, 1, 0))  # 3 accepted of γ = 2 drafts
+    for k in range(40):
+        controller.decide(view(4))
+        controller.end_step(bad if k == 10 else good if k else VerifiedStep(0, 0, 4))
+    controller.idle()
+    stats = controller.stats()
+    assert stats["fallbacks_total"] == 0
+    # 39 outcomes (the last decision is dropped at idle), all applied but the bad one.
+    wait_for(lambda: log.read_text().count('"kind":"outcome"') == 38)
+    assert server.state()["reports"] == 38
+    wait_for(lambda: controller.stats()["rejected_reports"] == 1)
     controller.close()
 
 
@@ -196,11 +231,14 @@ def test_candidates_follow_a_backlog_being_admitted_and_a_batch_draining() -> No
     assert candidate_batch_sizes(5, 3, change=1) == (1, 2, 3, 4, 6, 7, 8)
 
 
+@MODES
 def test_the_first_step_after_an_idle_gap_finds_its_answer_prefetched(
-    make_server: Any, tmp_path: Path
+    make_server: Any, tmp_path: Path, tables: bool
 ) -> None:
     server = make_server("--policy", "static", "--params", '{"gamma": 2}')
-    config = PluginConfig(sidecar=server.target, engine_id="idler", deadline_ms=500)
+    config = PluginConfig(
+        sidecar=server.target, engine_id="idler", deadline_ms=500, decision_tables=tables
+    )
     controller = GammaController(config)
     wait_for(lambda: controller.client.connected)
     hits = []
@@ -215,17 +253,23 @@ def test_the_first_step_after_an_idle_gap_finds_its_answer_prefetched(
         controller.idle()  # every request finished
     # Only the very first step had nothing asked ahead (a blocking round trip); after each
     # idle gap the first step's answer was there, for one request or three.
-    assert hits == [0, 2, 4]
     stats = controller.stats()
-    assert (stats["prefetch_hits"], stats["prefetch_misses"]) == (5, 0)
+    if tables:
+        assert stats["table_misses"] == {"no_table": 1} and stats["sidecar_decisions"] == 6
+    else:
+        assert hits == [0, 2, 4]
+        assert (stats["prefetch_hits"], stats["prefetch_misses"]) == (5, 0)
     controller.close()
 
 
+@MODES
 def test_a_policy_swapped_in_while_the_engine_idles_decides_its_next_step(
-    make_server: Any, tmp_path: Path
+    make_server: Any, tmp_path: Path, tables: bool
 ) -> None:
     server, log = static_sidecar_logging(make_server, tmp_path)
-    config = PluginConfig(sidecar=server.target, engine_id="idler", deadline_ms=500)
+    config = PluginConfig(
+        sidecar=server.target, engine_id="idler", deadline_ms=500, decision_tables=tables
+    )
     controller = GammaController(config)
     wait_for(lambda: controller.client.connected)
     assert controller.decide(view(2)) == 2
@@ -245,7 +289,10 @@ def test_a_policy_swapped_in_while_the_engine_idles_decides_its_next_step(
     time.sleep(0.3)
     assert controller.decide(view(1)) == 0
     stats = controller.stats()
-    assert (stats["prefetch_hits"], stats["prefetch_misses"]) == (1, 0)
+    if tables:  # the notice voided the table and a new one came before the step
+        assert stats["table_misses"] == {"no_table": 1} and stats["tables"] >= 2
+    else:
+        assert (stats["prefetch_hits"], stats["prefetch_misses"]) == (1, 0)
     assert stats["sidecar_decisions"] == 2 and stats["fallbacks_total"] == 0
     controller.end_step(VerifiedStep(0, 0, 1))
     controller.idle()  # names the decision it ran to the sidecar, which logs it

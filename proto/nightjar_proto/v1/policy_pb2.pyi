@@ -147,7 +147,7 @@ class Decision(_message.Message):
     def __init__(self, gamma: _Optional[int] = ..., request_gammas: _Optional[_Iterable[_Union[RequestGamma, _Mapping]]] = ..., decision_id: _Optional[str] = ..., exploration: bool = ..., exploration_probability: _Optional[float] = ..., policy_name: _Optional[str] = ..., policy_version: _Optional[str] = ..., memory_directive: _Optional[_Union[MemoryDirective, _Mapping]] = ..., reason: _Optional[str] = ..., step_index: _Optional[int] = ..., batch_size: _Optional[int] = ..., candidates: _Optional[_Iterable[_Union[Decision, _Mapping]]] = ..., tentative: bool = ...) -> None: ...
 
 class GammaTable(_message.Message):
-    __slots__ = ("table_id", "policy_version", "first_batch_size", "gammas", "exploring", "speculation_off", "step_index", "valid_steps", "valid_ms", "memory_directive", "policy_name")
+    __slots__ = ("table_id", "policy_version", "first_batch_size", "gammas", "exploring", "speculation_off", "step_index", "valid_steps", "valid_ms", "memory_directive", "policy_name", "reason")
     TABLE_ID_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     FIRST_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -159,6 +159,7 @@ class GammaTable(_message.Message):
     VALID_MS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_DIRECTIVE_FIELD_NUMBER: _ClassVar[int]
     POLICY_NAME_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
     table_id: str
     policy_version: str
     first_batch_size: int
@@ -170,7 +171,8 @@ class GammaTable(_message.Message):
     valid_ms: float
     memory_directive: MemoryDirective
     policy_name: str
-    def __init__(self, table_id: _Optional[str] = ..., policy_version: _Optional[str] = ..., first_batch_size: _Optional[int] = ..., gammas: _Optional[_Iterable[int]] = ..., exploring: _Optional[_Iterable[bool]] = ..., speculation_off: bool = ..., step_index: _Optional[int] = ..., valid_steps: _Optional[int] = ..., valid_ms: _Optional[float] = ..., memory_directive: _Optional[_Union[MemoryDirective, _Mapping]] = ..., policy_name: _Optional[str] = ...) -> None: ...
+    reason: str
+    def __init__(self, table_id: _Optional[str] = ..., policy_version: _Optional[str] = ..., first_batch_size: _Optional[int] = ..., gammas: _Optional[_Iterable[int]] = ..., exploring: _Optional[_Iterable[bool]] = ..., speculation_off: bool = ..., step_index: _Optional[int] = ..., valid_steps: _Optional[int] = ..., valid_ms: _Optional[float] = ..., memory_directive: _Optional[_Union[MemoryDirective, _Mapping]] = ..., policy_name: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class RanStep(_message.Message):
     __slots__ = ("decision_id", "context", "gamma")
@@ -209,18 +211,22 @@ class StepError(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class StepReply(_message.Message):
-    __slots__ = ("seq", "decision", "error", "policy_version", "table")
+    __slots__ = ("seq", "decision", "error", "policy_version", "table", "skipped", "skipped_reason")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     DECISION_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     TABLE_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_FIELD_NUMBER: _ClassVar[int]
+    SKIPPED_REASON_FIELD_NUMBER: _ClassVar[int]
     seq: int
     decision: Decision
     error: StepError
     policy_version: str
     table: GammaTable
-    def __init__(self, seq: _Optional[int] = ..., decision: _Optional[_Union[Decision, _Mapping]] = ..., error: _Optional[_Union[StepError, _Mapping]] = ..., policy_version: _Optional[str] = ..., table: _Optional[_Union[GammaTable, _Mapping]] = ...) -> None: ...
+    skipped: int
+    skipped_reason: str
+    def __init__(self, seq: _Optional[int] = ..., decision: _Optional[_Union[Decision, _Mapping]] = ..., error: _Optional[_Union[StepError, _Mapping]] = ..., policy_version: _Optional[str] = ..., table: _Optional[_Union[GammaTable, _Mapping]] = ..., skipped: _Optional[int] = ..., skipped_reason: _Optional[str] = ...) -> None: ...
 
 class ReportAck(_message.Message):
     __slots__ = ("applied",)
