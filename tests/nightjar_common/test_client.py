@@ -102,9 +102,7 @@ def test_a_stalled_sidecar_costs_at_most_the_deadline(make_server) -> None:
 
 def test_outcomes_ride_on_the_next_request(make_server) -> None:
     server = make_server()
-    client = make_client(
-        server.target, deadline_s=0.5, connect_timeout_s=5, decision_tables=False
-    )
+    client = make_client(server.target, deadline_s=0.5, connect_timeout_s=5, decision_tables=False)
     try:
         for i in range(10):
             assert step(client, i).source == "sidecar"
@@ -117,9 +115,7 @@ def test_outcomes_ride_on_the_next_request(make_server) -> None:
 
 def test_pipelined_prefetch_and_take(make_server) -> None:
     server = make_server("--policy", "nightjar")
-    client = make_client(
-        server.target, deadline_s=0.5, connect_timeout_s=5, decision_tables=False
-    )
+    client = make_client(server.target, deadline_s=0.5, connect_timeout_s=5, decision_tables=False)
     try:
         next_ctx = StepContext("eng", batch_size=3, step_index=1)
         client.prefetch(next_ctx)

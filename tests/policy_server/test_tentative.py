@@ -195,12 +195,12 @@ def test_client_takes_the_candidate_of_the_batch_that_ran(make_server: Any) -> N
     server = make_server("--policy", "nightjar", "--params", '{"seed": 2}')
     with NightjarClient(
         ClientConfig(
-                target=server.target,
-                engine_id="c",
-                deadline_s=0.5,
-                connect_timeout_s=5,
-                decision_tables=False,
-            )
+            target=server.target,
+            engine_id="c",
+            deadline_s=0.5,
+            connect_timeout_s=5,
+            decision_tables=False,
+        )
     ) as client:
         first = client.decide(context(0, 4))
         client.prefetch(context(1, 4, candidate_batch_sizes=candidate_batch_sizes(4, 0)))

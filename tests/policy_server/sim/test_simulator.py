@@ -173,12 +173,12 @@ def test_grpc_path_gives_the_same_decisions_as_in_process(make_server, busy_spec
     server = make_server("--policy", "nightjar", "--params", '{"seed": 2}')
     client = NightjarClient(
         ClientConfig(
-                target=server.target,
-                engine_id="parity",
-                deadline_s=5.0,
-                connect_timeout_s=10,
-                decision_tables=False,  # one decision per step, as in process
-            )
+            target=server.target,
+            engine_id="parity",
+            deadline_s=5.0,
+            connect_timeout_s=10,
+            decision_tables=False,  # one decision per step, as in process
+        )
     )
     try:
         over_grpc = run(ClientSource(client), specs, engine_id="parity")

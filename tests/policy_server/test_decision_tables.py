@@ -1,0 +1,242 @@
+"""Decision tables (nightjar.v1.7): the service decides a table of γ per batch size at
+once, applies the steps an engine ran from it and their outcomes in batches, and takes
+malformed or unknown items of a batch one by one; the client answers steps from the
+table it holds. Through the service in process, and over gRPC against a real sidecar."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import urllib.request
+from typing import Any
+
+import grpc
+import pytest
+from nightjar_proto.v1 import admin_pb2, policy_pb2
+
+from nightjar_common import wire
+from nightjar_common.client import ClientConfig, NightjarClient
+from nightjar_common.errors import InvalidArgumentError
+from nightjar_common.tables import SPENT, TableCache, refresh_due
+from nightjar_common.types import GammaTable, RanStep, StepContext, StepOutcome
+from policy_server.service import DecisionService
+
+
+def context(step: int, batch: int, previous: int | None = None, **extra: Any) -> StepContext:
+    return StepContext(
+        engine_id="e0",
+        batch_size=batch,
+        step_index=step,
+        previous_gamma=previous,
+        max_gamma=4,
+        context_tokens=300 * batch,
+        **extra,
+    )
+
+
+def outcome(decision_id: str, gamma: int, batch: int) -> StepOutcome:
+    accepted = gamma * batch // 2
+    return StepOutcome(
+        decision_id=decision_id,
+        engine_id="e0",
+        gamma=gamma,
+        step_seconds=0.01 + 0.0004 * batch * (1 + gamma),
+        generated_tokens=batch + accepted,
+        drafted_tokens=gamma * batch,
+        accepted_tokens=accepted,
+    )
+
+
+def test_a_table_holds_the_decisions_candidates_would_get() -> None:
+    """The table for a context is what asking for its batch sizes as candidates decides:
+    the same policy, the same draw, one entry per size."""
+    ctx = context(0, 20, previous=2)
+    table = DecisionService("goodput", {"seed": 5}).table_step([], [], ctx).table
+    assert table is not None
+    assert (table.first_batch_size, len(table.gammas), table.speculation_off) == (12, 17, False)
+    asked = DecisionService("goodput", {"seed": 5}).decide(
+        dataclasses.replace(ctx, candidate_batch_sizes=tuple(range(12, 28)))
+    )
+    by_size = {d.batch_size: d for d in (asked, *asked.candidates)}
+    assert [by_size[b].gamma for b in range(12, 29) if b in by_size] == [
+        table.gammas[b - 12] for b in range(12, 29) if b in by_size
+    ]
+    assert [by_size[b].exploration for b in range(12, 28)] == list(table.exploring[:16])
+    assert table.policy_name == "goodput" and table.policy_version
+
+
+def test_ran_steps_and_outcomes_are_learned_like_decisions() -> None:
+    service = DecisionService("goodput", {"seed": 1})
+    cache = TableCache()
+    seq, ran, outcomes, previous = 0, [], [], None
+    for step in range(200):
+        ctx = context(step, 8 + step % 5, previous)
+        if refresh_due(cache.held, ctx, 0.0, 8, float("inf")):
+            seq += 1
+            result = service.table_step(ran, outcomes, ctx)
+            assert result.skipped == 0 and result.table is not None
+            cache.install(result.table, seq)
+            ran, outcomes = [], []
+        taken = cache.take(ctx, 0.0)
+        if taken == SPENT or isinstance(taken, str):
+            seq += 1
+            result = service.table_step(ran, outcomes, ctx)
+            assert result.table is not None
+            cache.install(result.table, seq)
+            ran, outcomes = [], []
+            taken = cache.take(ctx, 0.0)
+        assert not isinstance(taken, str)
+        ran.append(RanStep(taken.decision_id, ctx, taken.gamma))
+        outcomes.append(outcome(taken.decision_id, taken.gamma, ctx.batch_size))
+        previous = taken.gamma
+    service.table_step(ran, outcomes, None)
+    view = service.state_view()
+    assert view.decisions_total == 200 and view.reports_total == 200
+    committed = service.metrics.table_steps.labels("committed")._value.get()
+    assert committed == 200
+    assert service.metrics.tables._value.get() < 200 / 2  # tables serve several steps
+    assert view.state["learners"]  # it learned
+
+
+def test_bad_items_are_skipped_one_by_one_and_the_rest_applied() -> None:
+    service = DecisionService("static", {"gamma": 2})
+    table = service.table_step([], [], context(0, 4)).table
+    assert table is not None
+    good = [RanStep(f"{table.table_id}.{n}", context(n, 4, 2), 2) for n in (1, 2, 3)]
+    bad_id = RanStep("no-dot", context(4, 4, 2), 2)
+    other_engine = RanStep(
+        f"{table.table_id}.9", dataclasses.replace(context(4, 4), engine_id="x"), 2
+    )
+    unknown_table = RanStep("feedface-1.1", context(5, 4, 2), 2)
+    outcomes = [outcome(step.decision_id, 2, 4) for step in good]
+    too_many_accepted = dataclasses.replace(outcomes[0], decision_id="x.1", accepted_tokens=99)
+    result = service.table_step(
+        [good[0], bad_id, good[1], other_engine, good[2], unknown_table],
+        [*outcomes, too_many_accepted, outcome("never-issued.3", 2, 4)],
+        context(6, 4, 2),
+    )
+    assert result.skipped == 5 and "not '<table_id>.<n>'" in result.skipped_reason
+    assert result.table is not None
+    view = service.state_view()
+    assert view.decisions_total == 3 and view.reports_total == 3
+    assert service.metrics.table_steps.labels("unknown")._value.get() == 1
+    assert service.metrics.skipped_outcomes._value.get() == 1
+
+
+def test_a_malformed_context_rejects_the_request_before_anything_is_applied() -> None:
+    service = DecisionService("static", {"gamma": 2})
+    table = service.table_step([], [], context(0, 4)).table
+    assert table is not None
+    ran = [RanStep(f"{table.table_id}.1", context(1, 4, 2), 2)]
+    with pytest.raises(InvalidArgumentError, match="batch_size"):
+        service.table_step(ran, [], context(2, 0, 2))
+    assert service.state_view().decisions_total == 0
+    with pytest.raises(InvalidArgumentError, match="more than 256"):
+        service.table_step(ran * 257, [], context(2, 4, 2))
+
+
+def test_steps_of_a_table_decided_before_a_swap_count_as_stale() -> None:
+    service = DecisionService("static", {"gamma": 2})
+    table = service.table_step([], [], context(0, 4)).table
+    assert table is not None
+    service.swap("off", None, keep_state=False)
+    step = RanStep(f"{table.table_id}.1", context(1, 4, 2), 2)
+    after = service.table_step([step], [outcome(step.decision_id, 2, 4)], context(2, 4, 2))
+    assert after.table is not None and after.table.gammas == (0,) * len(after.table.gammas)
+    assert after.table.reason is not None and after.table.reason.value == "fixed"
+    assert service.metrics.table_steps.labels("stale")._value.get() == 1
+    assert service.metrics.reports.labels("off", "stale")._value.get() == 1
+
+
+def test_a_table_is_for_one_speculation_state_and_its_exploring_entries_run_once() -> None:
+    table = GammaTable(
+        table_id="t",
+        policy_name="p",
+        policy_version="v",
+        first_batch_size=3,
+        gammas=(1, 2, 3),
+        exploring=(False, True, False),
+        speculation_off=False,
+        step_index=0,
+        valid_steps=3,
+        valid_ms=1000.0,
+    )
+    cache = TableCache()
+    assert cache.install(table, 2) and not cache.install(table, 1)  # an older answer
+    assert cache.take(context(0, 2, 1), 0.0) == "batch_size"
+    assert cache.take(context(0, 3, 0), 0.0) == "speculation_state"
+    first = cache.take(context(0, 4, 1), 0.0)
+    assert not isinstance(first, str) and first.exploring and first.gamma == 2
+    assert cache.take(context(1, 4, 2), 0.0) == SPENT
+    assert refresh_due(cache.held, context(1, 4, 2), 0.0, 8, 1e9)
+    assert not refresh_due(cache.held, context(1, 5, 2), 0.0, 8, 1e9)
+    assert not isinstance(cache.take(context(1, 5, 2), 0.0), str)
+    assert not isinstance(cache.take(context(2, 3, 2), 0.0), str)
+    assert cache.take(context(3, 3, 2), 0.0) == "expired"  # valid_steps = 3
+    assert cache.take(context(3, 3, 2), 5.0) == "expired"
+
+
+def test_over_grpc_steps_come_from_tables_and_every_one_reaches_the_sidecar(
+    make_server: Any,
+) -> None:
+    server = make_server("--policy", "goodput", "--params", '{"seed": 3}')
+    client = NightjarClient(
+        ClientConfig(target=server.target, engine_id="e0", deadline_s=0.5, connect_timeout_s=10)
+    )
+    previous, steps = None, 120
+    try:
+        for step in range(steps):
+            ctx = context(step, 10 + step % 7, previous)
+            decision = client.take(ctx)
+            assert decision.source == "sidecar" and decision.decision_id
+            client.report(outcome(decision.decision_id, decision.gamma, ctx.batch_size))
+            previous = decision.gamma
+            client.prefetch(dataclasses.replace(ctx, step_index=step + 1, previous_gamma=previous))
+            time.sleep(0.002)  # "the step runs": the refresh arrives meanwhile
+        assert client.uses_tables
+        assert client.stats.tables < steps / 2
+    finally:
+        client.close()  # sends the last batch and waits for it to be applied
+    assert server.state()["reports"] == steps
+    scraped = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5)
+    committed = f'nightjar_table_steps_total{{result="committed"}} {float(steps)}'
+    assert committed in scraped.read().decode()
+
+
+def test_over_grpc_a_table_request_without_a_context_is_invalid(make_server: Any) -> None:
+    server = make_server()
+    with pytest.raises(grpc.RpcError) as caught:
+        server.policy.Step(policy_pb2.StepRequest(seq=1, want_table=True), timeout=5)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "want_table needs a context" in caught.value.details()
+    reply = server.policy.Step(
+        policy_pb2.StepRequest(seq=2, want_table=True, context=wire.context_to_pb(context(0, 3))),
+        timeout=5,
+    )
+    assert reply.HasField("table") and not reply.HasField("decision")
+    assert wire.table_from_pb(reply.table).covers(3)
+
+
+def test_a_swap_voids_the_held_table_at_once(make_server: Any) -> None:
+    server = make_server("--policy", "static", "--params", '{"gamma": 2}')
+    client = NightjarClient(
+        ClientConfig(target=server.target, engine_id="e0", deadline_s=0.5, connect_timeout_s=10)
+    )
+    try:
+        assert client.take(context(0, 4)).gamma == 2
+        client.prefetch(context(1, 4, 2))
+        deadline = time.monotonic() + 5
+        while not client.follows_policy_changes and time.monotonic() < deadline:
+            time.sleep(0.01)
+        notices = client.stats.policy_notices
+        server.admin.SwapPolicy(
+            admin_pb2.SwapPolicyRequest(name="off"), metadata=server.auth, timeout=5
+        )
+        while client.stats.policy_notices == notices and time.monotonic() < deadline:
+            time.sleep(0.01)
+        # The table of `static` would still be valid for 63 steps and a second.
+        decision = client.take(context(1, 4, 2))
+        assert decision.gamma == 0 and decision.decision is not None
+        assert decision.decision.policy_name == "off"
+    finally:
+        client.close()
