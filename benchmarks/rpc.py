@@ -35,11 +35,12 @@ from typing import Any
 from benchmarks.host import free_port, grpc_server, machine
 from benchmarks.report import write_section
 from benchmarks.rpc_echo import ECHO_KINDS, measure_echo
-from benchmarks.rpc_report import Measurement, render, summarise
+from benchmarks.rpc_report import TABLES_CASE, Measurement, render, summarise
 from nightjar_common.client import ClientConfig, GammaDecision, NightjarClient
 from nightjar_common.types import StepContext, StepOutcome
 from policy_server.policies import DEFAULT_POLICY, create_policy
 from policy_server.service import DecisionService
+from policy_server.sim.sources import TableSource
 
 SECTION = "bench-rpc"
 
@@ -113,6 +114,48 @@ def measure_in_process(samples: int = 20_000) -> list[Measurement]:
         summarise(f"DecisionService.decide ({DEFAULT_POLICY})", decide_ns),
         summarise(f"DecisionService.decide + report ({DEFAULT_POLICY})", pair_ns),
         measured[1],
+        *measure_tables(samples, warm),
+    ]
+
+
+def measure_tables(samples: int, warm: int) -> list[Measurement]:
+    """Steps through decision tables in process, with the protocol's own code (the
+    simulator's TableSource: TableCache on the client's side, DecisionService.table_step
+    on the sidecar's, refreshed every 8 steps or when the table cannot answer), on a batch
+    that moves by a request or two a step, as an engine's does. Per step: deciding (the
+    client's lookup, and on the steps that refresh, the sidecar deciding the next table)
+    and applying (on those steps, the sidecar checking and applying the ran steps and
+    outcomes since the last refresh: learning). Wire encoding is not in it (`make
+    bench-load` has it)."""
+    rng = random.Random(1)
+    source = TableSource.named(DEFAULT_POLICY, {"seed": 1})
+    decide_time = source.service.metrics.decision_latency
+    decide_ns: list[int] = []
+    apply_ns: list[int] = []
+    batch, previous = 16, None
+    for i in range(samples):
+        batch = min(64, max(1, batch + rng.choice((-2, -1, 0, 0, 0, 1, 2))))
+        ctx = StepContext(
+            "bench", batch, step_index=i, previous_gamma=previous, context_tokens=400 * batch
+        )
+        deciding_before = decide_time._sum.get()
+        start = time.perf_counter_ns()
+        gamma, decision_id = source.decide(ctx, None)  # type: ignore[arg-type]
+        step_ns = time.perf_counter_ns() - start
+        source.report(ctx, decision_id, outcome_for("bench", decision_id, ctx, gamma))
+        # On a refreshing step, what the sidecar did besides deciding the table (checking
+        # and applying the report batch) is applying; the rest of any step is deciding.
+        table_ns = int(1e9 * (decide_time._sum.get() - deciding_before))
+        applying = step_ns - table_ns if table_ns else 0
+        decide_ns.append(step_ns - applying)
+        apply_ns.append(applying)
+        previous = gamma
+        if i == warm:
+            decide_ns.clear()
+            apply_ns.clear()
+    return [
+        summarise(f"{TABLES_CASE}: deciding a step ({DEFAULT_POLICY})", decide_ns),
+        summarise(f"{TABLES_CASE}: applying its report ({DEFAULT_POLICY})", apply_ns),
     ]
 
 

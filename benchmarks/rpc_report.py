@@ -22,12 +22,19 @@ class Measurement:
     p50_us: float
     p99_us: float
     fallbacks: int = 0
+    # The mean: what a cost paid every few samples (a decision table) amounts to per sample.
+    mean_us: float = 0.0
 
 
 def summarise(case: str, nanos: list[int], fallbacks: int = 0) -> Measurement:
     values = sorted(n / 1000 for n in nanos)
     return Measurement(
-        case, len(values), percentile(values, 0.5), percentile(values, 0.99), fallbacks
+        case,
+        len(values),
+        percentile(values, 0.5),
+        percentile(values, 0.99),
+        fallbacks,
+        sum(values) / max(1, len(values)),
     )
 
 
@@ -49,13 +56,17 @@ def render(results: dict[str, Any]) -> str:
         "",
         "### In process",
         "",
-        "| what | samples | p50 µs | p99 µs |",
-        "|---|---:|---:|---:|",
-        *[f"| {m.case} | {m.samples} | {m.p50_us:.1f} | {m.p99_us:.1f} |" for m in inproc],
+        "| what | samples | p50 µs | p99 µs | mean µs |",
+        "|---|---:|---:|---:|---:|",
+        *[
+            f"| {m.case} | {m.samples} | {m.p50_us:.1f} | {m.p99_us:.1f} | {m.mean_us:.1f} |"
+            for m in inproc
+        ],
         "",
         f"Target: decide ≤ {TARGET_IN_PROCESS_P50_US:.0f} µs p50 — "
         f"policy {met(inproc[0].p50_us <= TARGET_IN_PROCESS_P50_US)}, "
         f"service {met(inproc[1].p50_us <= TARGET_IN_PROCESS_P50_US)}.",
+        *table_target(inproc),
         "",
         "### Client → sidecar round trip (`NightjarClient.decide`)",
         "",
@@ -168,3 +179,24 @@ def interpretation(
             "fallback γ and the late answers were discarded."
         )
     return [" ".join(text)]
+
+
+# Issue 31: one decision of the default policy ≤ 10 µs amortised in process.
+TARGET_AMORTISED_US = 10.0
+TABLES_CASE = "decision tables"
+
+
+def table_target(inproc: list[Measurement]) -> list[str]:
+    """The amortised target, where the run measured tables (records before them did not)."""
+    tables = next((m for m in inproc if m.case.startswith(TABLES_CASE)), None)
+    if tables is None:
+        return []
+    return [
+        "",
+        f"Target (issue 31): one decision ≤ {TARGET_AMORTISED_US:.0f} µs amortised in process "
+        f"with decision tables — {tables.mean_us:.1f} µs: "
+        f"{met(tables.mean_us <= TARGET_AMORTISED_US)} (the mean of deciding a step: a step "
+        "answered from the held table costs the p50, one that refreshed it the p99, the "
+        "sidecar deciding 17 batch sizes at once). Learning from the outcomes is apart from "
+        "deciding, on the sidecar's side: the row after it.",
+    ]

@@ -88,9 +88,13 @@ class IssuedTable:
         return self.entries[index] if 0 <= index < len(self.entries) else None
 
 
-# Tables an engine's ran steps may still name: the newest few (a report batch names the
-# table in use and, around a refresh, the one before).
-KEPT_TABLES = 4
+# Tables an engine's ran steps may commit: the newest few (a report batch names the table
+# in use and, around a refresh, the one before). Older ones are remembered by id only
+# (KNOWN_TABLES): a sidecar that falls behind may issue dozens of tables (each late
+# request's) before an engine's report of the one it ran arrives, and those steps are
+# still learned from.
+KEPT_TABLES = 16
+KNOWN_TABLES = 256
 
 
 @dataclasses.dataclass(slots=True)
@@ -101,8 +105,12 @@ class EngineShard:
         default_factory=collections.OrderedDict
     )
     open: CandidateSet | None = None
-    # Decision tables issued to the engine, oldest first (at most KEPT_TABLES).
+    # Decision tables issued to the engine, oldest first (at most KEPT_TABLES), and the
+    # policy revision and Γmax of the last KNOWN_TABLES.
     tables: collections.OrderedDict[str, IssuedTable] = dataclasses.field(
+        default_factory=collections.OrderedDict
+    )
+    known_tables: collections.OrderedDict[str, tuple[int, int]] = dataclasses.field(
         default_factory=collections.OrderedDict
     )
     # A memory directive issued while applying ran steps, sent with the next table.
@@ -220,8 +228,11 @@ class EngineTable:
     def keep_table(self, shard: EngineShard, table_id: str, table: IssuedTable) -> None:
         """Under the shard's lock: remember a table issued to the engine."""
         shard.tables[table_id] = table
+        shard.known_tables[table_id] = (table.revision, table.gamma_max)
         while len(shard.tables) > KEPT_TABLES:
             shard.tables.popitem(last=False)
+        while len(shard.known_tables) > KNOWN_TABLES:
+            shard.known_tables.popitem(last=False)
 
     def seen_since(self, since: float) -> int:
         """Engines seen at or after ``since`` (perf_counter)."""

@@ -191,8 +191,9 @@ class Metrics:
         self.table_steps = Counter(
             "nightjar_table_steps",
             "Steps engines ran from decision tables (StepRequest.ran_steps), by what the "
-            "sidecar did with them: committed (learned from like a decision), stale (the "
-            "table's policy is no longer active), unknown (a table it no longer holds).",
+            "sidecar did with them: committed (learned from like a decision), late (learned "
+            "from; newer tables were decided before it came), stale (the table's policy is "
+            "no longer active), unknown (a table it does not know).",
             ["result"],
             registry=r,
         )
@@ -202,7 +203,7 @@ class Metrics:
             "hold (expired, or issued before a restart): counted and skipped.",
             registry=r,
         )
-        for result in ("committed", "stale", "unknown"):
+        for result in ("committed", "late", "stale", "unknown"):
             self.table_steps.labels(result)
         for kind in ("engine", "learner_key", "pending"):
             self.evictions.labels(kind)

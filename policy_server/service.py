@@ -93,13 +93,16 @@ class ActivePolicy:
     version: str
 
 
+DEFAULT_HALF_WIDTH = 8
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class TableOptions:
     """What goes into a decision table (nightjar.v1.7; docs/DECISION_TABLES.md)."""
 
     # Batch sizes either side of the context's: how far the batch may move before the
     # engine's next report asks for a new table.
-    half_width: int = 8
+    half_width: int = DEFAULT_HALF_WIDTH
     # Steps and milliseconds a table serves at most (GammaTable.valid_steps, valid_ms):
     # an engine whose sidecar stopped answering falls back past them. Engines refresh
     # long before (the plugin every 8 steps); these bound what a frozen sidecar costs.
@@ -265,16 +268,19 @@ class DecisionService:
         self._forget(evicted)
         if ctx is not None:
             self._forget_learners(self.engines.use_learner_key(ctx.learner_key))
+        # Each step's outcome right after the step (the order they happened in, and the
+        # pending-decision bound holds however long the batch), older outcomes first.
+        ran_ids = {step.decision_id for step in ran_steps}
+        later = {o.decision_id: o for o in outcomes if o.decision_id in ran_ids}
+        earlier = [o for o in outcomes if o.decision_id not in ran_ids]
         with shard.lock, self._lock:
+            for outcome in earlier:
+                self._report_batched_locked(shard, outcome, result)
             for step in ran_steps:
                 if not self._commit_table_step_locked(shard, step):
                     result.skip(f"ran step {step.decision_id}: its table is not held")
-            for outcome in outcomes:
-                if not self._report_batched_locked(shard, outcome):
-                    result.skip(
-                        f"outcome of {outcome.decision_id}: unknown decision, or its gamma "
-                        "is past the deciding policy's"
-                    )
+                if step.decision_id in later:
+                    self._report_batched_locked(shard, later.pop(step.decision_id), result)
             if ctx is not None and ctx.ran_decision_id:
                 self._commit_locked(shard, ctx.ran_decision_id)
             if ctx is not None and decide:
@@ -310,26 +316,37 @@ class DecisionService:
             shard.directive = directive  # delivered with the next table
         table = shard.tables.get(step.table_id)
         entry = table.entry(step.context.batch_size) if table is not None else None
-        if table is None or entry is None or step.gamma > table.gamma_max:
+        revision, gamma_max = shard.known_tables.get(step.table_id, (0, -1))
+        if (entry is None and table is not None) or step.gamma > gamma_max:
             self.metrics.table_steps.labels("unknown").inc()
             return False
-        entry_ctx, choice, after = entry
-        if table.revision == self._active.revision:
-            if after is DECIDE_AGAIN:
-                self._active.policy.decide(entry_ctx)
-            else:
-                self._active.policy.restore(entry_ctx, after)
-            self.metrics.table_steps.labels("committed").inc()
+        if entry is None:
+            # Known, no longer kept: newer tables were decided since, so its entry's
+            # checkpoint is not committed; the step is still learned from.
+            choice = Choice(gamma=step.gamma, bin_type=BinType.EXPLOIT)
+            result = "late"
         else:
-            self.metrics.table_steps.labels("stale").inc()
+            entry_ctx, choice, after = entry
+            result = "stale"
+            if revision == self._active.revision:
+                if after is DECIDE_AGAIN:
+                    self._active.policy.decide(entry_ctx)
+                else:
+                    self._active.policy.restore(entry_ctx, after)
+                result = "committed"
+        if revision != self._active.revision:
+            result = "stale"
+        self.metrics.table_steps.labels(result).inc()
         if step.gamma != choice.gamma:  # the engine clamped it
             choice = dataclasses.replace(choice, gamma=step.gamma)
-        pending = PendingDecision(step.context, choice, table.revision, table.gamma_max)
+        pending = PendingDecision(step.context, choice, revision, gamma_max)
         self.engines.add_pending(shard, step.decision_id, pending)
         self._count_decision(step.decision_id, pending)
         return True
 
-    def _report_batched_locked(self, shard: EngineShard, outcome: StepOutcome) -> bool:
+    def _report_batched_locked(
+        self, shard: EngineShard, outcome: StepOutcome, result: TableStepResult
+    ) -> None:
         """An outcome of a report batch: applied as Report would, skipped (and counted)
         where Report would answer NOT_FOUND or find it does not fit its decision."""
         pending = shard.pending.get(outcome.decision_id)
@@ -339,9 +356,12 @@ class DecisionService:
             pending = member.pending if member is not None else None
         if pending is None or not 0 <= outcome.gamma <= pending.gamma_max:
             self.metrics.skipped_outcomes.inc()
-            return False
+            result.skip(
+                f"outcome of {outcome.decision_id}: unknown decision, or its gamma is past "
+                "the deciding policy's"
+            )
+            return
         self._report_locked(shard, pending, outcome)
-        return True
 
     def _decide_table_locked(self, shard: EngineShard, ctx: StepContext) -> GammaTable:
         """The γ of every batch size within half_width of ``ctx``'s, decided at once (one

@@ -14,7 +14,7 @@ from nightjar_common.tables import ReportBatch, TableCache, refresh_due
 from nightjar_common.types import Choice, RanStep, StepContext, StepOutcome
 from nightjar_common.validation import MAX_BATCHED
 from policy_server.policies import Policy, create_policy
-from policy_server.service import DecisionService
+from policy_server.service import DEFAULT_HALF_WIDTH, DecisionService, TableOptions
 from policy_server.sim.engine import Simulator
 
 
@@ -51,9 +51,13 @@ class TableSource:
     arrives in time: on a real engine the refresh is asked for one step ahead)."""
 
     def __init__(
-        self, policy: str, params: Mapping[str, Any] | None = None, refresh_steps: int = 8
+        self,
+        policy: str,
+        params: Mapping[str, Any] | None = None,
+        refresh_steps: int = 8,
+        half_width: int = DEFAULT_HALF_WIDTH,
     ) -> None:
-        self.service = DecisionService(policy, params)
+        self.service = DecisionService(policy, params, tables=TableOptions(half_width))
         self.refresh_steps = refresh_steps
         self.refreshes = 0
         self._cache = TableCache()

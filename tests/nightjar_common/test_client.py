@@ -83,7 +83,9 @@ def test_kill_and_restart_the_sidecar(make_server, use_stream: bool) -> None:
 
 def test_a_stalled_sidecar_costs_at_most_the_deadline(make_server) -> None:
     server = make_server()
-    client = make_client(server.target, deadline_s=0.005, connect_timeout_s=5)
+    client = make_client(
+        server.target, deadline_s=0.005, connect_timeout_s=5, decision_tables=False
+    )
     try:
         assert step(client, 0).source in ("sidecar", "fallback")
         missed_before = client.stats.fallbacks["deadline"]  # a busy host may miss one here
@@ -96,6 +98,28 @@ def test_a_stalled_sidecar_costs_at_most_the_deadline(make_server) -> None:
         assert client.stats.fallbacks["deadline"] - missed_before == 10
         assert wait_until(lambda: step(client, 100).source == "sidecar")
         assert wait_until(lambda: client.stats.late_replies >= 10)
+    finally:
+        client.close()
+
+
+def test_a_stalled_sidecar_leaves_the_held_table_until_it_expires(make_server) -> None:
+    """With decision tables a stalled sidecar costs nothing while the held table is valid
+    (64 steps, 1 s), then each step waits at most the deadline and falls back."""
+    server = make_server()
+    client = make_client(server.target, deadline_s=0.005, connect_timeout_s=5)
+    try:
+        assert wait_until(lambda: step(client, 0).source == "sidecar")
+        server.proc.send_signal(signal.SIGSTOP)
+        try:
+            stalled = [step(client, 1 + i) for i in range(80)]
+        finally:
+            server.proc.send_signal(signal.SIGCONT)
+        sources = [d.source for d in stalled]
+        answered = sources.index("fallback")
+        assert 0 < answered < 64 and set(sources[answered:]) == {"fallback"}
+        assert client.stats.table_misses["expired"] >= 1
+        assert client.stats.fallbacks["deadline"] >= 80 - 64
+        assert wait_until(lambda: step(client, 200).source == "sidecar")
     finally:
         client.close()
 

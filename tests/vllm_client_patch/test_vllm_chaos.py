@@ -41,7 +41,8 @@ ENGINE = "chaos-engine"
 # the engine's max_model_len is 512.
 CHAOS_TOKENS = 480
 DEADLINE_MS = 20
-STOP_S = 0.6  # SIGSTOP: 30 deadlines
+# SIGSTOP: longer than a decision table stays valid (1 s), then 25 deadlines.
+STOP_S = 1.5
 KILLS = 3
 # What the tests measured, for docs/reliability/chaos.json ("ran": the tests that started).
 RESULTS: dict[str, Any] = {"ran": []}

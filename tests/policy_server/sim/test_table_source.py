@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import nightjar_data
-import pytest
 
 from policy_server.sim.acceptance import WORKLOADS
 from policy_server.sim.engine import DecisionSource, SimConfig, SimResult, Simulator
@@ -44,6 +43,10 @@ def test_tables_serve_several_steps_and_exploring_entries_run_once() -> None:
     assert explorer.refreshes == decided
 
 
-def test_policies_without_checkpointed_decisions_are_refused() -> None:
-    with pytest.raises(ValueError, match="checkpoints_decide"):
-        TableSource.named("ucb")
+def test_policies_without_checkpointed_decisions_serve_tables_too() -> None:
+    """Their entries are decided on copies and decided again when a step runs one (as
+    candidates are): refreshed every step with one size, the per-step decisions."""
+    params = {"gamma_max": 4}
+    per_step = simulate(PolicySource.named("ucb", params))
+    tables = TableSource.named("ucb", params, refresh_steps=1, half_width=0)
+    assert [s.gamma for s in simulate(tables).steps] == [s.gamma for s in per_step.steps]
