@@ -114,21 +114,23 @@ def measure_in_process(samples: int = 20_000) -> list[Measurement]:
         summarise(f"DecisionService.decide ({DEFAULT_POLICY})", decide_ns),
         summarise(f"DecisionService.decide + report ({DEFAULT_POLICY})", pair_ns),
         measured[1],
-        *measure_tables(samples, warm),
+        *measure_tables(samples, warm, refresh_steps=8),
+        *measure_tables(samples, warm, refresh_steps=32),
     ]
 
 
-def measure_tables(samples: int, warm: int) -> list[Measurement]:
+def measure_tables(samples: int, warm: int, refresh_steps: int) -> list[Measurement]:
     """Steps through decision tables in process, with the protocol's own code (the
     simulator's TableSource: TableCache on the client's side, DecisionService.table_step
-    on the sidecar's, refreshed every 8 steps or when the table cannot answer), on a batch
+    on the sidecar's, refreshed every ``refresh_steps`` steps or when the table cannot
+    answer), on a batch
     that moves by a request or two a step, as an engine's does. Per step: deciding (the
     client's lookup, and on the steps that refresh, the sidecar deciding the next table)
     and applying (on those steps, the sidecar checking and applying the ran steps and
     outcomes since the last refresh: learning). Wire encoding is not in it (`make
     bench-load` has it)."""
     rng = random.Random(1)
-    source = TableSource.named(DEFAULT_POLICY, {"seed": 1})
+    source = TableSource.named(DEFAULT_POLICY, {"seed": 1}, refresh_steps=refresh_steps)
     decide_time = source.service.metrics.decision_latency
     decide_ns: list[int] = []
     apply_ns: list[int] = []
@@ -154,8 +156,8 @@ def measure_tables(samples: int, warm: int) -> list[Measurement]:
             decide_ns.clear()
             apply_ns.clear()
     return [
-        summarise(f"{TABLES_CASE}: deciding a step ({DEFAULT_POLICY})", decide_ns),
-        summarise(f"{TABLES_CASE}: applying its report ({DEFAULT_POLICY})", apply_ns),
+        summarise(f"{TABLES_CASE} of {refresh_steps}: deciding a step", decide_ns),
+        summarise(f"{TABLES_CASE} of {refresh_steps}: applying its report", apply_ns),
     ]
 
 

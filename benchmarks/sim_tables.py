@@ -1,11 +1,12 @@
 """`make bench-tables`: the default policy asked every step against decision tables.
 
-The question behind docs/DECISION_TABLES.md: if the sidecar decided a table of γ by batch
-size every few steps (one posterior draw per table) and the engine ran each step from it,
-how much goodput would be lost? Every cell of `make bench`'s matrix (both profiles, all its
-workloads, seeds 1..N) runs `goodput` per step and through `TableSource` refreshed every
-8 and every 32 steps; the section reports throughput, mean end-to-end latency and regret
-against the oracle of each, the differences to per-step, and how many steps a table served.
+The question behind docs/DECISION_TABLES.md: when the sidecar decides a table of γ by batch
+size every few steps (one posterior draw per table) and the engine runs each step from it,
+how much goodput is lost? Every cell of `make bench`'s matrix (both profiles, all its
+workloads, seeds 1..N) runs `goodput` per step and through `TableSource` (the protocol's
+own service and client code, in process) refreshed every 8 and every 32 steps; the
+section reports throughput, mean end-to-end latency and regret against the oracle of each,
+the differences to per-step, and how many steps a table served.
 """
 
 from __future__ import annotations
@@ -140,12 +141,14 @@ def render(rows: list[str], config: BenchConfig) -> str:
             f"{'the quick' if config.quick else 'the full'} workloads of `make bench`, the same "
             f"profiles and settings (Γmax = {GAMMA_MAX}, `chat-sps` acceptance, chunked "
             "prefill). `goodput` decides every step (per step), or through decision tables "
-            "(docs/DECISION_TABLES.md) refreshed every 8 or 32 steps, and early when the batch "
-            "size leaves the table (±8 around the batch size at the refresh), the speculation "
-            "state flips (γ_prev = 0 or > 0), or an exploring entry (a trial, or a draw that "
-            "left the greedy γ) has run once. Differences are to per step; regret is the share "
-            "of generated tokens lost against the per-step oracle; steps per table is how many "
-            "steps one refresh served (the round trips a table saves).",
+            "(nightjar.v1.7, docs/DECISION_TABLES.md) with the protocol's own code in process "
+            "(the sidecar's `DecisionService.table_step`, the client's `TableCache`), refreshed "
+            "every 8 or 32 steps, and early when the batch size leaves the table (±8 around the "
+            "batch size at the refresh), the speculation state flips (γ_prev = 0 or > 0), or "
+            "an exploring entry (a trial, or a draw that left the greedy γ) has run once. "
+            "Differences are to per step; regret is the share of generated tokens lost against "
+            "the per-step oracle; steps per table is how many steps one refresh served (the "
+            "round trips a table saves).",
             "",
             f"| profile | workload | per step tok/s | per step mean e2e s | per step regret % "
             f"| {periods} |",

@@ -63,7 +63,7 @@ from policy_server.policies.models import (
     StepTimeModel,
     batch_octave,
     expected_tokens,
-    predict_ms,
+    predict_ms_many,
     step_features,
 )
 from policy_server.policies.rng import SplitMix64
@@ -206,36 +206,47 @@ class Estimate:
     def goodput(self, batch_size: int, switch_ms: list[float]) -> tuple[Prediction, list[float]]:
         """The prediction at ``batch_size`` and its goodput per γ: tokens per request per
         ms with the switch cost (the batch size is a common factor)."""
-        prediction = self.predict(batch_size)
-        floor = self.floor_ms
-        goodput = [
-            tokens / (max(ms, floor) + switch)
-            for tokens, ms, switch in zip(
-                prediction.tokens, prediction.step_ms.tolist(), switch_ms, strict=True
-            )
+        return self.goodputs([batch_size], [switch_ms])[0]
+
+    def goodputs(
+        self, batch_sizes: Sequence[int], switch_ms: Sequence[list[float]]
+    ) -> list[tuple[Prediction, list[float]]]:
+        """``goodput`` at several batch sizes, priced together (a table's sizes): the
+        same numbers element by element."""
+        ms = self.predict_many(batch_sizes)
+        goodput = np.array(self.tokens) / (np.maximum(ms, self.floor_ms) + np.array(switch_ms))
+        return [
+            (Prediction(self.tokens, row), values)
+            for row, values in zip(ms, goodput.tolist(), strict=True)
         ]
-        return prediction, goodput
 
     def predict(self, batch_size: int) -> Prediction:
         """Decode-step ms for γ = 0..top at ``batch_size``, with the local correction."""
-        ms = predict_ms(
+        return Prediction(self.tokens, self.predict_many([batch_size])[0])
+
+    def predict_many(self, batch_sizes: Sequence[int]) -> FloatArray:
+        """Decode-step ms, one row of γ = 0..top per batch size, with the correction."""
+        ms = predict_ms_many(
             self.weights,
-            batch_size,
+            batch_sizes,
             self.top,
             context_tokens=self.context_tokens,
             min_draft_passes=self.min_draft_passes,
         )
         if self.correct:
-            octave = batch_octave(batch_size)
-            offsets = self.offsets.get(octave)
-            if offsets is None:
-                noise = self.learner.step_time.noise_variance
-                offsets = self.learner.correction.offsets_ms(
-                    self.weights, batch_size, self.top, noise, self.normals
-                )
-                self.offsets[octave] = offsets
-            ms = ms + offsets
-        return Prediction(self.tokens, ms)
+            ms = ms + np.stack([self._offsets(b) for b in batch_sizes])
+        return ms
+
+    def _offsets(self, batch_size: int) -> FloatArray:
+        octave = batch_octave(batch_size)
+        offsets = self.offsets.get(octave)
+        if offsets is None:
+            noise = self.learner.step_time.noise_variance
+            offsets = self.learner.correction.offsets_ms(
+                self.weights, batch_size, self.top, noise, self.normals
+            )
+            self.offsets[octave] = offsets
+        return offsets
 
 
 @dataclasses.dataclass(slots=True)
@@ -428,18 +439,22 @@ class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner])
         if learner.steps < self._params.warmup_steps:
             return [(self._prior_choice(c.batch_size, top), trials, False) for c in candidates]
         point = self._estimate(learner, ctx, top)
-        drawn: Estimate | None = None  # drawn once, when the first candidate needs it
+        sizes = [candidate.batch_size for candidate in candidates]
+        switches = [self._switch_ms(candidate, engine, top) for candidate in candidates]
+        judged = point.goodputs(sizes, switches)
+        # Drawn once, when the first candidate needs it, and priced at every size at once.
+        sampled: list[tuple[Prediction, list[float]]] | None = None
         chosen = []
-        for candidate in candidates:
-            judgement = self._judge(learner, engine, point, candidate)
+        for index, candidate in enumerate(candidates):
+            judgement = self._judge(learner, engine, judged[index], candidate, switches[index])
             if judgement.trial is not None:
                 trial = Choice(gamma=judgement.trial, bin_type=BinType.EXPLORE)
                 tried = trials | {(batch_octave(candidate.batch_size), judgement.trial)}
                 chosen.append((trial, tried, False))
                 continue
-            if drawn is None:
-                drawn = self._sample(learner, engine, ctx, top)
-            chosen.append((self._settle(judgement, drawn), trials, True))
+            if sampled is None:
+                sampled = self._sample(learner, engine, ctx, top).goodputs(sizes, switches)
+            chosen.append((self._settle(judgement, sampled[index][1]), trials, True))
         return chosen
 
     def _prior_choice(self, batch_size: int, top: int) -> Choice:
@@ -447,19 +462,24 @@ class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner])
         return Choice(gamma=min(self._prior.gamma_for(batch_size), top), bin_type=BinType.EXPLOIT)
 
     def _judge(
-        self, learner: Learner, engine: EngineState, point: Estimate, ctx: StepContext
+        self,
+        learner: Learner,
+        engine: EngineState,
+        priced: tuple[Prediction, list[float]],
+        ctx: StepContext,
+        switch_ms: list[float],
     ) -> Judgement:
-        """The point estimate at ``ctx``'s batch size: allowed γ, goodput, best, trial."""
-        switch_ms = self._switch_ms(ctx, engine, point.top)
-        predicted, goodput = point.goodput(ctx.batch_size, switch_ms)
+        """The point estimate at ``ctx``'s batch size (``priced``: its prediction and
+        goodput there): allowed γ, goodput, best, trial."""
+        predicted, goodput = priced
         allowed = self._allowed(predicted)
         greedy = _best(goodput, allowed)
         trial = self._trial(learner, engine, ctx.batch_size, goodput, allowed, greedy)
         return Judgement(ctx.batch_size, switch_ms, allowed, goodput, greedy, trial)
 
-    def _settle(self, judged: Judgement, drawn: Estimate) -> Choice:
-        """The Thompson choice at the judged batch size, under the exploration cap."""
-        _, sampled_goodput = drawn.goodput(judged.batch_size, judged.switch_ms)
+    def _settle(self, judged: Judgement, sampled_goodput: list[float]) -> Choice:
+        """The Thompson choice at the judged batch size (``sampled_goodput``: the drawn
+        estimate's goodput there), under the exploration cap."""
         sampled = _best(sampled_goodput, judged.allowed)
         # Why the cap: with a 14-feature posterior and the few hundred steps a busy engine
         # runs at one batch size, plain Thompson draws keep trying γ far behind the best

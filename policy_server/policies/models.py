@@ -129,10 +129,29 @@ def predict_ms(
 ) -> FloatArray:
     """Step milliseconds for γ = 0..gamma_top under ``weights`` (the fast path of a
     decision: one cached matrix product plus the two context terms)."""
-    shape = shape_features(batch_size, gamma_top, prefill_tokens, min_draft_passes)
+    ms: FloatArray = predict_ms_many(
+        weights, (batch_size,), gamma_top, prefill_tokens, context_tokens, min_draft_passes
+    )[0]
+    return ms
+
+
+def predict_ms_many(
+    weights: FloatArray,
+    batch_sizes: Sequence[int],
+    gamma_top: int,
+    prefill_tokens: int = 0,
+    context_tokens: int = 0,
+    min_draft_passes: int = 0,
+) -> FloatArray:
+    """``predict_ms`` for several batch sizes at once, one row each: one product for all
+    (a decision table prices 17 sizes). Every element is computed as for one size alone
+    (the same product per row), so a decision does not depend on how many were asked."""
+    shape = np.stack(
+        [shape_features(b, gamma_top, prefill_tokens, min_draft_passes) for b in batch_sizes]
+    )
     context = context_tokens / CONTEXT_SCALE
     head: FloatArray = shape @ weights[:SHAPE_FEATURES]
-    ms: FloatArray = head + context * (weights[-2] + weights[-1] * shape[:, -2])
+    ms: FloatArray = head + context * (weights[-2] + weights[-1] * shape[:, :, -2])
     return ms
 
 
