@@ -233,7 +233,7 @@ class GammaController:
         decision = self.client.take(ctx)
         # No drafter to run while the draft is away, whatever the sidecar or the table said.
         gamma = max(0, min(decision.gamma, view.max_gamma if view.draft_resident else 0))
-        ran = dataclasses.replace(decision, gamma=gamma)
+        ran = decision if gamma == decision.gamma else dataclasses.replace(decision, gamma=gamma)
         self._pending.append(_InFlight(ctx, ran, started.wall, view.prefill_tokens))
         self._previous_gamma = gamma
         self._gammas[gamma] += 1
