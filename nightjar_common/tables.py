@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import time
 from typing import TypeVar
 
 from nightjar_common.types import GammaTable, RanStep, StepContext, StepOutcome
@@ -34,18 +33,21 @@ T = TypeVar("T")
 
 @dataclasses.dataclass(slots=True)
 class HeldTable:
-    """A table as the engine uses it: when it arrived, how often it served, which of its
+    """A table as the engine uses it: when it first served, how often, which of its
     exploring entries already ran."""
 
     table: GammaTable
-    # time.monotonic() at arrival; the request's sequence number (newer replaces older).
-    arrived: float
+    # The request's sequence number (a newer table replaces an older one).
     seq: int
+    # time.monotonic() of its first step: a table's time runs while it serves, so one asked
+    # for as the engine went idle is there when it wakes (a policy change voids it, a lost
+    # sidecar too; a sidecar frozen meanwhile costs its valid_ms after the wake-up).
+    started: float | None = None
     uses: int = 0
     spent: set[int] = dataclasses.field(default_factory=set)
 
     def age_ms(self, now: float) -> float:
-        return 1000.0 * (now - self.arrived)
+        return 0.0 if self.started is None else 1000.0 * (now - self.started)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -69,7 +71,7 @@ class TableCache:
         held = self.held
         if held is not None and held.seq > seq:
             return False
-        self.held = HeldTable(table, time.monotonic(), seq)
+        self.held = HeldTable(table, seq)
         return True
 
     def void(self) -> None:
@@ -94,6 +96,8 @@ class TableCache:
             if index in held.spent:
                 return SPENT
             held.spent.add(index)
+        if held.started is None:
+            held.started = now
         held.uses += 1
         return TableStep(table.gammas[index], f"{table.table_id}.{held.uses}", exploring, held)
 

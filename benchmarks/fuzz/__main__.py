@@ -76,7 +76,32 @@ def request_strategy(method: Method, issued: fs.Issued) -> st.SearchStrategy[Mes
             st.one_of(st.none(), outcome),
             st.one_of(st.none(), context),
         )
-        return st.one_of(generic, near, near)
+        # nightjar.v1.7: a report batch of ran steps (ids of issued or made-up tables) and
+        # outcomes, asking for a table or not.
+        ran_step = st.builds(
+            lambda table, n, c, gamma: policy_pb2.RanStep(
+                decision_id=f"{table}.{n}", context=policy_pb2.StepContext(**c), gamma=gamma
+            ),
+            st.one_of(st.integers(0, 255).map(issued.pick_table), st.text(max_size=12)),
+            st.integers(-1, 1 << 20),
+            context,
+            st.integers(-2, 80),
+        )
+        batch = st.builds(
+            lambda seq, want, c, ran, outcomes: policy_pb2.StepRequest(
+                seq=seq,
+                want_table=want,
+                context=policy_pb2.StepContext(**c) if c else None,
+                ran_steps=ran,
+                outcomes=[policy_pb2.StepOutcome(**o) for o in outcomes],
+            ),
+            st.integers(0, 1 << 20),
+            st.booleans(),
+            st.one_of(st.none(), context),
+            st.lists(ran_step, max_size=6),
+            st.lists(outcome, max_size=6),
+        )
+        return st.one_of(generic, near, near, batch)
     return generic
 
 
@@ -189,6 +214,10 @@ def fuzz(workdir: Path, total: int, run_seed: int) -> Tally:
     tally = Tally()
 
     def on_reply(method: Method, payload: bytes, reply: Message) -> None:
+        table = getattr(reply, "table", None)
+        if isinstance(table, policy_pb2.GammaTable) and table.table_id:
+            issued.tables.append(table.table_id)
+            del issued.tables[:-256]
         decision = getattr(reply, "decision", reply)
         if not isinstance(decision, policy_pb2.Decision) or not decision.decision_id:
             return

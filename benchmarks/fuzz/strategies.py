@@ -49,6 +49,8 @@ class Issued:
     to them, with the right engine or a wrong one."""
 
     decisions: list[tuple[str, str, int]] = dataclasses.field(default_factory=list)
+    # Ids of the decision tables it issued (nightjar.v1.7), newest last.
+    tables: list[str] = dataclasses.field(default_factory=list)
 
     def add(self, decision_id: str, engine_id: str, gamma: int) -> None:
         self.decisions.append((decision_id, engine_id, gamma))
@@ -58,6 +60,10 @@ class Issued:
         if not self.decisions:
             return ("", ENGINES[0], 0)
         return self.decisions[index % len(self.decisions)]
+
+    def pick_table(self, index: int) -> str:
+        """A decision table the sidecar issued (ran steps name them), or a made-up id."""
+        return self.tables[index % len(self.tables)] if self.tables else "t"
 
 
 def ints(bounds: tuple[int, int]) -> st.SearchStrategy[int]:
