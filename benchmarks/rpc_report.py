@@ -70,6 +70,10 @@ def render(results: dict[str, Any]) -> str:
         "",
         "### Client → sidecar round trip (`NightjarClient.decide`)",
         "",
+        "One decision per step (`decision_tables=False`): these cases measure the round "
+        "trip. With decision tables (nightjar.v1.7, the default) most steps need none; "
+        "`make bench-load` measures that mode.",
+        "",
         "| transport, clients | samples | p50 ms | p99 ms | fallbacks |",
         "|---|---:|---:|---:|---:|",
         *[

@@ -63,6 +63,7 @@ from policy_server.policies.models import (
     StepTimeModel,
     batch_octave,
     expected_tokens,
+    predict_ms,
     predict_ms_many,
     step_features,
 )
@@ -206,13 +207,23 @@ class Estimate:
     def goodput(self, batch_size: int, switch_ms: list[float]) -> tuple[Prediction, list[float]]:
         """The prediction at ``batch_size`` and its goodput per γ: tokens per request per
         ms with the switch cost (the batch size is a common factor)."""
-        return self.goodputs([batch_size], [switch_ms])[0]
+        prediction = self.predict(batch_size)
+        floor = self.floor_ms
+        goodput = [
+            tokens / (max(ms, floor) + switch)
+            for tokens, ms, switch in zip(
+                prediction.tokens, prediction.step_ms.tolist(), switch_ms, strict=True
+            )
+        ]
+        return prediction, goodput
 
     def goodputs(
         self, batch_sizes: Sequence[int], switch_ms: Sequence[list[float]]
     ) -> list[tuple[Prediction, list[float]]]:
         """``goodput`` at several batch sizes, priced together (a table's sizes): the
-        same numbers element by element."""
+        same numbers element by element (IEEE arithmetic, in numpy as in Python)."""
+        if len(batch_sizes) == 1:  # one decision: numpy's per-call costs would dominate
+            return [self.goodput(batch_sizes[0], switch_ms[0])]
         ms = self.predict_many(batch_sizes)
         goodput = np.array(self.tokens) / (np.maximum(ms, self.floor_ms) + np.array(switch_ms))
         return [
@@ -222,7 +233,16 @@ class Estimate:
 
     def predict(self, batch_size: int) -> Prediction:
         """Decode-step ms for γ = 0..top at ``batch_size``, with the local correction."""
-        return Prediction(self.tokens, self.predict_many([batch_size])[0])
+        ms = predict_ms(
+            self.weights,
+            batch_size,
+            self.top,
+            context_tokens=self.context_tokens,
+            min_draft_passes=self.min_draft_passes,
+        )
+        if self.correct:
+            ms = ms + self._offsets(batch_size)
+        return Prediction(self.tokens, ms)
 
     def predict_many(self, batch_sizes: Sequence[int]) -> FloatArray:
         """Decode-step ms, one row of γ = 0..top per batch size, with the correction."""

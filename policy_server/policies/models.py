@@ -129,9 +129,10 @@ def predict_ms(
 ) -> FloatArray:
     """Step milliseconds for γ = 0..gamma_top under ``weights`` (the fast path of a
     decision: one cached matrix product plus the two context terms)."""
-    ms: FloatArray = predict_ms_many(
-        weights, (batch_size,), gamma_top, prefill_tokens, context_tokens, min_draft_passes
-    )[0]
+    shape = shape_features(batch_size, gamma_top, prefill_tokens, min_draft_passes)
+    context = context_tokens / CONTEXT_SCALE
+    head: FloatArray = shape @ weights[:SHAPE_FEATURES]
+    ms: FloatArray = head + context * (weights[-2] + weights[-1] * shape[:, -2])
     return ms
 
 
@@ -144,8 +145,10 @@ def predict_ms_many(
     min_draft_passes: int = 0,
 ) -> FloatArray:
     """``predict_ms`` for several batch sizes at once, one row each: one product for all
-    (a decision table prices 17 sizes). Every element is computed as for one size alone
-    (the same product per row), so a decision does not depend on how many were asked."""
+    (a decision table prices 17 sizes). Every element equals ``predict_ms``'s for its size
+    alone (numpy's stacked product computes each row's as the product of that row alone;
+    a reshaped 2-D product would not), so a decision does not depend on how many sizes
+    were asked (tests/policy_server/policies/test_goodput_candidates.py)."""
     shape = np.stack(
         [shape_features(b, gamma_top, prefill_tokens, min_draft_passes) for b in batch_sizes]
     )
