@@ -16,10 +16,21 @@ def test_in_process_measurement_is_sane() -> None:
         "DecisionService.decide (goodput)",
         "DecisionService.decide + report (goodput)",
         "NightjarPolicy.decide (nightjar)",
+        *(
+            f"decision tables of {k}: {what}"
+            for k in (8, 32)
+            for what in ("deciding a step", "applying its report")
+        ),
     ]
-    for m in results:
+    for m in results[:4]:
         assert isinstance(m, Measurement) and m.samples > 0
         assert 0 < m.p50_us <= m.p99_us
+    # Through tables most steps only look their γ up; a refresh costs a table's decision,
+    # so the mean lies between the two, and applying reports happens on refreshes only.
+    deciding, applying = results[4], results[5]
+    assert 0 < deciding.p50_us < deciding.mean_us < deciding.p99_us
+    assert applying.p50_us == 0 < applying.mean_us
+    assert results[6].mean_us < deciding.mean_us  # refreshed 4 x less often
 
 
 def test_report_sections_are_replaced_in_place_and_kept_apart(tmp_path: Path) -> None:
