@@ -45,6 +45,8 @@ class PluginCounts:
     fallbacks: Mapping[str, int] = dataclasses.field(default_factory=dict)
     gammas: Mapping[str, int] = dataclasses.field(default_factory=dict)  # γ → steps
     miss_reasons: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    # With decision tables: steps the held table could not answer, by why.
+    table_misses: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def between(cls, before: Mapping[str, Any], after: Mapping[str, Any]) -> PluginCounts:
@@ -63,6 +65,7 @@ class PluginCounts:
             delta_map("fallbacks"),
             delta_map("gammas"),
             delta_map("prefetch_miss_reasons"),
+            delta_map("table_misses"),
         )
 
     def __add__(self, other: PluginCounts) -> PluginCounts:
@@ -77,6 +80,7 @@ class PluginCounts:
             merged(self.fallbacks, other.fallbacks),
             merged(self.gammas, other.gammas),
             merged(self.miss_reasons, other.miss_reasons),
+            merged(self.table_misses, other.table_misses),
         )
 
     @property
@@ -241,7 +245,8 @@ def render(
         "`off` can show drafted tokens.",
         "",
         f"| policy | engine steps | steps at γ = {' / '.join(map(str, gammas))} "
-        "| sidecar decisions | fallback steps | prefetch hits / misses (why) |",
+        "| sidecar decisions | fallback steps | prefetch hits / misses (why), or with "
+        "decision tables the steps the held table could not answer (why) |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     for label, rs in grouped.items():
@@ -253,7 +258,8 @@ def render(
                 " / ".join(str(c.gammas.get(str(g), 0)) for g in gammas),
                 c.sidecar_decisions,
                 f"{c.fallbacks_total} {dict(c.fallbacks) if c.fallbacks else ''}".strip(),
-                f"{c.prefetch_hits} / {c.prefetch_misses} "
+                _table_misses(c)
+                or f"{c.prefetch_hits} / {c.prefetch_misses} "
                 f"{dict(c.miss_reasons) if c.miss_reasons else ''}".strip(),
             )
         )
@@ -280,3 +286,10 @@ def render(
         *verdict(runs, schedule),
     ]
     return "\n".join(lines)
+
+
+def _table_misses(counts: PluginCounts) -> str:
+    """ "table misses N {why: n}" for a pass with decision tables, "" for one without."""
+    if not counts.table_misses:
+        return ""
+    return f"table misses {sum(counts.table_misses.values())} {dict(counts.table_misses)}"

@@ -150,6 +150,12 @@ def test_quick_run_counts_the_plugins_decisions_per_policy(quick_run: dict[str, 
     plugin = table(quick_run["section"], "| policy | engine steps |")
     assert plugin["goodput"][2] == str(goodput["sidecar_decisions"])
     assert plugin["off"][0] == str(off["steps"])
+    # Decision tables are the plugin's default: the section says, per policy, how many steps
+    # the held table could not answer and why, from the stats file's counts.
+    for run in quick_run["runs"]:
+        missed = run["plugin"]["table_misses"]
+        assert all(n > 0 for n in missed.values())
+        assert plugin[run["policy"]][-1].startswith("table misses") == bool(missed)
 
 
 def test_schedule_and_policies_are_validated() -> None:
