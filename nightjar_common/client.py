@@ -609,19 +609,10 @@ class NightjarClient:
         had ``asked_batch_size``; None when the reply has no answer for that size (a
         sidecar without candidate support answers only the asked size)."""
         self.stats.decisions += 1
-        if future is None:
-            return self._fall_back(ctx, "disconnected")
-        try:
-            reply = future.result(timeout=self.config.deadline_s)
-        except TimeoutError:
-            future.add_done_callback(self._count_late)
-            return self._fall_back(ctx, "deadline")
-        except SidecarRejected as exc:
-            log.warning("%s", exc)
-            self._rename_ran(future, exc.code)  # before the next request is built
-            return self._fall_back(ctx, "rejected")
-        except ConnectionError:
-            return self._fall_back(ctx, "unavailable")
+        reply = self._await(ctx, future)
+        if isinstance(reply, GammaDecision):
+            return reply
+        assert future is not None  # it answered
         if reply.HasField("error"):
             log.warning("sidecar rejected a step context: %s", reply.error.message)
             self._rename_ran(future, reply.error.code)
@@ -668,18 +659,9 @@ class NightjarClient:
     def _wait_for_table(self, ctx: StepContext) -> TableStep | GammaDecision:
         """Ask for a table for ``ctx`` now and take its entry, within the deadline."""
         future, seq = self._send_batch(ctx, want_table=True)
-        if future is None:
-            return self._fall_back(ctx, "disconnected")
-        try:
-            reply = future.result(timeout=self.config.deadline_s)
-        except TimeoutError:
-            future.add_done_callback(self._count_late)
-            return self._fall_back(ctx, "deadline")
-        except SidecarRejected as exc:
-            log.warning("%s", exc)
-            return self._fall_back(ctx, "rejected")
-        except ConnectionError:
-            return self._fall_back(ctx, "unavailable")
+        reply = self._await(ctx, future)
+        if isinstance(reply, GammaDecision):
+            return reply
         if reply.HasField("error"):
             if reply.error.code == grpc.StatusCode.ABORTED.value[0]:
                 return self._fall_back(ctx, "superseded")  # its reports were applied
@@ -797,6 +779,25 @@ class NightjarClient:
         if self._use_tables:
             self._use_tables = False
             log.info("nightjar: the sidecar sends no decision tables; one decision per step")
+
+    def _await(
+        self, ctx: StepContext, future: PendingReply | None
+    ) -> policy_pb2.StepReply | GammaDecision:
+        """The reply to ``ctx``'s request within the deadline, else the fallback (why:
+        disconnected, deadline, rejected, unavailable)."""
+        if future is None:
+            return self._fall_back(ctx, "disconnected")
+        try:
+            return future.result(timeout=self.config.deadline_s)
+        except TimeoutError:
+            future.add_done_callback(self._count_late)
+            return self._fall_back(ctx, "deadline")
+        except SidecarRejected as exc:
+            log.warning("%s", exc)
+            self._rename_ran(future, exc.code)  # before the next request is built
+            return self._fall_back(ctx, "rejected")
+        except ConnectionError:
+            return self._fall_back(ctx, "unavailable")
 
     def _fall_back(self, ctx: StepContext, reason: str) -> GammaDecision:
         self.stats.fallbacks[reason] += 1

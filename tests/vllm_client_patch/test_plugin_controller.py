@@ -101,6 +101,17 @@ def static_sidecar_logging(make_server: Any, tmp_path: Path) -> tuple[Any, Path]
 MODES = pytest.mark.parametrize("tables", [True, False], ids=["tables", "per-step"])
 
 
+def run_with_one_bad_outcome(controller: GammaController) -> None:
+    """40 steps at batch 4, then idle; the 11th verifies 3 accepted of γ = 2 drafts."""
+    wait_for(lambda: controller.client.connected)
+    good = VerifiedStep(8, 4, 12, (1, 1, 1, 1))
+    bad = VerifiedStep(8, 4, 12, (3, 0, 1, 0))
+    for k in range(40):
+        controller.decide(view(4))
+        controller.end_step(bad if k == 10 else good if k else VerifiedStep(0, 0, 4))
+    controller.idle()
+
+
 @MODES
 def test_each_decision_is_reported_with_the_step_that_verified_it(
     make_server: Any, tmp_path: Path, tables: bool
@@ -168,13 +179,7 @@ def test_a_rejected_outcome_costs_one_step_and_the_engine_recovers(
         config,
         client_factory=lambda c: NightjarClient(dataclasses.replace(c, use_stream=use_stream)),
     )
-    wait_for(lambda: controller.client.connected)
-    good = VerifiedStep(8, 4, 12, (1, 1, 1, 1))
-    bad = VerifiedStep(8, 4, 12, (3, 0, 1, 0))  # 3 accepted of γ = 2 drafts
-    for k in range(40):
-        controller.decide(view(4))
-        controller.end_step(bad if k == 10 else good if k else VerifiedStep(0, 0, 4))
-    controller.idle()
+    run_with_one_bad_outcome(controller)
     stats = controller.stats()
     assert stats["fallbacks"] == {"rejected": 1}  # the step whose request carried it
     # 39 steps verified a decision's drafts (the last decision is dropped at idle); less
@@ -193,13 +198,7 @@ def test_a_malformed_outcome_in_a_report_batch_loses_nothing_else(
     server, log = static_sidecar_logging(make_server, tmp_path)
     config = PluginConfig(sidecar=server.target, engine_id="ctl", deadline_ms=500)
     controller = GammaController(config)
-    wait_for(lambda: controller.client.connected)
-    good = VerifiedStep(8, 4, 12, (1, 1, 1, 1))
-    bad = VerifiedStep(8, 4, 12, (3, 0, 1, 0))  # 3 accepted of γ = 2 drafts
-    for k in range(40):
-        controller.decide(view(4))
-        controller.end_step(bad if k == 10 else good if k else VerifiedStep(0, 0, 4))
-    controller.idle()
+    run_with_one_bad_outcome(controller)
     stats = controller.stats()
     assert stats["fallbacks_total"] == 0
     # 39 outcomes (the last decision is dropped at idle), all applied but the bad one.
