@@ -738,13 +738,14 @@ class NightjarClient:
                 request.context.CopyFrom(wire.context_to_pb(_without_candidates(ctx)))
             future = transport.send(request)
         seq = request.seq
-        future.add_done_callback(lambda done: self._on_table_reply(done, seq))
+        future.add_done_callback(lambda done: self._on_table_reply(done, seq, refresh))
         return future, seq
 
-    def _on_table_reply(self, future: PendingReply, seq: int) -> None:
+    def _on_table_reply(self, future: PendingReply, seq: int, refresh: bool) -> None:
         """Every reply to a table request, on time or late: hold its table (unless a
-        newer one is held), keep its memory directive."""
-        self._refreshing = False
+        newer one is held), keep its memory directive; a refresh's ends the refresh."""
+        if refresh:
+            self._refreshing = False
         try:
             reply = future.result(timeout=0)
         except Exception:

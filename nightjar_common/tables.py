@@ -49,6 +49,16 @@ class HeldTable:
     def age_ms(self, now: float) -> float:
         return 0.0 if self.started is None else 1000.0 * (now - self.started)
 
+    def index(self, ctx: StepContext) -> int | str:
+        """The entry for ``ctx``'s step, or why the table has none for it."""
+        table = self.table
+        index = ctx.batch_size - table.first_batch_size
+        if not 0 <= index < len(table.gammas):
+            return OUT_OF_RANGE
+        if (ctx.previous_gamma == 0) != table.speculation_off:
+            return OTHER_STATE
+        return index
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class TableStep:
@@ -83,12 +93,10 @@ class TableCache:
         held = self.held
         if held is None:
             return NO_TABLE
+        index = held.index(ctx)
+        if isinstance(index, str):
+            return index
         table = held.table
-        index = ctx.batch_size - table.first_batch_size
-        if not 0 <= index < len(table.gammas):
-            return OUT_OF_RANGE
-        if (ctx.previous_gamma == 0) != table.speculation_off:
-            return OTHER_STATE
         if held.uses >= table.valid_steps or held.age_ms(now) >= table.valid_ms:
             return EXPIRED
         exploring = table.exploring[index] if index < len(table.exploring) else False
@@ -111,14 +119,12 @@ def refresh_due(
     entry explored already)."""
     if held is None:
         return True
-    table = held.table
-    index = next_ctx.batch_size - table.first_batch_size
+    index = held.index(next_ctx)
     return (
         held.uses >= every_steps
         or held.age_ms(now) >= every_ms
-        or not 0 <= index < len(table.gammas)
+        or isinstance(index, str)
         or index in held.spent
-        or (next_ctx.previous_gamma == 0) != table.speculation_off
     )
 
 

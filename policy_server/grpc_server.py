@@ -224,7 +224,7 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):  # type: ignore[mis
                     subscribed = True
                 superseded = inbox.superseded(request)
                 try:
-                    reply = self._step(request, decide=not superseded)
+                    reply = self._step(request, not superseded, "StepStream")
                 except NightjarError as exc:
                     code = status_of(exc)
                     self.service.metrics.invalid_requests.labels("StepStream", code.name).inc()
@@ -238,11 +238,13 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):  # type: ignore[mis
             self._unsubscribe(inbox)
             inbox.close()
 
-    def _step(self, request: policy_pb2.StepRequest, decide: bool = True) -> policy_pb2.StepReply:
+    def _step(
+        self, request: policy_pb2.StepRequest, decide: bool = True, method: str = "Step"
+    ) -> policy_pb2.StepReply:
         outcome = wire.outcome_from_pb(request.outcome) if request.HasField("outcome") else None
         ctx = wire.context_from_pb(request.context) if request.HasField("context") else None
         if request.want_table or request.ran_steps or request.outcomes:
-            return self._table_step(request, outcome, ctx, decide)
+            return self._table_step(request, outcome, ctx, decide, method)
         decision = self.service.step(outcome, ctx, decide)
         if decision is None:
             return policy_pb2.StepReply(seq=request.seq)
@@ -254,8 +256,10 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):  # type: ignore[mis
         outcome: StepOutcome | None,
         ctx: StepContext | None,
         decide: bool,
+        method: str,
     ) -> policy_pb2.StepReply:
-        """A v1.7 request: a report batch, and a table for its context when asked."""
+        """A v1.7 request: a report batch, and a table for its context when asked (its
+        malformed items counted as rejections of ``method``)."""
         if request.want_table and ctx is None:
             raise InvalidArgumentError("want_table needs a context to decide the table for")
         ran = [wire.ran_step_from_pb(step) for step in request.ran_steps]
@@ -264,6 +268,10 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):  # type: ignore[mis
             outcomes.insert(0, outcome)
         # A report batch alone (no table asked for) decides nothing.
         result = self.service.table_step(ran, outcomes, ctx, decide and request.want_table)
+        if result.malformed:
+            self.service.metrics.invalid_requests.labels(method, "INVALID_ARGUMENT").inc(
+                result.malformed
+            )
         reply = policy_pb2.StepReply(
             seq=request.seq, skipped=result.skipped, skipped_reason=result.skipped_reason
         )

@@ -122,6 +122,8 @@ class TableStepResult:
     table: GammaTable | None = None
     skipped: int = 0
     skipped_reason: str = ""
+    # Of the skipped, those that failed their checks (the gRPC front counts them).
+    malformed: int = 0
 
     def skip(self, reason: str) -> None:
         self.skipped += 1
@@ -301,7 +303,7 @@ class DecisionService:
             try:
                 check(item, engine_id, self.limits)
             except InvalidArgumentError as exc:
-                self.metrics.invalid_requests.labels("StepStream", "INVALID_ARGUMENT").inc()
+                result.malformed += 1
                 result.skip(str(exc))
                 continue
             kept.append(item)
