@@ -75,15 +75,15 @@ class CandidateSet:
 @dataclasses.dataclass(frozen=True, slots=True)
 class IssuedTable:
     """A decision table as the sidecar keeps it until the engine reports its steps: per
-    batch size, the context it was decided on, the choice and the policy's checkpoint
-    after it (committed by the step that runs it)."""
+    batch size, the choice and the policy's checkpoint after it (committed by the step
+    that runs it)."""
 
     revision: int
     gamma_max: int
     first_batch_size: int
-    entries: tuple[tuple[StepContext, Choice, object], ...]
+    entries: tuple[tuple[Choice, object], ...]
 
-    def entry(self, batch_size: int) -> tuple[StepContext, Choice, object] | None:
+    def entry(self, batch_size: int) -> tuple[Choice, object] | None:
         index = batch_size - self.first_batch_size
         return self.entries[index] if 0 <= index < len(self.entries) else None
 

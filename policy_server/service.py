@@ -328,13 +328,15 @@ class DecisionService:
             choice = Choice(gamma=step.gamma, bin_type=BinType.EXPLOIT)
             result = "late"
         else:
-            entry_ctx, choice, after = entry
+            # The step's context has the entry's engine and batch size: what restore and a
+            # decision again need of it.
+            choice, after = entry
             result = "stale"
             if revision == self._active.revision:
                 if after is DECIDE_AGAIN:
-                    self._active.policy.decide(entry_ctx)
+                    self._active.policy.decide(step.context)
                 else:
-                    self._active.policy.restore(entry_ctx, after)
+                    self._active.policy.restore(step.context, after)
                 result = "committed"
         if revision != self._active.revision:
             result = "stale"
@@ -373,10 +375,8 @@ class DecisionService:
         ctx = self._policy_view(ctx)
         low = max(1, ctx.batch_size - options.half_width)
         high = min(self.limits.max_batch_size, ctx.batch_size + options.half_width)
-        sizes = (ctx.batch_size, *(b for b in range(low, high + 1) if b != ctx.batch_size))
-        decided = sorted(
-            _decide_tentative(active.policy, ctx, sizes), key=lambda entry: entry[0].batch_size
-        )
+        decided = _decide_tentative(active.policy, ctx, range(low, high + 1))
+        choices = [choice for choice, _ in decided]
         table_id = f"{self._boot_id}-{next(self._sequence):x}"
         gamma_max = active.policy.gamma_max
         issued = IssuedTable(active.revision, gamma_max, low, tuple(decided))
@@ -389,14 +389,14 @@ class DecisionService:
             policy_name=active.name,
             policy_version=active.version,
             first_batch_size=low,
-            gammas=tuple(choice.gamma for _, choice, _ in decided),
-            exploring=tuple(choice.exploration for _, choice, _ in decided),
+            gammas=tuple(choice.gamma for choice in choices),
+            exploring=tuple(choice.exploration for choice in choices),
             speculation_off=ctx.previous_gamma == 0,
             step_index=ctx.step_index,
             valid_steps=options.valid_steps,
             valid_ms=options.valid_ms,
             memory_directive=directive,
-            reason=_table_reason(choice for _, choice, _ in decided),
+            reason=_table_reason(choices),
         )
 
     def _policy_view(self, reported: StepContext) -> StepContext:
@@ -482,13 +482,15 @@ class DecisionService:
         sizes = [b for b in dict.fromkeys(reported.candidate_batch_sizes) if b != ctx.batch_size]
         tentative = bool(sizes)
         if tentative:
-            decided = _decide_tentative(policy, ctx, (ctx.batch_size, *sizes))
+            sizes.insert(0, ctx.batch_size)
+            decided = _decide_tentative(policy, ctx, sizes)
         else:
-            decided = [(ctx, policy.decide(ctx), None)]
+            decided = [(policy.decide(ctx), None)]
         members: dict[str, Candidate] = {}
 
         def stamp(index: int, **extra: Any) -> Decision:
-            candidate_ctx, choice, after = decided[index]
+            choice, after = decided[index]
+            candidate_ctx = at_batch_size(ctx, sizes[index]) if index else ctx
             decision_id = f"{self._boot_id}-{next(self._sequence):x}"
             pending = PendingDecision(
                 candidate_ctx, choice, active.revision, policy.gamma_max, not tentative
@@ -514,7 +516,7 @@ class DecisionService:
 
         # Candidates first: the decision for batch_size carries them (built once).
         candidates = tuple(stamp(index) for index in range(1, len(decided)))
-        directive = self._memory_directive(reported, decided[0][1].gamma)
+        directive = self._memory_directive(reported, decided[0][0].gamma)
         decision = stamp(0, memory_directive=directive, candidates=candidates)
         if tentative:
             self.engines.open_set(shard, CandidateSet(active.revision, members))
@@ -793,18 +795,18 @@ def _table_reason(choices: Iterable[Choice]) -> BinType | None:
 
 
 def _decide_tentative(
-    policy: ServedPolicy, ctx: StepContext, batch_sizes: tuple[int, ...]
-) -> list[tuple[StepContext, Choice, object]]:
+    policy: ServedPolicy, ctx: StepContext, batch_sizes: Sequence[int]
+) -> list[tuple[Choice, object]]:
     """Decide for each batch size and leave the policy as it was: by the policy itself,
     with the checkpoint each decision leaves, when its checkpoints cover decide
     (``checkpoints_decide``), else each on a deep copy of it (the chosen one is then
     decided again on the live policy when the engine names it)."""
     if policy.checkpoints_decide:
         return policy.decide_candidates(ctx, batch_sizes)
-    decided: list[tuple[StepContext, Choice, object]] = []
+    decided: list[tuple[Choice, object]] = []
     for batch_size in batch_sizes:
         candidate = at_batch_size(ctx, batch_size)
-        decided.append((candidate, copy.deepcopy(policy).decide(candidate), DECIDE_AGAIN))
+        decided.append((copy.deepcopy(policy).decide(candidate), DECIDE_AGAIN))
     return decided
 
 

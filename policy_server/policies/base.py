@@ -92,15 +92,17 @@ class LearnedState(Protocol):
         ...
 
     def restore(self, ctx: StepContext, saved: object) -> None:
-        """Put back what checkpoint(ctx) returned (for the same ctx)."""
+        """Put back what checkpoint(ctx) returned (for a context of the same engine and
+        batch size)."""
         ...
 
     def decide_candidates(
         self, ctx: StepContext, batch_sizes: Sequence[int]
-    ) -> list[tuple[StepContext, Choice, object]]:
-        """The choice for ``ctx`` at each batch size (in order), each with its context and
-        the checkpoint its decision would leave (what ``restore`` takes to commit it); the
-        policy's state is left unchanged. Only where ``checkpoints_decide``."""
+    ) -> list[tuple[Choice, object]]:
+        """The choice for ``ctx`` at each batch size (in order), each with the checkpoint
+        its decision would leave (what ``restore`` takes to commit it, with a context of
+        that engine and batch size); the policy's state is left unchanged. Only where
+        ``checkpoints_decide``."""
         ...
 
 
@@ -153,13 +155,13 @@ class CheckpointedDecide:
 
     def decide_candidates(
         self: Checkpointed, ctx: StepContext, batch_sizes: Sequence[int]
-    ) -> list[tuple[StepContext, Choice, object]]:
-        decided: list[tuple[StepContext, Choice, object]] = []
+    ) -> list[tuple[Choice, object]]:
+        decided: list[tuple[Choice, object]] = []
         for batch_size in batch_sizes:
             candidate = at_batch_size(ctx, batch_size)
             before = self.checkpoint(candidate)
             choice = self.decide(candidate)
-            decided.append((candidate, choice, self.checkpoint(candidate)))
+            decided.append((choice, self.checkpoint(candidate)))
             self.restore(candidate, before)
         return decided
 

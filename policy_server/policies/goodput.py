@@ -37,17 +37,18 @@ models.py, the per-engine plumbing in engine_state.py.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
+import numpy.typing as npt
 
 from nightjar_common.types import BinType, Choice, StepContext, StepOutcome
 from policy_server.policies.base import (
     FILE_PATH,
     PolicyError,
-    at_batch_size,
     load_prefill_cost,
     parse_params,
 )
@@ -57,13 +58,14 @@ from policy_server.policies.models import (
     FEATURES,
     MAX_OCTAVE,
     AcceptanceModel,
+    BatchRows,
     Fit,
     FloatArray,
     LocalCorrection,
     StepTimeModel,
     batch_octave,
+    batch_rows,
     expected_tokens,
-    predict_ms,
     predict_ms_many,
     step_features,
 )
@@ -73,6 +75,11 @@ from policy_server.policies.rng import SplitMix64
 # 3: + the local correction's cells (a goodput/2 state loads with none).
 STATE_SCHEMA = "goodput/3"
 _READABLE_SCHEMAS = ("goodput/2", STATE_SCHEMA)
+
+# (batch octave, γ) trials an engine started (EngineState.trials).
+Trials = frozenset[tuple[int, int]]
+# Per batch size (row) and γ (column): whether a decision may pick it.
+Mask = npt.NDArray[np.bool_]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -169,7 +176,7 @@ class EngineState:
     # (batch octave, γ) trials this engine started: not started again while the outcome
     # that makes the cell "run" is on its way (a step or two in vLLM).
     # Immutable, so that a checkpoint holds it without a copy.
-    trials: frozenset[tuple[int, int]] = frozenset()
+    trials: Trials = frozenset()
 
     @property
     def stream(self) -> np.random.BitGenerator:
@@ -204,57 +211,33 @@ class Estimate:
     floor_ms: float
     offsets: dict[int, FloatArray] = dataclasses.field(default_factory=dict)
 
-    def goodput(self, batch_size: int, switch_ms: list[float]) -> tuple[Prediction, list[float]]:
-        """The prediction at ``batch_size`` and its goodput per γ: tokens per request per
-        ms with the switch cost (the batch size is a common factor)."""
-        prediction = self.predict(batch_size)
-        floor = self.floor_ms
-        goodput = [
-            tokens / (max(ms, floor) + switch)
-            for tokens, ms, switch in zip(
-                prediction.tokens, prediction.step_ms.tolist(), switch_ms, strict=True
-            )
-        ]
-        return prediction, goodput
-
-    def goodputs(
-        self, batch_sizes: Sequence[int], switch_ms: Sequence[list[float]]
-    ) -> list[tuple[Prediction, list[float]]]:
-        """``goodput`` at several batch sizes, priced together (a table's sizes): the
-        same numbers element by element (IEEE arithmetic, in numpy as in Python)."""
-        if len(batch_sizes) == 1:  # one decision: numpy's per-call costs would dominate
-            return [self.goodput(batch_sizes[0], switch_ms[0])]
-        ms = self.predict_many(batch_sizes)
-        goodput = np.array(self.tokens) / (np.maximum(ms, self.floor_ms) + np.array(switch_ms))
-        return [
-            (Prediction(self.tokens, row), values)
-            for row, values in zip(ms, goodput.tolist(), strict=True)
-        ]
+    def priced(self, rows: BatchRows, switch_ms: FloatArray) -> tuple[FloatArray, FloatArray]:
+        """Per batch size (a row each) and γ (a column each): the predicted decode-step ms
+        and the goodput, tokens per request per ms with the switch cost (the batch size is
+        a common factor of a row). Element by element what one size alone gives (IEEE
+        arithmetic; predict_ms_many's rows are independent), so a decision does not depend
+        on how many sizes were asked with it."""
+        ms = self.predict_many(rows)
+        goodput: FloatArray = np.asarray(self.tokens) / (np.maximum(ms, self.floor_ms) + switch_ms)
+        return ms, goodput
 
     def predict(self, batch_size: int) -> Prediction:
         """Decode-step ms for γ = 0..top at ``batch_size``, with the local correction."""
-        ms = predict_ms(
-            self.weights,
-            batch_size,
-            self.top,
-            context_tokens=self.context_tokens,
-            min_draft_passes=self.min_draft_passes,
-        )
-        if self.correct:
-            ms = ms + self._offsets(batch_size)
-        return Prediction(self.tokens, ms)
+        return Prediction(self.tokens, self.predict_many(batch_rows((batch_size,)))[0])
 
-    def predict_many(self, batch_sizes: Sequence[int]) -> FloatArray:
+    def predict_many(self, rows: BatchRows) -> FloatArray:
         """Decode-step ms, one row of γ = 0..top per batch size, with the correction."""
         ms = predict_ms_many(
             self.weights,
-            batch_sizes,
+            rows.sizes,
             self.top,
             context_tokens=self.context_tokens,
             min_draft_passes=self.min_draft_passes,
         )
         if self.correct:
-            ms = ms + np.stack([self._offsets(b) for b in batch_sizes])
+            offsets = [self._offsets(b) for b in rows.firsts]  # one row per octave
+            # One octave (most tables): its row, which numpy broadcasts to every size.
+            ms = ms + (offsets[0] if len(offsets) == 1 else np.stack(offsets)[rows.index])
         return ms
 
     def _offsets(self, batch_size: int) -> FloatArray:
@@ -267,19 +250,6 @@ class Estimate:
             )
             self.offsets[octave] = offsets
         return offsets
-
-
-@dataclasses.dataclass(slots=True)
-class Judgement:
-    """What the point estimate says at one batch size: the γ a decision may pick, their
-    goodput (with the switch cost), the best of them, and a trial to run if any."""
-
-    batch_size: int
-    switch_ms: list[float]
-    allowed: list[int]
-    point: list[float]
-    greedy: int
-    trial: int | None
 
 
 class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner]):
@@ -302,34 +272,37 @@ class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner])
 
     def decide(self, ctx: StepContext) -> Choice:
         engine, top = self._engine_and_top(ctx)
-        choice, engine.trials, _ = self._choose(engine, top, ctx, [ctx])[0]
+        rows = batch_rows((ctx.batch_size,))
+        choice, engine.trials, _ = self._choose(engine, top, ctx, rows)[0]
         engine.previous_gamma = choice.gamma
         return choice
 
     def decide_candidates(
         self, ctx: StepContext, batch_sizes: Sequence[int]
-    ) -> list[tuple[StepContext, Choice, object]]:
+    ) -> list[tuple[Choice, object]]:
         """CheckpointedDecide's loop in one pass (the same choices and checkpoints,
         tests/policy_server/policies/test_goodput_candidates.py). The loop restores the RNG
-        before each candidate, so all of them decide on the same posterior draw: what does
-        not depend on the batch size (the engine, the fit, the draw, the expected tokens,
-        the correction's offsets per octave) is worked out once, and each checkpoint is
-        built directly instead of copied."""
-        candidates = [at_batch_size(ctx, batch_size) for batch_size in batch_sizes]
+        before each candidate, so all of them decide on the same posterior draw: the whole
+        set is priced as one matrix (a row per batch size) under the point estimate and
+        under that one draw, and each checkpoint is built directly instead of copied."""
         before = self.checkpoint(ctx)
         engine, top = self._engine_and_top(ctx)
         unchanged = engine.stream.state
-        chosen = self._choose(engine, top, ctx, candidates)
+        chosen = self._choose(engine, top, ctx, batch_rows(tuple(batch_sizes)))
         drawn = engine.stream.state  # advanced by the draw if any candidate drew
         self.restore(ctx, before)
-        return [
-            (
-                candidate,
-                choice,
-                EngineCheckpoint(engine, drawn if drew else unchanged, choice.gamma, trials),
-            )
-            for candidate, (choice, trials, drew) in zip(candidates, chosen, strict=True)
-        ]
+        # Candidates that chose alike share their checkpoint (all of a table, nearly).
+        checkpoints: dict[tuple[int, bool, Trials], EngineCheckpoint[EngineState, Trials]] = {}
+        decided: list[tuple[Choice, object]] = []
+        for choice, trials, drew in chosen:
+            key = (choice.gamma, drew, trials)
+            after = checkpoints.get(key)
+            if after is None:
+                after = checkpoints[key] = EngineCheckpoint(
+                    engine, drawn if drew else unchanged, choice.gamma, trials
+                )
+            decided.append((choice, after))
+        return decided
 
     def observe(self, ctx: StepContext, choice: Choice, outcome: StepOutcome) -> None:
         engine = self._book.engine(ctx)
@@ -446,78 +419,68 @@ class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner])
         )
 
     def _choose(
-        self, engine: EngineState, top: int, ctx: StepContext, candidates: list[StepContext]
-    ) -> list[tuple[Choice, frozenset[tuple[int, int]], bool]]:
-        """What deciding each candidate (``ctx`` at another batch size) would do to
-        ``engine`` as it is: the choice, the engine's trials after it, and whether it drew
-        from the RNG. Changes nothing of the engine but its RNG, by the one draw every
-        candidate that draws shares."""
+        self, engine: EngineState, top: int, ctx: StepContext, rows: BatchRows
+    ) -> list[tuple[Choice, Trials, bool]]:
+        """What deciding ``ctx`` at each batch size would do to ``engine`` as it is: the
+        choice, the engine's trials after it, and whether it drew from the RNG. Changes
+        nothing of the engine but its RNG, by the one draw every size that draws shares."""
         trials = engine.trials
         if top == 0:
-            return [(Choice(gamma=0, bin_type=BinType.FORCED), trials, False)] * len(candidates)
+            return [(_choice(0, BinType.FORCED), trials, False)] * len(rows.sizes)
         learner = self._book.learner(engine.learner_id)
         if learner.steps < self._params.warmup_steps:
-            return [(self._prior_choice(c.batch_size, top), trials, False) for c in candidates]
+            return [(self._prior_choice(b, top), trials, False) for b in rows.sizes]
+        switch = self._switch_ms(ctx, engine, top, rows.sizes)
         point = self._estimate(learner, ctx, top)
-        sizes = [candidate.batch_size for candidate in candidates]
-        switches = [self._switch_ms(candidate, engine, top) for candidate in candidates]
-        judged = point.goodputs(sizes, switches)
-        # Drawn once, when the first candidate needs it, and priced at every size at once.
-        sampled: list[tuple[Prediction, list[float]]] | None = None
-        chosen = []
-        for index, candidate in enumerate(candidates):
-            judgement = self._judge(learner, engine, judged[index], candidate, switches[index])
-            if judgement.trial is not None:
-                trial = Choice(gamma=judgement.trial, bin_type=BinType.EXPLORE)
-                tried = trials | {(batch_octave(candidate.batch_size), judgement.trial)}
-                chosen.append((trial, tried, False))
-                continue
-            if sampled is None:
-                sampled = self._sample(learner, engine, ctx, top).goodputs(sizes, switches)
-            chosen.append((self._settle(judgement, sampled[index][1]), trials, True))
-        return chosen
+        ms, goodput = point.priced(rows, switch)
+        allowed = self._allowed(ms, point.tokens)
+        greedy = _best(goodput, allowed)
+        tried = self._trials(learner, engine, rows, goodput, allowed, greedy)
+        chosen: list[tuple[Choice, Trials, bool]] = []
+        if len(tried) < len(rows.sizes):
+            _, drawn = self._sample(learner, engine, ctx, top).priced(rows, switch)
+            sampled = _best(drawn, allowed)
+            # Why the cap: with a 14-feature posterior and the few hundred steps a busy
+            # engine runs at one batch size, plain Thompson draws keep trying γ far behind
+            # the best (docs/POLICIES.md, "Decision"). Near-ties, where a wrong point
+            # estimate is plausible and cheap, are still explored; a γ the estimate is only
+            # extrapolated for was tried before any draw.
+            keep = 1.0 - self._params.explore_loss_cap
+            point_goodput = goodput.tolist()
+            greedy_gammas = greedy.tolist()
+            for row, gamma in enumerate(sampled.tolist()):
+                if row in tried:
+                    chosen.append(self._trial_choice(trials, rows.octaves[row], tried[row]))
+                    continue
+                best, values = greedy_gammas[row], point_goodput[row]
+                if values[gamma] < keep * values[best]:
+                    gamma = best
+                kind = BinType.EXPLOIT if gamma == best else BinType.EXPLORE
+                chosen.append((_choice(gamma, kind), trials, True))
+            return chosen
+        octaves = rows.octaves
+        return [self._trial_choice(trials, octaves[row], gamma) for row, gamma in tried.items()]
+
+    def _trial_choice(self, trials: Trials, octave: int, gamma: int) -> tuple[Choice, Trials, bool]:
+        """A trial of ``gamma`` in batch-size ``octave``: run, not started again meanwhile."""
+        started = trials | {(octave, gamma)}
+        return _choice(gamma, BinType.EXPLORE), started, False
 
     def _prior_choice(self, batch_size: int, top: int) -> Choice:
         """The warm-up's choice: the prior table's γ."""
-        return Choice(gamma=min(self._prior.gamma_for(batch_size), top), bin_type=BinType.EXPLOIT)
+        return _choice(min(self._prior.gamma_for(batch_size), top), BinType.EXPLOIT)
 
-    def _judge(
-        self,
-        learner: Learner,
-        engine: EngineState,
-        priced: tuple[Prediction, list[float]],
-        ctx: StepContext,
-        switch_ms: list[float],
-    ) -> Judgement:
-        """The point estimate at ``ctx``'s batch size (``priced``: its prediction and
-        goodput there): allowed γ, goodput, best, trial."""
-        predicted, goodput = priced
-        allowed = self._allowed(predicted)
-        greedy = _best(goodput, allowed)
-        trial = self._trial(learner, engine, ctx.batch_size, goodput, allowed, greedy)
-        return Judgement(ctx.batch_size, switch_ms, allowed, goodput, greedy, trial)
-
-    def _settle(self, judged: Judgement, sampled_goodput: list[float]) -> Choice:
-        """The Thompson choice at the judged batch size (``sampled_goodput``: the drawn
-        estimate's goodput there), under the exploration cap."""
-        sampled = _best(sampled_goodput, judged.allowed)
-        # Why the cap: with a 14-feature posterior and the few hundred steps a busy engine
-        # runs at one batch size, plain Thompson draws keep trying γ far behind the best
-        # (docs/POLICIES.md, "Decision"). Near-ties, where a wrong point estimate is
-        # plausible and cheap, are still explored; a γ the estimate is only extrapolated for
-        # was tried before any draw.
-        point, greedy = judged.point, judged.greedy
-        if point[sampled] < (1.0 - self._params.explore_loss_cap) * point[greedy]:
-            sampled = greedy
-        bin_type = BinType.EXPLOIT if sampled == greedy else BinType.EXPLORE
-        return Choice(gamma=sampled, bin_type=bin_type)
-
-    def _switch_ms(self, ctx: StepContext, engine: EngineState, top: int) -> list[float]:
-        """Catch-up milliseconds each γ pays this step (only when speculation was off)."""
-        cost = 0.0
+    def _switch_ms(
+        self, ctx: StepContext, engine: EngineState, top: int, batch_sizes: Sequence[int]
+    ) -> FloatArray:
+        """Catch-up milliseconds each γ (column) pays this step at each batch size (row):
+        only when speculation was off."""
+        switch = np.zeros((len(batch_sizes), top + 1))
         if engine.previous_gamma == 0 and self._prefill_cost is not None:
-            cost = 1000.0 * self._prefill_cost.seconds_at(ctx.max_draft_lag_tokens, ctx.batch_size)
-        return [0.0] + [cost] * top
+            lag = ctx.max_draft_lag_tokens
+            seconds = [self._prefill_cost.seconds_at(lag, b) for b in batch_sizes]
+            switch[:, 1:] = 1000.0 * np.array(seconds)[:, None]
+        return switch
 
     def _point(
         self, learner: Learner, ctx: StepContext, top: int, fit: Fit | None = None
@@ -563,16 +526,18 @@ class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner])
             0.1 * max(learner.step_time.mean_ms, 1e-6),
         )
 
-    def _trial(
+    def _trials(
         self,
         learner: Learner,
         engine: EngineState,
-        batch_size: int,
-        point: list[float],
-        allowed: list[int],
-        greedy: int,
-    ) -> int | None:
-        """A γ never run in this batch size's octave, to run now, if one is plausible.
+        rows: BatchRows,
+        point: FloatArray,
+        allowed: Mask | None,
+        greedy: npt.NDArray[np.intp],
+    ) -> dict[int, int]:
+        """Per batch size (row index), a γ never run in its octave, to run now, if one is
+        plausible; the rows without one are left out (nearly all, once the engine has run a
+        while).
 
         Why: a cap on the point estimate alone can lock the policy out of a γ the
         extrapolation mispriced, and Thompson draws escape it slowly: the posterior is narrow
@@ -585,39 +550,60 @@ class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner])
         mispriced as badly. At most Γmax + 1 steps per octave and engine; a trial that lands
         in a step carrying prefill leaves its cell unrun and is not repeated
         (docs/POLICIES.md, "Trials")."""
-        if self._params.trial_loss_cap <= 0.0:
-            return None
-        octave = batch_octave(batch_size)
+        cap = self._params.trial_loss_cap
+        if cap <= 0.0:
+            return {}
+        octaves = rows.octaves
+        # Per octave, the γ never run there nor started (their outcome is on its way).
+        fresh = {
+            octave: [
+                g
+                for g in learner.correction.unrun(octave, point.shape[1] - 1)
+                if (octave, g) not in engine.trials
+            ]
+            for octave in dict.fromkeys(octaves)
+        }
+        if not any(fresh.values()):
+            return {}
         # Never a trial that turns speculation off where turning it back on costs a
         # catch-up: the switch cost then keeps the next decisions at γ = 0 (docs/POLICIES.md,
         # "Trials").
-        switch_back = self._prefill_cost is not None and greedy > 0
-        untried = [
-            g
-            for g in allowed
-            if abs(g - greedy) <= 1
-            and learner.correction.steps(batch_size, g) == 0
-            and (octave, g) not in engine.trials
-            and not (g == 0 and switch_back)
-        ]
-        if not untried:  # nearly every decision, once the engine has run a while
-            return None
-        misfit = learner.correction.misfit(learner.step_time.fit().weights, batch_size)
-        least = (1.0 - max(self._params.trial_loss_cap, min(misfit, 1.0))) * point[greedy]
-        plausible = [g for g in untried if point[g] >= least]
-        return _best(point, plausible) if plausible else None
+        switch_back = self._prefill_cost is not None
+        weights = learner.step_time.fit().weights
+        tried: dict[int, int] = {}
+        for row, (octave, best) in enumerate(zip(octaves, greedy.tolist(), strict=True)):
+            if not fresh[octave]:
+                continue
+            untried = [
+                g
+                for g in fresh[octave]
+                if abs(g - best) <= 1
+                and (allowed is None or allowed[row, g])
+                and not (g == 0 and switch_back and best > 0)
+            ]
+            if not untried:
+                continue
+            goodput = point[row].tolist()
+            misfit = learner.correction.misfit(weights, rows.sizes[row])
+            least = (1.0 - max(cap, min(misfit, 1.0))) * goodput[best]
+            plausible = [g for g in untried if goodput[g] >= least]
+            if plausible:
+                tried[row] = max(plausible, key=lambda g: (goodput[g], -g))
+        return tried
 
-    def _allowed(self, point: Prediction) -> list[int]:
-        """The γ a decision may pick: all without a TPOT SLO; with one, those whose
-        point-estimate TPOT meets it, or the lowest-TPOT γ alone when none does (from the
-        point estimate the greedy choice is made on, so it is predicted once)."""
-        gammas = list(range(len(point.tokens)))
+    def _allowed(self, ms: FloatArray, tokens: list[float]) -> Mask | None:
+        """Per batch size (row), the γ a decision may pick: all (None) without a TPOT SLO;
+        with one, those whose point-estimate TPOT meets it, or the lowest-TPOT γ alone when
+        none does (from the point estimate the greedy choice is made on, so it is predicted
+        once)."""
         slo = self._params.tpot_slo_ms
         if slo <= 0:
-            return gammas
-        tpot = _tpot_ms(point)
-        meeting = [g for g in gammas if tpot[g] <= slo]
-        return meeting or [min(gammas, key=lambda g: (tpot[g], g))]
+            return None
+        tpot = ms / np.asarray(tokens)
+        meeting: Mask = tpot <= slo
+        missed = np.flatnonzero(~meeting.any(axis=1))
+        meeting[missed, tpot[missed].argmin(axis=1)] = True  # ties: the smaller γ
+        return meeting
 
     def _learner_to_json(self, learner: Learner) -> dict[str, Any]:
         return {
@@ -688,12 +674,22 @@ def _tpot_ms(point: Prediction) -> list[float]:
     return [ms / tokens for ms, tokens in zip(point.step_ms.tolist(), point.tokens, strict=True)]
 
 
-def _best(goodput: list[float], allowed: list[int]) -> int:
-    # Ties go to the smaller γ (less draft work for the same predicted goodput).
-    return max(allowed, key=lambda g: (goodput[g], -g))
+def _best(goodput: FloatArray, allowed: Mask | None) -> npt.NDArray[np.intp]:
+    """Per row, the allowed γ (all: None) with the best goodput; ties go to the smaller γ
+    (less draft work for the same predicted goodput: argmax takes the first)."""
+    if allowed is not None:
+        goodput = np.where(allowed, goodput, -np.inf)
+    best: npt.NDArray[np.intp] = goodput.argmax(axis=1)
+    return best
 
 
-def _trials_from_json(data: Any, gamma_max: int) -> frozenset[tuple[int, int]]:
+@functools.cache
+def _choice(gamma: int, kind: BinType) -> Choice:
+    """The (immutable) choice of ``gamma`` as ``kind``, shared: a table holds one per size."""
+    return Choice(gamma=gamma, bin_type=kind)
+
+
+def _trials_from_json(data: Any, gamma_max: int) -> Trials:
     trials = frozenset((int(octave), int(gamma)) for octave, gamma in data)
     if not all(0 <= o <= MAX_OCTAVE and 0 <= g <= gamma_max for o, g in trials):
         raise ValueError(f"trials need octave in 0..{MAX_OCTAVE} and γ in 0..{gamma_max}")

@@ -106,6 +106,6 @@ class LearnerTablePolicy(ParamsPolicy[G], Generic[G, L]):
 
     def decide_candidates(
         self, ctx: StepContext, batch_sizes: Sequence[int]
-    ) -> list[tuple[StepContext, Choice, object]]:
+    ) -> list[tuple[Choice, object]]:
         # Checkpoints would not hold the table entries decide() adds.
         raise NotImplementedError(f"{self.name}: checkpoints_decide is False")

@@ -86,6 +86,19 @@ def shape_features(
     return x
 
 
+@functools.lru_cache(maxsize=512)
+def _stacked_shape_features(
+    batch_sizes: tuple[int, ...], gamma_top: int, prefill_tokens: int, min_draft_passes: int
+) -> FloatArray:
+    """``shape_features`` of each batch size, stacked: cached, because an engine's tables
+    cover the same ranges of sizes again and again (a read-only array)."""
+    shape = np.stack(
+        [shape_features(b, gamma_top, prefill_tokens, min_draft_passes) for b in batch_sizes]
+    )
+    shape.flags.writeable = False
+    return shape
+
+
 def step_features(
     batch_size: int,
     gamma: int,
@@ -149,9 +162,7 @@ def predict_ms_many(
     alone (numpy's stacked product computes each row's as the product of that row alone;
     a reshaped 2-D product would not), so a decision does not depend on how many sizes
     were asked (tests/policy_server/policies/test_goodput_candidates.py)."""
-    shape = np.stack(
-        [shape_features(b, gamma_top, prefill_tokens, min_draft_passes) for b in batch_sizes]
-    )
+    shape = _stacked_shape_features(tuple(batch_sizes), gamma_top, prefill_tokens, min_draft_passes)
     context = context_tokens / CONTEXT_SCALE
     head: FloatArray = shape @ weights[:SHAPE_FEATURES]
     ms: FloatArray = head + context * (weights[-2] + weights[-1] * shape[:, :, -2])
@@ -384,6 +395,31 @@ def batch_octave(batch_size: int) -> int:
     return max(batch_size, 1).bit_length() - 1
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class BatchRows:
+    """The batch sizes one decision prices, a row each, with what the correction needs of
+    them (its offsets are per octave): each row's octave, the first size of each octave
+    present, and each row's position among those."""
+
+    sizes: tuple[int, ...]
+    octaves: tuple[int, ...]
+    firsts: tuple[int, ...]
+    index: npt.NDArray[np.intp]
+
+
+@functools.lru_cache(maxsize=1024)
+def batch_rows(sizes: tuple[int, ...]) -> BatchRows:
+    """The rows of ``sizes``: cached, because an engine's tables cover the same ranges."""
+    octaves = tuple(batch_octave(b) for b in sizes)
+    firsts: dict[int, int] = {}
+    for size, octave in zip(sizes, octaves, strict=True):
+        firsts.setdefault(octave, size)
+    position = {octave: i for i, octave in enumerate(firsts)}
+    index = np.array([position[octave] for octave in octaves], dtype=np.intp)
+    index.flags.writeable = False
+    return BatchRows(sizes, octaves, tuple(firsts.values()), index)
+
+
 class LocalCorrection:
     """What the pooled step-time regression gets wrong where the engine actually runs.
 
@@ -420,10 +456,12 @@ class LocalCorrection:
         row[1] += milliseconds
         row[2:] += x
 
-    def steps(self, batch_size: int, gamma: int) -> float:
-        """Forgotten count of decode steps run at γ in this batch size's octave."""
-        block = self.blocks.get(batch_octave(batch_size))
-        return float(block[gamma, 0]) if block is not None and gamma <= self.gamma_max else 0.0
+    def unrun(self, octave: int, gamma_top: int) -> list[int]:
+        """The γ in 0..gamma_top no decode step of ``octave`` has run at (as forgotten)."""
+        block = self.blocks.get(octave)
+        if block is None:
+            return list(range(gamma_top + 1))
+        return [g for g, count in enumerate(block[: gamma_top + 1, 0].tolist()) if count == 0]
 
     def misfit(self, weights: FloatArray, batch_size: int) -> float:
         """How far the regression under ``weights`` is off the decode steps run in this

@@ -2,7 +2,7 @@
 
 For any learned state (warm-up or past it, with or without the local correction, a
 switching-cost table, a TPOT SLO, trials pending, a new engine, a draft away) and any set of
-candidate batch sizes, both give the same choice and context for every candidate and leave
+candidate batch sizes, both give the same choice for every candidate and leave
 the policy in the same state; restoring the same candidate's checkpoint from either leaves
 the same state, and every decision after it is the same.
 """
@@ -17,11 +17,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nightjar_common.types import BinType, Choice, StepContext
-from policy_server.policies.base import CheckpointedDecide
+from policy_server.policies.base import CheckpointedDecide, at_batch_size
 from policy_server.policies.goodput import GoodputModelPolicy
 from tests.policy_server.policies.test_goodput_policy import GAMMA_MAX, Environment
 
-Decided = list[tuple[StepContext, Choice, object]]
+Decided = list[tuple[Choice, object]]
 
 # Training batch sizes: small ones only (larger octaves are then unrun: trials), or spread.
 TRAINING = ((4, 24, 32), (1, 3, 8, 64, 130))
@@ -133,8 +133,8 @@ def follow(policy: GoodputModelPolicy, first: int) -> list[tuple[int, str]]:
         chosen.append((choice.gamma, choice.bin_type.value))
     ctx = train_context(first, 30_000)
     decided = policy.decide_candidates(ctx, [first, first + 1, 2 * first, 100])
-    policy.restore(ctx, decided[-1][2])
-    chosen += [(choice.gamma, choice.bin_type.value) for _, choice, _ in decided]
+    policy.restore(train_context(100, 30_000), decided[-1][1])
+    chosen += [(choice.gamma, choice.bin_type.value) for choice, _ in decided]
     return chosen
 
 
@@ -150,13 +150,13 @@ def test_one_pass_decides_and_checkpoints_as_the_loop(
     expected = loop(looped, ctx, sizes)
     got = one_pass.decide_candidates(ctx, sizes)
 
-    assert [(c, choice) for c, choice, _ in got] == [(c, choice) for c, choice, _ in expected]
+    assert [choice for choice, _ in got] == [choice for choice, _ in expected]
     assert one_pass.state() == looped.state()  # neither changed what counts
 
     chosen = data.draw(st.integers(0, len(sizes) - 1), label="chosen")
-    candidate = expected[chosen][0]
-    looped.restore(candidate, expected[chosen][2])
-    one_pass.restore(candidate, got[chosen][2])
+    candidate = at_batch_size(ctx, sizes[chosen])
+    looped.restore(candidate, expected[chosen][1])
+    one_pass.restore(candidate, got[chosen][1])
     assert one_pass.state() == looped.state()
     assert follow(one_pass, candidate.batch_size) == follow(looped, candidate.batch_size)
     assert one_pass.state() == looped.state()
@@ -174,14 +174,14 @@ def test_candidates_share_one_draw_and_only_the_drawing_ones_advance_the_rng() -
     for index in range(len(decided)):
         # A copy of the policy with the checkpoints, which hold its engine record.
         probe, candidates = copy.deepcopy((policy, decided))
-        candidate, _, after = candidates[index]
-        probe.restore(candidate, after)
+        _, after = candidates[index]
+        probe.restore(ctx, after)
         states.append(probe.state("e")["engines"]["e"])
     assert states[0]["rng"] == states[1]["rng"] == states[2]["rng"] != before["rng"]
-    trial = decided[3][1]
+    trial = decided[3][0]
     assert trial.bin_type is BinType.EXPLORE and states[3]["rng"] == before["rng"]
     assert states[3]["trials"] == sorted([*before["trials"], [8, trial.gamma]])
-    assert [s["previous_gamma"] for s in states] == [c.gamma for _, c, _ in decided]
+    assert [s["previous_gamma"] for s in states] == [c.gamma for c, _ in decided]
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -194,4 +194,4 @@ def test_a_set_across_every_octave_decides_as_the_loop(seed: int) -> None:
     sizes = [64, *range(1, 300, 5)]
     expected = loop(copy.deepcopy(policy), ctx, sizes)
     got = policy.decide_candidates(ctx, sizes)
-    assert [choice for _, choice, _ in got] == [choice for _, choice, _ in expected]
+    assert [choice for choice, _ in got] == [choice for choice, _ in expected]
