@@ -37,7 +37,7 @@ from nightjar_proto.v1 import policy_pb2, policy_pb2_grpc
 
 from nightjar_common import uds, wire
 from nightjar_common.fallback import DEFAULT_SCHEDULE, BatchSizeTable
-from nightjar_common.tables import ReportBatch, TableCache, TableStep, refresh_due
+from nightjar_common.tables import NextStep, ReportBatch, TableCache, TableStep, refresh_due
 from nightjar_common.tls import ClientTls, open_channel
 from nightjar_common.types import (
     BinType,
@@ -346,8 +346,8 @@ class NightjarClient:
         # a blocking request for a later step made it moot: sent after that one, it would
         # supersede it); the latest such step (asked for again after a policy change); a
         # refresh in flight.
-        self._refresh_ctx: StepContext | None = None
-        self._next_ctx: StepContext | None = None
+        self._refresh_step: NextStep | None = None
+        self._next_step: NextStep | None = None
         self._refresh_wanted = threading.Event()
         self._refreshing = False
         self._sender: threading.Thread | None = None
@@ -399,11 +399,7 @@ class NightjarClient:
         if self._use_tables:
             taken = self._take_from_table(ctx)
             if self._use_tables:  # the next step is like this one, after this γ
-                self._refresh_if_due(
-                    dataclasses.replace(
-                        ctx, step_index=ctx.step_index + 1, previous_gamma=taken.gamma
-                    )
-                )
+                self._refresh_if_due(NextStep(ctx, taken.gamma))
             return taken
         future = self._send(ctx)
         decision = self._resolve(ctx, future, ctx.batch_size)
@@ -421,10 +417,19 @@ class NightjarClient:
         cannot answer ``ctx``'s step (its candidate sizes are not needed: a table covers
         the sizes around it)."""
         if self._use_tables:
-            self._refresh_if_due(ctx)
+            self._refresh_if_due(NextStep(ctx))
             return
         with self._prefetch_lock:
             self._ask_ahead_locked(ctx)
+
+    def prefetch_after(self, ctx: StepContext, gamma: int) -> None:
+        """With decision tables: :meth:`prefetch` for the step after ``ctx``'s, which runs
+        at ``gamma`` (like it otherwise). Cheaper on the engine's thread: that step's
+        context is built only if a table is asked for, by the sender thread."""
+        if self._use_tables:
+            self._refresh_if_due(NextStep(ctx, gamma))
+            return
+        self.prefetch(NextStep(ctx, gamma).context())
 
     def _ask_ahead_locked(self, ctx: StepContext) -> None:
         """Send ``ctx`` and keep its pending answer, stamped with the policy epoch."""
@@ -680,20 +685,20 @@ class NightjarClient:
             return self._fall_back(ctx, "answer")
         return taken
 
-    def _refresh_if_due(self, next_ctx: StepContext) -> None:
+    def _refresh_if_due(self, step: NextStep) -> None:
         """Have the sender thread ask for a new table if the held one is due."""
         config = self.config
-        self._next_ctx = next_ctx
+        self._next_step = step
         if self._refreshing or not refresh_due(
             self._tables.held,
-            next_ctx,
+            step,
             time.monotonic(),
             config.table_refresh_steps,
             config.table_refresh_ms,
         ):
             return
         with self._send_lock:
-            self._refresh_ctx = next_ctx
+            self._refresh_step = step
         self._refreshing = True
         self._refresh_wanted.set()
 
@@ -726,10 +731,10 @@ class NightjarClient:
             return None, 0
         with self._send_lock:
             if refresh:
-                ctx = self._refresh_ctx
-                if ctx is None:
+                if self._refresh_step is None:
                     return None, 0
-            self._refresh_ctx = None
+                ctx = self._refresh_step.context()
+            self._refresh_step = None
             ran, outcomes = self._reports.drain(MAX_BATCHED)
             request = policy_pb2.StepRequest(seq=next(self._seq), want_table=want_table)
             request.ran_steps.extend(wire.ran_step_to_pb(step) for step in ran)
@@ -825,8 +830,8 @@ class NightjarClient:
             if held is not None and held.table.policy_version != version:
                 self._tables.void()
                 with self._send_lock:
-                    self._refresh_ctx = self._next_ctx
-                if self._next_ctx is not None:
+                    self._refresh_step = self._next_step
+                if self._next_step is not None:
                     self._refresh_wanted.set()  # a table of the new policy, before the step
             return
         with self._prefetch_lock:

@@ -49,13 +49,14 @@ class HeldTable:
     def age_ms(self, now: float) -> float:
         return 0.0 if self.started is None else 1000.0 * (now - self.started)
 
-    def index(self, ctx: StepContext) -> int | str:
-        """The entry for ``ctx``'s step, or why the table has none for it."""
+    def index(self, batch_size: int, speculation_off: bool) -> int | str:
+        """The entry for a step of ``batch_size`` (after a step at γ = 0 when
+        ``speculation_off``), or why the table has none for it."""
         table = self.table
-        index = ctx.batch_size - table.first_batch_size
+        index = batch_size - table.first_batch_size
         if not 0 <= index < len(table.gammas):
             return OUT_OF_RANGE
-        if (ctx.previous_gamma == 0) != table.speculation_off:
+        if speculation_off != table.speculation_off:
             return OTHER_STATE
         return index
 
@@ -93,7 +94,7 @@ class TableCache:
         held = self.held
         if held is None:
             return NO_TABLE
-        index = held.index(ctx)
+        index = held.index(ctx.batch_size, ctx.previous_gamma == 0)
         if isinstance(index, str):
             return index
         table = held.table
@@ -110,16 +111,43 @@ class TableCache:
         return TableStep(table.gammas[index], f"{table.table_id}.{held.uses}", exploring, held)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class NextStep:
+    """The step a table is wanted for, as the engine's thread knows it: the step after
+    ``ctx``'s, which ran at ``gamma`` (or ``ctx``'s own step when ``gamma`` is None). Its
+    context is built only for a request that carries it, off the engine's thread."""
+
+    ctx: StepContext
+    gamma: int | None = None
+
+    @property
+    def batch_size(self) -> int:
+        return self.ctx.batch_size
+
+    @property
+    def speculation_off(self) -> bool:
+        previous = self.ctx.previous_gamma if self.gamma is None else self.gamma
+        return previous == 0
+
+    def context(self) -> StepContext:
+        if self.gamma is None:
+            return self.ctx
+        ctx = self.ctx
+        return dataclasses.replace(
+            ctx, step_index=ctx.step_index + 1, previous_gamma=self.gamma, candidate_batch_sizes=()
+        )
+
+
 def refresh_due(
-    held: HeldTable | None, next_ctx: StepContext, now: float, every_steps: int, every_ms: float
+    held: HeldTable | None, step: NextStep, now: float, every_steps: int, every_ms: float
 ) -> bool:
-    """Whether to ask for a new table now, so that it is there for ``next_ctx``'s step:
-    the held one has served ``every_steps`` steps or is ``every_ms`` old, or will not
-    answer that step (its batch size or speculation state is not the table's, or its
-    entry explored already)."""
+    """Whether to ask for a new table now, so that it is there for ``step``: the held
+    one has served ``every_steps`` steps or is ``every_ms`` old, or will not answer that
+    step (its batch size or speculation state is not the table's, or its entry explored
+    already)."""
     if held is None:
         return True
-    index = held.index(next_ctx)
+    index = held.index(step.batch_size, step.speculation_off)
     return (
         held.uses >= every_steps
         or held.age_ms(now) >= every_ms

@@ -44,6 +44,10 @@ from vllm_client_patch.quantiles import DurationHistogram
 log = logging.getLogger(__name__)
 
 STATS_INTERVAL_S = 1.0
+# Per-step samples queued for the histograms: counted on the engine's thread only when
+# no telemetry thread has counted them for this many steps (none runs: no stats file, no
+# metrics).
+MAX_QUEUED_SAMPLES = 8192
 # Batch sizes asked for ahead of a step besides the current one: as many as the sidecar
 # accepts (validation.MAX_CANDIDATES). Requests admitted together finish together (a
 # benchmark's fixed output length, a burst), so the batch may drop by many at once; a
@@ -184,7 +188,11 @@ class GammaController:
         self._hook_s = DurationHistogram()
         self._hook_cpu_s = DurationHistogram()
         self._step_s = DurationHistogram()
-        # Hook times not yet exported to the metrics (swapped out by each flush).
+        # Per step (hook wall, hook CPU, step wall seconds), queued by the engine's thread
+        # and counted into the histograms by whoever reads them (_count_samples): off the
+        # hook. Hook times counted but not yet exported to the metrics (swapped out by
+        # each flush).
+        self._samples: collections.deque[tuple[float, float, float]] = collections.deque()
         self._hook_unexported: list[float] = []
         self._hook_decide = HookTime()
         self._lock = threading.Lock()
@@ -238,15 +246,16 @@ class GammaController:
         self._previous_gamma = gamma
         self._gammas[gamma] += 1
         self._sources[decision.source if view.draft_resident else "forced"] += 1
-        # Ask for the next step now, for the batch as it is and as it may become (with
-        # decision tables: a new table, when the held one is due or will not answer it).
-        # One StepContext built with its candidates (a dataclasses.replace costs ~5 µs).
-        candidates: tuple[int, ...] = ()
-        if not self.client.uses_tables:
+        # Ask for the next step now, for the batch as it is and as it may become. With
+        # decision tables: a new table, when the held one is due or will not answer it
+        # (that step's context is then built off this thread).
+        if self.client.uses_tables:
+            self.client.prefetch_after(ctx, gamma)
+        else:
             candidates = candidate_batch_sizes(
                 max(1, view.batch_size), view.waiting, view.batch_size - previous_batch
             )
-        self.client.prefetch(self._context(view, self._step_index + 1, candidates))
+            self.client.prefetch(self._context(view, self._step_index + 1, candidates))
         self._hook_decide = started.elapsed()
         return gamma
 
@@ -279,12 +288,9 @@ class GammaController:
         self._step_index += 1
         ended = HookTime.now()
         spent = self._hook_decide + (hook or HookTime()) + (ended - begun)
-        self._step_s.record(ended.wall - step.started)
-        self._hook_s.record(spent.wall)
-        self._hook_cpu_s.record(spent.cpu)
-        if self.metrics is not None:
-            with self._lock:
-                self._hook_unexported.append(spent.wall)
+        self._samples.append((spent.wall, spent.cpu, ended.wall - step.started))
+        if len(self._samples) >= MAX_QUEUED_SAMPLES:  # nobody reads them: bounded anyway
+            self._count_samples()
 
     def idle(self) -> None:
         """The engine ran out of requests: drop the unverifiable last decision, send the
@@ -330,6 +336,7 @@ class GammaController:
 
     def stats(self) -> dict[str, Any]:
         client = self.client.stats
+        self._count_samples()
         return {
             "engine_id": self.config.engine_id,
             "steps": self._step_index,
@@ -372,6 +379,7 @@ class GammaController:
         if self.metrics is None:
             return
         client = self.client.stats
+        self._count_samples()
         with self._lock:
             hook, self._hook_unexported = self._hook_unexported, []
         self.metrics.flush(
@@ -383,6 +391,19 @@ class GammaController:
                 new_hook_seconds=hook,
             )
         )
+
+    def _count_samples(self) -> None:
+        """Count the queued per-step samples into the histograms (and, with metrics, the
+        hook times to export)."""
+        samples = self._samples
+        with self._lock:
+            while samples:
+                hook, cpu, step = samples.popleft()
+                self._hook_s.record(hook)
+                self._hook_cpu_s.record(cpu)
+                self._step_s.record(step)
+                if self.metrics is not None:
+                    self._hook_unexported.append(hook)
 
     def _telemetry_loop(self) -> None:
         while not self._closed.wait(STATS_INTERVAL_S):

@@ -117,18 +117,25 @@ def verified_step(
     drafted = accepted = generated = 0
     accepts: list[int] = []
     sampled = result.sampled_token_ids
-    invalid = output.num_invalid_spec_tokens or {}
+    if not sampled:
+        return VerifiedStep(0, 0, 0)
+    # Bound once: this walks every request of the step on the engine's thread.
+    index_of = result.req_id_to_index.get
+    request_of = requests.get
+    drafts_of = output.scheduled_spec_decode_tokens.get
+    invalid = output.num_invalid_spec_tokens
     for req_id in output.num_scheduled_tokens:
-        request = requests.get(req_id)
-        index = result.req_id_to_index.get(req_id)
-        if request is None or request.is_finished() or index is None or not sampled:
+        index = index_of(req_id)
+        request = request_of(req_id)
+        if index is None or request is None or request.is_finished():
             continue
         tokens = len(sampled[index])
         generated += tokens
-        drafts = output.scheduled_spec_decode_tokens.get(req_id)
+        drafts = drafts_of(req_id)
         if drafts and tokens:
-            drafts_valid = len(drafts) - invalid.get(req_id, 0)
-            taken = min(tokens - 1, drafts_valid)  # all but the bonus / corrected token
+            drafts_valid = len(drafts) - invalid.get(req_id, 0) if invalid else len(drafts)
+            # All but the bonus / corrected token (not min(): a call per request).
+            taken = tokens - 1 if tokens - 1 < drafts_valid else drafts_valid
             drafted += drafts_valid
             accepted += taken
             accepts.append(taken)

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from nightjar_common.client import GammaDecision, NightjarClient
-from nightjar_common.tables import ReportBatch, TableCache, refresh_due
+from nightjar_common.tables import NextStep, ReportBatch, TableCache, refresh_due
 from nightjar_common.types import Choice, RanStep, StepContext, StepOutcome
 from nightjar_common.validation import MAX_BATCHED
 from policy_server.policies import Policy, create_policy
@@ -71,7 +71,7 @@ class TableSource:
         return cls(name, params, **options)
 
     def decide(self, ctx: StepContext, sim: Simulator) -> tuple[int, str]:
-        if refresh_due(self._cache.held, ctx, 0.0, self.refresh_steps, math.inf):
+        if refresh_due(self._cache.held, NextStep(ctx), 0.0, self.refresh_steps, math.inf):
             self._refresh(ctx)
         taken = self._cache.take(ctx, 0.0)
         if isinstance(taken, str):  # an exploring entry of a fresh table ran already

@@ -17,7 +17,7 @@ from nightjar_proto.v1 import admin_pb2, policy_pb2
 from nightjar_common import wire
 from nightjar_common.client import ClientConfig, NightjarClient
 from nightjar_common.errors import InvalidArgumentError
-from nightjar_common.tables import SPENT, TableCache, refresh_due
+from nightjar_common.tables import SPENT, NextStep, TableCache, refresh_due
 from nightjar_common.types import GammaTable, RanStep, StepContext, StepOutcome
 from policy_server.service import DecisionService
 
@@ -71,7 +71,7 @@ def test_ran_steps_and_outcomes_are_learned_like_decisions() -> None:
     seq, ran, outcomes, previous = 0, [], [], None
     for step in range(200):
         ctx = context(step, 8 + step % 5, previous)
-        if refresh_due(cache.held, ctx, 0.0, 8, float("inf")):
+        if refresh_due(cache.held, NextStep(ctx), 0.0, 8, float("inf")):
             seq += 1
             result = service.table_step(ran, outcomes, ctx)
             assert result.skipped == 0 and result.table is not None
@@ -168,8 +168,13 @@ def test_a_table_is_for_one_speculation_state_and_its_exploring_entries_run_once
     first = cache.take(context(0, 4, 1), 0.0)
     assert not isinstance(first, str) and first.exploring and first.gamma == 2
     assert cache.take(context(1, 4, 2), 0.0) == SPENT
-    assert refresh_due(cache.held, context(1, 4, 2), 0.0, 8, 1e9)
-    assert not refresh_due(cache.held, context(1, 5, 2), 0.0, 8, 1e9)
+    assert refresh_due(cache.held, NextStep(context(1, 4, 2)), 0.0, 8, 1e9)
+    assert not refresh_due(cache.held, NextStep(context(1, 5, 2)), 0.0, 8, 1e9)
+    # The step after one at batch size 5, by the γ it ran at: the context only on demand.
+    after = NextStep(context(0, 5, 1), gamma=0)
+    assert refresh_due(cache.held, after, 0.0, 8, 1e9)  # speculation turned off
+    assert not refresh_due(cache.held, NextStep(context(0, 5, 0), gamma=2), 0.0, 8, 1e9)
+    assert after.context() == context(1, 5, 0)
     assert not isinstance(cache.take(context(1, 5, 2), 0.0), str)
     assert not isinstance(cache.take(context(2, 3, 2), 0.0), str)
     assert cache.take(context(3, 3, 2), 0.0) == "expired"  # valid_steps = 3
@@ -191,7 +196,7 @@ def test_over_grpc_steps_come_from_tables_and_every_one_reaches_the_sidecar(
             assert decision.source == "sidecar" and decision.decision_id
             client.report(outcome(decision.decision_id, decision.gamma, ctx.batch_size))
             previous = decision.gamma
-            client.prefetch(dataclasses.replace(ctx, step_index=step + 1, previous_gamma=previous))
+            client.prefetch_after(ctx, previous)
             time.sleep(0.002)  # "the step runs": the refresh arrives meanwhile
         assert client.uses_tables
         assert client.stats.tables < steps / 2
