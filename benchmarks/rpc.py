@@ -36,7 +36,13 @@ from typing import Any
 from benchmarks.host import free_port, grpc_server, machine
 from benchmarks.report import write_section
 from benchmarks.rpc_echo import ECHO_KINDS, measure_echo
-from benchmarks.rpc_report import TABLES_CASE, Measurement, render, summarise
+from benchmarks.rpc_report import (
+    TABLE_REFRESHES,
+    TABLES_CASE,
+    Measurement,
+    render,
+    summarise,
+)
 from nightjar_common.client import ClientConfig, GammaDecision, NightjarClient
 from nightjar_common.types import StepContext, StepOutcome
 from policy_server.policies import DEFAULT_POLICY, create_policy
@@ -119,8 +125,7 @@ def measure_in_process(samples: int = 20_000) -> list[Measurement]:
         summarise(f"DecisionService.decide ({DEFAULT_POLICY})", decide_ns),
         summarise(f"DecisionService.decide + report ({DEFAULT_POLICY})", pair_ns),
         measured[1],
-        *measure_tables(samples, warm, refresh_steps=8),
-        *measure_tables(samples, warm, refresh_steps=32),
+        *(m for k in TABLE_REFRESHES for m in measure_tables(samples, warm, refresh_steps=k)),
     ]
 
 

@@ -74,6 +74,10 @@ _HINTS = {
 }
 
 
+# Steps one decision table serves before the client asks for the next (ClientConfig).
+TABLE_REFRESH_STEPS = 8
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class ClientConfig:
     # "unix:/path/to/socket" or "host:port".
@@ -96,7 +100,7 @@ class ClientConfig:
     decision_tables: bool = True
     # Ask for a new table after this many steps from one, or once it is this old; the
     # answer arrives while the engine runs on the held one.
-    table_refresh_steps: int = 8
+    table_refresh_steps: int = TABLE_REFRESH_STEPS
     table_refresh_ms: float = 50.0
 
 
