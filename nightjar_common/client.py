@@ -417,19 +417,21 @@ class NightjarClient:
         sidecar decides each tentatively and learns only from the one the engine ran,
         which :meth:`take` picks and names to it with the next request.
 
-        With decision tables: ask for a new table if the held one is due for a refresh or
-        cannot answer ``ctx``'s step (its candidate sizes are not needed: a table covers
-        the sizes around it)."""
+        With decision tables: ask for a new table for ``ctx``'s step now, whatever the held
+        one (its candidate sizes are not needed: a table covers the sizes around it). For
+        the step after an idle gap: a held table that served before the gap may expire
+        during it, while a new one's time starts at its first step."""
         if self._use_tables:
-            self._refresh_if_due(NextStep(ctx))
+            self._refresh_if_due(NextStep(ctx), always=True)
             return
         with self._prefetch_lock:
             self._ask_ahead_locked(ctx)
 
     def prefetch_after(self, ctx: StepContext, gamma: int) -> None:
-        """With decision tables: :meth:`prefetch` for the step after ``ctx``'s, which runs
-        at ``gamma`` (like it otherwise). Cheaper on the engine's thread: that step's
-        context is built only if a table is asked for, by the sender thread."""
+        """Ask ahead for the step after ``ctx``'s, which runs at ``gamma`` (like it
+        otherwise). With decision tables: a new table when the held one is due for a
+        refresh or will not answer that step; that step's context is built only then, by
+        the sender thread (cheaper on the engine's thread)."""
         if self._use_tables:
             self._refresh_if_due(NextStep(ctx, gamma))
             return
@@ -689,11 +691,14 @@ class NightjarClient:
             return self._fall_back(ctx, "answer")
         return taken
 
-    def _refresh_if_due(self, step: NextStep) -> None:
-        """Have the sender thread ask for a new table if the held one is due."""
+    def _refresh_if_due(self, step: NextStep, always: bool = False) -> None:
+        """Have the sender thread ask for a new table if the held one is due (``always``:
+        whatever the held one; either way not while a refresh is in flight)."""
         config = self.config
         self._next_step = step
-        if self._refreshing or not refresh_due(
+        if self._refreshing:
+            return
+        if not always and not refresh_due(
             self._tables.held,
             step,
             time.monotonic(),

@@ -245,3 +245,24 @@ def test_a_swap_voids_the_held_table_at_once(make_server: Any) -> None:
         assert decision.decision.policy_name == "off"
     finally:
         client.close()
+
+
+def test_a_table_asked_for_at_idle_outlasts_the_gap(make_server: Any) -> None:
+    """The plugin asks for a table as the engine goes idle (``prefetch``): a new one, whose
+    time starts at its first step, so the step after a gap longer than a table's valid_ms
+    (1 s) is answered from it; the held table, used before the gap, would have expired."""
+    server = make_server("--policy", "static", "--params", '{"gamma": 2}')
+    client = NightjarClient(
+        ClientConfig(target=server.target, engine_id="e0", deadline_s=0.5, connect_timeout_s=10)
+    )
+    try:
+        assert client.take(context(0, 4)).source == "sidecar"  # a miss: no table yet
+        client.prefetch(context(1, 4, 2))  # the engine idles
+        deadline = time.monotonic() + 5
+        while client.stats.tables < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(1.2)
+        assert client.take(context(1, 4, 2)).source == "sidecar"
+        assert dict(client.stats.table_misses) == {"no_table": 1}
+    finally:
+        client.close()
