@@ -10,6 +10,7 @@ from typing import Any
 
 from policy_server.policies.base import LearnedState, Policy, PolicyError, ServedPolicy
 from policy_server.policies.dsd import DsdParams, DsdPolicy
+from policy_server.policies.dsde import DsdeParams, DsdePolicy
 from policy_server.policies.ema import EmaParams, EmaPolicy
 from policy_server.policies.fixed import (
     OffParams,
@@ -104,6 +105,13 @@ REGISTRY: dict[str, PolicySpec] = {
             "α from the engine's counters.",
             DsdPolicy,
             DsdParams,
+        ),
+        PolicySpec(
+            "dsde",
+            "DSDE: a γ per request from the weighted variance of its recent draft/target KL "
+            "divergence (WVIR), the batch capped at their mean.",
+            DsdePolicy,
+            DsdeParams,
         ),
         PolicySpec(
             "ucb",
