@@ -719,16 +719,36 @@ class NightjarClient:
 
     def _send_loop(self) -> None:
         """The sender thread: builds and sends the refresh requests, off the engine's
-        thread (one wake-up per refresh instead of one queue hand-off per step)."""
+        thread (one wake-up per refresh instead of one queue hand-off per step). It also
+        refreshes a table that aged past ``table_refresh_ms`` while the engine was in a
+        step: a step longer than a table's validity (seconds of prefill on a CPU, a
+        stalled GPU) would otherwise find it expired and wait a round trip."""
+        period = self.config.table_refresh_ms / 1000
         while True:
-            self._refresh_wanted.wait()
+            asked = self._refresh_wanted.wait(timeout=period)
             self._refresh_wanted.clear()
             if self._closed.is_set():
                 return
-            if self._use_tables:
-                future, _ = self._send_batch(None, want_table=True, refresh=True)
-                if future is None:
-                    self._refreshing = False
+            if not self._use_tables or not (asked or self._aged_in_a_step()):
+                continue
+            future, _ = self._send_batch(None, want_table=True, refresh=True)
+            if future is None:
+                self._refreshing = False
+
+    def _aged_in_a_step(self) -> bool:
+        """Whether the held table has served, aged past the refresh period since, and no
+        refresh is under way: then a refresh for the step the engine will ask for next is
+        handed over (a new table is not used until that step, so this happens at most once
+        per long step, never repeatedly while an engine idles)."""
+        held, step = self._tables.held, self._next_step
+        if self._refreshing or held is None or held.started is None or step is None:
+            return False
+        if held.age_ms(time.monotonic()) < self.config.table_refresh_ms:
+            return False
+        with self._send_lock:
+            self._refresh_step = step
+        self._refreshing = True
+        return True
 
     def _send_batch(
         self, ctx: StepContext | None, want_table: bool, refresh: bool = False

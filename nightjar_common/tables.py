@@ -78,9 +78,11 @@ class TableCache:
         self.held: HeldTable | None = None
 
     def install(self, table: GammaTable, seq: int) -> bool:
-        """Hold ``table`` unless a newer one (a later request's) is held already."""
+        """Hold ``table`` unless it, or a newer one (a later request's), is held already
+        (the reply to a blocking request reaches both its waiter and its callback: a second
+        install would reset the table's use counts)."""
         held = self.held
-        if held is not None and held.seq > seq:
+        if held is not None and held.seq >= seq:
             return False
         self.held = HeldTable(table, seq)
         return True

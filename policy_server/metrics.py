@@ -9,6 +9,7 @@ Labels stay low-cardinality: no request or decision ids. The served exposition h
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -55,6 +56,8 @@ class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
+        # Labelled children of the step metrics, by (metric, labels): see child().
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self.decisions = Counter(
             "nightjar_decisions",
             "Decisions served, by policy, γ and bin type.",
@@ -221,6 +224,16 @@ class Metrics:
         ProcessCollector(registry=r)
         PlatformCollector(registry=r)
         GCCollector(registry=r)
+
+    def child(self, metric: Any, *labels: str) -> Any:
+        """``metric.labels(*labels)``, kept: the series of decisions and reports are few
+        (policy, γ, kind) and touched every step, and ``labels()`` validates its arguments
+        and takes a lock on each call. Not for per-engine series (those are removed)."""
+        key = (id(metric), labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
 
     def count_evictions(self, kind: str, count: int) -> None:
         self.evictions.labels(kind).inc(count)

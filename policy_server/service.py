@@ -320,7 +320,7 @@ class DecisionService:
         entry = table.entry(step.context.batch_size) if table is not None else None
         revision, gamma_max = shard.known_tables.get(step.table_id, (0, -1))
         if (entry is None and table is not None) or step.gamma > gamma_max:
-            self.metrics.table_steps.labels("unknown").inc()
+            self.metrics.child(self.metrics.table_steps, "unknown").inc()
             return False
         if entry is None:
             # Known, no longer kept: newer tables were decided since, so its entry's
@@ -340,7 +340,7 @@ class DecisionService:
                 result = "committed"
         if revision != self._active.revision:
             result = "stale"
-        self.metrics.table_steps.labels(result).inc()
+        self.metrics.child(self.metrics.table_steps, result).inc()
         if step.gamma != choice.gamma:  # the engine clamped it
             choice = dataclasses.replace(choice, gamma=step.gamma)
         pending = PendingDecision(step.context, choice, revision, gamma_max)
@@ -528,8 +528,9 @@ class DecisionService:
         self._decisions_total += 1
         choice, ctx = pending.choice, pending.ctx
         active = self._active
-        self.metrics.decisions.labels(active.name, str(choice.gamma), choice.bin_type.value).inc()
-        self.metrics.gamma_chosen[batch_bucket(ctx.batch_size)].observe(choice.gamma)
+        metrics, gamma = self.metrics, str(choice.gamma)
+        metrics.child(metrics.decisions, active.name, gamma, choice.bin_type.value).inc()
+        metrics.gamma_chosen[batch_bucket(ctx.batch_size)].observe(choice.gamma)
         if self.decision_log is not None:
             self.decision_log.write(_decision_record(decision_id, choice, active, ctx))
 
@@ -579,12 +580,13 @@ class DecisionService:
         if applied:
             active.policy.observe(pending.ctx, pending.choice, outcome)
         self._reports_total += 1
-        self.metrics.reports.labels(active.name, "applied" if applied else "stale").inc()
-        self.metrics.goodput.labels(str(outcome.gamma)).observe(outcome.goodput)
-        self.metrics.step_duration.observe(outcome.step_seconds)
+        metrics, gamma = self.metrics, str(outcome.gamma)
+        metrics.child(metrics.reports, active.name, "applied" if applied else "stale").inc()
+        metrics.child(metrics.goodput, gamma).observe(outcome.goodput)
+        metrics.step_duration.observe(outcome.step_seconds)
         if outcome.drafted_tokens > 0:
             ratio = outcome.accepted_tokens / outcome.drafted_tokens
-            self.metrics.acceptance.labels(str(outcome.gamma)).observe(ratio)
+            metrics.child(metrics.acceptance, gamma).observe(ratio)
         if self.decision_log is not None:
             self.decision_log.write(_outcome_record(outcome))
         return applied

@@ -163,6 +163,7 @@ def test_a_table_is_for_one_speculation_state_and_its_exploring_entries_run_once
     )
     cache = TableCache()
     assert cache.install(table, 2) and not cache.install(table, 1)  # an older answer
+    assert not cache.install(table, 2)  # the same answer again (waiter and callback)
     assert cache.take(context(0, 2, 1), 0.0) == "batch_size"
     assert cache.take(context(0, 3, 0), 0.0) == "speculation_state"
     first = cache.take(context(0, 4, 1), 0.0)
@@ -264,5 +265,26 @@ def test_a_table_asked_for_at_idle_outlasts_the_gap(make_server: Any) -> None:
         time.sleep(1.2)
         assert client.take(context(1, 4, 2)).source == "sidecar"
         assert dict(client.stats.table_misses) == {"no_table": 1}
+    finally:
+        client.close()
+
+
+def test_a_table_that_ages_during_a_long_step_is_refreshed_meanwhile(make_server: Any) -> None:
+    """A step longer than a table's valid_ms (1 s; seconds of prefill on a CPU): the
+    client's sender thread asks for a new table while the engine is in the step, so the
+    next step is answered from a table instead of waiting a round trip."""
+    server = make_server("--policy", "static", "--params", '{"gamma": 2}')
+    client = NightjarClient(
+        ClientConfig(target=server.target, engine_id="e0", deadline_s=0.5, connect_timeout_s=10)
+    )
+    try:
+        ctx = context(0, 4)
+        assert client.take(ctx).source == "sidecar"  # a miss: no table yet
+        client.take(context(1, 4))
+        client.prefetch_after(context(1, 4), 2)  # not due: the table is fresh
+        time.sleep(1.3)  # the step
+        assert client.take(context(2, 4, 2)).source == "sidecar"
+        assert dict(client.stats.table_misses) == {"no_table": 1}
+        assert client.stats.tables == 2
     finally:
         client.close()
