@@ -706,10 +706,15 @@ class NightjarClient:
             config.table_refresh_ms,
         ):
             return
+        self._hand_over(step)
+        self._refresh_wanted.set()
+
+    def _hand_over(self, step: NextStep) -> None:
+        """Give the sender thread the step to refresh the table for; a refresh is now
+        under way (until its reply, or until it could not be sent)."""
         with self._send_lock:
             self._refresh_step = step
         self._refreshing = True
-        self._refresh_wanted.set()
 
     def _flush_reports(self) -> PendingReply | None:
         if not len(self._reports):
@@ -729,26 +734,28 @@ class NightjarClient:
             self._refresh_wanted.clear()
             if self._closed.is_set():
                 return
-            if not self._use_tables or not (asked or self._aged_in_a_step()):
+            if not self._use_tables:
                 continue
+            if not asked:
+                step = self._outlived_table()
+                if step is None:
+                    continue
+                self._hand_over(step)
             future, _ = self._send_batch(None, want_table=True, refresh=True)
             if future is None:
                 self._refreshing = False
 
-    def _aged_in_a_step(self) -> bool:
-        """Whether the held table has served, aged past the refresh period since, and no
-        refresh is under way: then a refresh for the step the engine will ask for next is
-        handed over (a new table is not used until that step, so this happens at most once
-        per long step, never repeatedly while an engine idles)."""
+    def _outlived_table(self) -> NextStep | None:
+        """The step the engine will ask for next, if the held table has served, aged past
+        the refresh period since, and no refresh is under way (a new table is not used
+        until that step: at most one such refresh per long step, none while an engine
+        idles on an unused table)."""
         held, step = self._tables.held, self._next_step
         if self._refreshing or held is None or held.started is None or step is None:
-            return False
+            return None
         if held.age_ms(time.monotonic()) < self.config.table_refresh_ms:
-            return False
-        with self._send_lock:
-            self._refresh_step = step
-        self._refreshing = True
-        return True
+            return None
+        return step
 
     def _send_batch(
         self, ctx: StepContext | None, want_table: bool, refresh: bool = False

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, ClassVar
@@ -252,10 +253,16 @@ def disagreement(request: RequestSignals) -> float:
 def weighted_variance(values: Sequence[float], decay: float) -> float:
     """Eqs. 5–7: the variance of ``values`` (oldest first) with weights decay^{i−1}, i = 1
     the newest."""
-    weights = [decay**i for i in range(len(values) - 1, -1, -1)]
+    weights = _weights(len(values), decay)
     total = sum(weights)
     mean = sum(w * v for w, v in zip(weights, values, strict=True)) / total
     return sum(w * (v - mean) ** 2 for w, v in zip(weights, values, strict=True)) / total
+
+
+@functools.lru_cache(maxsize=256)
+def _weights(count: int, decay: float) -> tuple[float, ...]:
+    """decay^{i−1} for i = count … 1, oldest first: the same few windows every step."""
+    return tuple(decay**i for i in range(count - 1, -1, -1))
 
 
 def _history(values: Any, window: int) -> collections.deque[float]:

@@ -107,12 +107,12 @@ def step_features(
     draft_gamma: int | None = None,
     min_draft_passes: int = 0,
 ) -> FloatArray:
-    """The regression features of one step (the row ``predict_ms`` evaluates for γ): the
+    """The regression features of one step (the row ``predict_ms_many`` evaluates for γ): the
     shape features, then attention, which reads the batch's KV once per query token.
 
     ``draft_gamma``: γ of the draft passes the step ran, when not ``gamma`` (the target
     verified one decision's drafts while the drafter proposed the next's; a decision runs
-    both with its own γ, which is what ``predict_ms`` prices). ``min_draft_passes``: the
+    both with its own γ, which is what ``predict_ms_many`` prices). ``min_draft_passes``: the
     passes the engine's drafter runs even at γ = 0 (StepContext.min_draft_passes). Without
     it a γ = 0 step on vLLM looks one draft pass cheaper than it is, and γ = 0 wins where
     it is behind (docs/POLICIES.md, "Step time is one smooth function")."""
@@ -132,23 +132,6 @@ def step_features(
     )
 
 
-def predict_ms(
-    weights: FloatArray,
-    batch_size: int,
-    gamma_top: int,
-    prefill_tokens: int = 0,
-    context_tokens: int = 0,
-    min_draft_passes: int = 0,
-) -> FloatArray:
-    """Step milliseconds for γ = 0..gamma_top under ``weights`` (the fast path of a
-    decision: one cached matrix product plus the two context terms)."""
-    shape = shape_features(batch_size, gamma_top, prefill_tokens, min_draft_passes)
-    context = context_tokens / CONTEXT_SCALE
-    head: FloatArray = shape @ weights[:SHAPE_FEATURES]
-    ms: FloatArray = head + context * (weights[-2] + weights[-1] * shape[:, -2])
-    return ms
-
-
 def predict_ms_many(
     weights: FloatArray,
     batch_sizes: Sequence[int],
@@ -157,11 +140,12 @@ def predict_ms_many(
     context_tokens: int = 0,
     min_draft_passes: int = 0,
 ) -> FloatArray:
-    """``predict_ms`` for several batch sizes at once, one row each: one product for all
-    (a decision table prices 17 sizes). Every element equals ``predict_ms``'s for its size
-    alone (numpy's stacked product computes each row's as the product of that row alone;
-    a reshaped 2-D product would not), so a decision does not depend on how many sizes
-    were asked (tests/policy_server/policies/test_goodput_candidates.py)."""
+    """Step milliseconds for γ = 0..gamma_top under ``weights``, one row per batch size
+    (cached shape features, one stacked product, the two context terms). Every row equals
+    the one its size alone gives (numpy's stacked product computes each row's as the
+    product of that row alone; a reshaped 2-D product would not), so a decision does not
+    depend on how many sizes were asked with it (a table prices 17;
+    tests/policy_server/policies/test_goodput_candidates.py)."""
     shape = _stacked_shape_features(tuple(batch_sizes), gamma_top, prefill_tokens, min_draft_passes)
     context = context_tokens / CONTEXT_SCALE
     head: FloatArray = shape @ weights[:SHAPE_FEATURES]

@@ -23,7 +23,12 @@ from nightjar_common import wire
 from nightjar_common.types import BinType, StepContext, StepOutcome
 from policy_server.policies import DEFAULT_POLICY, PolicyError, create_policy
 from policy_server.policies.goodput import GoodputModelPolicy
-from policy_server.policies.models import StepTimeModel, expected_tokens, predict_ms, step_features
+from policy_server.policies.models import (
+    StepTimeModel,
+    expected_tokens,
+    predict_ms_many,
+    step_features,
+)
 
 GAMMA_MAX = 4
 BATCHES = (4, 24, 32, 64, 128)  # best γ 4, 3, 2, 1, 0 by ≥ 2.6 %
@@ -590,7 +595,7 @@ def test_the_fit_in_use_is_at_most_a_quarter_second_of_engine_time_old() -> None
         for _ in range(2):
             model.fit()
             model.observe(step_features(64, 0), true_ms(64, 0))
-        predicted = float(predict_ms(model.fit().weights, 64, 0)[0])
+        predicted = float(predict_ms_many(model.fit().weights, (64,), 0)[0, 0])
         return abs(predicted / true_ms(64, 0) - 1.0)
 
     decay, ridge = 1.0 - 1.0 / 2048, 0.01
