@@ -5,7 +5,9 @@ end-to-end latency, mean TPOT, the ratio of throughput to the oracle's and the
 cumulative regret against it, averaged over seeds; a throughput-vs-QPS sweep; and PNG
 plots (throughput and latency vs QPS, γ over time with the batch size, throughput and
 cumulative regret over time on the trace, the fitted step-time curves). `--quick` runs
-a reduced matrix for CI smoke tests.
+a reduced matrix for CI smoke tests. A second section (benchmarks/sim_mixed.py) replays
+two workloads with a mixed population, per-sequence γ (`dsde`) beside the batch-γ
+policies; `--mixed-only` runs and writes that section alone.
 """
 
 from __future__ import annotations
@@ -16,23 +18,15 @@ import datetime
 import statistics
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
 
 import nightjar_data
 
+from benchmarks import sim_mixed
 from benchmarks.report import write_section
 from policy_server.sim.engine import SimResult
 from policy_server.sim.profile import HardwareProfile, builtin_profiles, calibration_points
-from policy_server.sim.workload import (
-    RatePhase,
-    read_trace,
-    synthetic,
-)
-
-if TYPE_CHECKING:
-    from tqdm import tqdm
 from policy_server.sim.runs import (
     DATA_HELP,
     DEFAULT,
@@ -49,6 +43,12 @@ from policy_server.sim.runs import (
     simulate,
     summarise,
     workloads,
+)
+from policy_server.sim.workload import (
+    RatePhase,
+    RequestSpec,
+    read_trace,
+    synthetic,
 )
 
 SECTION = "bench-sim"
@@ -71,6 +71,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         dest="chunked_prefill",
         action="store_false",
         help="prefill whole prompts in one step (vLLM without chunked prefill)",
+    )
+    parser.add_argument(
+        "--mixed-only",
+        action="store_true",
+        help="only the mixed-population section (its homogeneous cells run here too)",
     )
     args = parser.parse_args(argv)
     profiles = builtin_profiles(args.data / "calibration")
@@ -100,18 +105,58 @@ def run(
     from tqdm import tqdm
 
     slo_runs = len(config.slo_workloads) * len(SLO_ONLY) * len(config.seeds)
+    matrix_runs = len(profiles) * (
+        len(names) * len(config.policies) * len(config.seeds)
+        + slo_runs
+        + len(rates) * len(config.sweep_policies)
+    )
+    mixed_jobs = sim_mixed.jobs(() if args.mixed_only else config.policies)
     progress = tqdm(
-        total=len(profiles)
-        * (
-            len(names) * len(config.policies) * len(config.seeds)
-            + slo_runs
-            + len(rates) * len(config.sweep_policies)
-        ),
+        total=(0 if args.mixed_only else matrix_runs)
+        + len(profiles) * len(mixed_jobs) * len(config.seeds),
         unit="run",
         desc="bench-sim",
     )
 
+    def tick(what: str) -> None:
+        progress.set_postfix_str(what)
+        progress.update()
+
     cells: dict[tuple[str, str, str], list[Cell]] = {}
+    if not args.mixed_only:
+        run_matrix(args, config, profiles, per_seed, cells, tick)
+    sim_mixed.run_cells(profiles, per_seed, config, mixed_jobs, cells, tick)
+    progress.close()
+    write_section(
+        args.out,
+        sim_mixed.SECTION,
+        sim_mixed.render(cells, list(profiles), config, command_of(args)),
+    )
+
+
+def command_of(args: argparse.Namespace) -> str:
+    """The command that wrote the figures, as the report names it."""
+    if not args.mixed_only:
+        command = "make bench-quick" if args.quick else "make bench"
+        return command + ("" if args.chunked_prefill else " --no-chunked-prefill")
+    flags = [
+        "--mixed-only",
+        *(["--quick"] if args.quick else []),
+        *([] if args.chunked_prefill else ["--no-chunked-prefill"]),
+    ]
+    return " ".join(["python -m benchmarks.sim_matrix", *flags])
+
+
+def run_matrix(
+    args: argparse.Namespace,
+    config: BenchConfig,
+    profiles: dict[str, HardwareProfile],
+    per_seed: dict[int, dict[str, list[RequestSpec]]],
+    cells: dict[tuple[str, str, str], list[Cell]],
+    tick: Callable[[str], None],
+) -> None:
+    """The matrix, the sweep and the plots: the main section, its cells kept in ``cells``."""
+    names = list(per_seed[config.seeds[0]])
     kept: dict[tuple[str, str, str], SimResult] = {}  # first seed's runs, for the plots
     for profile_name, profile in profiles.items():
         for workload in names:
@@ -129,11 +174,9 @@ def run(
                     cells.setdefault((profile_name, workload, policy), []).append(cell)
                     if seed == config.seeds[0] and workload in ("step", "azure-conv"):
                         kept[(profile_name, workload, policy)] = result
-                    progress.set_postfix_str(f"{profile_name} {workload} {policy} seed {seed}")
-                    progress.update()
+                    tick(f"{profile_name} {workload} {policy} seed {seed}")
 
-    sweep = run_sweep(profiles, rates, config, progress, args.data)
-    progress.close()
+    sweep = run_sweep(profiles, sweep_rates(args.quick), config, tick, args.data)
     figures = write_plots(args.plots, profiles, kept, sweep, args.data)
     write_section(
         args.out,
@@ -150,7 +193,7 @@ def run_sweep(
     profiles: dict[str, HardwareProfile],
     rates: list[float],
     config: BenchConfig,
-    progress: tqdm[NoReturn],
+    tick: Callable[[str], None],
     data: Path,
 ) -> Sweep:
     """Throughput and mean latency against a Poisson offered load, first seed."""
@@ -166,8 +209,7 @@ def run_sweep(
                 sweep.setdefault(profile_name, {}).setdefault(policy, []).append(
                     (rate, result.throughput, statistics.fmean(result.latencies()))
                 )
-                progress.set_postfix_str(f"sweep {profile_name} {rate:g} qps {policy}")
-                progress.update()
+                tick(f"sweep {profile_name} {rate:g} qps {policy}")
     return sweep
 
 
@@ -235,10 +277,12 @@ def render(
         "profile's c_prefill table; `nightjar-pow2` is Nightjar with `batch_bucketing: pow2`; "
         "`dsd` gets a linear latency model fitted offline once to the profile's decode steps "
         "(B 1–256, γ 0–4, 1,000 context tokens per request); `ucb` is BanditSpec's UCB per "
-        "power-of-two batch bucket. Workloads: `low`/`high`/`step`/`burst` are Poisson "
-        "schedules with Azure conv lengths; `azure-conv` is 10 minutes of the real trace at "
-        f"4 req/s; `drift` is {DRIFT_QPS:g} req/s whose requests switch half-way from "
-        "α = 0.8 to α = 0.3; `long` is the first 30 minutes of the trace at 4 req/s.",
+        "power-of-two batch bucket; `dsde` (DSDE) answers a γ per request from its recent "
+        "accepts (no KL divergence in the simulator) under a batch cap. Workloads: "
+        "`low`/`high`/`step`/`burst` are Poisson schedules with Azure conv lengths; "
+        f"`azure-conv` is 10 minutes of the real trace at 4 req/s; `drift` is {DRIFT_QPS:g} "
+        "req/s whose requests switch half-way from α = 0.8 to α = 0.3; `long` is the first "
+        "30 minutes of the trace at 4 req/s.",
         "",
     ]
     lines += cell_tables(cells, profiles, names, config.policies)

@@ -35,7 +35,7 @@ from nightjar_common.client import ClientConfig, NightjarClient
 from nightjar_common.types import StepContext, StepOutcome
 from policy_server.policies import DEFAULT_POLICY
 from policy_server.sim.acceptance import WORKLOADS
-from policy_server.sim.engine import SimConfig, SimResult, Simulator
+from policy_server.sim.engine import Decided, SimConfig, SimResult, Simulator
 from policy_server.sim.profile import builtin_profiles
 from policy_server.sim.runs import (
     DATA_HELP,
@@ -64,7 +64,7 @@ class LiveSource(ClientSource):
         self.say, self.every_s = say, every_s
         self._next_s, self._now, self._tokens, self._gammas = 0.0, 0.0, 0, [0] * (GAMMA_MAX + 1)
 
-    def decide(self, ctx: StepContext, sim: Simulator) -> tuple[int, str]:
+    def decide(self, ctx: StepContext, sim: Simulator) -> Decided:
         self._now = sim.now
         return super().decide(ctx, sim)
 

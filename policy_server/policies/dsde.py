@@ -101,6 +101,9 @@ class DsdePolicy(ParamsPolicy[DsdeParams], CheckpointedDecide):
 
     name: ClassVar[str] = "dsde"
     state_schema: ClassVar[str] = STATE_SCHEMA
+    # Reads StepContext.requests and StepOutcome.request_accepts (the simulator builds
+    # them only for policies that say so).
+    reads_request_signals: ClassVar[bool] = True
 
     def __init__(self, params: Mapping[str, Any] | None = None) -> None:
         self._params = parse_params(DsdeParams, params, self.name)

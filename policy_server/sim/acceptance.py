@@ -7,7 +7,9 @@ truncated-geometric run (Leviathan et al.): P(k accepted) = α^k(1−α) for k <
 
 Workload means are calibrated from published mean accepted tokens per step
 (``data/calibration/published_spec_decode_numbers.csv``, one cited source per row) by solving
-(1 − α^{γ+1}) / (1 − α) = AL for α at the γ the source used.
+(1 − α^{γ+1}) / (1 − α) = AL for α at the γ the source used. A mixed population
+(``AcceptanceMix``, ``MIXES``) draws each request's category by weight first, then its α
+from that category's model: greedy code beside creative writing in one batch.
 """
 
 from __future__ import annotations
@@ -20,7 +22,10 @@ from collections.abc import Sequence
 from policy_server.policies.models import expected_tokens
 
 __all__ = [
+    "MIXES",
     "WORKLOADS",
+    "Acceptance",
+    "AcceptanceMix",
     "AcceptanceModel",
     "AcceptanceSchedule",
     "accepted_run",
@@ -71,6 +76,24 @@ class AcceptanceModel:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class AcceptanceMix:
+    """A population of request categories: a request is of a category with its weight's
+    share, and draws its α from that category's model."""
+
+    name: str
+    parts: Sequence[tuple[float, AcceptanceModel]]
+
+    def sample_alpha(self, rng: random.Random) -> float:
+        weights = [weight for weight, _ in self.parts]
+        category = rng.choices([model for _, model in self.parts], weights)[0]
+        return category.sample_alpha(rng)
+
+    def at(self, arrival_s: float) -> AcceptanceMix:
+        """The mix of a request arriving at ``arrival_s`` (the same at every time)."""
+        return self
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class AcceptanceSchedule:
     """A request mix that changes over time: requests arriving from ``start_s`` on draw
     their α from that phase's model (a drift workload for adaptive policies)."""
@@ -101,5 +124,38 @@ WORKLOADS = {
         "chat-eagle",
         alpha_for_acceptance_length(3.58, 6),
         source="Spec-Bench leaderboard, Vicuna-7B EAGLE, AL 3.58 (chain of 6 approximation)",
+    ),
+}
+
+
+# Where a request's α comes from: one model, a mix of categories, or a schedule over time.
+Acceptance = AcceptanceModel | AcceptanceMix | AcceptanceSchedule
+
+
+def _category(name: str, length: float, gamma: int, source: str) -> AcceptanceModel:
+    """A category whose mean α gives the published acceptance length at the source's γ."""
+    return AcceptanceModel(name, alpha_for_acceptance_length(length, gamma), source=source)
+
+
+# Spec-Bench's leaderboard publishes per-category speed-ups only (its acceptance length is
+# overall); the rows of published_spec_decode_numbers.csv with per-category acceptance are:
+MIXES = {
+    # vllm-project/speculators RFC #1135 (DSpark drafter, 8 tokens per block, AL with the
+    # bonus token): HumanEval 4.57 (α ≈ 0.82), writing 2.64 (α ≈ 0.63); half each.
+    "code-writing": AcceptanceMix(
+        "code-writing",
+        (
+            (0.5, _category("code", 4.57, 8, "speculators RFC #1135, HumanEval AL 4.57 at 8")),
+            (0.5, _category("writing", 2.64, 8, "speculators RFC #1135, writing AL 2.64 at 8")),
+        ),
+    ),
+    # ggml-org/llama.cpp PR #22673 (MTP draft, n_max = 4): per-task accepted/drafted 0.81
+    # (code_python) and 0.41 (translation), i.e. AL = 1 + 4 · rate (α ≈ 0.92 and 0.67).
+    "code-translation": AcceptanceMix(
+        "code-translation",
+        (
+            (0.5, _category("code", 1 + 4 * 0.81, 4, "llama.cpp PR #22673, code_python 0.81")),
+            (0.5, _category("translation", 1 + 4 * 0.41, 4, "llama.cpp PR #22673, 0.41")),
+        ),
     ),
 }

@@ -21,12 +21,12 @@ from pathlib import Path
 import nightjar_data
 
 from nightjar_common.client import ClientConfig, NightjarClient
-from policy_server.sim.acceptance import WORKLOADS
 from policy_server.sim.engine import SimResult, Simulator
 from policy_server.sim.profile import builtin_profiles
 from policy_server.sim.runs import (
     DATA_HELP,
     POLICIES,
+    POPULATIONS,
     TABLE_MODE,
     BenchConfig,
     Cell,
@@ -55,8 +55,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--acceptance",
         default="chat-sps",
-        choices=sorted(WORKLOADS),
-        help="acceptance model of the draft/target pair",
+        choices=sorted(POPULATIONS),
+        help="acceptance of the draft/target pair: one model, or a mix of request categories",
     )
     parser.add_argument(
         "--policies",
@@ -120,7 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with NightjarClient(ClientConfig(target=args.sidecar, engine_id="nightjar-sim")) as client:
             source = ClientSource(client)
             sim = Simulator(
-                profile, WORKLOADS[args.acceptance], specs, source, bench.sim(args.seed)
+                profile, POPULATIONS[args.acceptance], specs, source, bench.sim(args.seed)
             )
             results["sidecar"] = sim.run()
     cells: dict[str, Cell] = {

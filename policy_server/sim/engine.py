@@ -6,6 +6,11 @@ room for the step's KV growth (preempting the newest requests, recompute-style,
 when blocks run out), fill the rest of the token budget with prefill chunks,
 time the step with the hardware profile, then sample what every request
 accepted. The draft's weights occupy KV blocks while it is resident.
+
+A source that reads per-request signals (``DecisionSource.per_request``) gets each decode
+request's context and recent accepts in ``StepContext.requests`` and its accepted count in
+``StepOutcome.request_accepts``, and may answer a γ_i per request (``Decided``): the
+drafter then runs the batch γ (the cap) and each request verifies its own γ_i.
 """
 
 from __future__ import annotations
@@ -14,26 +19,38 @@ import collections
 import dataclasses
 import math
 import random
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Protocol
 
-from nightjar_common.types import StepContext, StepOutcome
-from policy_server.sim.acceptance import (
-    AcceptanceModel,
-    AcceptanceSchedule,
-    accepted_run,
-    expected_tokens,
-)
-from policy_server.sim.profile import HardwareProfile
+from nightjar_common.types import RequestSignals, StepContext, StepOutcome
+from policy_server.sim.acceptance import Acceptance, accepted_run, expected_tokens
+from policy_server.sim.profile import HardwareProfile, Verification
 from policy_server.sim.workload import RequestSpec
+
+# Accepted counts of its latest verifications a request carries in its RequestSignals.
+RECENT_ACCEPTS = 4
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Decided:
+    """A source's answer for one step."""
+
+    gamma: int
+    # "" when nothing is to be reported.
+    decision_id: str = ""
+    # γ_i by request id (str of the request's rid), each capped at ``gamma``; a request
+    # not named verifies ``gamma``. () = every request verifies ``gamma``.
+    request_gammas: tuple[tuple[str, int], ...] = ()
 
 
 class DecisionSource(Protocol):
     """Where γ comes from: an in-process policy, the gRPC client, or the oracle."""
 
-    def decide(self, ctx: StepContext, sim: Simulator) -> tuple[int, str]:
-        """γ and a decision id ("" when nothing is to be reported)."""
-        ...
+    # Build per-request signals for it (StepContext.requests, StepOutcome.request_accepts):
+    # a cost per request and step, so only sources whose policy reads them ask.
+    per_request: bool
+
+    def decide(self, ctx: StepContext, sim: Simulator) -> Decided: ...
 
     def report(self, ctx: StepContext, decision_id: str, outcome: StepOutcome) -> None: ...
 
@@ -75,6 +92,8 @@ class SimRequest:
     just_prefilled: bool = False
     first_token_s: float | None = None
     finish_s: float | None = None
+    # Draft tokens it accepted at its latest verifications (per-request sources only).
+    recent_accepts: tuple[int, ...] = ()
     _expected: list[float] = dataclasses.field(default_factory=list, repr=False)
 
     def expected_tokens(self, gamma: int) -> float:
@@ -151,7 +170,7 @@ class Simulator:
     def __init__(
         self,
         profile: HardwareProfile,
-        acceptance: AcceptanceModel | AcceptanceSchedule,
+        acceptance: Acceptance,
         specs: Sequence[RequestSpec],
         source: DecisionSource,
         config: SimConfig | None = None,
@@ -225,7 +244,9 @@ class Simulator:
 
     def _step(self) -> StepRecord:
         decode = [r for r in self.running if r.decoding]
-        gamma, decision_id, ctx, goodputs = 0, "", None, None
+        # lost: expected decode goodput the decision gives up against the best batch γ.
+        gamma, decision_id, ctx, lost = 0, "", None, 0.0
+        gammas: dict[int, int] | None = None  # γ_i by rid, when the source answered them
         if decode:
             ctx = StepContext(
                 engine_id=self.config.engine_id,
@@ -239,19 +260,31 @@ class Simulator:
                 previous_gamma=self.previous_gamma,
                 max_gamma=self.config.gamma_max,
                 context_tokens=sum(r.context_tokens for r in decode),
+                requests=signals(decode) if self.source.per_request else (),
             )
             self.pending_decode = decode
+            goodputs = None
             if self.config.track_regret:
                 goodputs = self.expected_goodputs(self.config.gamma_max)
-            gamma, decision_id = self.source.decide(ctx, self)
-            gamma = max(0, min(gamma, self.config.gamma_max))
+            decided = self.source.decide(ctx, self)
+            gamma = max(0, min(decided.gamma, self.config.gamma_max))
+            decision_id = decided.decision_id
+            if decided.request_gammas and gamma > 0:
+                gammas = request_gammas(decided.request_gammas, decode, gamma)
+            if goodputs:  # scored before the step changes the requests
+                lost = max(goodputs) - self._chosen_goodput(goodputs, gamma, gammas)
+            # KV for the cap: the drafter proposes it for every request before verifying.
             decode = self._reserve(decode, gamma)
         catch_up = max((r.lag for r in decode), default=0) if self.previous_gamma == 0 else 0
+        # The token budget is planned for the cap as well (the scheduler's lookahead).
         prefill_tokens = self._run_prefill(len(decode), gamma)
         context = sum(r.context_tokens for r in decode)
-        step_s = self.profile.step_seconds(len(decode), gamma, prefill_tokens, context, catch_up)
+        verification = verification_of(decode, gammas)
+        step_s = self.profile.step_seconds(
+            len(decode), gamma, prefill_tokens, context, catch_up, verification
+        )
         self.now += step_s
-        generated, accepted = self._decode(decode, gamma)
+        generated, accepted, accepts = self._decode(decode, gamma, gammas)
         generated += self._first_tokens()
         self._finish()
         if ctx is not None:
@@ -261,14 +294,17 @@ class Simulator:
                 gamma,
                 step_s,
                 generated,
-                drafted_tokens=len(decode) * gamma,
+                drafted_tokens=(
+                    len(decode) * gamma if verification is None else verification.draft_tokens
+                ),
                 accepted_tokens=accepted,
+                request_accepts=accepts,
                 prefill_tokens=prefill_tokens,
             )
             self.source.report(ctx, decision_id, outcome)
             self.previous_gamma = gamma
         self.step_index += 1
-        regret = (max(goodputs) - goodputs[gamma]) * step_s if goodputs else 0.0
+        regret = lost * step_s
         return StepRecord(
             self.now,
             len(decode),
@@ -332,20 +368,30 @@ class Simulator:
         request.lag = 0
         self.waiting.appendleft(request)
 
-    def _decode(self, decode: list[SimRequest], gamma: int) -> tuple[int, int]:
+    def _decode(
+        self, decode: list[SimRequest], gamma: int, gammas: Mapping[int, int] | None
+    ) -> tuple[int, int, tuple[int, ...]]:
+        """Tokens generated, draft tokens accepted, and the accepted count of each request
+        that verified drafts (per-request sources only; () otherwise)."""
         generated = accepted = 0
+        accepts: list[int] = []
+        track = self.source.per_request
         for request in decode:
             if gamma > 0:
-                run = accepted_run(self._rng, request.alpha, gamma)
+                depth = gamma if gammas is None else gammas[request.rid]
+                run = accepted_run(self._rng, request.alpha, depth)
                 accepted += run
                 tokens = min(run + 1, request.remaining)
-                request.lag = 0
+                request.lag = 0  # the drafter ran the cap over every request
+                if track and depth > 0:
+                    accepts.append(run)
+                    request.recent_accepts = (*request.recent_accepts[1 - RECENT_ACCEPTS :], run)
             else:
                 tokens = min(1, request.remaining)
                 request.lag += tokens
             request.generated += tokens
             generated += tokens
-        return generated, accepted
+        return generated, accepted, tuple(accepts)
 
     def _first_tokens(self) -> int:
         """A request whose prefill completed this step samples its next token."""
@@ -386,12 +432,56 @@ class Simulator:
         look cheap in prefill-heavy steps, and a per-step maximiser fooled that way loses
         throughput to γ = 0 under load (docs/SIMULATOR.md, "The oracle").
         """
+        work = self._pending_work()
+        return [self._expected_goodput(gamma, None, *work) for gamma in range(top + 1)]
+
+    def _pending_work(self) -> tuple[int, int]:
+        """Context tokens and the draft's catch-up lag of the pending step."""
         decode = self.pending_decode
         catch_up = max((r.lag for r in decode), default=0) if self.previous_gamma == 0 else 0
-        context = sum(r.context_tokens for r in decode)
-        out = []
-        for gamma in range(top + 1):
+        return sum(r.context_tokens for r in decode), catch_up
+
+    def _expected_goodput(
+        self, gamma: int, gammas: Mapping[int, int] | None, context: int, catch_up: int
+    ) -> float:
+        """Expected decode goodput of the pending step with γ (γ_i by rid: γ is their cap)."""
+        decode = self.pending_decode
+        if gammas is None:  # the hot path: Γmax+1 of these per step when tracking regret
             tokens = sum(min(r.expected_tokens(gamma), r.remaining) for r in decode)
-            seconds = self.profile.step_seconds(len(decode), gamma, 0, context, catch_up)
-            out.append(tokens / seconds)
-        return out
+        else:
+            tokens = sum(min(r.expected_tokens(gammas[r.rid]), r.remaining) for r in decode)
+        verification = verification_of(decode, gammas)
+        seconds = self.profile.step_seconds(len(decode), gamma, 0, context, catch_up, verification)
+        return tokens / seconds
+
+    def _chosen_goodput(
+        self, goodputs: list[float], gamma: int, gammas: Mapping[int, int] | None
+    ) -> float:
+        """Expected decode goodput of the step's decision; with per-request γ_i it can beat
+        every batch γ (a negative regret)."""
+        if gammas is None:
+            return goodputs[gamma]
+        return self._expected_goodput(gamma, gammas, *self._pending_work())
+
+
+def signals(decode: Sequence[SimRequest]) -> tuple[RequestSignals, ...]:
+    """What an engine knows of each decode request; no KL divergence (the simulator has no
+    distributions: a policy that wants one uses its proxy)."""
+    return tuple(RequestSignals(str(r.rid), r.context_tokens, r.recent_accepts) for r in decode)
+
+
+def request_gammas(
+    answered: Sequence[tuple[str, int]], decode: Sequence[SimRequest], cap: int
+) -> dict[int, int]:
+    """γ_i by rid of the decode requests, within 0..cap; a request not answered for: cap."""
+    by_id = dict(answered)
+    return {r.rid: max(0, min(by_id.get(str(r.rid), cap), cap)) for r in decode}
+
+
+def verification_of(
+    decode: Sequence[SimRequest], gammas: Mapping[int, int] | None
+) -> Verification | None:
+    """The step's verify work with per-request γ_i; None: every request verifies the cap."""
+    if gammas is None:
+        return None
+    return Verification.of([gammas[r.rid] for r in decode], [r.context_tokens for r in decode])

@@ -11,6 +11,8 @@ compute-bound above), and build a step time:
                         + overhead
 
 The draft is a small model whose pass is launch-bound: ``draft(B) = d0 + d1·B`` (ms).
+With a γ_i per request (``Verification``), γ is the batch's cap: the drafter runs γ
+passes over the batch, and the target verifies Σ(γ_i + 1) tokens.
 """
 
 from __future__ import annotations
@@ -86,6 +88,24 @@ def fit_layer_curve(points: Sequence[tuple[int, float]], max_tokens: int = 2048)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class Verification:
+    """The verify work of a step whose requests verify their own γ_i ≤ the drafted cap."""
+
+    # Σ γ_i: draft tokens the target verifies (and rejection-samples).
+    draft_tokens: int
+    # Σ context_i · γ_i / Σ context_i: the γ by which the extra query tokens re-read the KV
+    # (each request's attention grows with its own γ_i).
+    attention_gamma: float
+
+    @classmethod
+    def of(cls, gammas: Sequence[int], contexts: Sequence[int]) -> Verification:
+        """The verify work of requests with these γ_i and context lengths (same order)."""
+        context = sum(contexts)
+        weighted = sum(g * c for g, c in zip(gammas, contexts, strict=True))
+        return cls(sum(gammas), weighted / context if context else 0.0)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class HardwareProfile:
     """Everything the simulator needs to time a step of one target/draft pair."""
 
@@ -151,14 +171,25 @@ class HardwareProfile:
         prefill_tokens: int = 0,
         context_tokens: int = 0,
         catch_up_lag: int = 0,
+        verification: Verification | None = None,
     ) -> float:
-        tokens = prefill_tokens + batch_size * (gamma + 1)
+        """Seconds of one step; ``verification``: per-request γ_i (γ is then their cap)."""
+        if verification is None:  # every request verifies γ (the float operations as ever)
+            verified, attention_gamma = batch_size * gamma, float(gamma)
+            spec_ms = self.spec_token_ms * batch_size * gamma
+        else:
+            verified, attention_gamma = verification.draft_tokens, verification.attention_gamma
+            # Charged per verified token: the knob is mostly rejection sampling and the
+            # verify-side attention, which run on each request's own γ_i.
+            spec_ms = self.spec_token_ms * verified
+        tokens = prefill_tokens + batch_size + verified
         ms = (
             self.target_ms(tokens)
-            + self.attention_ms(context_tokens) * (1 + self.verify_attention_factor * gamma)
+            + self.attention_ms(context_tokens)
+            * (1 + self.verify_attention_factor * attention_gamma)
             + gamma * self.draft_pass_ms(batch_size) * (1 if batch_size else 0)
             + (self.catch_up_ms(catch_up_lag, batch_size) if gamma > 0 else 0.0)
-            + self.spec_token_ms * batch_size * gamma
+            + spec_ms
             + self.overhead_ms
         )
         return ms / 1000.0

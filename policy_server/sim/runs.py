@@ -12,7 +12,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from policy_server.policies.dsd import fit_latency
-from policy_server.sim.acceptance import WORKLOADS, AcceptanceModel, AcceptanceSchedule
+from policy_server.sim.acceptance import (
+    MIXES,
+    WORKLOADS,
+    Acceptance,
+    AcceptanceMix,
+    AcceptanceModel,
+    AcceptanceSchedule,
+)
 from policy_server.sim.engine import DecisionSource, SimConfig, SimResult, Simulator
 from policy_server.sim.profile import HardwareProfile
 from policy_server.sim.sources import OracleSource, PolicySource, TableSource
@@ -102,6 +109,8 @@ POLICIES: dict[str, SourceFactory] = {
         "dsd", {"gamma_max": GAMMA_MAX, **assets.dsd_latency}
     ),
     "ucb": lambda seed, assets: PolicySource.named("ucb", {"gamma_max": GAMMA_MAX}),
+    # Per-request γ (each request's own from its recent accepts, capped per batch).
+    "dsde": lambda seed, assets: PolicySource.named("dsde", {"gamma_max": GAMMA_MAX}),
     "oracle": lambda seed, assets: OracleSource(),
 }
 # Only in the SLO table: the default policy with the deployment's TPOT SLO.
@@ -149,6 +158,20 @@ QUICK_POLICIES = [
     "table",
     "ema",
     "dsd",
+    "dsde",
+    "oracle",
+]
+# Mixed populations (per-sequence γ): a `make bench` workload's arrivals whose requests
+# draw α from a mix of categories (acceptance.MIXES) instead of the bench's one model.
+MIXED = {"step-mix": ("step", "code-writing"), "azure-conv-mix": ("azure-conv", "code-writing")}
+MIXED_POLICIES = [
+    "goodput",
+    "nightjar",
+    "off",
+    *(f"static-{g}" for g in range(1, GAMMA_MAX + 1)),
+    "ema",
+    "dsd",
+    "dsde",
     "oracle",
 ]
 
@@ -174,6 +197,7 @@ class BenchConfig:
     seeds: list[int]
     quick: bool
     chunked_prefill: bool = True
+    # A name of POPULATIONS: one acceptance model or a mix.
     acceptance: str = "chat-sps"
     # Profile name -> its assets (written by main into a scratch directory).
     assets: dict[str, ProfileAssets] = dataclasses.field(default_factory=dict)
@@ -237,12 +261,22 @@ def workloads(data: Path, seed: int, quick: bool) -> dict[str, list[RequestSpec]
     return out
 
 
-def acceptance_of(
-    workload: str, specs: Sequence[RequestSpec], bench: BenchConfig
-) -> AcceptanceModel | AcceptanceSchedule:
-    """The request mix of a workload: the bench's model, or the drift schedule."""
+# The request populations a run can name: one model, or a mix of categories.
+POPULATIONS: dict[str, AcceptanceModel | AcceptanceMix] = {**WORKLOADS, **MIXES}
+
+
+def mixed_workloads(homogeneous: Mapping[str, list[RequestSpec]]) -> dict[str, list[RequestSpec]]:
+    """The mixed-population workloads: the arrivals of the homogeneous ones they name."""
+    return {name: homogeneous[base] for name, (base, _) in MIXED.items()}
+
+
+def acceptance_of(workload: str, specs: Sequence[RequestSpec], bench: BenchConfig) -> Acceptance:
+    """The request mix of a workload: the bench's model, a mixed population, or the drift
+    schedule."""
+    if workload in MIXED:
+        return MIXES[MIXED[workload][1]]
     if workload != "drift":
-        return WORKLOADS[bench.acceptance]
+        return POPULATIONS[bench.acceptance]
     half = (specs[-1].arrival_s if specs else 0.0) / 2
     return AcceptanceSchedule(((0.0, DRIFT_PHASES[0]), (half, DRIFT_PHASES[1])))
 

@@ -15,14 +15,17 @@ from nightjar_common.types import Choice, RanStep, StepContext, StepOutcome
 from nightjar_common.validation import MAX_BATCHED
 from policy_server.policies import Policy, create_policy
 from policy_server.service import DEFAULT_HALF_WIDTH, DecisionService, TableOptions
-from policy_server.sim.engine import Simulator
+from policy_server.sim.engine import Decided, Simulator
 
 
 class PolicySource:
-    """Runs a registered policy in process, through the same Policy protocol as the server."""
+    """Runs a registered policy in process, through the same Policy protocol as the server;
+    a policy that reads per-request signals (``reads_request_signals``) gets them, and its
+    per-request γ (``Choice.request_gammas``) runs."""
 
     def __init__(self, policy: Policy) -> None:
         self.policy = policy
+        self.per_request: bool = getattr(policy, "reads_request_signals", False)
         self._ids = itertools.count(1)
         self._choices: dict[str, Choice] = {}
 
@@ -30,11 +33,11 @@ class PolicySource:
     def named(cls, name: str, params: Mapping[str, Any] | None = None) -> PolicySource:
         return cls(create_policy(name, params))
 
-    def decide(self, ctx: StepContext, sim: Simulator) -> tuple[int, str]:
+    def decide(self, ctx: StepContext, sim: Simulator) -> Decided:
         choice = self.policy.decide(ctx)
         decision_id = str(next(self._ids))
         self._choices[decision_id] = choice
-        return choice.gamma, decision_id
+        return Decided(choice.gamma, decision_id, choice.request_gammas)
 
     def report(self, ctx: StepContext, decision_id: str, outcome: StepOutcome) -> None:
         choice = self._choices.pop(decision_id)
@@ -48,7 +51,10 @@ class TableSource:
     exactly the wire protocol's logic, without the transport. A table is asked for when the
     held one cannot answer a step or has served ``refresh_steps`` steps, and carries the
     steps run and outcomes since the last one, all of them known (an answer that always
-    arrives in time: on a real engine the refresh is asked for one step ahead)."""
+    arrives in time: on a real engine the refresh is asked for one step ahead). Tables carry
+    one γ per batch size, no per-request γ."""
+
+    per_request = False
 
     def __init__(
         self,
@@ -70,7 +76,7 @@ class TableSource:
     ) -> TableSource:
         return cls(name, params, **options)
 
-    def decide(self, ctx: StepContext, sim: Simulator) -> tuple[int, str]:
+    def decide(self, ctx: StepContext, sim: Simulator) -> Decided:
         if refresh_due(self._cache.held, NextStep(ctx), 0.0, self.refresh_steps, math.inf):
             self._refresh(ctx)
         taken = self._cache.take(ctx, 0.0)
@@ -79,7 +85,7 @@ class TableSource:
             taken = self._cache.take(ctx, 0.0)
             assert not isinstance(taken, str), taken
         self._reports.ran(RanStep(taken.decision_id, ctx, taken.gamma))
-        return taken.gamma, taken.decision_id
+        return Decided(taken.gamma, taken.decision_id)
 
     def report(self, ctx: StepContext, decision_id: str, outcome: StepOutcome) -> None:
         self._reports.outcome(outcome)
@@ -93,15 +99,19 @@ class TableSource:
 
 
 class ClientSource:
-    """Asks a running sidecar through the fail-open client, exactly as the plugin does."""
+    """Asks a running sidecar through the fail-open client, exactly as the plugin does
+    (which sends no per-request signals)."""
+
+    per_request = False
 
     def __init__(self, client: NightjarClient) -> None:
         self.client = client
         self.last: GammaDecision | None = None  # for live displays
 
-    def decide(self, ctx: StepContext, sim: Simulator) -> tuple[int, str]:
+    def decide(self, ctx: StepContext, sim: Simulator) -> Decided:
         decision = self.last = self.client.decide(ctx)
-        return decision.gamma, decision.decision_id or ""
+        answered = decision.decision.request_gammas if decision.decision else ()
+        return Decided(decision.gamma, decision.decision_id or "", answered)
 
     def report(self, ctx: StepContext, decision_id: str, outcome: StepOutcome) -> None:
         if decision_id:
@@ -109,13 +119,15 @@ class ClientSource:
 
 
 class OracleSource:
-    """The limit: the γ with the best expected goodput of each step, from true parameters."""
+    """The limit of a batch γ: the γ with the best expected goodput of each step, from true
+    parameters."""
 
-    def decide(self, ctx: StepContext, sim: Simulator) -> tuple[int, str]:
+    per_request = False
+
+    def decide(self, ctx: StepContext, sim: Simulator) -> Decided:
         top = ctx.max_gamma if ctx.draft_resident else 0
         goodputs = sim.expected_goodputs(top)
-        best = max(range(top + 1), key=goodputs.__getitem__)
-        return best, ""
+        return Decided(max(range(top + 1), key=goodputs.__getitem__))
 
     def report(self, ctx: StepContext, decision_id: str, outcome: StepOutcome) -> None:
         return None

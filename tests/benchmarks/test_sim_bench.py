@@ -6,9 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import sim_mixed
 from benchmarks import sim_traces as bench_traces
 from benchmarks.sim_matrix import main, render
-from policy_server.sim.runs import BenchConfig, Cell
+from policy_server.sim.runs import MIXED, MIXED_POLICIES, BenchConfig, Cell
 
 
 def test_render_marks_targets_from_the_figures() -> None:
@@ -32,6 +33,35 @@ def test_render_marks_targets_from_the_figures() -> None:
     assert "make bench-quick" in text
 
 
+def test_mixed_section_puts_both_populations_side_by_side_and_dsde_against_the_batch() -> None:
+    config = BenchConfig(Path("data"), [1, 2], quick=True)
+    tpot = {"dsde": 9.0, "static-2": 10.0, "goodput": 12.0}
+    cells = {
+        ("p", workload, policy): [
+            Cell("p", workload, policy, 100.0 + s, 1.0, 2.0, tpot.get(policy, 20.0) + s, 1000, 5.0)
+            for s in (0, 2)  # two seeds
+        ]
+        for mixed, (base, _) in MIXED.items()
+        for workload in (base, mixed)
+        for policy in MIXED_POLICIES
+    }
+    text = sim_mixed.render(cells, ["p"], config, "the command")
+    assert "by `the command`" in text
+    assert "### p — `step` arrivals: `chat-sps` beside `code-writing`" in text
+    # Homogeneous means, then the mixed ones with the seeds' range.
+    row = "| dsde | 101 | 1.00 | 10.0 | 0.50 | 101 (100–102) | 1.000 | 1.00 | 10.0 (9.0–11.0) |"
+    assert row in text
+    # TPOT 10 against goodput's 13 and the best batch policy's (static-2) 11.
+    assert "| p | `step-mix` | 1.000 | 0.769 | static-2 (11.0) | 1.000 | 0.909 |" in text
+
+
+def test_mixed_jobs_skip_the_homogeneous_cells_the_matrix_ran() -> None:
+    jobs = sim_mixed.jobs(("goodput",))
+    assert ("step", "nightjar") in jobs and ("step", "goodput") not in jobs
+    assert all((mixed, p) in jobs for mixed in MIXED for p in MIXED_POLICIES)
+    assert len(sim_mixed.jobs(())) == 2 * len(MIXED) * len(MIXED_POLICIES)
+
+
 @pytest.mark.slow
 def test_quick_bench_runs_end_to_end(tmp_path: Path) -> None:
     """The CI smoke run of `make bench-quick`: report section and every figure written."""
@@ -44,6 +74,7 @@ def test_quick_bench_runs_end_to_end(tmp_path: Path) -> None:
         assert f"{profile} — step, SLO" in text
         assert f"sim_gamma_{profile}.png" in text
     assert "against the targets" in text and "Throughput vs offered load" in text
+    assert "mixed populations and per-sequence γ" in text and "| dsde | " in text
     figures = sorted(plots.glob("*.png"))
     assert len(figures) == 8
     assert all(f.read_bytes().startswith(b"\x89PNG") for f in figures)

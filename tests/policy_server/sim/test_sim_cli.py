@@ -65,3 +65,21 @@ def test_bad_input_is_reported_with_exit_code_2(trace: Path, capsys, args, messa
     argv = [str(trace) if a == "TRACE" else a for a in args] + ["--data", str(DATA)]
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_mixed_population_is_selectable_and_dsde_runs_on_it(trace: Path, tmp_path: Path) -> None:
+    figures = {}
+    for population in ("chat-sps", "code-writing"):
+        out = tmp_path / f"{population}.json"
+        argv = [str(trace), "--qps", "8", "--policies", "static-2,dsde", "--json", str(out)]
+        assert main([*argv, "--acceptance", population, "--data", str(DATA)]) == 0
+        figures[population] = json.loads(out.read_text())
+    total = sum(40 + i % 13 for i in range(120))
+    for cells in figures.values():
+        assert {name: c["generated_tokens"] for name, c in cells.items()} == {
+            "static-2": total,
+            "dsde": total,
+        }
+    # The mix accepts more than chat-sps: the same γ yields its tokens sooner.
+    sps, mix = (figures[p]["static-2"]["mean_tpot_ms"] for p in ("chat-sps", "code-writing"))
+    assert mix < sps

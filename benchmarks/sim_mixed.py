@@ -1,0 +1,182 @@
+"""`make bench`'s mixed-population cells: per-sequence γ beside the homogeneous workloads.
+
+The arrivals of two matrix workloads (`runs.MIXED`) run once more with each request's α
+drawn from a mix of categories (`acceptance.MIXES`), every policy of `runs.MIXED_POLICIES`
+on both profiles and every seed; `dsde` answers a γ per request, the others one γ per
+step. The section shows the homogeneous cell (the matrix's, or run here with
+`--mixed-only`) beside the mixed one, with the spread over seeds, and dsde against the
+batch-γ policies.
+"""
+
+from __future__ import annotations
+
+import datetime
+import statistics
+from collections.abc import Callable, Collection, Sequence
+
+from policy_server.sim.acceptance import MIXES
+from policy_server.sim.profile import HardwareProfile
+from policy_server.sim.runs import (
+    GAMMA_MAX,
+    MIXED,
+    MIXED_POLICIES,
+    BenchConfig,
+    Cell,
+    mixed_workloads,
+    simulate,
+    summarise,
+)
+from policy_server.sim.workload import RequestSpec
+
+SECTION = "bench-sim-mixed"
+PER_REQUEST = "dsde"
+DEFAULT = "goodput"
+
+Cells = dict[tuple[str, str, str], list[Cell]]
+
+
+def jobs(done: Collection[str]) -> list[tuple[str, str]]:
+    """(workload, policy) pairs to run per profile and seed: every mixed cell, and the
+    homogeneous cells beside them whose policy the matrix did not run (``done``)."""
+    mixed = [(name, policy) for name in MIXED for policy in MIXED_POLICIES]
+    homogeneous = [
+        (base, policy)
+        for base, _ in MIXED.values()
+        for policy in MIXED_POLICIES
+        if policy not in done
+    ]
+    return mixed + homogeneous
+
+
+def run_cells(
+    profiles: dict[str, HardwareProfile],
+    per_seed: dict[int, dict[str, list[RequestSpec]]],
+    config: BenchConfig,
+    todo: Sequence[tuple[str, str]],
+    cells: Cells,
+    tick: Callable[[str], None],
+) -> None:
+    """Run ``todo`` on every profile and seed through the matrix's own `simulate`, adding
+    the cells to ``cells``; ``tick`` is told each run."""
+    arrivals = {seed: {**specs, **mixed_workloads(specs)} for seed, specs in per_seed.items()}
+    for profile_name, profile in profiles.items():
+        for workload, policy in todo:
+            for seed in config.seeds:
+                result = simulate(profile, arrivals[seed][workload], policy, config, seed, workload)
+                cell = summarise(profile_name, workload, policy, result)
+                cells.setdefault((profile_name, workload, policy), []).append(cell)
+                tick(f"{profile_name} {workload} {policy} seed {seed}")
+
+
+def _mean(runs: Sequence[Cell], field: str) -> float:
+    return statistics.fmean(getattr(c, field) for c in runs)
+
+
+def _spread(runs: Sequence[Cell], field: str, digits: int) -> str:
+    """The mean over seeds with its range: "774 (771–778)"."""
+    values = [getattr(c, field) for c in runs]
+    mean = f"{statistics.fmean(values):.{digits}f}"
+    if len(values) < 2:
+        return mean
+    return f"{mean} ({min(values):.{digits}f}–{max(values):.{digits}f})"
+
+
+def _regret(runs: Sequence[Cell]) -> float:
+    generated = _mean(runs, "generated_tokens")
+    return 100 * _mean(runs, "regret_tokens") / generated if generated else 0.0
+
+
+def cell_table(cells: Cells, profile: str, mixed: str) -> list[str]:
+    """One (profile, arrivals) table: the homogeneous and the mixed population per policy."""
+    base, mix = MIXED[mixed]
+    lines = [
+        f"### {profile} — `{base}` arrivals: `chat-sps` beside `{mix}`",
+        "",
+        "| policy | chat-sps tok/s | mean e2e s | mean TPOT ms | regret % "
+        f"| {mix} tok/s (seed range) | vs oracle | mean e2e s | mean TPOT ms (seed range) "
+        "| regret % |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    oracle = _mean(cells[(profile, mixed, "oracle")], "throughput")
+    for policy in MIXED_POLICIES:
+        same, mixes = cells[(profile, base, policy)], cells[(profile, mixed, policy)]
+        lines.append(
+            f"| {policy} | {_mean(same, 'throughput'):.0f} | {_mean(same, 'mean_latency'):.2f} "
+            f"| {_mean(same, 'mean_tpot_ms'):.1f} | {_regret(same):.2f} "
+            f"| {_spread(mixes, 'throughput', 0)} | {_mean(mixes, 'throughput') / oracle:.3f} "
+            f"| {_mean(mixes, 'mean_latency'):.2f} | {_spread(mixes, 'mean_tpot_ms', 1)} "
+            f"| {_regret(mixes):.2f} |"
+        )
+    return [*lines, ""]
+
+
+def against_batch(cells: Cells, profiles: Sequence[str]) -> list[str]:
+    """dsde against the default and against the best batch-γ policy (by mean TPOT, the
+    oracle left out), per profile and workload, from the means over seeds."""
+    rivals = [p for p in MIXED_POLICIES if p not in (PER_REQUEST, "oracle")]
+    lines = [
+        f"### `{PER_REQUEST}` (per-request γ) against the batch-γ policies",
+        "",
+        f"Ratios of means over seeds: tok/s and mean TPOT of `{PER_REQUEST}` over those of "
+        f"`{DEFAULT}` and of the batch-γ policy with the lowest mean TPOT in the cell "
+        "(the oracle left out); TPOT below 1 is better.",
+        "",
+        f"| profile | workload | tok/s / {DEFAULT} | TPOT / {DEFAULT} | best batch-γ (TPOT ms) "
+        "| tok/s / best | TPOT / best |",
+        "|---|---|---:|---:|---|---:|---:|",
+    ]
+    for profile in profiles:
+        for mixed, (base, _) in MIXED.items():
+            for workload in (base, mixed):
+                mine = cells[(profile, workload, PER_REQUEST)]
+                default = cells[(profile, workload, DEFAULT)]
+                best = min(
+                    rivals, key=lambda p: _mean(cells[(profile, workload, p)], "mean_tpot_ms")
+                )
+                theirs = cells[(profile, workload, best)]
+                lines.append(
+                    f"| {profile} | `{workload}` | {_ratios(mine, default)} "
+                    f"| {best} ({_mean(theirs, 'mean_tpot_ms'):.1f}) | {_ratios(mine, theirs)} |"
+                )
+    return [*lines, ""]
+
+
+def _ratios(mine: Sequence[Cell], theirs: Sequence[Cell]) -> str:
+    """Two table cells: tok/s and mean TPOT of ``mine`` over ``theirs``."""
+    return " | ".join(
+        f"{_mean(mine, field) / _mean(theirs, field):.3f}"
+        for field in ("throughput", "mean_tpot_ms")
+    )
+
+
+def render(cells: Cells, profiles: Sequence[str], config: BenchConfig, command: str) -> str:
+    mixes = ", ".join(
+        f"`{name}` = "
+        + " + ".join(
+            f"{weight:.0%} {model.name} (α ≈ {model.mean:.2f})"
+            for weight, model in MIXES[name].parts
+        )
+        for name in sorted({mix for _, mix in MIXED.values()})
+    )
+    lines = [
+        "## Serving simulator: mixed populations and per-sequence γ (`make bench`)",
+        "",
+        f"Simulated {datetime.date.today().isoformat()} by `{command}` "
+        f"(`benchmarks/sim_matrix.py`, `benchmarks/sim_mixed.py`), seeds {config.seeds}, "
+        f"Γmax = {GAMMA_MAX}, chunked prefill {'on' if config.chunked_prefill else 'off'}, "
+        "the profiles and settings of the matrix above. Each table replays one matrix "
+        "workload's arrivals twice: with the matrix's `chat-sps` population (α ≈ 0.58 per "
+        f"request on average), and with a mixed population: {mixes} (each request's "
+        "category drawn by weight, then its α from a Beta around the category's mean; "
+        'docs/SIMULATOR.md, "Per-sequence γ"). '
+        f"`{PER_REQUEST}` answers a γ per request (the drafter runs the batch cap, each "
+        "request verifies its own); every other policy one γ per step. `vs oracle` and "
+        "`regret` are against the per-step batch-γ oracle, which a per-request choice can "
+        "beat (regret < 0). Seed ranges are the lowest and highest of the seeds' figures.",
+        "",
+    ]
+    for profile in profiles:
+        for mixed in MIXED:
+            lines += cell_table(cells, profile, mixed)
+    lines += against_batch(cells, profiles)
+    return "\n".join(lines)
