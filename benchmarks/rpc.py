@@ -9,7 +9,9 @@ Measures (p50/p99):
 3. pipelined mode: time inside `take()` when the request went out one step earlier;
 4. a sustained 1,000 decisions/s with the default 2 ms deadline: fallbacks;
 5. the stock gRPC baseline: the same round trips to a bare echo server
-   (`benchmarks/rpc_echo.py`).
+   (`benchmarks/rpc_echo.py`);
+6. the engine thread's CPU in the plugin's controller per step, warm and after a
+   cache-evicting step, beside the floor (`benchmarks/hook_cost.py`).
 
 Writes its section of docs/BENCHMARKS.md between markers (other benchmarks own
 other sections) and prints the raw figures as JSON.
@@ -33,6 +35,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from benchmarks.hook_cost import measure_floor, measure_hook
 from benchmarks.host import free_port, grpc_server, machine
 from benchmarks.report import write_section
 from benchmarks.rpc_echo import ECHO_KINDS, measure_echo
@@ -152,7 +155,8 @@ def measure_tables(samples: int, warm: int, refresh_steps: int) -> list[Measurem
         )
         deciding_before = decide_time._sum.get()
         start = time.perf_counter_ns()
-        gamma, decision_id = source.decide(ctx, None)  # type: ignore[arg-type]
+        decided = source.decide(ctx, None)  # type: ignore[arg-type]
+        gamma, decision_id = decided.gamma, decided.decision_id
         step_ns = time.perf_counter_ns() - start
         source.report(ctx, decision_id, outcome_for("bench", decision_id, ctx, gamma))
         # On a refreshing step, what the sidecar did besides deciding the table (checking
@@ -337,6 +341,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     results["pipelined"] = dataclasses.asdict(measure_pipelined(int(1_000 * scale)))
     print("sustained 1000/s ...", file=sys.stderr)
     results["rate"] = [measure_rate(1000.0, 10.0 * scale, pipelined) for pipelined in (False, True)]
+    print("hook ...", file=sys.stderr)
+    with sidecar("uds") as target:
+        hook = [measure_hook(target, int(2_000 * scale), evict) for evict in (False, True)]
+    hook.append(measure_floor(int(1_000 * scale)))
+    results["hook"] = [dataclasses.asdict(m) for m in hook]
     results["load_average"].append(os.getloadavg()[0])
     write_section(args.out, SECTION, render(results))
     if args.json:

@@ -40,7 +40,6 @@ from nightjar_common.fallback import DEFAULT_SCHEDULE, BatchSizeTable
 from nightjar_common.tables import NextStep, ReportBatch, TableCache, TableStep, refresh_due
 from nightjar_common.tls import ClientTls, open_channel
 from nightjar_common.types import (
-    BinType,
     Decision,
     MemoryDirective,
     RanStep,
@@ -104,19 +103,30 @@ class ClientConfig:
     table_refresh_ms: float = 50.0
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class GammaDecision:
     """The γ to run and where it came from."""
 
     gamma: int
     # "sidecar" or "fallback".
     source: str
+    # The sidecar's decision for this step (a round trip), or the table entry it ran.
     decision: Decision | None = None
     fallback_reason: str = ""
+    table_step: TableStep | None = None
 
     @property
     def decision_id(self) -> str | None:
+        if self.table_step is not None:
+            return self.table_step.decision_id
         return self.decision.decision_id if self.decision else None
+
+    @property
+    def policy_name(self) -> str:
+        """The policy that decided ("" for a fallback)."""
+        if self.table_step is not None:
+            return self.table_step.held.table.policy_name
+        return self.decision.policy_name if self.decision else ""
 
 
 @dataclasses.dataclass(slots=True)
@@ -654,18 +664,7 @@ class NightjarClient:
             taken = waited
         self.stats.sidecar_decisions += 1
         self._reports.ran(RanStep(taken.decision_id, ctx, taken.gamma))
-        table = taken.held.table
-        decision = Decision(
-            gamma=taken.gamma,
-            decision_id=taken.decision_id,
-            bin_type=table.reason or (BinType.EXPLORE if taken.exploring else BinType.EXPLOIT),
-            exploration_probability=0.0,
-            policy_name=table.policy_name,
-            policy_version=table.policy_version,
-            step_index=ctx.step_index,
-            batch_size=ctx.batch_size,
-        )
-        return GammaDecision(gamma=taken.gamma, source="sidecar", decision=decision)
+        return GammaDecision(taken.gamma, "sidecar", table_step=taken)
 
     def _wait_for_table(self, ctx: StepContext) -> TableStep | GammaDecision:
         """Ask for a table for ``ctx`` now and take its entry, within the deadline."""

@@ -61,7 +61,7 @@ class HeldTable:
         return index
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class TableStep:
     """One step answered from a table: the γ, the id to report it with, its entry."""
 
@@ -113,7 +113,7 @@ class TableCache:
         return TableStep(table.gammas[index], f"{table.table_id}.{held.uses}", exploring, held)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class NextStep:
     """The step a table is wanted for, as the engine's thread knows it: the step after
     ``ctx``'s, which ran at ``gamma`` (or ``ctx``'s own step when ``gamma`` is None). Its

@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from nightjar_common.client import ClientConfig, GammaDecision, NightjarClient
 from nightjar_common.fallback import DEFAULT_SCHEDULE
@@ -81,7 +81,7 @@ def candidate_batch_sizes(batch_size: int, waiting: int, change: int = 0) -> tup
     return (*sorted(b for b in smaller if b >= 1), *(batch_size + j for j in joins))
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class EngineView:
     """What the scheduler knows at a step boundary."""
 
@@ -100,7 +100,7 @@ class EngineView:
     min_draft_passes: int = 0
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class VerifiedStep:
     """What a finished step verified, summed over its requests."""
 
@@ -112,11 +112,11 @@ class VerifiedStep:
     request_accepts: tuple[int, ...] = ()
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class HookTime:
-    """Wall and engine-thread CPU seconds: a point in time (:meth:`now`) or a span. Where
-    the wall time of the hook far exceeds its CPU time, the thread was waiting, not
-    working: for the GIL (the engine process's other Python threads) or for a core."""
+class HookTime(NamedTuple):
+    """Wall and engine-thread CPU seconds: a point in time (:meth:`now`) or a span
+    (:meth:`elapsed`). Where the wall time of the hook far exceeds its CPU time, the thread
+    was waiting, not working: for the GIL (the engine process's other Python threads) or
+    for a core. A tuple: taken several times a step on the engine's thread."""
 
     wall: float = 0.0
     cpu: float = 0.0
@@ -127,13 +127,7 @@ class HookTime:
 
     def elapsed(self) -> HookTime:
         """The span from this point to now."""
-        return HookTime.now() - self
-
-    def __add__(self, other: HookTime) -> HookTime:
-        return HookTime(self.wall + other.wall, self.cpu + other.cpu)
-
-    def __sub__(self, other: HookTime) -> HookTime:
-        return HookTime(self.wall - other.wall, self.cpu - other.cpu)
+        return HookTime(time.perf_counter() - self.wall, time.thread_time() - self.cpu)
 
 
 @dataclasses.dataclass(slots=True)
@@ -268,8 +262,8 @@ class GammaController:
 
         ``hook``: time the caller's hook already spent on this update (counting it).
         """
-        begun = HookTime.now()
-        started = begun.wall
+        started = time.perf_counter()
+        begun_cpu = time.thread_time()
         self._drafted += verified.drafted_tokens
         self._accepted += verified.accepted_tokens
         self._drafts += len(verified.request_accepts)
@@ -286,9 +280,16 @@ class GammaController:
             self._report(self._in_flight, verified, started - step.started, step)
         self._in_flight = step
         self._step_index += 1
-        ended = HookTime.now()
-        spent = self._hook_decide + (hook or HookTime()) + (ended - begun)
-        self._samples.append((spent.wall, spent.cpu, ended.wall - step.started))
+        ended = time.perf_counter()
+        ended_cpu = time.thread_time()
+        decided, verified_in = self._hook_decide, hook or HookTime()
+        self._samples.append(
+            (
+                decided.wall + verified_in.wall + ended - started,
+                decided.cpu + verified_in.cpu + ended_cpu - begun_cpu,
+                ended - step.started,
+            )
+        )
         if len(self._samples) >= MAX_QUEUED_SAMPLES:  # nobody reads them: bounded anyway
             self._count_samples()
 

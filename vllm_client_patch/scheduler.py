@@ -29,7 +29,9 @@ fallback table says, and the step contexts carry the agent's pool size and draft
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
+import operator
 from collections.abc import Mapping
 from typing import Any
 
@@ -37,6 +39,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import RequestStatus
 
 from nightjar_common.validation import MAX_ID_LENGTH
 from vllm_client_patch.config import PluginConfig
@@ -75,7 +78,7 @@ def _basename(name: str) -> str:
     return str(name).rstrip("/").rsplit("/", 1)[-1] or str(name)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class BatchShape:
     """The scheduled step as the policy sees it."""
 
@@ -113,13 +116,49 @@ def verified_step(
 ) -> VerifiedStep:
     """Drafted / accepted / generated tokens of a finished step, counted as vLLM counts
     them in ``update_from_output`` (call it before vLLM's, which drops finished requests):
-    requests aborted meanwhile are skipped, grammar-invalidated drafts are not drafts."""
-    drafted = accepted = generated = 0
-    accepts: list[int] = []
+    requests aborted meanwhile are skipped, grammar-invalidated drafts are not drafts.
+
+    This runs on the engine's thread for every request of the step, so the usual step
+    (every request still running, each with output) is counted by C-level maps; a step
+    with an aborted request or an empty output takes the request-by-request walk."""
     sampled = result.sampled_token_ids
     if not sampled:
         return VerifiedStep(0, 0, 0)
-    # Bound once: this walks every request of the step on the engine's thread.
+    scheduled = output.num_scheduled_tokens
+    index_of = result.req_id_to_index.__getitem__
+    try:
+        statuses = map(_STATUS, map(requests.__getitem__, scheduled))
+        # is_finished is "status above PREEMPTED": the highest status tells for all.
+        if RequestStatus.is_finished(max(statuses, default=RequestStatus.RUNNING)):
+            return _verified_walk(output, result, requests)
+        tokens = list(map(len, map(sampled.__getitem__, map(index_of, scheduled))))
+        drafts = output.scheduled_spec_decode_tokens
+        drafted_by = list(map(len, drafts.values()))
+        verified_by = list(map(len, map(sampled.__getitem__, map(index_of, drafts))))
+    except KeyError:  # a request gone from the scheduler, or not in the output
+        return _verified_walk(output, result, requests)
+    if 0 in verified_by or 0 in drafted_by:
+        return _verified_walk(output, result, requests)
+    invalid = output.num_invalid_spec_tokens
+    if invalid:
+        drafted_by = list(map(operator.sub, drafted_by, map(invalid.get, drafts, _ZEROS)))
+    # All but the bonus / corrected token, at most what was drafted.
+    accepts = tuple(map(min, map(operator.sub, verified_by, _ONES), drafted_by))
+    return VerifiedStep(sum(drafted_by), sum(accepts), sum(tokens), accepts)
+
+
+_STATUS = operator.attrgetter("status")
+_ONES = itertools.repeat(1)
+_ZEROS = itertools.repeat(0)
+
+
+def _verified_walk(
+    output: SchedulerOutput, result: ModelRunnerOutput, requests: Mapping[str, Any]
+) -> VerifiedStep:
+    """:func:`verified_step` request by request."""
+    drafted = accepted = generated = 0
+    accepts: list[int] = []
+    sampled = result.sampled_token_ids
     index_of = result.req_id_to_index.get
     request_of = requests.get
     drafts_of = output.scheduled_spec_decode_tokens.get
@@ -134,8 +173,7 @@ def verified_step(
         drafts = drafts_of(req_id)
         if drafts and tokens:
             drafts_valid = len(drafts) - invalid.get(req_id, 0) if invalid else len(drafts)
-            # All but the bonus / corrected token (not min(): a call per request).
-            taken = tokens - 1 if tokens - 1 < drafts_valid else drafts_valid
+            taken = min(tokens - 1, drafts_valid)
             drafted += drafts_valid
             accepted += taken
             accepts.append(taken)

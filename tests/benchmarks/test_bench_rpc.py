@@ -50,3 +50,20 @@ def test_report_sections_are_replaced_in_place_and_kept_apart(tmp_path: Path) ->
     write_section(path, "bench-sim", "simulated")
     write_section(path, "bench-rpc", "second")
     assert path.read_text() == text
+
+
+def test_the_hook_is_measured_against_a_real_sidecar() -> None:
+    """Every step is counted, and the report's verdict reads the evicted case's figures."""
+    from benchmarks.hook_cost import measure_floor, measure_hook
+    from benchmarks.rpc import sidecar
+    from benchmarks.rpc_report import hook_table
+
+    with sidecar("uds") as target:
+        hook = [measure_hook(target, 60, evict) for evict in (False, True)]
+    hook.append(measure_floor(30))
+    assert [m.samples for m in hook] == [60, 60, 30]
+    assert all(0 < m.p50_us <= m.p99_us for m in hook)
+    text = "\n".join(hook_table({"hook": [m.__dict__ for m in hook]}))
+    evicted, floor = hook[1], hook[2]
+    assert f"costs {evicted.p50_us:.0f} / {evicted.p99_us:.0f} µs p50 / p99" in text
+    assert f"floor of {floor.p50_us:.0f} / {floor.p99_us:.0f} µs" in text

@@ -35,7 +35,7 @@ def test_swap_under_a_running_client_loop(make_server) -> None:
         step = 0
         while not stop.is_set():
             d = client.decide(StepContext("live", batch_size=2, step_index=step))
-            seen.append((d.source, d.decision.policy_name if d.decision else "", d.gamma))
+            seen.append((d.source, d.policy_name, d.gamma))
             if d.decision_id:
                 client.report(StepOutcome(d.decision_id, "live", d.gamma, 0.01, 2 + d.gamma))
             step += 1

@@ -242,8 +242,8 @@ def test_a_swap_voids_the_held_table_at_once(make_server: Any) -> None:
             time.sleep(0.01)
         # The table of `static` would still be valid for 63 steps and a second.
         decision = client.take(context(1, 4, 2))
-        assert decision.gamma == 0 and decision.decision is not None
-        assert decision.decision.policy_name == "off"
+        assert decision.gamma == 0 and decision.source == "sidecar"
+        assert decision.policy_name == "off"
     finally:
         client.close()
 

@@ -271,12 +271,16 @@ def test_async_scheduler_subclass_selected_explicitly(
     assert stats["accepted_tokens"] == counted["num_accepted_tokens"]
 
 
-def fake_request(prompt: int, computed: int, outputs: int = 0) -> Any:
+def fake_request(prompt: int, computed: int, outputs: int = 0, aborted: bool = False) -> Any:
+    from vllm.v1.request import RequestStatus
+
+    status = RequestStatus.FINISHED_ABORTED if aborted else RequestStatus.RUNNING
     return SimpleNamespace(
         num_tokens=prompt + outputs,
         num_computed_tokens=computed,
         num_output_placeholders=0,
-        is_finished=lambda: False,
+        status=status,
+        is_finished=lambda: RequestStatus.is_finished(status),
     )
 
 
@@ -310,3 +314,32 @@ def test_the_batch_is_the_requests_that_draft() -> None:
     step = verified_step(output, result, requests)
     assert (step.drafted_tokens, step.accepted_tokens, step.generated_tokens) == (3, 2, 4)
     assert step.request_accepts == (2,)
+
+
+@pytest.mark.parametrize("aborted", [False, True])
+def test_verified_tokens_of_a_decode_batch(aborted: bool) -> None:
+    """A step of decodes only (counted without a per-request walk): grammar-invalidated
+    drafts are not drafts and cap what is accepted; an aborted request is left out."""
+    from vllm_client_patch.scheduler import verified_step
+
+    requests = {
+        "a": fake_request(prompt=10, computed=12, outputs=3),
+        "b": fake_request(prompt=10, computed=12, outputs=3, aborted=aborted),
+        "c": fake_request(prompt=10, computed=12, outputs=3),
+    }
+    drafts = {"a": [1, 2, 3], "b": [1, 2, 3], "c": [1, 2]}
+    output = SimpleNamespace(
+        num_scheduled_tokens={req: 1 + len(d) for req, d in drafts.items()},
+        num_invalid_spec_tokens={"b": 1},
+        scheduled_spec_decode_tokens=drafts,
+    )
+    # a: 2 of 3 accepted + bonus; b: 3 verified but only 2 valid drafts; c: none accepted.
+    sampled = [[7, 8, 9], [7, 8, 9, 6], [5]]
+    result = SimpleNamespace(sampled_token_ids=sampled, req_id_to_index={"a": 0, "b": 1, "c": 2})
+    step = verified_step(output, result, requests)
+    if aborted:
+        assert (step.drafted_tokens, step.accepted_tokens, step.generated_tokens) == (5, 2, 4)
+        assert sorted(step.request_accepts) == [0, 2]
+    else:
+        assert (step.drafted_tokens, step.accepted_tokens, step.generated_tokens) == (7, 4, 8)
+        assert sorted(step.request_accepts) == [0, 2, 2]
