@@ -2,6 +2,11 @@
 
 These mirror the nightjar.v1 wire messages but carry no gRPC or protobuf
 dependency, so the algorithms can be used (and tested) on their own.
+
+The per-step types an engine builds on its own thread every step (StepContext,
+StepOutcome, Decision, RanStep) are plain slotted dataclasses, as vLLM's per-step
+outputs are: a frozen one's construction sets each field through object.__setattr__ and
+costs four times as much. They are values all the same: nothing changes one once built.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ class RequestSignals:
     draft_entropy: float | None = None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class StepContext:
     """What a policy may look at before one decoding step of one engine."""
 
@@ -59,7 +64,7 @@ class StepContext:
     min_draft_passes: int = 0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class StepOutcome:
     """What one decided step achieved."""
 
@@ -77,6 +82,9 @@ class StepOutcome:
     prefill_tokens: int = 0
     # γ drafted during the step (the next decision's, in vLLM); None = ``gamma``.
     draft_gamma: int | None = None
+    # The request of each entry of ``request_accepts`` (sent to a policy that reads
+    # per-request signals); () = unlabelled.
+    request_ids: tuple[str, ...] = ()
 
     @property
     def drafted_gamma(self) -> int:
@@ -110,7 +118,7 @@ class MemoryDirective:
     reason: str = ""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Decision:
     """A choice stamped by the server: what goes back on the wire."""
 
@@ -128,6 +136,8 @@ class Decision:
     candidates: tuple[Decision, ...] = ()
     # Waits for the engine to name the decision it ran (StepContext.ran_decision_id).
     tentative: bool = False
+    # The policy reads per-request signals: the engine sends them from now on.
+    reads_request_signals: bool = False
 
     @property
     def exploration(self) -> bool:
@@ -162,12 +172,16 @@ class GammaTable:
     # FIXED or FORCED when every entry is (a non-learning policy, a draft not resident);
     # None: each entry is EXPLORE (exploring) or EXPLOIT.
     reason: BinType | None = None
+    # Per-request γ (each capped by the step's entry) and whether the policy reads
+    # per-request signals, as Decision.
+    request_gammas: tuple[tuple[str, int], ...] = ()
+    reads_request_signals: bool = False
 
     def covers(self, batch_size: int) -> bool:
         return 0 <= batch_size - self.first_batch_size < len(self.gammas)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RanStep:
     """A step an engine ran from a table: "<table_id>.<n>", its context and the γ run."""
 
