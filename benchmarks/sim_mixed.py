@@ -2,10 +2,12 @@
 
 The arrivals of two matrix workloads (`runs.MIXED`) run once more with each request's α
 drawn from a mix of categories (`acceptance.MIXES`), every policy of `runs.MIXED_POLICIES`
-on both profiles and every seed; `dsde` answers a γ per request, the others one γ per
-step. The section shows the homogeneous cell (the matrix's, or run here with
-`--mixed-only`) beside the mixed one, with the spread over seeds, and dsde against the
-batch-γ policies.
+on both profiles and every seed; `dsde` and `goodput-per-request` (the default's
+per-sequence mode) answer a γ per request, the others one γ per step. The section shows
+the homogeneous cell (the matrix's, or run here with `--mixed-only`) beside the mixed one,
+with the spread over seeds, each per-request policy against the batch-γ policies, and the
+per-sequence mode against the per-batch default seed by seed, with the targets it is
+judged by (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -29,8 +31,13 @@ from policy_server.sim.runs import (
 from policy_server.sim.workload import RequestSpec
 
 SECTION = "bench-sim-mixed"
-PER_REQUEST = "dsde"
+# The policies that answer a γ per request; the per-sequence mode of the default.
+PER_REQUEST = ("dsde", "goodput-per-request")
+MODE = "goodput-per-request"
 DEFAULT = "goodput"
+# The mode's targets: on mixed cells, mean e2e and tok/s ahead of the default's by more
+# than the default's seed spread; on homogeneous cells, neither worse by more than 0.2 %.
+HOMOGENEOUS_LOSS = 0.002
 
 Cells = dict[tuple[str, str, str], list[Cell]]
 
@@ -110,14 +117,15 @@ def cell_table(cells: Cells, profile: str, mixed: str) -> list[str]:
     return [*lines, ""]
 
 
-def against_batch(cells: Cells, profiles: Sequence[str]) -> list[str]:
-    """dsde against the default and against the best batch-γ policy (by mean TPOT, the
-    oracle left out), per profile and workload, from the means over seeds."""
-    rivals = [p for p in MIXED_POLICIES if p not in (PER_REQUEST, "oracle")]
+def against_batch(cells: Cells, profiles: Sequence[str], policy: str) -> list[str]:
+    """``policy`` (a per-request one) against the default and against the best batch-γ
+    policy (by mean TPOT, the oracle left out), per profile and workload, from the means
+    over seeds."""
+    rivals = [p for p in MIXED_POLICIES if p not in (*PER_REQUEST, "oracle")]
     lines = [
-        f"### `{PER_REQUEST}` (per-request γ) against the batch-γ policies",
+        f"### `{policy}` (per-request γ) against the batch-γ policies",
         "",
-        f"Ratios of means over seeds: tok/s and mean TPOT of `{PER_REQUEST}` over those of "
+        f"Ratios of means over seeds: tok/s and mean TPOT of `{policy}` over those of "
         f"`{DEFAULT}` and of the batch-γ policy with the lowest mean TPOT in the cell "
         "(the oracle left out); TPOT below 1 is better.",
         "",
@@ -128,7 +136,7 @@ def against_batch(cells: Cells, profiles: Sequence[str]) -> list[str]:
     for profile in profiles:
         for mixed, (base, _) in MIXED.items():
             for workload in (base, mixed):
-                mine = cells[(profile, workload, PER_REQUEST)]
+                mine = cells[(profile, workload, policy)]
                 default = cells[(profile, workload, DEFAULT)]
                 best = min(
                     rivals, key=lambda p: _mean(cells[(profile, workload, p)], "mean_tpot_ms")
@@ -139,6 +147,65 @@ def against_batch(cells: Cells, profiles: Sequence[str]) -> list[str]:
                     f"| {best} ({_mean(theirs, 'mean_tpot_ms'):.1f}) | {_ratios(mine, theirs)} |"
                 )
     return [*lines, ""]
+
+
+def against_default(cells: Cells, profiles: Sequence[str]) -> list[str]:
+    """The per-sequence mode against the per-batch default, seed by seed (the same
+    arrivals and α of each request), with the default's seed spread and the targets."""
+    lines = [
+        f"### `{MODE}` against `{DEFAULT}`: the targets",
+        "",
+        f"Ratios of `{MODE}`'s figure to `{DEFAULT}`'s: of the means over seeds, and in "
+        "parentheses the lowest and highest of the seeds' own ratios (a seed's two runs "
+        f"share arrivals and each request's α). Spread: the range of `{DEFAULT}`'s "
+        "figure over the seeds, relative to its mean. Target (docs/BENCHMARKS.md): on a "
+        "mixed population, mean e2e lower and tok/s higher by more than the spread; on "
+        f"`chat-sps`, neither worse by more than {HOMOGENEOUS_LOSS:.1%}.",
+        "",
+        "| profile | workload | tok/s ratio | spread | mean e2e ratio | spread "
+        "| mean TPOT ratio | target |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
+    ]
+    for profile in profiles:
+        for mixed, (base, _) in MIXED.items():
+            for workload in (base, mixed):
+                mine, default = (
+                    cells[(profile, workload, MODE)],
+                    cells[(profile, workload, DEFAULT)],
+                )
+                met = _target_met(mine, default, workload == mixed)
+                lines.append(
+                    f"| {profile} | `{workload}` | {_paired(mine, default, 'throughput')} "
+                    f"| {_relative_spread(default, 'throughput'):.2%} "
+                    f"| {_paired(mine, default, 'mean_latency')} "
+                    f"| {_relative_spread(default, 'mean_latency'):.2%} "
+                    f"| {_paired(mine, default, 'mean_tpot_ms')} | {'met' if met else 'missed'} |"
+                )
+    return [*lines, ""]
+
+
+def _target_met(mine: Sequence[Cell], default: Sequence[Cell], mixed: bool) -> bool:
+    throughput = _mean(mine, "throughput") / _mean(default, "throughput")
+    latency = _mean(mine, "mean_latency") / _mean(default, "mean_latency")
+    if not mixed:
+        return throughput >= 1 - HOMOGENEOUS_LOSS and latency <= 1 + HOMOGENEOUS_LOSS
+    return throughput - 1 > _relative_spread(
+        default, "throughput"
+    ) and 1 - latency > _relative_spread(default, "mean_latency")
+
+
+def _paired(mine: Sequence[Cell], theirs: Sequence[Cell], field: str) -> str:
+    """The ratio of the means, with the range of the seeds' own ratios: "0.990 (0.98–1.00)"."""
+    ratio = _mean(mine, field) / _mean(theirs, field)
+    per_seed = [getattr(m, field) / getattr(t, field) for m, t in zip(mine, theirs, strict=True)]
+    if len(per_seed) < 2:
+        return f"{ratio:.3f}"
+    return f"{ratio:.3f} ({min(per_seed):.3f}–{max(per_seed):.3f})"
+
+
+def _relative_spread(runs: Sequence[Cell], field: str) -> float:
+    values: list[float] = [getattr(c, field) for c in runs]
+    return (max(values) - min(values)) / statistics.fmean(values)
 
 
 def _ratios(mine: Sequence[Cell], theirs: Sequence[Cell]) -> str:
@@ -169,8 +236,10 @@ def render(cells: Cells, profiles: Sequence[str], config: BenchConfig, command: 
         f"request on average), and with a mixed population: {mixes} (each request's "
         "category drawn by weight, then its α from a Beta around the category's mean; "
         'docs/SIMULATOR.md, "Per-sequence γ"). '
-        f"`{PER_REQUEST}` answers a γ per request (the drafter runs the batch cap, each "
-        "request verifies its own); every other policy one γ per step. `vs oracle` and "
+        "`dsde` and `goodput-per-request` (the default's per-sequence mode, "
+        'docs/POLICIES.md "Per-request mode") answer a γ per request (the drafter runs the '
+        "batch cap, each request verifies its own); every other policy one γ per step. "
+        "`vs oracle` and "
         "`regret` are against the per-step batch-γ oracle, which a per-request choice can "
         "beat (regret < 0). Seed ranges are the lowest and highest of the seeds' figures.",
         "",
@@ -178,5 +247,7 @@ def render(cells: Cells, profiles: Sequence[str], config: BenchConfig, command: 
     for profile in profiles:
         for mixed in MIXED:
             lines += cell_table(cells, profile, mixed)
-    lines += against_batch(cells, profiles)
+    for policy in PER_REQUEST:
+        lines += against_batch(cells, profiles, policy)
+    lines += against_default(cells, profiles)
     return "\n".join(lines)

@@ -68,13 +68,29 @@ from policy_server.policies.models import (
     expected_tokens,
     predict_ms_many,
     step_features,
+    verify_features,
+)
+from policy_server.policies.per_request import (
+    IntArray,
+    Plan,
+    PlanPricer,
+    RequestRecord,
+    best_plan,
+    observe_requests,
+    plan_goodput,
+    prune,
+    records_from_json,
+    records_to_json,
+    shrunk_alpha,
+    touch,
 )
 from policy_server.policies.rng import SplitMix64
 
 # 2: the step-time statistics are weighted for relative error (models.StepTimeModel).
 # 3: + the local correction's cells (a goodput/2 state loads with none).
-STATE_SCHEMA = "goodput/3"
-_READABLE_SCHEMAS = ("goodput/2", STATE_SCHEMA)
+# 4: + each engine's per-request acceptance records (a goodput/3 state loads with none).
+STATE_SCHEMA = "goodput/4"
+_READABLE_SCHEMAS = ("goodput/2", "goodput/3", STATE_SCHEMA)
 
 # (batch octave, γ) trials an engine started (EngineState.trials).
 Trials = frozenset[tuple[int, int]]
@@ -127,6 +143,13 @@ class GoodputParams:
     tpot_slo_ms: float = 0.0
     # CSV of c_prefill(L_max, B) (policy_server/prefill_cost.py); "" = no switching cost.
     prefill_cost_table: str = dataclasses.field(default="", metadata=FILE_PATH)
+    # Per-sequence mode (per_request.py): a γ per request from its own acceptance, shrunk
+    # to the pooled α by ``request_prior_weight`` pseudo-tokens while it is young; the
+    # engine then sends per-request signals. Requests not in a step for
+    # ``request_idle_steps`` of the engine's steps are forgotten.
+    per_request: bool = False
+    request_prior_weight: float = 12.0
+    request_idle_steps: int = 64
 
     def __post_init__(self) -> None:
         if not 1 <= self.gamma_max <= 64:
@@ -149,6 +172,13 @@ class GoodputParams:
                 raise PolicyError(f"{name} must be in 0..1")
         if not (math.isfinite(self.tpot_slo_ms) and 0.0 <= self.tpot_slo_ms <= 1e6):
             raise PolicyError("tpot_slo_ms must be in 0..1e6 (0 = off)")
+        if not 0.0 < self.request_prior_weight <= 1e6:
+            raise PolicyError("request_prior_weight must be in (0, 1e6]")
+        if not 1 <= self.request_idle_steps <= 1_000_000:
+            raise PolicyError("request_idle_steps must be in 1..1000000")
+        if self.per_request and self.tpot_slo_ms > 0:
+            # The SLO filter is per batch γ; a per-request plan would need one per request.
+            raise PolicyError("per_request does not combine with tpot_slo_ms")
 
 
 @dataclasses.dataclass(slots=True)
@@ -177,6 +207,10 @@ class EngineState:
     # that makes the cell "run" is on its way (a step or two in vLLM).
     # Immutable, so that a checkpoint holds it without a copy.
     trials: Trials = frozenset()
+    # Per-sequence mode: acceptance records of recent requests by id, and the outcomes
+    # observed (what a record's last_seen counts). Only observe() changes them.
+    requests: dict[str, RequestRecord] = dataclasses.field(default_factory=dict)
+    observed_steps: int = 0
 
     @property
     def stream(self) -> np.random.BitGenerator:
@@ -209,6 +243,8 @@ class Estimate:
     correct: bool
     # Predictions below this are extrapolation noise: a tenth of the mean step time.
     floor_ms: float
+    # The pooled α the tokens are of (per-request α are shrunk to it).
+    alpha: float
     offsets: dict[int, FloatArray] = dataclasses.field(default_factory=dict)
 
     def priced(self, rows: BatchRows, switch_ms: FloatArray) -> tuple[FloatArray, FloatArray]:
@@ -240,6 +276,22 @@ class Estimate:
             ms = ms + (offsets[0] if len(offsets) == 1 else np.stack(offsets)[rows.index])
         return ms
 
+    def plan_pricer(self, batch_size: int, switch_ms: FloatArray) -> PlanPricer:
+        """Step ms of per-request plans at ``batch_size`` (per_request.PlanPricer): the
+        regression on the plan's verify work, the correction of its cap's cell, floored
+        as ``priced`` floors, plus the switch cost of the cap (``switch_ms``, per γ)."""
+
+        def price(caps: IntArray, verified: FloatArray, attention: FloatArray) -> FloatArray:
+            passes = np.maximum(caps, self.min_draft_passes).astype(np.float64)
+            x = verify_features(batch_size, passes, verified, attention, self.context_tokens)
+            ms: FloatArray = x @ self.weights
+            if self.correct:
+                ms = ms + self._offsets(batch_size)[caps]
+            priced: FloatArray = np.maximum(ms, self.floor_ms) + switch_ms[caps]
+            return priced
+
+        return price
+
     def _offsets(self, batch_size: int) -> FloatArray:
         octave = batch_octave(batch_size)
         offsets = self.offsets.get(octave)
@@ -267,6 +319,12 @@ class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner])
         self._book: EngineStates[EngineState, Learner] = EngineStates(
             p.seed, p.share_learner, _new_engine, self._new_learner
         )
+
+    @property
+    def reads_request_signals(self) -> bool:
+        """Engines send per-request signals (base.reads_request_signals) only to the
+        per-sequence mode: the batch decision has no use for them."""
+        return self._params.per_request
 
     # -- Policy protocol -------------------------------------------------------------
 
@@ -307,20 +365,15 @@ class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner])
     def observe(self, ctx: StepContext, choice: Choice, outcome: StepOutcome) -> None:
         engine = self._book.engine(ctx)
         learner = self._book.learner(engine.learner_id)
+        verified = self._observe_requests(engine, ctx, choice, outcome)
         learner.acceptance.observe(
             outcome.gamma,
             outcome.drafted_tokens,
             outcome.accepted_tokens,
             outcome.request_accepts,
+            verified,
         )
-        x = step_features(
-            ctx.batch_size,
-            outcome.gamma,
-            outcome.prefill_tokens,
-            ctx.context_tokens,
-            outcome.drafted_gamma,
-            ctx.min_draft_passes,
-        )
+        x = self._step_features(ctx, choice, outcome)
         milliseconds = 1000.0 * outcome.step_seconds
         learner.step_time.observe(x, milliseconds)
         # Kept while the correction is off too (a few adds into a bounded block per batch
@@ -336,6 +389,64 @@ class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner])
         learner.min_draft_passes = min(ctx.min_draft_passes, self._params.gamma_max)
         if engine.previous_gamma == choice.gamma:
             engine.previous_gamma = outcome.gamma
+
+    def _observe_requests(
+        self, engine: EngineState, ctx: StepContext, choice: Choice, outcome: StepOutcome
+    ) -> tuple[int, ...]:
+        """Per-sequence mode: add the step's labelled accepts to the requests' records and
+        forget idle requests; the γ each accept verified (() when off or unlabelled: the
+        pooled model then takes every request at the step's γ)."""
+        if not self._params.per_request:
+            return ()
+        engine.observed_steps += 1
+        step = engine.observed_steps
+        labelled = len(outcome.request_ids) == len(outcome.request_accepts)
+        ids = outcome.request_ids if labelled else ()
+        cap = outcome.gamma
+        planned = dict(choice.request_gammas)
+        verified = tuple(min(planned.get(rid, cap), cap) for rid in ids)
+        records = engine.requests
+        touch(records, (r.request_id for r in ctx.requests), step)
+        observe_requests(
+            records,
+            zip(ids, outcome.request_accepts, verified, strict=True),
+            self._acceptance_decay,
+            step,
+        )
+        engine.requests = prune(records, step, self._params.request_idle_steps)
+        return verified
+
+    def _step_features(self, ctx: StepContext, choice: Choice, outcome: StepOutcome) -> FloatArray:
+        """The regression row of the step: the batch one, or, where the requests verified
+        their own γ_i (a per-request plan that ran), the row of that verify work."""
+        if not choice.request_gammas or outcome.gamma != choice.gamma:
+            return step_features(
+                ctx.batch_size,
+                outcome.gamma,
+                outcome.prefill_tokens,
+                ctx.context_tokens,
+                outcome.drafted_gamma,
+                ctx.min_draft_passes,
+            )
+        planned = dict(choice.request_gammas)
+        gammas = [planned.get(r.request_id, choice.gamma) for r in ctx.requests]
+        # Requests the context did not name verified the cap (the engine's default).
+        verified = sum(gammas) + choice.gamma * max(0, ctx.batch_size - len(gammas))
+        contexts = [r.context_tokens for r in ctx.requests]
+        total = sum(contexts)
+        weighted = sum(c * g for c, g in zip(contexts, gammas, strict=True))
+        attention = weighted / total if total else verified / ctx.batch_size
+        passes = max(outcome.drafted_gamma, ctx.min_draft_passes)
+        rows = verify_features(
+            ctx.batch_size,
+            np.array([float(passes)]),
+            np.array([float(verified)]),
+            np.array([attention]),
+            ctx.context_tokens,
+            outcome.prefill_tokens,
+        )
+        row: FloatArray = rows[0]
+        return row
 
     # -- LearnedState protocol (with EngineStatePolicy) ----------------------------------
 
@@ -356,6 +467,8 @@ class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner])
                     "previous_gamma": e.previous_gamma,
                     "trials": sorted([octave, gamma] for octave, gamma in e.trials),
                     "rng": e.rng.bit_generator.state,
+                    "requests": records_to_json(e.requests),
+                    "observed_steps": e.observed_steps,
                 }
                 for eid, e in engines.items()
             },
@@ -370,16 +483,7 @@ class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner])
         self._check_gamma_max(state)
         try:
             engines = {
-                str(eid): EngineState(
-                    rng=_generator_from_state(e["rng"]),
-                    learner_id=str(e["learner"]),
-                    previous_gamma=None
-                    if e["previous_gamma"] is None
-                    else int(e["previous_gamma"]),
-                    # Absent from states written before the trials: none started.
-                    trials=_trials_from_json(e.get("trials", []), self._params.gamma_max),
-                )
-                for eid, e in dict(state["engines"]).items()
+                str(eid): self._engine_from_json(e) for eid, e in dict(state["engines"]).items()
             }
             learners = {
                 str(lid): self._learner_from_json(data)
@@ -438,7 +542,8 @@ class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner])
         tried = self._trials(learner, engine, rows, goodput, allowed, greedy)
         chosen: list[tuple[Choice, Trials, bool]] = []
         if len(tried) < len(rows.sizes):
-            _, drawn = self._sample(learner, engine, ctx, top).priced(rows, switch)
+            sample = self._sample(learner, engine, ctx, top)
+            _, drawn = sample.priced(rows, switch)
             sampled = _best(drawn, allowed)
             # Why the cap: with a 14-feature posterior and the few hundred steps a busy
             # engine runs at one batch size, plain Thompson draws keep trying γ far behind
@@ -457,9 +562,66 @@ class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner])
                     gamma = best
                 kind = BinType.EXPLOIT if gamma == best else BinType.EXPLORE
                 chosen.append((_choice(gamma, kind), trials, True))
+            planned = self._request_row(ctx, rows, tried)
+            if planned is not None:
+                plan = self._plan_choice(engine, ctx, (point, sample), switch[planned], top)
+                chosen[planned] = (plan, trials, True)
             return chosen
         octaves = rows.octaves
         return [self._trial_choice(trials, octaves[row], gamma) for row, gamma in tried.items()]
+
+    def _request_row(
+        self, ctx: StepContext, rows: BatchRows, tried: Mapping[int, int]
+    ) -> int | None:
+        """Per-sequence mode: the row a per-request plan decides, the one of the batch size
+        the context's requests make up (all of them named), unless it runs a trial (a
+        trial pins the step-time fit at a batch γ)."""
+        if not (self._params.per_request and ctx.requests):
+            return None
+        size = len(ctx.requests)
+        if size != ctx.batch_size or size not in rows.sizes:
+            return None
+        row = rows.sizes.index(size)
+        return None if row in tried else row
+
+    def _plan_choice(
+        self,
+        engine: EngineState,
+        ctx: StepContext,
+        estimates: tuple[Estimate, Estimate],
+        switch_ms: FloatArray,
+        top: int,
+    ) -> Choice:
+        """The per-request plan for ``ctx``'s requests, explored as the batch γ is: the
+        draw's plan (each request's α shrunk to the drawn pooled α, the drawn step-time
+        weights) unless the point estimate puts it more than ``explore_loss_cap`` behind
+        its own plan."""
+        point, drawn = estimates
+        contexts = [r.context_tokens for r in ctx.requests]
+        size = len(contexts)
+        plans: list[tuple[Plan, list[float], PlanPricer]] = []
+        for estimate in (point, drawn):
+            alphas = self._request_alphas(engine, ctx, estimate.alpha)
+            price = estimate.plan_pricer(size, switch_ms)
+            plans.append((best_plan(alphas, contexts, top, price), alphas, price))
+        (greedy, alphas, price), (sampled, _, _) = plans
+        keep = 1.0 - self._params.explore_loss_cap
+        if sampled != greedy and plan_goodput(sampled, alphas, contexts, price) < (
+            keep * greedy.goodput
+        ):
+            sampled = greedy
+        kind = BinType.EXPLOIT if sampled.gammas == greedy.gammas else BinType.EXPLORE
+        if sampled.uniform:
+            return _choice(sampled.cap, kind)
+        ids = [r.request_id for r in ctx.requests]
+        gammas = tuple(zip(ids, sampled.gammas, strict=True))
+        return Choice(sampled.cap, kind, request_gammas=gammas)
+
+    def _request_alphas(self, engine: EngineState, ctx: StepContext, pooled: float) -> list[float]:
+        """Each request's α: its own counts shrunk to ``pooled`` (the pooled α itself for a
+        request never observed)."""
+        records, weight = engine.requests, self._params.request_prior_weight
+        return [shrunk_alpha(records.get(r.request_id), pooled, weight) for r in ctx.requests]
 
     def _trial_choice(self, trials: Trials, octave: int, gamma: int) -> tuple[Choice, Trials, bool]:
         """A trial of ``gamma`` in batch-size ``octave``: run, not started again meanwhile."""
@@ -524,6 +686,7 @@ class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner])
             normals,
             self._params.local_correction,
             0.1 * max(learner.step_time.mean_ms, 1e-6),
+            alpha,
         )
 
     def _trials(
@@ -604,6 +767,22 @@ class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner])
         missed = np.flatnonzero(~meeting.any(axis=1))
         meeting[missed, tpot[missed].argmin(axis=1)] = True  # ties: the smaller γ
         return meeting
+
+    def _engine_from_json(self, data: Mapping[str, Any]) -> EngineState:
+        # Absent from goodput/3 states and older: no request records, none observed.
+        observed = int(data.get("observed_steps", 0))
+        if observed < 0:
+            raise ValueError("observed_steps must be >= 0")
+        previous = data["previous_gamma"]
+        return EngineState(
+            rng=_generator_from_state(data["rng"]),
+            learner_id=str(data["learner"]),
+            previous_gamma=None if previous is None else int(previous),
+            # Absent from states written before the trials: none started.
+            trials=_trials_from_json(data.get("trials", []), self._params.gamma_max),
+            requests=records_from_json(data.get("requests", {}), observed),
+            observed_steps=observed,
+        )
 
     def _learner_to_json(self, learner: Learner) -> dict[str, Any]:
         return {

@@ -75,14 +75,42 @@ def shape_features(
     gamma = np.arange(gamma_top + 1, dtype=np.float64)
     tokens = batch_size * (gamma + 1.0) + prefill_tokens
     x = np.empty((len(gamma), SHAPE_FEATURES))
+    _fill_shape(x, tokens, np.maximum(gamma, min_draft_passes), batch_size)
+    x.flags.writeable = False
+    return x
+
+
+def _fill_shape(x: FloatArray, tokens: FloatArray, passes: FloatArray, batch_size: int) -> None:
+    """Columns 0..SHAPE_FEATURES-1 of ``x``: intercept, forward-pass tokens through the
+    piecewise-linear basis, and draft passes (launch-bound per pass, plus a per-request
+    part)."""
     x[:, 0] = 1.0
     x[:, 1] = tokens / TOKEN_SCALE
     x[:, 2 : 2 + len(TOKEN_KNOTS)] = np.maximum(0.0, tokens[:, None] - _KNOTS) / TOKEN_SCALE
-    # Draft passes: launch-bound per pass, plus a per-request part.
-    passes = np.maximum(gamma, min_draft_passes)
-    x[:, -2] = passes
-    x[:, -1] = passes * batch_size / 64.0
-    x.flags.writeable = False
+    x[:, SHAPE_FEATURES - 2] = passes
+    x[:, SHAPE_FEATURES - 1] = passes * batch_size / 64.0
+
+
+def verify_features(
+    batch_size: int,
+    draft_passes: FloatArray,
+    verified: FloatArray,
+    attention_gamma: FloatArray,
+    context_tokens: int = 0,
+    prefill_tokens: int = 0,
+) -> FloatArray:
+    """Feature rows of steps whose requests verify their own γ_i ≤ the drafted cap (the
+    goodput policy's per-request mode), a row per entry of ``verified`` (Σγ_i): the
+    drafter runs ``draft_passes`` (per row) over the batch, the target verifies B + Σγ_i
+    tokens, and the extra query tokens re-read the KV ``attention_gamma`` times
+    (γ̄ = Σ context_i·γ_i / Σ context_i).
+    With every γ_i = γ a row is step_features(B, γ)'s: the regression needs no new feature,
+    only these two sums in place of B·γ and γ."""
+    x = np.empty((len(verified), FEATURES))
+    _fill_shape(x, batch_size + verified + prefill_tokens, draft_passes, batch_size)
+    context = context_tokens / CONTEXT_SCALE
+    x[:, -2] = context
+    x[:, -1] = context * attention_gamma
     return x
 
 
@@ -181,15 +209,27 @@ class AcceptanceModel:
         return self.successes + self.failures
 
     def observe(
-        self, gamma: int, drafted: int, accepted: int, request_accepts: Sequence[int] = ()
+        self,
+        gamma: int,
+        drafted: int,
+        accepted: int,
+        request_accepts: Sequence[int] = (),
+        verified: Sequence[int] = (),
     ) -> None:
+        """``verified``: the γ each entry of ``request_accepts`` verified where requests
+        verified their own (() = ``gamma`` each): a request that accepted all of a shorter
+        γ_i was not rejected."""
         if gamma <= 0 or drafted <= 0:
             return
         self.successes *= self.decay
         self.failures *= self.decay
         if request_accepts:
             self.successes += sum(request_accepts)
-            self.failures += sum(1 for k in request_accepts if k < gamma)
+            if verified:
+                pairs = zip(request_accepts, verified, strict=True)
+                self.failures += sum(1 for k, g in pairs if k < g)
+            else:
+                self.failures += sum(1 for k in request_accepts if k < gamma)
             return
         requests = drafted / gamma
         self.successes += accepted

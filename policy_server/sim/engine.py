@@ -284,7 +284,7 @@ class Simulator:
             len(decode), gamma, prefill_tokens, context, catch_up, verification
         )
         self.now += step_s
-        generated, accepted, accepts = self._decode(decode, gamma, gammas)
+        generated, accepted, accepts, accepted_ids = self._decode(decode, gamma, gammas)
         generated += self._first_tokens()
         self._finish()
         if ctx is not None:
@@ -300,6 +300,7 @@ class Simulator:
                 accepted_tokens=accepted,
                 request_accepts=accepts,
                 prefill_tokens=prefill_tokens,
+                request_ids=accepted_ids,
             )
             self.source.report(ctx, decision_id, outcome)
             self.previous_gamma = gamma
@@ -370,11 +371,12 @@ class Simulator:
 
     def _decode(
         self, decode: list[SimRequest], gamma: int, gammas: Mapping[int, int] | None
-    ) -> tuple[int, int, tuple[int, ...]]:
+    ) -> tuple[int, int, tuple[int, ...], tuple[str, ...]]:
         """Tokens generated, draft tokens accepted, and the accepted count of each request
-        that verified drafts (per-request sources only; () otherwise)."""
+        that verified drafts with its request id (per-request sources only; () otherwise)."""
         generated = accepted = 0
         accepts: list[int] = []
+        ids: list[str] = []
         track = self.source.per_request
         for request in decode:
             if gamma > 0:
@@ -385,13 +387,14 @@ class Simulator:
                 request.lag = 0  # the drafter ran the cap over every request
                 if track and depth > 0:
                     accepts.append(run)
+                    ids.append(str(request.rid))
                     request.recent_accepts = (*request.recent_accepts[1 - RECENT_ACCEPTS :], run)
             else:
                 tokens = min(1, request.remaining)
                 request.lag += tokens
             request.generated += tokens
             generated += tokens
-        return generated, accepted, tuple(accepts)
+        return generated, accepted, tuple(accepts), tuple(ids)
 
     def _first_tokens(self) -> int:
         """A request whose prefill completed this step samples its next token."""

@@ -130,6 +130,12 @@ SLO_ONLY: dict[str, SourceFactory] = {
 TABLE_MODE: dict[str, SourceFactory] = {
     f"goodput-tables-{steps}": _learning("goodput", tables=steps) for steps in (8, 32)
 }
+# The default policy's per-sequence mode (a γ per request from its own acceptance, under
+# the batch cap; docs/POLICIES.md, "Per-request mode"): only in the mixed-population
+# section until it wins there.
+PER_REQUEST_MODE: dict[str, SourceFactory] = {
+    "goodput-per-request": _learning("goodput", per_request=True),
+}
 FIXED = ["off"] + [p for p in POLICIES if p.startswith("static-")]
 # The policy the targets are judged for: the server's default.
 DEFAULT = "goodput"
@@ -166,6 +172,7 @@ QUICK_POLICIES = [
 MIXED = {"step-mix": ("step", "code-writing"), "azure-conv-mix": ("azure-conv", "code-writing")}
 MIXED_POLICIES = [
     "goodput",
+    "goodput-per-request",
     "nightjar",
     "off",
     *(f"static-{g}" for g in range(1, GAMMA_MAX + 1)),
@@ -289,7 +296,7 @@ def simulate(
     seed: int,
     workload: str = "",
 ) -> SimResult:
-    factory = {**POLICIES, **SLO_ONLY, **TABLE_MODE}[policy]
+    factory = {**POLICIES, **SLO_ONLY, **TABLE_MODE, **PER_REQUEST_MODE}[policy]
     source = factory(seed, bench.assets.get(profile.name, ProfileAssets()))
     acceptance = acceptance_of(workload, specs, bench)
     return Simulator(profile, acceptance, specs, source, bench.sim(seed)).run()

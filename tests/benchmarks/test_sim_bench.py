@@ -53,6 +53,12 @@ def test_mixed_section_puts_both_populations_side_by_side_and_dsde_against_the_b
     assert row in text
     # TPOT 10 against goodput's 13 and the best batch policy's (static-2) 11.
     assert "| p | `step-mix` | 1.000 | 0.769 | static-2 (11.0) | 1.000 | 0.909 |" in text
+    # The per-sequence mode against the default seed by seed, with the default's spread:
+    # no gain at all meets the homogeneous target and misses the mixed one.
+    assert "### `goodput-per-request` against `goodput`: the targets" in text
+    paired = "| 1.000 (1.000–1.000) | 1.98% | 1.000 (1.000–1.000) | 0.00% | 1.615 (1.571–1.667)"
+    assert f"| p | `step` {paired} | met |" in text
+    assert f"| p | `step-mix` {paired} | missed |" in text
 
 
 def test_mixed_jobs_skip_the_homogeneous_cells_the_matrix_ran() -> None:

@@ -22,7 +22,7 @@ from nightjar_proto.v1 import admin_pb2, policy_pb2
 from nightjar_common import wire
 from nightjar_common.types import BinType, StepContext, StepOutcome
 from policy_server.policies import DEFAULT_POLICY, PolicyError, create_policy
-from policy_server.policies.goodput import GoodputModelPolicy
+from policy_server.policies.goodput import STATE_SCHEMA, GoodputModelPolicy
 from policy_server.policies.models import (
     StepTimeModel,
     expected_tokens,
@@ -498,7 +498,7 @@ def test_a_state_from_before_the_local_correction_loads_without_it() -> None:
     restored = GoodputModelPolicy({"gamma_max": GAMMA_MAX})
     restored.load_state(old)
     state = restored.state()
-    assert state["schema"] == "goodput/3" and state["learners"]["engine:e"]["correction"] == []
+    assert state["schema"] == STATE_SCHEMA and state["learners"]["engine:e"]["correction"] == []
     assert state["learners"]["engine:e"]["step_time"] == old["learners"]["engine:e"]["step_time"]
 
 

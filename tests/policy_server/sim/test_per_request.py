@@ -108,6 +108,10 @@ def test_a_request_verifies_at_most_its_own_gamma_and_the_outcome_counts_them() 
     assert seen == {0: 1, 1: 4}  # both ran their γ_i in full sometimes
     decode_steps = [o for o in source.outcomes if o.request_accepts]
     assert decode_steps
+    for ctx, outcome in zip(source.contexts, source.outcomes, strict=True):
+        # Each accept labelled with its request (here every request verifies γ_i >= 1).
+        assert outcome.request_ids == tuple(r.request_id for r in ctx.requests)
+        assert len(outcome.request_accepts) == len(outcome.request_ids)
     for outcome in decode_steps:
         assert outcome.accepted_tokens == sum(outcome.request_accepts)
         assert outcome.drafted_tokens < 4 * len(outcome.request_accepts)  # Σ γ_i, not B·cap

@@ -1,0 +1,187 @@
+"""The goodput policy's per-sequence mode: per-request acceptance and a γ per request.
+
+With ``per_request`` on (goodput.py), each engine keeps forgotten counts of the drafts
+each recent request accepted and had rejected (``RequestRecord``), labelled by
+StepOutcome.request_ids. A request's α is those counts shrunk to the learner's pooled α
+by ``prior_weight`` pseudo-tokens (a Beta prior centred on the pooled estimate), so a
+young request follows the pooled estimate and an old one its own.
+
+The plan of a step (``best_plan``): the drafter runs the cap γ over the batch and request
+i verifies its own γ_i ≤ γ. The k-th draft of request i adds α_i^k expected tokens,
+decreasing in k, so for a cap and a number S of verified drafts the most tokens come from
+the S largest α_i^k with k ≤ cap (a prefix of each request's chain). The step time depends
+on the plan only through the cap and two sums, S and Σ context_i·γ_i (models.
+verify_features), so every (cap, S) is priced in one product and the plan with the best
+predicted goodput Σ E(α_i, γ_i) / t wins: O(Γ²·B) per decision.
+
+Pure numpy; nothing of engines or the wire.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from policy_server.policies.models import FloatArray
+
+# Requests an engine keeps records of, whatever the idle bound: a client cannot make the
+# server hold an unbounded number (as dsde).
+MAX_REQUESTS = 4096
+
+IntArray = npt.NDArray[np.intp]
+# (cap, Σγ_i, γ̄) per row → predicted step ms per row, switch cost included.
+PlanPricer = Callable[[IntArray, FloatArray, FloatArray], FloatArray]
+
+
+@dataclasses.dataclass(slots=True)
+class RequestRecord:
+    """One request's forgotten accepted (successes) and rejected (failures) drafts."""
+
+    successes: float
+    failures: float
+    # The engine's observed-step count when the request was last in a step.
+    last_seen: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Plan:
+    """A step's γ per request (in the context's order) under ``cap``, and its predicted
+    goodput (tokens per ms) under the estimate it was searched with."""
+
+    cap: int
+    gammas: tuple[int, ...]
+    goodput: float
+
+    @property
+    def uniform(self) -> bool:
+        """Whether every request verifies the cap (a plain batch γ)."""
+        return all(g == self.cap for g in self.gammas)
+
+
+def shrunk_alpha(record: RequestRecord | None, pooled: float, prior_weight: float) -> float:
+    """A request's α: its counts with ``prior_weight`` pseudo-tokens at the pooled α."""
+    if record is None:
+        return pooled
+    weight = record.successes + record.failures + prior_weight
+    return (record.successes + prior_weight * pooled) / weight
+
+
+def observe_requests(
+    records: dict[str, RequestRecord],
+    outcomes: Iterable[tuple[str, int, int]],
+    decay: float,
+    step: int,
+) -> None:
+    """Add (request id, accepted, γ it verified) outcomes: k successes, one failure when
+    k < γ (the truncated geometric's MLE, as the pooled model counts), forgotten by
+    ``decay`` per observation of that request."""
+    for request_id, accepted, gamma in outcomes:
+        record = records.get(request_id)
+        if record is None:
+            record = records[request_id] = RequestRecord(0.0, 0.0, step)
+        record.successes = decay * record.successes + accepted
+        record.failures = decay * record.failures + (1.0 if accepted < gamma else 0.0)
+        record.last_seen = step
+
+
+def touch(records: Mapping[str, RequestRecord], request_ids: Iterable[str], step: int) -> None:
+    """Mark requests of a step as seen (one that verified no draft is still running)."""
+    for request_id in request_ids:
+        record = records.get(request_id)
+        if record is not None:
+            record.last_seen = step
+
+
+def prune(
+    records: dict[str, RequestRecord], step: int, idle_steps: int
+) -> dict[str, RequestRecord]:
+    """The records seen in the last ``idle_steps`` steps (finished requests leave), at most
+    MAX_REQUESTS of them, the most recently seen."""
+    kept = {rid: r for rid, r in records.items() if step - r.last_seen <= idle_steps}
+    if len(kept) > MAX_REQUESTS:
+        newest = sorted(kept.items(), key=lambda item: item[1].last_seen)[-MAX_REQUESTS:]
+        kept = dict(newest)
+    return kept
+
+
+def best_plan(
+    alphas: Sequence[float], contexts: Sequence[int], top: int, price: PlanPricer
+) -> Plan:
+    """The plan (cap ≤ ``top``, γ_i ≤ cap) of the best predicted goodput; ties go to the
+    smaller cap and the fewer verified drafts."""
+    batch = len(alphas)
+    top = top if batch else 0
+    gains = _gains(alphas, top)
+    # Flattened (request, depth - 1) by decreasing gain; stable, so ties keep the order.
+    order = np.argsort(-gains, axis=None, kind="stable")
+    requests, depths = np.divmod(order, max(top, 1))
+    values = gains.ravel()[order]
+    weights = np.asarray(contexts, dtype=np.float64)[requests]
+    total_context = float(sum(contexts))
+    # Rows by cap, then by verified drafts S = 0.. (what the tie order needs).
+    tokens, verified, attention, caps = [], [], [], []
+    for cap in range(top + 1):
+        kept = depths < cap
+        tokens.append(batch + np.concatenate(([0.0], np.cumsum(values[kept]))))
+        drafts = np.arange(len(tokens[-1]), dtype=np.float64)
+        verified.append(drafts)
+        if total_context > 0:
+            attention.append(np.concatenate(([0.0], np.cumsum(weights[kept]))) / total_context)
+        else:
+            attention.append(drafts / max(batch, 1))
+        caps.append(np.full(len(drafts), cap, dtype=np.intp))
+    cap_of = np.concatenate(caps)
+    goodput = np.concatenate(tokens) / price(
+        cap_of, np.concatenate(verified), np.concatenate(attention)
+    )
+    row = int(goodput.argmax())
+    cap = int(cap_of[row])
+    drafts_kept = row - sum(len(v) for v in verified[:cap])
+    counts = np.bincount(requests[depths < cap][:drafts_kept], minlength=batch)
+    return Plan(cap, tuple(counts.tolist()), float(goodput[row]))
+
+
+def plan_goodput(
+    plan: Plan, alphas: Sequence[float], contexts: Sequence[int], price: PlanPricer
+) -> float:
+    """Predicted goodput (tokens per ms) of ``plan`` under another estimate's α and prices
+    (the point estimate's, for the exploration cap)."""
+    batch = len(alphas)
+    gammas = np.asarray(plan.gammas, dtype=np.intp)
+    depth = np.arange(1, plan.cap + 1)
+    tokens = batch + float((_gains(alphas, plan.cap) * (depth <= gammas[:, None])).sum())
+    verified = float(gammas.sum())
+    total_context = float(sum(contexts))
+    weighted = float(np.dot(np.asarray(contexts, dtype=np.float64), gammas))
+    attention = weighted / total_context if total_context > 0 else verified / max(batch, 1)
+    ms = price(np.array([plan.cap]), np.array([verified]), np.array([attention]))
+    return tokens / float(ms[0])
+
+
+def _gains(alphas: Sequence[float], top: int) -> FloatArray:
+    """α_i^k for k = 1..top: what the k-th draft of request i adds (a row per request)."""
+    gains: FloatArray = np.asarray(alphas, dtype=np.float64)[:, None] ** np.arange(1, top + 1)
+    return gains
+
+
+def records_to_json(records: Mapping[str, RequestRecord]) -> dict[str, list[float]]:
+    return {rid: [r.successes, r.failures, r.last_seen] for rid, r in records.items()}
+
+
+def records_from_json(data: Any, observed_steps: int) -> dict[str, RequestRecord]:
+    """Records of a state, checked: counts finite and >= 0, seen no later than now."""
+    records: dict[str, RequestRecord] = {}
+    for rid, (successes, failures, last_seen) in list(dict(data).items())[:MAX_REQUESTS]:
+        record = RequestRecord(float(successes), float(failures), int(last_seen))
+        counts = (record.successes, record.failures)
+        if not all(math.isfinite(c) and c >= 0 for c in counts):
+            raise ValueError("request counts must be finite and >= 0")
+        if not 0 <= record.last_seen <= observed_steps:
+            raise ValueError(f"a request's last step must be in 0..{observed_steps}")
+        records[str(rid)] = record
+    return records
