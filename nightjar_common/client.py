@@ -128,6 +128,22 @@ class GammaDecision:
             return self.table_step.held.table.policy_name
         return self.decision.policy_name if self.decision else ""
 
+    @property
+    def request_gammas(self) -> tuple[tuple[str, int], ...]:
+        """Per-request γ of a per-request policy (each capped at :attr:`gamma` by the
+        engine); () = every request runs :attr:`gamma`."""
+        if self.table_step is not None:
+            return self.table_step.held.table.request_gammas
+        return self.decision.request_gammas if self.decision else ()
+
+    @property
+    def reads_request_signals(self) -> bool | None:
+        """Whether the deciding policy reads per-request signals; None for a fallback
+        (the local table says nothing of the sidecar's policy)."""
+        if self.table_step is not None:
+            return self.table_step.held.table.reads_request_signals
+        return self.decision.reads_request_signals if self.decision else None
+
 
 @dataclasses.dataclass(slots=True)
 class ClientStats:

@@ -151,6 +151,15 @@ def check_outcome(outcome: StepOutcome, limits: Limits) -> None:
             f"per-request accepted_tokens sum to {sum(outcome.request_accepts)}, more than "
             f"the step's accepted_tokens ({outcome.accepted_tokens})"
         )
+    if outcome.request_ids and len(outcome.request_ids) != len(outcome.request_accepts):
+        raise InvalidArgumentError(
+            f"{len(outcome.request_ids)} request ids for {len(outcome.request_accepts)} "
+            "per-request accepted counts"
+        )
+    if any(len(r) > limits.max_engine_id_length for r in outcome.request_ids):
+        raise InvalidArgumentError(
+            f"a request_id is longer than {limits.max_engine_id_length} characters"
+        )
 
 
 def check_batch_size(ran_steps: Sequence[RanStep], outcomes: Sequence[StepOutcome]) -> None:

@@ -97,7 +97,6 @@ def outcome_from_pb(msg: pb.StepOutcome) -> StepOutcome:
             "per-request accepts given twice: set StepOutcome.request_accepted_tokens "
             "or StepOutcome.requests, not both"
         )
-    # The v1.0 form carries request ids, which no policy reads.
     accepts = msg.request_accepted_tokens or [r.accepted_tokens for r in msg.requests]
     return StepOutcome(
         decision_id=msg.decision_id,
@@ -110,6 +109,7 @@ def outcome_from_pb(msg: pb.StepOutcome) -> StepOutcome:
         request_accepts=tuple(accepts),
         prefill_tokens=msg.prefill_tokens,
         draft_gamma=msg.draft_gamma if msg.HasField("draft_gamma") else None,
+        request_ids=tuple(r.request_id for r in msg.requests),
     )
 
 
@@ -124,11 +124,14 @@ def outcome_to_pb(outcome: StepOutcome) -> pb.StepOutcome:
         accepted_tokens=outcome.accepted_tokens,
         prefill_tokens=outcome.prefill_tokens,
         draft_gamma=outcome.draft_gamma,
-        # Packed ints: this runs in the engine's hook, where one RequestAccepts submessage
-        # per request in the batch cost a good part of its time (docs/VLLM_PLUGIN.md, "What
-        # an outcome carries").
-        request_accepted_tokens=outcome.request_accepts,
     )
+    if outcome.request_ids:  # labelled, for a policy that reads per-request signals
+        for request_id, accepted in zip(outcome.request_ids, outcome.request_accepts, strict=True):
+            msg.requests.add(request_id=request_id, accepted_tokens=accepted)
+    else:
+        # Packed ints: one RequestAccepts submessage per request of the batch costs far
+        # more to build (docs/VLLM_PLUGIN.md, "What an outcome carries").
+        msg.request_accepted_tokens.extend(outcome.request_accepts)
     return msg
 
 
@@ -148,6 +151,7 @@ def decision_to_pb(decision: Decision) -> pb.Decision:
         batch_size=decision.batch_size,
         candidates=[decision_to_pb(c) for c in decision.candidates],
         tentative=decision.tentative,
+        reads_request_signals=decision.reads_request_signals,
     )
     if decision.memory_directive.action:
         msg.memory_directive.CopyFrom(directive_to_pb(decision.memory_directive))
@@ -185,6 +189,7 @@ def decision_from_pb(msg: pb.Decision, *, candidates: bool = True) -> Decision:
         batch_size=msg.batch_size,
         candidates=tuple(decision_from_pb(c) for c in msg.candidates) if candidates else (),
         tentative=msg.tentative,
+        reads_request_signals=msg.reads_request_signals,
     )
 
 
@@ -201,6 +206,8 @@ def table_to_pb(table: GammaTable) -> pb.GammaTable:
         valid_steps=table.valid_steps,
         valid_ms=table.valid_ms,
         reason=table.reason.value if table.reason is not None else "",
+        request_gammas=[pb.RequestGamma(request_id=r, gamma=g) for r, g in table.request_gammas],
+        reads_request_signals=table.reads_request_signals,
     )
     if table.memory_directive.action:
         msg.memory_directive.CopyFrom(directive_to_pb(table.memory_directive))
@@ -224,6 +231,8 @@ def table_from_pb(msg: pb.GammaTable) -> GammaTable:
         valid_ms=msg.valid_ms,
         memory_directive=directive,
         reason=BinType(msg.reason) if msg.reason in _TABLE_REASONS else None,
+        request_gammas=tuple((r.request_id, r.gamma) for r in msg.request_gammas),
+        reads_request_signals=msg.reads_request_signals,
     )
 
 

@@ -74,7 +74,7 @@ from policy_server.policies import (
     UnknownPolicyError,
     create_policy,
 )
-from policy_server.policies.base import at_batch_size, file_path_params
+from policy_server.policies.base import at_batch_size, file_path_params, reads_request_signals
 
 log = logging.getLogger(__name__)
 
@@ -377,6 +377,7 @@ class DecisionService:
         high = min(self.limits.max_batch_size, ctx.batch_size + options.half_width)
         decided = _decide_tentative(active.policy, ctx, range(low, high + 1))
         choices = [choice for choice, _ in decided]
+        own = choices[ctx.batch_size - low]  # decided for the context's own requests
         table_id = f"{self._boot_id}-{next(self._sequence):x}"
         gamma_max = active.policy.gamma_max
         issued = IssuedTable(active.revision, gamma_max, low, tuple(decided))
@@ -397,6 +398,8 @@ class DecisionService:
             valid_ms=options.valid_ms,
             memory_directive=directive,
             reason=_table_reason(choices),
+            request_gammas=own.request_gammas,
+            reads_request_signals=reads_request_signals(active.policy),
         )
 
     def _policy_view(self, reported: StepContext) -> StepContext:
@@ -511,6 +514,7 @@ class DecisionService:
                 request_gammas=choice.request_gammas,
                 batch_size=candidate_ctx.batch_size,
                 tentative=tentative,
+                reads_request_signals=reads_request_signals(policy),
                 **extra,
             )
 

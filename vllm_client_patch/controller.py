@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 
 from nightjar_common.client import ClientConfig, GammaDecision, NightjarClient
 from nightjar_common.fallback import DEFAULT_SCHEDULE
-from nightjar_common.types import MemoryDirective, StepContext, StepOutcome
+from nightjar_common.types import MemoryDirective, RequestSignals, StepContext, StepOutcome
 from nightjar_common.validation import MAX_CANDIDATES
 from vllm_client_patch.config import PluginConfig
 from vllm_client_patch.metrics import PluginMetrics, Totals
@@ -98,6 +98,9 @@ class EngineView:
     prefill_tokens: int = 0
     # Draft passes the drafter runs even at γ = 0 (StepContext.min_draft_passes).
     min_draft_passes: int = 0
+    # The drafting requests' ids, given while the policy reads per-request signals
+    # (GammaController.wants_request_ids).
+    request_ids: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(slots=True)
@@ -110,6 +113,8 @@ class VerifiedStep:
     generated_tokens: int
     # Accepted draft tokens of each request that verified drafts.
     request_accepts: tuple[int, ...] = ()
+    # Their request ids, in the same order (given while the policy reads them).
+    request_ids: tuple[str, ...] = ()
 
 
 class HookTime(NamedTuple):
@@ -189,6 +194,13 @@ class GammaController:
         self._samples: collections.deque[tuple[float, float, float]] = collections.deque()
         self._hook_unexported: list[float] = []
         self._hook_decide = HookTime()
+        # Per-request policies (DSDE): whether the sidecar's policy reads per-request
+        # signals (as its last answer said), each request's accepted drafts in its last
+        # verification, and the per-request γ of the step decided last.
+        self._reads_request_signals = False
+        self._last_accepts: dict[str, int] = {}
+        self._request_gammas: tuple[tuple[str, int], ...] = ()
+        self._truncated = collections.Counter[str]()
         self._lock = threading.Lock()
         # The stats file and the metrics are written off the engine's thread: sorting the
         # samples for percentiles takes milliseconds, and both stay fresh while it idles.
@@ -220,7 +232,39 @@ class GammaController:
             context_tokens=view.context_tokens,
             candidate_batch_sizes=candidates,
             min_draft_passes=min(view.min_draft_passes, view.max_gamma),
+            requests=self._request_signals(view) if self._reads_request_signals else (),
         )
+
+    def _request_signals(self, view: EngineView) -> tuple[RequestSignals, ...]:
+        """Each drafting request with the accepted drafts of its last verification (none
+        for a request that has not verified yet). No divergence: vLLM keeps no draft
+        distribution where the scheduler runs (docs/VLLM_PLUGIN.md, "Per-request γ")."""
+        last = self._last_accepts
+        return tuple(
+            RequestSignals(request_id, recent_accepts=(last[request_id],))
+            if request_id in last
+            else RequestSignals(request_id)
+            for request_id in view.request_ids
+        )
+
+    @property
+    def wants_request_ids(self) -> bool:
+        """Whether the sidecar's policy reads per-request signals: the scheduler then names
+        the drafting requests in its views and verified steps."""
+        return self._reads_request_signals
+
+    def request_gammas(self) -> dict[str, int]:
+        """γ per request of the step decided last, where a per-request policy set one
+        below the step's γ (its drafts are cut to it); {} = all run the step's γ."""
+        if not self._request_gammas or self._previous_gamma is None:
+            return {}
+        cap = self._previous_gamma
+        return {request: gamma for request, gamma in self._request_gammas if gamma < cap}
+
+    def truncated(self, requests: int, tokens: int) -> None:
+        """The scheduler cut ``tokens`` drafts of ``requests`` requests to their γ."""
+        self._truncated["requests"] += requests
+        self._truncated["tokens"] += tokens
 
     def decide(self, view: EngineView, started: HookTime | None = None) -> int:
         """γ for the step being scheduled (drafted after it, verified in the next).
@@ -240,6 +284,10 @@ class GammaController:
         self._previous_gamma = gamma
         self._gammas[gamma] += 1
         self._sources[decision.source if view.draft_resident else "forced"] += 1
+        reads = decision.reads_request_signals
+        if reads is not None:  # a fallback says nothing of the sidecar's policy
+            self._reads_request_signals = reads
+        self._request_gammas = decision.request_gammas
         # Ask for the next step now, for the batch as it is and as it may become. With
         # decision tables: a new table, when the held one is due or will not answer it
         # (that step's context is then built off this thread).
@@ -267,6 +315,10 @@ class GammaController:
         self._drafted += verified.drafted_tokens
         self._accepted += verified.accepted_tokens
         self._drafts += len(verified.request_accepts)
+        if verified.request_ids:
+            self._last_accepts = dict(
+                zip(verified.request_ids, verified.request_accepts, strict=True)
+            )
         if not self._pending:
             # No decision this step (nothing sampled in it): whatever the in-flight
             # decision drafted was not verified here, and pairing it with a later
@@ -330,6 +382,7 @@ class GammaController:
                 request_accepts=verified.request_accepts,
                 prefill_tokens=step.prefill_tokens,
                 draft_gamma=step.decision.gamma,
+                request_ids=verified.request_ids if self._reads_request_signals else (),
             )
         )
         self._reported += 1
@@ -359,6 +412,8 @@ class GammaController:
             "tables": client.tables,
             "table_misses": dict(client.table_misses),
             "rejected_reports": client.rejected_reports,
+            "request_signals": self._reads_request_signals,
+            "truncated_drafts": dict(self._truncated),
             "connected": self.client.connected,
             "hook_us": _percentiles(self._hook_s, 1e6),
             "hook_cpu_us": _percentiles(self._hook_cpu_s, 1e6),

@@ -88,10 +88,15 @@ class BatchShape:
     context_tokens: int
     # Prompt tokens computed in the step (prefill chunks, also of completing prefills).
     prefill_tokens: int
+    # The drafting requests' ids, when asked for.
+    request_ids: tuple[str, ...] = ()
 
 
-def batch_shape(output: SchedulerOutput, requests: Mapping[str, Any]) -> BatchShape:
-    """Who drafts after this step, their context, and the prefill sharing the step.
+def batch_shape(
+    output: SchedulerOutput, requests: Mapping[str, Any], with_ids: bool = False
+) -> BatchShape:
+    """Who drafts after this step, their context, and the prefill sharing the step
+    (``with_ids``: naming them, for a policy that reads per-request signals).
 
     Called before ``_update_after_schedule`` advances ``num_computed_tokens``: the
     request samples when the scheduled tokens reach its end — vLLM's own
@@ -99,6 +104,7 @@ def batch_shape(output: SchedulerOutput, requests: Mapping[str, Any]) -> BatchSh
     token computed; anything behind that is prefill.
     """
     drafting = context = prefill = 0
+    ids: list[str] | None = [] if with_ids else None
     for req_id, scheduled in output.num_scheduled_tokens.items():
         request = requests[req_id]
         end = request.num_tokens + request.num_output_placeholders
@@ -108,15 +114,21 @@ def batch_shape(output: SchedulerOutput, requests: Mapping[str, Any]) -> BatchSh
         if computed + scheduled >= end:
             drafting += 1
             context += computed + scheduled
-    return BatchShape(drafting, context, prefill)
+            if ids is not None:
+                ids.append(req_id)
+    return BatchShape(drafting, context, prefill, tuple(ids) if ids else ())
 
 
 def verified_step(
-    output: SchedulerOutput, result: ModelRunnerOutput, requests: Mapping[str, Any]
+    output: SchedulerOutput,
+    result: ModelRunnerOutput,
+    requests: Mapping[str, Any],
+    with_ids: bool = False,
 ) -> VerifiedStep:
     """Drafted / accepted / generated tokens of a finished step, counted as vLLM counts
     them in ``update_from_output`` (call it before vLLM's, which drops finished requests):
     requests aborted meanwhile are skipped, grammar-invalidated drafts are not drafts.
+    ``with_ids``: the per-request counts name their requests.
 
     This runs on the engine's thread for every request of the step, so the usual step
     (every request still running, each with output) is counted by C-level maps; a step
@@ -130,21 +142,22 @@ def verified_step(
         statuses = map(_STATUS, map(requests.__getitem__, scheduled))
         # is_finished is "status above PREEMPTED": the highest status tells for all.
         if RequestStatus.is_finished(max(statuses, default=RequestStatus.RUNNING)):
-            return _verified_walk(output, result, requests)
+            return _verified_walk(output, result, requests, with_ids)
         tokens = list(map(len, map(sampled.__getitem__, map(index_of, scheduled))))
         drafts = output.scheduled_spec_decode_tokens
         drafted_by = list(map(len, drafts.values()))
         verified_by = list(map(len, map(sampled.__getitem__, map(index_of, drafts))))
     except KeyError:  # a request gone from the scheduler, or not in the output
-        return _verified_walk(output, result, requests)
+        return _verified_walk(output, result, requests, with_ids)
     if 0 in verified_by or 0 in drafted_by:
-        return _verified_walk(output, result, requests)
+        return _verified_walk(output, result, requests, with_ids)
     invalid = output.num_invalid_spec_tokens
     if invalid:
         drafted_by = list(map(operator.sub, drafted_by, map(invalid.get, drafts, _ZEROS)))
     # All but the bonus / corrected token, at most what was drafted.
     accepts = tuple(map(min, map(operator.sub, verified_by, _ONES), drafted_by))
-    return VerifiedStep(sum(drafted_by), sum(accepts), sum(tokens), accepts)
+    ids = tuple(drafts) if with_ids else ()
+    return VerifiedStep(sum(drafted_by), sum(accepts), sum(tokens), accepts, ids)
 
 
 _STATUS = operator.attrgetter("status")
@@ -153,11 +166,15 @@ _ZEROS = itertools.repeat(0)
 
 
 def _verified_walk(
-    output: SchedulerOutput, result: ModelRunnerOutput, requests: Mapping[str, Any]
+    output: SchedulerOutput,
+    result: ModelRunnerOutput,
+    requests: Mapping[str, Any],
+    with_ids: bool,
 ) -> VerifiedStep:
     """:func:`verified_step` request by request."""
     drafted = accepted = generated = 0
     accepts: list[int] = []
+    ids: list[str] = []
     sampled = result.sampled_token_ids
     index_of = result.req_id_to_index.get
     request_of = requests.get
@@ -177,7 +194,24 @@ def _verified_walk(
             drafted += drafts_valid
             accepted += taken
             accepts.append(taken)
-    return VerifiedStep(drafted, accepted, generated, tuple(accepts))
+            ids.append(req_id)
+    return VerifiedStep(
+        drafted, accepted, generated, tuple(accepts), tuple(ids) if with_ids else ()
+    )
+
+
+def cut_drafts(requests: Mapping[str, Any], limits: Mapping[str, int]) -> tuple[int, int]:
+    """Cut each named request's proposed drafts (``spec_token_ids``) to its limit; the
+    requests and drafts cut. Fewer drafts verify the same tokens: lossless."""
+    cut_requests = cut_tokens = 0
+    for request_id, limit in limits.items():
+        request = requests.get(request_id)
+        drafts = request.spec_token_ids if request is not None else None
+        if drafts and len(drafts) > limit:
+            cut_requests += 1
+            cut_tokens += len(drafts) - limit
+            del drafts[limit:]
+    return cut_requests, cut_tokens
 
 
 class _NightjarMixin:
@@ -185,6 +219,8 @@ class _NightjarMixin:
 
     _nightjar: GammaController | None = None
     _memory: SchedulerMemory | None = None
+    # Per-request γ below the step's, by request id: applied where the drafts arrive.
+    _draft_limits: Mapping[str, int] = {}
     # vLLM's model drafters (draft model, EAGLE: those with a KV cache of their own) run
     # their first pass at γ = 0 too, to keep that cache in step (SpecDecodeBaseProposer.
     # propose), so a γ = 0 step costs what a γ = 1 draft does (docs/POLICIES.md, "Step time
@@ -211,12 +247,13 @@ class _NightjarMixin:
     def _update_after_schedule(self: Any, scheduler_output: SchedulerOutput) -> None:
         if self._nightjar is not None and scheduler_output.num_scheduled_tokens:
             started = HookTime.now()
-            shape = batch_shape(scheduler_output, self.requests)
+            nightjar = self._nightjar
+            shape = batch_shape(scheduler_output, self.requests, nightjar.wants_request_ids)
             # No request samples (only partial prefill chunks): nothing drafts, nothing
             # to decide; the controller then forgets the decision this step would verify.
-            gamma = (
-                self._nightjar.decide(self._engine_view(shape), started) if shape.drafting else 0
-            )
+            gamma = nightjar.decide(self._engine_view(shape), started) if shape.drafting else 0
+            # A per-request policy's γ below the step's: those drafts are cut to it.
+            self._draft_limits = nightjar.request_gammas() if gamma else {}
             if self._memory is not None:
                 for directive in self._nightjar.memory_directives():
                     self._memory.offer(directive)
@@ -229,7 +266,12 @@ class _NightjarMixin:
         if self._nightjar is None:
             return super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
         started = HookTime.now()
-        verified = verified_step(scheduler_output, model_runner_output, self.requests)
+        verified = verified_step(
+            scheduler_output,
+            model_runner_output,
+            self.requests,
+            self._nightjar.wants_request_ids,
+        )
         hook = started.elapsed()
         outputs = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
         self._nightjar.end_step(verified, hook)  # vLLM's own update is not hook time
@@ -295,13 +337,24 @@ class _NightjarMixin:
             draft_resident=resident,
             # An offloaded drafter does not run at all (memory.guard_drafter).
             min_draft_passes=self._drafts_at_gamma_zero if resident else 0,
+            request_ids=shape.request_ids,
         )
 
 
 class NightjarScheduler(_NightjarMixin, Scheduler):  # type: ignore[misc]
-    """vLLM's synchronous scheduler (the only one on CPU) with γ from the sidecar."""
+    """vLLM's synchronous scheduler (the only one on CPU) with γ from the sidecar, and a
+    per-request policy's γ per request: the drafter runs to the step's γ, then each
+    request's drafts are cut to its own before the next step schedules them."""
+
+    def update_draft_token_ids(self, draft_token_ids: Any) -> None:
+        super().update_draft_token_ids(draft_token_ids)
+        limits, self._draft_limits = self._draft_limits, {}
+        if limits and self._nightjar is not None:
+            self._nightjar.truncated(*cut_drafts(self.requests, limits))
 
 
 class NightjarAsyncScheduler(_NightjarMixin, AsyncScheduler):  # type: ignore[misc]
     """vLLM's async scheduler with γ from the sidecar. Step k+1 is scheduled before step
-    k's update, so several decisions can be pending; the controller keeps them in order."""
+    k's update, so several decisions can be pending; the controller keeps them in order.
+    A per-request policy's γ applies as the batch's cap only: the next step's draft slots
+    are scheduled before the drafts arrive, so cutting them would save nothing."""

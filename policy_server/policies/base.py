@@ -47,6 +47,13 @@ class Policy(Protocol):
         ...
 
 
+def reads_request_signals(policy: object) -> bool:
+    """Whether ``policy`` decides per request from StepContext.requests and the request ids
+    of outcomes (its class sets ``reads_request_signals``); engines send those only then:
+    a policy that decides for the batch has no use for them."""
+    return bool(getattr(policy, "reads_request_signals", False))
+
+
 class LearnedState(Protocol):
     """What the server does with what a policy has learned; every registered policy has
     it (one that learns nothing trivially, fixed._StatelessPolicy).

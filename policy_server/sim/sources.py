@@ -14,6 +14,7 @@ from nightjar_common.tables import NextStep, ReportBatch, TableCache, refresh_du
 from nightjar_common.types import Choice, RanStep, StepContext, StepOutcome
 from nightjar_common.validation import MAX_BATCHED
 from policy_server.policies import Policy, create_policy
+from policy_server.policies.base import reads_request_signals
 from policy_server.service import DEFAULT_HALF_WIDTH, DecisionService, TableOptions
 from policy_server.sim.engine import Decided, Simulator
 
@@ -25,7 +26,7 @@ class PolicySource:
 
     def __init__(self, policy: Policy) -> None:
         self.policy = policy
-        self.per_request: bool = getattr(policy, "reads_request_signals", False)
+        self.per_request = reads_request_signals(policy)
         self._ids = itertools.count(1)
         self._choices: dict[str, Choice] = {}
 

@@ -9,7 +9,14 @@ from nightjar_proto.v1 import policy_pb2 as pb
 
 from nightjar_common import wire
 from nightjar_common.errors import InvalidArgumentError
-from nightjar_common.types import BinType, Decision, MemoryDirective, StepContext, StepOutcome
+from nightjar_common.types import (
+    BinType,
+    Decision,
+    GammaTable,
+    MemoryDirective,
+    StepContext,
+    StepOutcome,
+)
 
 
 def test_an_outcome_with_per_request_accepts_round_trips_in_order() -> None:
@@ -47,6 +54,7 @@ def test_an_engine_older_than_v1_5_sends_accepts_with_request_ids() -> None:
     old.requests.add(request_id="cmpl-a", accepted_tokens=0)
     old.requests.add(request_id="cmpl-b", accepted_tokens=1)
     assert wire.outcome_from_pb(old).request_accepts == (0, 1)
+    assert wire.outcome_from_pb(old).request_ids == ("cmpl-a", "cmpl-b")
     both = pb.StepOutcome()
     both.CopyFrom(old)
     both.request_accepted_tokens.extend([0, 1])
@@ -90,3 +98,25 @@ def test_a_context_round_trips_with_the_drafters_minimum_passes() -> None:
     )
     assert wire.context_from_pb(wire.context_to_pb(ctx)) == ctx
     assert wire.context_from_pb(pb.StepContext(engine_id="e", batch_size=4)).min_draft_passes == 0
+
+
+def test_per_request_fields_round_trip() -> None:
+    """v1.8: labelled accepts go out as RequestAccepts (what a per-request policy reads),
+    tables and decisions carry per-request γ and whether the policy reads the signals."""
+    labelled = StepOutcome(
+        "d-9", "e", 2, 0.1, 7, 4, 3, request_accepts=(2, 1), request_ids=("r1", "r2")
+    )
+    msg = wire.outcome_to_pb(labelled)
+    assert [(r.request_id, r.accepted_tokens) for r in msg.requests] == [("r1", 2), ("r2", 1)]
+    assert not msg.request_accepted_tokens
+    assert wire.outcome_from_pb(msg) == labelled
+    table = GammaTable(
+        "t-1", "dsde", "v1", 3, (2, 2, 3), (False,) * 3, False, 5, 8, 50.0,
+        request_gammas=(("r1", 1), ("r2", 3)),
+        reads_request_signals=True,
+    )  # fmt: skip
+    assert wire.table_from_pb(wire.table_to_pb(table)) == table
+    decision = Decision(2, "d-1", BinType.EXPLOIT, 0.0, "dsde", "v1", request_gammas=(("r1", 1),))
+    decision.reads_request_signals = True
+    back = wire.decision_from_pb(wire.decision_to_pb(decision))
+    assert back.reads_request_signals and back.request_gammas == (("r1", 1),)

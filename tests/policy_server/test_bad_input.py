@@ -104,6 +104,10 @@ def test_nan_signal_in_request_section(server: Any) -> None:
             },
             "not both",
         ),
+        (
+            {"requests": [policy_pb2.RequestAccepts(request_id="r" * 300, accepted_tokens=1)]},
+            "a request_id is longer than",
+        ),
     ],
 )
 def test_bad_reports(self_checked_server: Any, changes: dict[str, Any], fragment: str) -> None:

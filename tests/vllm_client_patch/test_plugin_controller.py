@@ -139,6 +139,7 @@ def test_each_decision_is_reported_with_the_step_that_verified_it(
     controller.idle()  # the last decision is dropped, the queued outcome sent
     stats = controller.stats()
     assert stats["sidecar_decisions"] == 4 and stats["fallbacks_total"] == 0
+    assert not stats["request_signals"]  # a batch policy: no per-request signals sent
     if tables:  # only the first step had no table to answer it
         assert stats["decision_tables"] and stats["table_misses"] == {"no_table": 1}
     else:
@@ -342,3 +343,47 @@ def test_tiny_models_acceptance_preview() -> None:
     assert acceptance_rate([[False] * 8], 3) == 0.0
     # γ=3 over agree/disagree T F T T T F: accept 1 of 3, then 3 of 3.
     assert acceptance_rate([[True, False, True, True, True, False]], 3) == 4 / 6
+
+
+@MODES
+def test_a_per_request_policy_gets_request_signals_and_sets_request_gammas(
+    make_server: Any, tables: bool
+) -> None:
+    """Under dsde the controller names the batch's requests once the sidecar says the
+    policy reads them: contexts carry each request's last accepted drafts, outcomes their
+    ids, and a request whose acceptance swings gets a γ below the batch's cap (the
+    scheduler cuts its drafts to it). Batch policies get none of it."""
+    server = make_server(
+        "--policy", "dsde", "--params", '{"gamma_max": 3, "calibration_steps": 2, "sl_min": 1}'
+    )
+    config = PluginConfig(
+        sidecar=server.target, engine_id="seq", deadline_ms=200, decision_tables=tables
+    )
+    controller = GammaController(config)
+    wait_for(lambda: controller.client.connected)
+    ids = ("steady", "erratic")
+    batch = dataclasses.replace(view(2), request_ids=ids)
+    limits: list[dict[str, int]] = []
+    verifying = 0  # γ of the decision the next step verifies
+    for step in range(400):  # until the sidecar's histories set a limit (tables: refreshed)
+        gamma = controller.decide(batch)
+        limits.append(controller.request_gammas())
+        erratic = verifying if step % 2 else 0
+        accepts = (verifying, erratic) if verifying else ()
+        controller.end_step(
+            VerifiedStep(
+                2 * verifying, sum(accepts), 2 + sum(accepts), accepts, ids if verifying else ()
+            )
+        )
+        verifying = gamma
+        if step >= 40 and any(limits):
+            break
+        time.sleep(0.002)
+    controller.idle()
+    assert controller.wants_request_ids and controller.stats()["request_signals"]
+    assert any(limit.get("erratic", 9) < 3 for limit in limits)
+    assert all("steady" not in limit for limit in limits)
+    state = json.loads(server.admin.GetState(admin_pb2.GetStateRequest(), timeout=5).state_json)
+    assert set(state["engines"]["seq"]["requests"]) == set(ids), state
+    assert controller.stats()["fallbacks_total"] == 0
+    controller.close()

@@ -302,7 +302,9 @@ def test_the_batch_is_the_requests_that_draft() -> None:
         scheduled_spec_decode_tokens=drafts,
     )
     shape = batch_shape(output, requests)
-    assert shape.drafting == 2
+    assert shape.drafting == 2 and shape.request_ids == ()
+    named = batch_shape(output, requests, with_ids=True)
+    assert named.request_ids == ("decode", "last-chunk")  # those that sample, so draft
     # Contexts after the step of the two that sample; prefill = both chunks.
     assert (shape.context_tokens, shape.prefill_tokens) == (11 + 4 + 256 + 44, 44 + 256)
     # The step's result: the decode accepted 2 of 3 drafts (+1 bonus), the last chunk
@@ -314,6 +316,20 @@ def test_the_batch_is_the_requests_that_draft() -> None:
     step = verified_step(output, result, requests)
     assert (step.drafted_tokens, step.accepted_tokens, step.generated_tokens) == (3, 2, 4)
     assert step.request_accepts == (2,)
+
+
+def test_drafts_are_cut_to_each_requests_gamma() -> None:
+    """Only requests with more drafts than their γ lose the surplus; the count says so."""
+    from vllm_client_patch.scheduler import cut_drafts
+
+    requests = {
+        "long": SimpleNamespace(spec_token_ids=[1, 2, 3, 4]),
+        "short": SimpleNamespace(spec_token_ids=[1]),
+        "none": SimpleNamespace(spec_token_ids=[]),
+    }
+    limits = {"long": 2, "short": 2, "none": 1, "finished": 1}
+    assert cut_drafts(requests, limits) == (1, 2)
+    assert [r.spec_token_ids for r in requests.values()] == [[1, 2], [1], []]
 
 
 @pytest.mark.parametrize("aborted", [False, True])
@@ -336,10 +352,42 @@ def test_verified_tokens_of_a_decode_batch(aborted: bool) -> None:
     # a: 2 of 3 accepted + bonus; b: 3 verified but only 2 valid drafts; c: none accepted.
     sampled = [[7, 8, 9], [7, 8, 9, 6], [5]]
     result = SimpleNamespace(sampled_token_ids=sampled, req_id_to_index={"a": 0, "b": 1, "c": 2})
-    step = verified_step(output, result, requests)
+    step = verified_step(output, result, requests, with_ids=True)
+    named = dict(zip(step.request_ids, step.request_accepts, strict=True))
     if aborted:
         assert (step.drafted_tokens, step.accepted_tokens, step.generated_tokens) == (5, 2, 4)
-        assert sorted(step.request_accepts) == [0, 2]
+        assert named == {"a": 2, "c": 0}
     else:
         assert (step.drafted_tokens, step.accepted_tokens, step.generated_tokens) == (7, 4, 8)
-        assert sorted(step.request_accepts) == [0, 2, 2]
+        assert named == {"a": 2, "b": 2, "c": 0}
+    assert verified_step(output, result, requests).request_ids == ()  # unless asked
+
+
+def test_a_per_request_policy_cuts_drafts_per_request_losslessly(
+    engine: Any, sidecar: Any, reference: list[list[int]]
+) -> None:
+    """dsde through the real engine: the plugin sends each request's last accepted drafts
+    and labels outcomes with request ids (the sidecar keeps a history per request), cuts
+    the drafts of requests whose γ is below the step's, and greedy output stays identical."""
+    from nightjar_proto.v1 import admin_pb2
+
+    plugin = controller(engine)
+    params = {"gamma_max": GAMMA_MAX, "calibration_steps": 2, "sl_min": 1}
+    sidecar.admin.SwapPolicy(
+        admin_pb2.SwapPolicyRequest(name="dsde", params_json=json.dumps(params)),
+        metadata=sidecar.auth,
+        timeout=5,
+    )
+    counters, before = spec_counters(engine), plugin.stats()
+    assert generate(engine, LONG) == reference
+    after = plugin.stats()
+    assert after["request_signals"] and after["sidecar_decisions"] > before["sidecar_decisions"]
+    # What the engine verified is what the plugin counts: the cut drafts are not in it.
+    drafted_by_vllm = spec_counters(engine)["num_draft_tokens"] - counters["num_draft_tokens"]
+    assert after["drafted_tokens"] - before["drafted_tokens"] == drafted_by_vllm
+    state = sidecar.state()
+    assert state["policy"] == "dsde"
+    histories = state["state"]["engines"][ENGINE]["requests"]
+    assert histories and all(len(h) > 1 for h in histories.values())
+    cut = after["truncated_drafts"]  # requests drafted to the cap, then cut to their γ
+    assert cut["tokens"] >= cut["requests"] > 0

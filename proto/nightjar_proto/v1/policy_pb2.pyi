@@ -117,7 +117,7 @@ class MemoryDirective(_message.Message):
     def __init__(self, action: _Optional[_Union[MemoryDirective.Action, str]] = ..., target_kv_blocks: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class Decision(_message.Message):
-    __slots__ = ("gamma", "request_gammas", "decision_id", "exploration", "exploration_probability", "policy_name", "policy_version", "memory_directive", "reason", "step_index", "batch_size", "candidates", "tentative")
+    __slots__ = ("gamma", "request_gammas", "decision_id", "exploration", "exploration_probability", "policy_name", "policy_version", "memory_directive", "reason", "step_index", "batch_size", "candidates", "tentative", "reads_request_signals")
     GAMMA_FIELD_NUMBER: _ClassVar[int]
     REQUEST_GAMMAS_FIELD_NUMBER: _ClassVar[int]
     DECISION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +131,7 @@ class Decision(_message.Message):
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     CANDIDATES_FIELD_NUMBER: _ClassVar[int]
     TENTATIVE_FIELD_NUMBER: _ClassVar[int]
+    READS_REQUEST_SIGNALS_FIELD_NUMBER: _ClassVar[int]
     gamma: int
     request_gammas: _containers.RepeatedCompositeFieldContainer[RequestGamma]
     decision_id: str
@@ -144,10 +145,11 @@ class Decision(_message.Message):
     batch_size: int
     candidates: _containers.RepeatedCompositeFieldContainer[Decision]
     tentative: bool
-    def __init__(self, gamma: _Optional[int] = ..., request_gammas: _Optional[_Iterable[_Union[RequestGamma, _Mapping]]] = ..., decision_id: _Optional[str] = ..., exploration: bool = ..., exploration_probability: _Optional[float] = ..., policy_name: _Optional[str] = ..., policy_version: _Optional[str] = ..., memory_directive: _Optional[_Union[MemoryDirective, _Mapping]] = ..., reason: _Optional[str] = ..., step_index: _Optional[int] = ..., batch_size: _Optional[int] = ..., candidates: _Optional[_Iterable[_Union[Decision, _Mapping]]] = ..., tentative: bool = ...) -> None: ...
+    reads_request_signals: bool
+    def __init__(self, gamma: _Optional[int] = ..., request_gammas: _Optional[_Iterable[_Union[RequestGamma, _Mapping]]] = ..., decision_id: _Optional[str] = ..., exploration: bool = ..., exploration_probability: _Optional[float] = ..., policy_name: _Optional[str] = ..., policy_version: _Optional[str] = ..., memory_directive: _Optional[_Union[MemoryDirective, _Mapping]] = ..., reason: _Optional[str] = ..., step_index: _Optional[int] = ..., batch_size: _Optional[int] = ..., candidates: _Optional[_Iterable[_Union[Decision, _Mapping]]] = ..., tentative: bool = ..., reads_request_signals: bool = ...) -> None: ...
 
 class GammaTable(_message.Message):
-    __slots__ = ("table_id", "policy_version", "first_batch_size", "gammas", "exploring", "speculation_off", "step_index", "valid_steps", "valid_ms", "memory_directive", "policy_name", "reason")
+    __slots__ = ("table_id", "policy_version", "first_batch_size", "gammas", "exploring", "speculation_off", "step_index", "valid_steps", "valid_ms", "memory_directive", "policy_name", "reason", "request_gammas", "reads_request_signals")
     TABLE_ID_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     FIRST_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -160,6 +162,8 @@ class GammaTable(_message.Message):
     MEMORY_DIRECTIVE_FIELD_NUMBER: _ClassVar[int]
     POLICY_NAME_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_GAMMAS_FIELD_NUMBER: _ClassVar[int]
+    READS_REQUEST_SIGNALS_FIELD_NUMBER: _ClassVar[int]
     table_id: str
     policy_version: str
     first_batch_size: int
@@ -172,7 +176,9 @@ class GammaTable(_message.Message):
     memory_directive: MemoryDirective
     policy_name: str
     reason: str
-    def __init__(self, table_id: _Optional[str] = ..., policy_version: _Optional[str] = ..., first_batch_size: _Optional[int] = ..., gammas: _Optional[_Iterable[int]] = ..., exploring: _Optional[_Iterable[bool]] = ..., speculation_off: bool = ..., step_index: _Optional[int] = ..., valid_steps: _Optional[int] = ..., valid_ms: _Optional[float] = ..., memory_directive: _Optional[_Union[MemoryDirective, _Mapping]] = ..., policy_name: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+    request_gammas: _containers.RepeatedCompositeFieldContainer[RequestGamma]
+    reads_request_signals: bool
+    def __init__(self, table_id: _Optional[str] = ..., policy_version: _Optional[str] = ..., first_batch_size: _Optional[int] = ..., gammas: _Optional[_Iterable[int]] = ..., exploring: _Optional[_Iterable[bool]] = ..., speculation_off: bool = ..., step_index: _Optional[int] = ..., valid_steps: _Optional[int] = ..., valid_ms: _Optional[float] = ..., memory_directive: _Optional[_Union[MemoryDirective, _Mapping]] = ..., policy_name: _Optional[str] = ..., reason: _Optional[str] = ..., request_gammas: _Optional[_Iterable[_Union[RequestGamma, _Mapping]]] = ..., reads_request_signals: bool = ...) -> None: ...
 
 class RanStep(_message.Message):
     __slots__ = ("decision_id", "context", "gamma")
