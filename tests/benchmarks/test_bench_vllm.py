@@ -14,7 +14,15 @@ import nightjar_data
 import pytest
 
 from benchmarks.report import markers
-from benchmarks.serve_load import ServeResult, parse_schedule, write_prompts
+from benchmarks.serve_load import (
+    Load,
+    Phase,
+    ServeResult,
+    bench_serve_argv,
+    parse_schedule,
+    split_phase,
+    write_prompts,
+)
 from benchmarks.vllm_serve import QUICK, parse_args, plan, policy_request
 from benchmarks.vllm_serve_report import Pass
 from tests.rigs.sidecar import free_port
@@ -185,6 +193,32 @@ def test_schedule_and_policies_are_validated() -> None:
         "goodput",
         {"gamma_max": 3, "local_correction": False},
     )
+
+
+def test_mixed_temperatures_split_each_phase_between_clients_running_together(
+    tmp_path: Path,
+) -> None:
+    """`--temperatures 0,1`: a client per temperature, each with half the rate and the
+    prompts; their results pool over the longer client's duration, not the sum."""
+    assert parse_args(["--temperatures", "0,1"]).temperatures == (0.0, 1.0)
+    assert parse_args([]).temperatures == (0.0,)
+    for bad in ("", "hot", "0,3", "-1"):
+        with pytest.raises(SystemExit):
+            parse_args(["--temperatures", bad])
+    share = split_phase(Phase(8.0, 161), 2)
+    assert (share.rate, share.prompts) == (4.0, 80)
+    assert split_phase(Phase(1.0, 1), 2).prompts == 1
+    load = Load("http://x", tmp_path, "tiny", tmp_path / "p.jsonl", 16)
+    argv = bench_serve_argv(load, share, 3, tmp_path / "r.json", temperature=1.0)
+    assert argv[argv.index("--temperature") + 1] == "1"
+    assert argv[argv.index("--request-rate") + 1] == "4"
+
+    def client(duration: float, tokens: int) -> ServeResult:
+        return ServeResult(2, 2, duration, tokens, 0, 0, (1.0, 2.0), (0.1, 0.2), (), ())
+
+    together = ServeResult.together([client(10.0, 100), client(12.0, 140)])
+    assert (together.completed, together.duration_s) == (4, 12.0)
+    assert together.output_throughput == 240 / 12.0
 
 
 def test_plan_alternates_order_and_runs_warm_passes_right_after() -> None:
