@@ -369,12 +369,15 @@ class DecisionService:
 
     def _decide_table_locked(self, shard: EngineShard, ctx: StepContext) -> GammaTable:
         """The γ of every batch size within half_width of ``ctx``'s, decided at once (one
-        posterior draw), for steps that start in ``ctx``'s speculation state."""
+        posterior draw), for steps that start in ``ctx``'s speculation state. While requests
+        wait the range leans towards growth: a backlog being admitted grows the batch by
+        as many as a step's token budget holds, while few requests finish at once."""
         started = time.perf_counter()
         active, options = self._active, self.table_options
         ctx = self._policy_view(ctx)
-        low = max(1, ctx.batch_size - options.half_width)
-        high = min(self.limits.max_batch_size, ctx.batch_size + options.half_width)
+        lean = min(ctx.num_waiting, options.half_width) // 2
+        low = max(1, ctx.batch_size - options.half_width + lean)
+        high = min(self.limits.max_batch_size, ctx.batch_size + options.half_width + lean)
         decided = _decide_tentative(active.policy, ctx, range(low, high + 1))
         choices = [choice for choice, _ in decided]
         own = choices[ctx.batch_size - low]  # decided for the context's own requests

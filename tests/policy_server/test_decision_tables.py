@@ -65,6 +65,17 @@ def test_a_table_holds_the_decisions_candidates_would_get() -> None:
     assert table.policy_name == "goodput" and table.policy_version
 
 
+def test_a_table_leans_towards_growth_while_requests_wait() -> None:
+    """A backlog being admitted grows the batch: with requests waiting the table covers
+    more sizes above the batch and fewer below (as many in all)."""
+    ctx = context(0, 20, previous=2)
+    service = DecisionService("goodput", {"seed": 5})
+    for waiting, first in ((0, 12), (3, 13), (8, 16), (50, 16)):
+        table = service.table_step([], [], dataclasses.replace(ctx, num_waiting=waiting)).table
+        assert table is not None
+        assert (table.first_batch_size, len(table.gammas)) == (first, 17), waiting
+
+
 def test_ran_steps_and_outcomes_are_learned_like_decisions() -> None:
     service = DecisionService("goodput", {"seed": 1})
     cache = TableCache()
