@@ -121,8 +121,8 @@ bench-vllm: $(VLLM_STAMP)
 	$(PY) -m benchmarks.vllm_serve --out docs/BENCHMARKS.md $(BENCH_VLLM_ARGS)
 
 # Half the requests greedy, half sampled at temperature 1 (two clients at once): the
-# per-batch default against per-request γ (dsde).
-BENCH_VLLM_MIXED_POLICIES ?= goodput,dsde
+# per-batch default against its per-sequence mode and dsde.
+BENCH_VLLM_MIXED_POLICIES ?= goodput,goodput:per_request=true,dsde
 bench-vllm-mixed: $(VLLM_STAMP)
 	$(PY) -m benchmarks.vllm_serve --out docs/BENCHMARKS.md --temperatures 0,1 \
 		--policies $(BENCH_VLLM_MIXED_POLICIES) --warm "" $(BENCH_VLLM_ARGS)
