@@ -158,7 +158,7 @@ def against_default(cells: Cells, profiles: Sequence[str]) -> list[str]:
         f"Ratios of `{MODE}`'s figure to `{DEFAULT}`'s: of the means over seeds, and in "
         "parentheses the lowest and highest of the seeds' own ratios (a seed's two runs "
         f"share arrivals and each request's α). Spread: the range of `{DEFAULT}`'s "
-        "figure over the seeds, relative to its mean. Target (docs/BENCHMARKS.md): on a "
+        "figure over the seeds, relative to its mean. Target (issue 30): on a "
         "mixed population, mean e2e lower and tok/s higher by more than the spread; on "
         f"`chat-sps`, neither worse by more than {HOMOGENEOUS_LOSS:.1%}.",
         "",
