@@ -15,13 +15,14 @@ from nightjar_common import tls, uds
 from nightjar_common.admin_token import AdminTokenFile
 from nightjar_common.errors import ConfigError, NightjarError
 from nightjar_common.validation import Limits
-from policy_server import __version__, snapshot
+from policy_server import __version__, snapshot, startup
 from policy_server.config import LOG_FORMATS, LOG_LEVELS, ServerConfig
 from policy_server.decision_log import DecisionLog
 from policy_server.engines import Bounds
 from policy_server.grpc_server import build_server
 from policy_server.memory import MemoryController, MemoryParams
 from policy_server.metrics import Metrics
+from policy_server.policies import DEFAULT_POLICY
 from policy_server.policies.base import PolicyError, parse_params
 from policy_server.service import DecisionService
 
@@ -75,8 +76,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port")
     p.add_argument("--metrics-host", help="metrics bind address (default 127.0.0.1)")
-    p.add_argument("--policy", help="policy to start with (default nightjar)")
-    p.add_argument("--params", help="policy parameters as a JSON object")
+    p.add_argument(
+        "--policy",
+        help=f"policy to start with (default {DEFAULT_POLICY}); wins over a snapshot's",
+    )
+    p.add_argument(
+        "--params",
+        help="policy parameters as a JSON object, over the config file's, key by key; "
+        "each wins over a snapshot's",
+    )
     p.add_argument(
         "--memory",
         help="elastic-memory controller settings as a JSON object, "
@@ -144,33 +152,6 @@ def configure_logging(level: str, log_format: str) -> None:
     logging.basicConfig(level=level.upper(), handlers=[handler])
 
 
-def restore_on_start(service: DecisionService, state_dir: Path, policy_from_flag: bool) -> None:
-    """Bring back the last snapshot; a bad one is logged, moved aside, and we start fresh."""
-    path = state_dir / snapshot.SNAPSHOT_NAME
-    if not path.exists():
-        log.info("no snapshot in %s; starting with fresh state", state_dir)
-        return
-    try:
-        document = snapshot.read(path)
-        configured = service.active.name
-        if policy_from_flag and document["policy"]["name"] != configured:
-            log.warning(
-                "snapshot %s holds policy %r but --policy %r was given: starting %r fresh",
-                path,
-                document["policy"]["name"],
-                configured,
-                configured,
-            )
-            return
-        active = service.restore_document(document, from_client=False)
-    except (snapshot.SnapshotError, NightjarError, KeyError, TypeError) as exc:
-        moved = snapshot.quarantine(path)
-        log.error("snapshot %s is unusable (%s); moved to %s, starting fresh", path, exc, moved)
-        return
-    service.last_snapshot_unix = float(document.get("created_unix", 0.0))
-    log.info("restored %s (%s) from %s", active.name, active.version, path)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -226,10 +207,11 @@ def main(argv: list[str] | None = None) -> int:
     except NightjarError as exc:
         print(f"nightjar-server: cannot start policy {config.policy!r}: {exc}", file=sys.stderr)
         return 2
-    if config.state_dir:
-        for leftover in snapshot.remove_leftovers(Path(config.state_dir)):
+    state_dir = Path(config.state_dir) if config.state_dir else None
+    if state_dir is not None:
+        for leftover in snapshot.remove_leftovers(state_dir):
             log.info("removed %s, left by a snapshot writer that did not finish", leftover)
-        restore_on_start(service, Path(config.state_dir), policy_from_flag=args.policy is not None)
+    startup.start(service, state_dir, startup.Configured.of(config))
 
     tcp = f"{config.host}:{config.port}" if config.port is not None else None
     try:

@@ -14,6 +14,8 @@ from policy_server.policies import DEFAULT_POLICY
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 LOG_FORMATS = ("text", "json")
+# Settings that are tables: merged key by key (ServerConfig.merged).
+DICT_SETTINGS = ("params", "memory")
 
 
 @dataclasses.dataclass(slots=True)
@@ -33,7 +35,8 @@ class ServerConfig:
     # Prometheus /metrics over HTTP (None = off).
     metrics_port: int | None = None
     metrics_host: str = "127.0.0.1"
-    # Policy at start (a snapshot in state_dir may override it; see README).
+    # Policy at start and its parameters: what is set here (or by flags) wins over a
+    # snapshot in state_dir, which keeps the rest (policy_server/startup.py).
     policy: str = DEFAULT_POLICY
     params: dict[str, Any] = dataclasses.field(default_factory=dict)
     # Elastic memory controller (policy_server/memory.py MemoryParams; {} = off).
@@ -60,6 +63,9 @@ class ServerConfig:
     log_level: str = "INFO"
     # The server's own log on stderr: "text" lines or "json" objects, one a line.
     log_format: str = "text"
+    # Not a setting: where each setting that was given came from (the file's path or
+    # "command line"), policy parameters as "params.NAME".
+    origins: dict[str, str] = dataclasses.field(default_factory=dict, metadata={"internal": True})
 
     @classmethod
     def from_file(cls, path: str | Path) -> ServerConfig:
@@ -70,11 +76,36 @@ class ServerConfig:
         return cls().merged(data, origin=str(path))
 
     def merged(self, values: dict[str, Any], origin: str) -> ServerConfig:
-        known = {f.name for f in dataclasses.fields(self)}
+        """These settings over ours. ``params`` and ``memory`` merge key by key (a flag
+        changes one parameter of the file's, not all), except that parameters given for
+        another policy than the one ``values`` names are dropped."""
+        known = {f.name for f in dataclasses.fields(self) if not f.metadata.get("internal")}
         unknown = sorted(set(values) - known)
         if unknown:
             raise ConfigError(f"{origin}: unknown setting(s) {unknown}; known: {sorted(known)}")
-        return dataclasses.replace(self, **values)
+        origins = dict(self.origins)
+        base = {"params": self.params, "memory": self.memory}
+        if values.get("policy", self.policy) != self.policy:
+            # The parameters set so far were for the other policy.
+            base["params"] = {}
+            origins = {k: v for k, v in origins.items() if not k.startswith("params.")}
+        changes = dict(values)
+        for name, value in values.items():
+            if name not in DICT_SETTINGS:
+                origins[name] = origin
+                continue
+            if not isinstance(value, dict):
+                raise ConfigError(f"{origin}: {name} must be a table (a JSON object)")
+            changes[name] = {**base[name], **value}
+            origins.update({f"{name}.{key}": origin for key in value})
+        changes.setdefault("params", base["params"])
+        changes["origins"] = origins
+        return dataclasses.replace(self, **changes)
+
+    def origin(self, name: str) -> str | None:
+        """Where setting ``name`` (``params.KEY`` for a policy parameter) was given; None
+        when it has its default."""
+        return self.origins.get(name)
 
     def validate(self) -> None:
         if not self.uds and self.port is None:

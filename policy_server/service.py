@@ -696,25 +696,28 @@ class DecisionService:
         return path
 
     def restore_document(
-        self, document: Mapping[str, Any], *, from_client: bool = True
+        self, document: Mapping[str, Any], *, from_client: bool = True, keep_state: bool = True
     ) -> ActivePolicy:
         """Activate the policy, params and state of a snapshot; all-or-nothing.
 
         ``from_client``: file paths in its params are confined to the state directory
-        (False only for the server's own snapshot at start)."""
+        (False only for the server's own snapshot at start). ``keep_state`` False: the
+        policy and params only, with fresh state (a state that does not fit them, at start)."""
         spec = document["policy"]
         params = spec["params"]
         if from_client and isinstance(params, Mapping):
             params = self._confine_paths(spec["name"], params)
         candidate = self._build(spec["name"], params)
-        try:
-            candidate.load_state(spec["state"])
-        except PolicyError as exc:
-            self.metrics.policy_swaps.labels("failed").inc()
-            raise FailedPreconditionError(f"snapshot state does not fit: {exc}") from exc
+        engines = document.get("engines", []) if keep_state else []
+        if keep_state:
+            try:
+                candidate.load_state(spec["state"])
+            except PolicyError as exc:
+                self.metrics.policy_swaps.labels("failed").inc()
+                raise FailedPreconditionError(f"snapshot state does not fit: {exc}") from exc
         with self._lock:
             self.engines.clear()
-            for engine_id in document.get("engines", []):
+            for engine_id in engines:
                 shard, _ = self.engines.shard(str(engine_id))
                 shard.last_seen = -math.inf  # known (its state is restored), not active
             return self._activate(candidate)
