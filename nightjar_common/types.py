@@ -4,7 +4,7 @@ These mirror the nightjar.v1 wire messages but carry no gRPC or protobuf
 dependency, so the algorithms can be used (and tested) on their own.
 
 The per-step types an engine builds on its own thread every step (StepContext,
-StepOutcome, Decision, RanStep) are plain slotted dataclasses, as vLLM's per-step
+RequestSignals, StepOutcome, Decision, RanStep) are plain slotted dataclasses, as vLLM's per-step
 outputs are: a frozen one's construction sets each field through object.__setattr__ and
 costs four times as much. They are values all the same: nothing changes one once built.
 """
@@ -26,7 +26,7 @@ class BinType(enum.StrEnum):
     FORCED = "forced"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class RequestSignals:
     request_id: str
     context_tokens: int = 0
