@@ -157,9 +157,11 @@ def test_the_panels_show_what_the_run_did(run: Run) -> None:
     by_bin = series_of(run, "Decisions by bin type")
     assert set(by_bin) == set(summary.bin_types) == {"explore", "exploit", "fixed", "forced"}
     # Speculation pays at small batches and hurts at large ones in the step model: the
-    # learned γ falls with the batch size.
+    # learned γ falls with the batch size. (Not against a fixed bound: the time range
+    # includes the static γ = 2 phase, and where the swap lands moves the large bucket's
+    # mean around 1.5 on a busy machine.)
     by_bucket = {k: v[-1] for k, v in series_of(run, "Mean γ by batch size (time range)").items()}
-    assert by_bucket["B 1"] > 1.5 > by_bucket["B 256+"], by_bucket
+    assert by_bucket["B 1"] > by_bucket["B 256+"], by_bucket
     # The initial policy, the static one swapped in, and Nightjar again.
     versions = series_of(run, "Policy version")
     assert len(versions) == 3 and sum(name.startswith("static ") for name in versions) == 1
