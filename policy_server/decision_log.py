@@ -1,12 +1,15 @@
 """Decision log: JSON lines of decisions and their outcomes, rotated by size.
 
-Two record kinds share one stream, joined later by ``decision_id``
-(OPA-style decision ids; Decision-Service-style propensity logging)::
+Decisions and their outcomes share one stream, joined later by ``decision_id``
+(OPA-style decision ids; Decision-Service-style propensity logging), with a record for
+every policy activation (start, swap, set_params, restore, reset) among them::
 
     {"kind": "decision", "ts": ..., "decision_id": ..., "engine_id": ..., "policy": ...,
      "policy_version": ..., "context": {...}, "gamma": ..., "bin_type": ...,
      "exploration": ..., "exploration_probability": ...}
     {"kind": "outcome", "ts": ..., "decision_id": ..., "outcome": {...}}
+    {"kind": "policy", "ts": ..., "event": ..., "policy": ..., "policy_version": ...,
+     "params": {...}, "state": "fresh" | "kept" | "restored"}
 
 Records are handed to a bounded queue and written by the standard library's
 ``QueueListener`` into a ``RotatingFileHandler`` (size-based rotation, backups

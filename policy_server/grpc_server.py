@@ -39,6 +39,7 @@ from nightjar_common.errors import (
 )
 from nightjar_common.types import StepContext, StepOutcome
 from policy_server.aio import AioDecodeGuard, InThreads, LoopServer
+from policy_server.audit import AdminAudit
 from policy_server.metrics import Metrics
 from policy_server.policies import PolicyError, parse_params_json
 from policy_server.service import ActivePolicy, DecisionService
@@ -462,7 +463,8 @@ def build_server(
                 ("grpc.so_reuseport", 0),
                 ("grpc.max_receive_message_length", max_receive_bytes),
             ],
-            interceptors=[AioDecodeGuard()],
+            # The audit outermost: it logs the decode guard's refusals too.
+            interceptors=[AdminAudit(ADMIN_SERVICE), AioDecodeGuard()],
         )
         policy_pb2_grpc.add_PolicyServiceServicer_to_server(PolicyServicer(service), server)
         admin = InThreads(AdminServicer(service, admin_token))

@@ -184,7 +184,7 @@ class DecisionService:
         self.last_snapshot_unix = 0.0
         # Told of every activation after the first (the gRPC front notifies its streams).
         self._activation_listeners: list[Callable[[ActivePolicy], None]] = []
-        self._active = self._activate(self._build(policy_name, params))
+        self._active = self._activate(self._build(policy_name, params), "start", "fresh")
 
     # -- decisions ----------------------------------------------------------------------
 
@@ -606,7 +606,7 @@ class DecisionService:
         with self._lock:
             if keep_state:
                 self._carry_state(self._active.policy, candidate)
-            return self._activate(candidate)
+            return self._activate(candidate, "swap", "kept" if keep_state else "fresh")
 
     def set_params(self, changes: Mapping[str, Any]) -> ActivePolicy:
         """New parameters for the active policy, keeping its learned state."""
@@ -616,13 +616,14 @@ class DecisionService:
         candidate = self._build(current.name, merged)
         with self._lock:
             self._carry_state(self._active.policy, candidate)
-            return self._activate(candidate)
+            return self._activate(candidate, "set_params", "kept")
 
     def reset(self, engine_id: str | None = None) -> ActivePolicy:
         with self._lock:
             if engine_id is None:
                 self.engines.clear()
-                return self._activate(self._build(self._active.name, self._active.policy.params()))
+                policy = self._build(self._active.name, self._active.policy.params())
+                return self._activate(policy, "reset", "fresh")
             shard = self.engines.get(engine_id)
             if shard is None:
                 raise NotFoundError(f"unknown engine {engine_id!r}")
@@ -720,7 +721,7 @@ class DecisionService:
             for engine_id in engines:
                 shard, _ = self.engines.shard(str(engine_id))
                 shard.last_seen = -math.inf  # known (its state is restored), not active
-            return self._activate(candidate)
+            return self._activate(candidate, "restore", "restored" if keep_state else "fresh")
 
     def restore_path(self, given: str) -> ActivePolicy:
         """Restore a snapshot file inside the state directory (relative paths start there)."""
@@ -783,7 +784,9 @@ class DecisionService:
             self.metrics.policy_swaps.labels("failed").inc()
             raise FailedPreconditionError(f"cannot keep state: {exc}") from exc
 
-    def _activate(self, policy: ServedPolicy) -> ActivePolicy:
+    def _activate(self, policy: ServedPolicy, event: str, state: str) -> ActivePolicy:
+        """Make ``policy`` the active one; ``event`` (start, swap, set_params, reset,
+        restore) and ``state`` (fresh, kept, restored) go to the decision log."""
         revision = next(self._revisions)
         digest = hashlib.sha256(json.dumps(policy.params(), sort_keys=True).encode()).hexdigest()[
             :8
@@ -793,6 +796,8 @@ class DecisionService:
         self.metrics.policy_swaps.labels("ok").inc()
         self.metrics.set_active_policy(active.name, active.version)
         log.info("activated policy %s version %s", active.name, active.version)
+        if self.decision_log is not None:
+            self.decision_log.write(_policy_record(active, event, state))
         for listener in self._activation_listeners:
             listener(active)
         return active
@@ -837,6 +842,18 @@ def _decision_record(
         "bin_type": choice.bin_type.value,
         "exploration": choice.exploration,
         "exploration_probability": choice.exploration_probability,
+    }
+
+
+def _policy_record(active: ActivePolicy, event: str, state: str) -> dict[str, Any]:
+    return {
+        "kind": "policy",
+        "ts": time.time(),
+        "event": event,
+        "policy": active.name,
+        "policy_version": active.version,
+        "params": active.policy.params(),
+        "state": state,
     }
 
 
