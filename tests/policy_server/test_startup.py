@@ -50,7 +50,7 @@ def test_flags_override_the_config_files_parameters_key_by_key(tmp_path: Path) -
         parse_args(
             [
                 *("--uds", "s.sock", "--params", '{"gamma_max": 6}'),
-                *("--config", str(write(tmp_path, 'params = {gamma_max = 3, warmup_steps = 7}'))),
+                *("--config", str(write(tmp_path, "params = {gamma_max = 3, warmup_steps = 7}"))),
             ]
         )
     )
