@@ -92,7 +92,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--state-dir", help="directory for learned-state snapshots")
     p.add_argument(
-        "--snapshot-interval",
+        "--snapshot-interval-s",
+        "--snapshot-interval",  # its earlier name, kept for existing command lines
         type=float,
         dest="snapshot_interval_s",
         help="seconds between periodic snapshots (default 30)",
