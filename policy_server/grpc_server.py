@@ -50,6 +50,9 @@ POLICY_SERVICE = policy_pb2.DESCRIPTOR.services_by_name["PolicyService"].full_na
 ADMIN_SERVICE = admin_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name
 
 T = TypeVar("T")
+# Admin calls that activate a policy: each one refused, for whatever reason (parameters,
+# state, a path, the token), counts in nightjar_policy_swaps_total{result="failed"}.
+ACTIVATING = frozenset({"SwapPolicy", "SetParameters", "Restore"})
 # gRPC's own default, stated: a StepContext with its per-request sections at their bounds
 # (validation.Limits) is far smaller; snapshot_json restores of large states fit.
 DEFAULT_MAX_RECEIVE_BYTES = 4 << 20
@@ -294,11 +297,16 @@ class AdminServicer(_Servicer, admin_pb2_grpc.AdminServiceServicer):  # type: ig
 
     def _mutate(self, method: str, context: grpc.ServicerContext, fn: Callable[[], T]) -> T:
         def guarded() -> T:
-            check_admin_token(context, self._token)
             try:
-                return fn()
-            except PolicyError as exc:
-                raise InvalidArgumentError(str(exc)) from exc
+                check_admin_token(context, self._token)
+                try:
+                    return fn()
+                except PolicyError as exc:
+                    raise InvalidArgumentError(str(exc)) from exc
+            except NightjarError:
+                if method in ACTIVATING:
+                    self.service.metrics.policy_swaps.labels("failed").inc()
+                raise
 
         return self._call(method, context, guarded)
 

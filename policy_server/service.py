@@ -714,7 +714,6 @@ class DecisionService:
             try:
                 candidate.load_state(spec["state"])
             except PolicyError as exc:
-                self.metrics.policy_swaps.labels("failed").inc()
                 raise FailedPreconditionError(f"snapshot state does not fit: {exc}") from exc
         with self._lock:
             self.engines.clear()
@@ -757,7 +756,6 @@ class DecisionService:
             try:
                 confined[key] = str(snapshot.confine(self.state_dir, given))
             except snapshot.OutsideStateDirError as exc:
-                self.metrics.policy_swaps.labels("failed").inc()
                 raise PermissionDeniedError(f"parameter {key!r}: {exc}") from exc
         return confined
 
@@ -765,15 +763,12 @@ class DecisionService:
         try:
             return create_policy(name, params)
         except UnknownPolicyError as exc:
-            self.metrics.policy_swaps.labels("failed").inc()
             raise NotFoundError(str(exc)) from exc
         except PolicyError as exc:
-            self.metrics.policy_swaps.labels("failed").inc()
             raise InvalidArgumentError(str(exc)) from exc
 
     def _carry_state(self, old: ServedPolicy, new: ServedPolicy) -> None:
         if old.state_schema != new.state_schema:
-            self.metrics.policy_swaps.labels("failed").inc()
             raise FailedPreconditionError(
                 f"cannot keep state: '{old.name}' state ({old.state_schema}) does not fit "
                 f"'{new.name}' ({new.state_schema})"
@@ -781,7 +776,6 @@ class DecisionService:
         try:
             new.load_state(old.state())
         except PolicyError as exc:
-            self.metrics.policy_swaps.labels("failed").inc()
             raise FailedPreconditionError(f"cannot keep state: {exc}") from exc
 
     def _activate(self, policy: ServedPolicy, event: str, state: str) -> ActivePolicy:

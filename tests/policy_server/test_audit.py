@@ -130,3 +130,31 @@ def test_policy_activations_are_in_the_decision_log(
     assert events[2]["params"] == {"gamma": 3}
     assert events[-1]["policy_version"] == service.active.version
     assert json.loads(json.dumps(events))  # plain JSON, like every record
+
+
+def test_every_refused_policy_change_counts_as_a_failed_swap(
+    sidecar: tuple[Any, DecisionService, DecisionLog],
+) -> None:
+    """What NightjarPolicySwapFailed's runbook says: a refused swap, set-params or restore
+    counts, whatever refused it (the token, the request, the server)."""
+    channel, service, _ = sidecar
+    admin = admin_pb2_grpc.AdminServiceStub(channel)
+    failed = service.metrics.policy_swaps.labels("failed")
+    refused = [
+        (admin.SwapPolicy, admin_pb2.SwapPolicyRequest(name="static"), []),
+        (admin.SwapPolicy, admin_pb2.SwapPolicyRequest(name="nope"), AUTH),
+        (admin.SwapPolicy, admin_pb2.SwapPolicyRequest(name="static", params_json="{"), AUTH),
+        (admin.SetParameters, admin_pb2.SetParametersRequest(params_json='{"x": 1}'), AUTH),
+        (admin.Restore, admin_pb2.RestoreRequest(path="/etc/passwd"), AUTH),
+        (admin.Restore, admin_pb2.RestoreRequest(path="missing.json"), AUTH),
+        (admin.Restore, admin_pb2.RestoreRequest(snapshot_json="[]"), AUTH),
+        (admin.Restore, admin_pb2.RestoreRequest(), AUTH),
+    ]
+    for number, (method, request, metadata) in enumerate(refused, start=1):
+        assert call(method, request, metadata=metadata) != grpc.StatusCode.OK
+        assert failed._value.get() == number, request
+    # A refused reset or snapshot changes no policy: not a failed swap.
+    assert call(admin.Reset, admin_pb2.ResetRequest(engine_id="unknown"), metadata=AUTH) == (
+        grpc.StatusCode.NOT_FOUND
+    )
+    assert failed._value.get() == len(refused)
