@@ -48,6 +48,18 @@ def test_check_fails_on_a_stale_file(tmp_path: Path) -> None:
     assert "make dashboard" in result.stderr
 
 
+def test_the_bin_type_panel_says_what_forced_covers() -> None:
+    """Static γ = 0 decides bin_type "forced" (no γ > 0 can run), not only a draft away."""
+    from nightjar_common.types import BinType, StepContext
+    from policy_server.service import DecisionService
+
+    decision = DecisionService("static", {"gamma": 0}).decide(StepContext("e", batch_size=2))
+    assert decision.bin_type is BinType.FORCED
+    board: dict[str, Any] = json.loads(DASHBOARD.read_text())
+    panel = next(p for p in board["panels"] if p.get("title") == "Decisions by bin type")
+    assert "static γ = 0" in panel["description"] and "not resident" in panel["description"]
+
+
 def test_template_variables_are_substituted_in_every_grafana_syntax() -> None:
     values = {"job": "a|b", "__rate_interval": "4s"}
     assert (
