@@ -27,6 +27,8 @@ from policy_server import fleet
 from policy_server.policies import DEFAULT_POLICY
 
 DEFAULT_TARGET = "unix:/run/nightjar/nightjar.sock"
+# 128 + SIGPIPE: what a shell reports for a writer whose reader went away.
+EXIT_BROKEN_PIPE = 141
 
 
 def _global_flags(parser: argparse.ArgumentParser, *, defaults: bool) -> None:
@@ -185,6 +187,20 @@ SERVICE_OF = {
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        code = _run(args)
+        sys.stdout.flush()  # a closed pipe shows here, not in Python's flush at exit
+        return code
+    except BrokenPipeError:
+        # The reader went away (`nightjarctl state | head -2`): stop quietly, as `cat` does.
+        # Python's own flush at exit would fail on the closed pipe again: point stdout at
+        # /dev/null first.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.command == "replay":
         return _replay(args)
     if args.command == "evaluate":
@@ -203,6 +219,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             print(f"nightjarctl: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
+    except BrokenPipeError:
+        raise  # main's: the reader went away, nothing to report
     except (OSError, ValueError) as exc:
         print(f"nightjarctl: {exc}", file=sys.stderr)
         return 2

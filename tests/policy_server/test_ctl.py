@@ -268,3 +268,18 @@ def test_port_0_logs_the_ports_actually_bound(make_server: Any) -> None:
     assert health.stdout.strip() == "SERVING"
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as reply:
         assert "nightjar_decisions_total" in reply.read().decode()
+
+
+def test_a_reader_that_goes_away_ends_output_quietly(make_server: Any) -> None:
+    """`nightjarctl state | head -2`: no "[Errno 32] Broken pipe", no traceback."""
+    server = make_server()
+    base = [sys.executable, "-m", "policy_server.ctl", "--target", server.target]
+    for command in (["state"], ["state", "--json"], ["policies"]):
+        proc = subprocess.Popen(
+            [*base, *command], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        assert proc.stdout is not None and proc.stderr is not None
+        proc.stdout.close()  # the reader is gone before the first line is written
+        stderr = proc.stderr.read()
+        assert proc.wait(timeout=60) == 141, stderr
+        assert stderr == "", stderr
