@@ -79,7 +79,8 @@ class StaticPolicy(_StatelessPolicy):
         return dataclasses.asdict(self._params)
 
     def decide(self, ctx: StepContext) -> Choice:
-        forced = forced_choice_if_no_speculation(ctx, self.gamma_max)
+        # γ = 0 configured is the operator's choice (as `off`), not one forced on it.
+        forced = forced_choice_if_no_speculation(ctx, self.gamma_max) if self.gamma_max else None
         return forced or Choice(gamma=self.gamma_max, bin_type=BinType.FIXED)
 
 

@@ -48,13 +48,17 @@ def test_check_fails_on_a_stale_file(tmp_path: Path) -> None:
     assert "make dashboard" in result.stderr
 
 
-def test_the_bin_type_panel_says_what_forced_covers() -> None:
-    """Static γ = 0 decides bin_type "forced" (no γ > 0 can run), not only a draft away."""
+def test_the_bin_type_panel_says_what_forced_and_fixed_cover() -> None:
+    """A configured γ = 0 (static γ = 0, as off) decides bin_type "fixed"; "forced" is
+    γ = 0 that no γ > 0 could replace (the draft not resident); the panel says both."""
     from nightjar_common.types import BinType, StepContext
     from policy_server.service import DecisionService
 
-    decision = DecisionService("static", {"gamma": 0}).decide(StepContext("e", batch_size=2))
-    assert decision.bin_type is BinType.FORCED
+    ctx = StepContext("e", batch_size=2)
+    for name, params in (("static", {"gamma": 0}), ("off", {})):
+        assert DecisionService(name, params).decide(ctx).bin_type is BinType.FIXED
+    away = StepContext("e", batch_size=2, draft_resident=False)
+    assert DecisionService("static", {"gamma": 2}).decide(away).bin_type is BinType.FORCED
     board: dict[str, Any] = json.loads(DASHBOARD.read_text())
     panel = next(p for p in board["panels"] if p.get("title") == "Decisions by bin type")
     assert "static γ = 0" in panel["description"] and "not resident" in panel["description"]

@@ -194,8 +194,8 @@ def gamma_row() -> list[timeseries.Panel | bargauge.Panel]:
         graph(
             "Decisions by bin type",
             "explore: the bandit tries an arm; exploit: it plays its best; fixed: a "
-            "non-learning policy; forced: γ = 0 because no γ > 0 could run: the draft not "
-            "resident, the engine's max_gamma, or a policy whose Γmax is 0 (static γ = 0).",
+            "non-learning policy (static γ = 0 and off included); forced: γ = 0 because no "
+            "γ > 0 could run: the draft not resident, or the engine's max_gamma is 0.",
             targets(
                 (summed("rate", "nightjar_decisions_total", SIDECAR, "bin_type"), "{{bin_type}}")
             ),
