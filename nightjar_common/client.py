@@ -363,6 +363,11 @@ class NightjarClient:
         self._started = time.monotonic()
         self._warned_unreachable = False
         self._ready_wait_ended = 0.0
+        # Set once the first transport is up. The first request of a fresh client waits
+        # for it, within its deadline (the channel connects in the background: without
+        # the wait an engine's first decisions always fell back); later ones never wait.
+        self._first_connection = threading.Event()
+        self._waited_for_first = False
         # Unary mode's connectivity subscription (the stream's end tells the stream mode).
         self._unary_watch: Callable[[grpc.ChannelConnectivity], None] | None = None
         # Decision tables: the held table and the report batch (the engine's thread uses
@@ -573,9 +578,19 @@ class NightjarClient:
                 request.context.ran_decision_id = ran
         return request
 
-    def _send(self, ctx: StepContext) -> PendingReply | None:
+    def _live_transport(self) -> _StreamTransport | _UnaryTransport | None:
+        """The transport to send on, if it is up (the first request of a fresh client
+        waits for it within the deadline)."""
         transport = self._transport
-        if transport is None or not transport.alive:
+        if transport is None and not self._waited_for_first:
+            self._waited_for_first = True
+            self._first_connection.wait(self.config.deadline_s)
+            transport = self._transport
+        return transport if transport is not None and transport.alive else None
+
+    def _send(self, ctx: StepContext) -> PendingReply | None:
+        transport = self._live_transport()
+        if transport is None:
             return None
         request = self._request(ctx)
         future = transport.send(request)
@@ -777,8 +792,8 @@ class NightjarClient:
     ) -> tuple[PendingReply | None, int]:
         """Send the queued reports, with ``ctx`` (and a table asked for it) if given;
         ``refresh``: with the step handed to the sender instead (nothing if none is)."""
-        transport = self._transport
-        if transport is None or not transport.alive:
+        transport = self._live_transport()
+        if transport is None:
             return None, 0
         with self._send_lock:
             if refresh:
@@ -943,6 +958,7 @@ class NightjarClient:
             else:
                 self._log_first_connection()
             self._transport = transport
+            self._first_connection.set()
             backoff = 0.05
             if not self.config.use_stream:
                 self._watch_unary()

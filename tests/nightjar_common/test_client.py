@@ -56,6 +56,20 @@ def test_sidecar_down_from_the_start_falls_back_to_the_table(tmp_path, use_strea
         client.close()
 
 
+@pytest.mark.parametrize("tables", [True, False], ids=["tables", "per-step"])
+def test_a_fresh_clients_first_decision_waits_for_the_connection(make_server, tables) -> None:
+    """The channel connects in the background: the first decision waits for it within its
+    deadline instead of falling back (an engine's first steps always did)."""
+    server = make_server("--policy", "static", "--params", '{"gamma": 2}')
+    client = make_client(server.target, deadline_s=5.0, decision_tables=tables)
+    try:
+        first = step(client, 0)
+        assert (first.source, first.gamma) == ("sidecar", 2)
+        assert client.stats.fallbacks_total == 0
+    finally:
+        client.close()
+
+
 @pytest.mark.parametrize("use_stream", [True, False])
 def test_kill_and_restart_the_sidecar(make_server, use_stream: bool) -> None:
     server = make_server()
