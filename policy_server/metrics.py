@@ -206,6 +206,14 @@ class Metrics:
             "hold (expired, or issued before a restart): counted and skipped.",
             registry=r,
         )
+        self.policy_defects = Counter(
+            "nightjar_policy_defects",
+            "Policy answers the sidecar had to correct, by policy and kind: gamma_clamped "
+            "(a γ outside 0..min(the engine's max_gamma, the policy's Γmax), or a request's "
+            "γ above its step's, clamped before it reached the engine).",
+            ["policy", "kind"],
+            registry=r,
+        )
         for result in ("committed", "late", "stale", "unknown"):
             self.table_steps.labels(result)
         for kind in ("engine", "learner_key", "pending"):

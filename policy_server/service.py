@@ -74,7 +74,12 @@ from policy_server.policies import (
     UnknownPolicyError,
     create_policy,
 )
-from policy_server.policies.base import at_batch_size, file_path_params, reads_request_signals
+from policy_server.policies.base import (
+    at_batch_size,
+    feasible_gamma_max,
+    file_path_params,
+    reads_request_signals,
+)
 
 log = logging.getLogger(__name__)
 
@@ -182,6 +187,8 @@ class DecisionService:
         self._decisions_total = 0
         self._reports_total = 0
         self.last_snapshot_unix = 0.0
+        # The policy version whose defect was last logged (see _policy_defect).
+        self._defect_logged = ""
         # Told of every activation after the first (the gRPC front notifies its streams).
         self._activation_listeners: list[Callable[[ActivePolicy], None]] = []
         self._active = self._activate(self._build(policy_name, params), "start", "fresh")
@@ -378,7 +385,9 @@ class DecisionService:
         lean = min(ctx.num_waiting, options.half_width) // 2
         low = max(1, ctx.batch_size - options.half_width + lean)
         high = min(self.limits.max_batch_size, ctx.batch_size + options.half_width + lean)
-        decided = _decide_tentative(active.policy, ctx, range(low, high + 1))
+        decided = self._within_bounds(
+            ctx, _decide_tentative(active.policy, ctx, range(low, high + 1))
+        )
         choices = [choice for choice, _ in decided]
         own = choices[ctx.batch_size - low]  # decided for the context's own requests
         table_id = f"{self._boot_id}-{next(self._sequence):x}"
@@ -492,6 +501,7 @@ class DecisionService:
             decided = _decide_tentative(policy, ctx, sizes)
         else:
             decided = [(policy.decide(ctx), None)]
+        decided = self._within_bounds(ctx, decided)
         members: dict[str, Candidate] = {}
 
         def stamp(index: int, **extra: Any) -> Decision:
@@ -529,6 +539,41 @@ class DecisionService:
             self.engines.open_set(shard, CandidateSet(active.revision, members))
         self.metrics.decision_latency.observe(time.perf_counter() - started)
         return decision
+
+    def _within_bounds(
+        self, ctx: StepContext, decided: list[tuple[Choice, object]]
+    ) -> list[tuple[Choice, object]]:
+        """Every choice with γ in 0..what the engine can run (its ``max_gamma``, the
+        policy's Γmax, 0 while the draft is not resident): a γ outside is a policy defect,
+        never passed on; it is clamped, counted and logged (once per policy version)."""
+        top = feasible_gamma_max(ctx, self._active.policy.gamma_max)
+        bounded: list[tuple[Choice, object]] = []
+        for choice, after in decided:
+            if not _fits(choice, top):
+                self._policy_defect(ctx, choice.gamma, top)
+                choice = _clamped(choice, top)
+            bounded.append((choice, after))
+        return bounded
+
+    def _policy_defect(self, ctx: StepContext, gamma: int, top: int) -> None:
+        active = self._active
+        self.metrics.child(self.metrics.policy_defects, active.name, "gamma_clamped").inc()
+        if self._defect_logged != active.version:
+            # Once per version: a defective policy answers so every step.
+            self._defect_logged = active.version
+            log.warning(
+                "policy %s (%s) answered gamma %d outside 0..%d (engine %s: max_gamma %d, "
+                "policy gamma_max %d, draft resident %s): clamped; a policy defect, counted "
+                "in nightjar_policy_defects_total, logged once per policy version",
+                active.name,
+                active.version,
+                gamma,
+                top,
+                ctx.engine_id,
+                ctx.max_gamma,
+                active.policy.gamma_max,
+                ctx.draft_resident,
+            )
 
     def _count_decision(self, decision_id: str, pending: PendingDecision) -> None:
         """Metrics and log of a decision the engine runs (tentative ones once named)."""
@@ -795,6 +840,19 @@ class DecisionService:
         for listener in self._activation_listeners:
             listener(active)
         return active
+
+
+def _fits(choice: Choice, top: int) -> bool:
+    return 0 <= choice.gamma <= top and all(
+        0 <= g <= choice.gamma for _, g in choice.request_gammas
+    )
+
+
+def _clamped(choice: Choice, top: int) -> Choice:
+    """``choice`` with γ in 0..top and each request's γ within the step's."""
+    gamma = min(max(choice.gamma, 0), top)
+    requests = tuple((rid, min(max(g, 0), gamma)) for rid, g in choice.request_gammas)
+    return dataclasses.replace(choice, gamma=gamma, request_gammas=requests)
 
 
 def _table_reason(choices: Iterable[Choice]) -> BinType | None:

@@ -81,7 +81,9 @@ class StaticPolicy(_StatelessPolicy):
     def decide(self, ctx: StepContext) -> Choice:
         # γ = 0 configured is the operator's choice (as `off`), not one forced on it.
         forced = forced_choice_if_no_speculation(ctx, self.gamma_max) if self.gamma_max else None
-        return forced or Choice(gamma=self.gamma_max, bin_type=BinType.FIXED)
+        # Within the engine's max_gamma, as `table`: the configured γ is an upper bound.
+        gamma = feasible_gamma_max(ctx, self.gamma_max)
+        return forced or Choice(gamma=gamma, bin_type=BinType.FIXED)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

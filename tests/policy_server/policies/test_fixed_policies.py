@@ -22,6 +22,7 @@ def test_static_and_off() -> None:
     assert [static.decide(ctx(b)).gamma for b in (1, 64, 512)] == [2, 2, 2]
     assert static.decide(ctx(1, draft_resident=False)).bin_type is BinType.FORCED
     assert static.decide(ctx(1, draft_resident=False)).gamma == 0
+    assert static.decide(ctx(1, max_gamma=1)).gamma == 1  # the engine's limit bounds it
     off = create_policy("off")
     assert {off.decide(ctx(b)).gamma for b in (1, 8, 64)} == {0}
 
