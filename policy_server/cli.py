@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import signal
 import sys
@@ -14,7 +13,7 @@ from typing import Any
 from nightjar_common import tls, uds
 from nightjar_common.admin_token import AdminTokenFile
 from nightjar_common.errors import ConfigError, NightjarError
-from nightjar_common.validation import Limits
+from nightjar_common.validation import JsonError, Limits, load_json
 from policy_server import __version__, snapshot, startup
 from policy_server.config import LOG_FORMATS, LOG_LEVELS, ServerConfig
 from policy_server.decision_log import DecisionLog
@@ -126,8 +125,8 @@ def load_config(args: argparse.Namespace) -> ServerConfig:
         raw = getattr(args, flag)
         if raw is not None:
             try:
-                overrides[flag] = json.loads(raw)
-            except json.JSONDecodeError as exc:
+                overrides[flag] = load_json(raw)
+            except JsonError as exc:
                 raise ConfigError(f"--{flag} is not valid JSON: {exc}") from exc
     config = config.merged(overrides, origin="command line")
     config.validate()
@@ -281,11 +280,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _snapshot(service: DecisionService) -> None:
+    """A periodic or final snapshot; a failure is logged and counted, never fatal: the
+    sidecar goes on deciding with what it holds."""
     try:
         path = service.write_snapshot()
         log.debug("snapshot written to %s", path)
-    except NightjarError as exc:
+    except NightjarError as exc:  # counted by write_snapshot
         log.error("snapshot failed: %s", exc)
+    except Exception:  # a defect (e.g. a policy's state() raising): never end the process
+        service.metrics.snapshots.labels("failed").inc()
+        log.exception("snapshot failed")
 
 
 if __name__ == "__main__":

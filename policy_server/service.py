@@ -733,8 +733,10 @@ class DecisionService:
         document = self.snapshot_document()
         path = self.state_dir / snapshot.SNAPSHOT_NAME
         try:
+            # ValueError: a NaN or infinity in the state (refused when it comes in; this
+            # keeps one that slipped through from ending the snapshot loop).
             snapshot.write_atomic(path, document)
-        except OSError as exc:
+        except (OSError, ValueError, TypeError) as exc:
             self.metrics.snapshots.labels("failed").inc()
             raise FailedPreconditionError(f"cannot write snapshot {path}: {exc}") from exc
         self.last_snapshot_unix = document["created_unix"]

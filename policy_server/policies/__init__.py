@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from nightjar_common.validation import JsonError, load_json
 from policy_server.policies.base import LearnedState, Policy, PolicyError, ServedPolicy
 from policy_server.policies.dsd import DsdParams, DsdPolicy
 from policy_server.policies.dsde import DsdeParams, DsdePolicy
@@ -143,8 +143,8 @@ def parse_params_json(text: str) -> dict[str, Any]:
     if not text.strip():
         return {}
     try:
-        value = json.loads(text)
-    except ValueError as exc:  # JSONDecodeError, or an integer of more than 4300 digits
+        value = load_json(text)
+    except JsonError as exc:
         raise PolicyError(f"params are not valid JSON: {exc}") from exc
     if not isinstance(value, dict):
         raise PolicyError("params must be a JSON object")

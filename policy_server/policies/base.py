@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import types
 import typing
 from collections.abc import Mapping, Sequence
@@ -258,6 +259,12 @@ def parse_params(cls: type[P], raw: Mapping[str, Any] | None, policy: str) -> P:
             raise PolicyError(
                 f"parameter '{key}' of policy '{policy}' must be {_describe(hints[key])}, "
                 f"got {value!r}"
+            )
+        # A NaN or infinity passes every range check (comparisons are false) and only
+        # fails later, when a snapshot cannot encode it; TOML and Python callers can give one.
+        if isinstance(value, float) and not math.isfinite(value):
+            raise PolicyError(
+                f"parameter '{key}' of policy '{policy}' must be a finite number, got {value!r}"
             )
     try:
         return cls(**raw)

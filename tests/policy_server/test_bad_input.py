@@ -187,6 +187,40 @@ def test_admin_calls_need_the_token(server: Any) -> None:
             "not valid JSON",
         ),
         (
+            admin_pb2.SwapPolicyRequest(name="ema", params_json='{"down_hysteresis": NaN}'),
+            INVALID,
+            "NaN is not a finite number",
+        ),
+        (
+            admin_pb2.SwapPolicyRequest(name="ema", params_json='{"up_hysteresis": Infinity}'),
+            INVALID,
+            "Infinity is not a finite number",
+        ),
+        (
+            admin_pb2.SwapPolicyRequest(name="ema", params_json='{"up_hysteresis": -Infinity}'),
+            INVALID,
+            "-Infinity is not a finite number",
+        ),
+        (
+            admin_pb2.SwapPolicyRequest(name="ema", params_json='{"up_hysteresis": 1e400}'),
+            INVALID,
+            "1e400 is too large for a float",
+        ),
+        (
+            admin_pb2.SwapPolicyRequest(
+                name="ema", params_json='{"tiers": ' + "[" * 100_000 + "]" * 100_000 + "}"
+            ),
+            INVALID,
+            "nested more than 32 levels deep",
+        ),
+        (
+            admin_pb2.SwapPolicyRequest(
+                name="ema", params_json='{"tiers": ' + "[" * 40 + "]" * 40 + "}"
+            ),
+            INVALID,
+            "nested more than 32 levels deep",
+        ),
+        (
             admin_pb2.SwapPolicyRequest(name="nightjar", params_json='{"gama_max": 2}'),
             INVALID,
             "unknown parameter(s) ['gama_max']",
@@ -218,6 +252,13 @@ def test_bad_set_params_restore_reset_and_state_queries(server: Any) -> None:
         "must be in 1..64",
         server.admin.SetParameters,
         admin_pb2.SetParametersRequest(params_json='{"gamma_max": 0}'),
+        metadata=md,
+    )
+    expect(
+        INVALID,
+        "NaN is not a finite number",
+        server.admin.SetParameters,
+        admin_pb2.SetParametersRequest(params_json='{"gamma_max": NaN}'),
         metadata=md,
     )
     expect(
