@@ -7,7 +7,9 @@ reaches production is worse than no token at all (it looks protected), so the ru
 * the file's content, stripped of surrounding whitespace, is the token;
 * it must be at least :data:`MIN_LENGTH` characters long (``openssl rand -hex 32`` gives 64);
 * it must not be a known placeholder (:data:`PLACEHOLDERS`, compared case-insensitively,
-  also with ``-``/``_`` removed, so ``Change_Me`` is refused as well).
+  also with ``-``/``_`` removed, so ``Change_Me`` is refused as well);
+* it must be printable ASCII: gRPC metadata carries nothing else, so a client could never
+  send any other token, and the admin API would be locked out.
 
 The sidecar re-reads the file when it changes (:class:`AdminTokenFile`), so a token is
 rotated by rewriting the file (best atomically: write another file, rename it over; a
@@ -62,6 +64,9 @@ def token_problem(token: str) -> str | None:
         return f"{token!r} is a placeholder"
     if len(token) < MIN_LENGTH:
         return f"it is {len(token)} characters long, fewer than {MIN_LENGTH}"
+    unsendable = next((char for char in token if not " " <= char <= "~"), None)
+    if unsendable is not None:
+        return f"it holds {unsendable!r}, which is not printable ASCII (what gRPC metadata carries)"
     return None
 
 
@@ -136,5 +141,7 @@ def check_admin_token(
             "admin token required: send 'authorization: Bearer <token>' metadata"
         )
     scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip(), expected):
+    # Bytes: compare_digest raises TypeError on a str that is not ASCII.
+    given = token.strip().encode("utf-8", "surrogateescape")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given, expected.encode()):
         raise UnauthenticatedError("invalid admin token")

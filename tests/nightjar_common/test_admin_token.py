@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from nightjar_common.admin_token import MIN_LENGTH, AdminTokenError, read_token
+from nightjar_common.admin_token import (
+    MIN_LENGTH,
+    AdminTokenError,
+    check_admin_token,
+    read_token,
+)
+from nightjar_common.errors import UnauthenticatedError
 
 WEAK = [
     ("change-me\n", "'change-me' is a placeholder"),
@@ -18,6 +25,8 @@ WEAK = [
     ("", "it is empty"),
     ("   \n\t\n", "it is empty"),
     ("abc123", f"it is 6 characters long, fewer than {MIN_LENGTH}"),
+    ("9f86d081884c7d659a2feaa0c55ad015\u00e9", "it holds 'é', which is not printable ASCII"),
+    ("9f86d081884c7d659a2f\x01eaa0c55ad015", "it holds '\\x01', which is not printable ASCII"),
 ]
 
 
@@ -51,7 +60,7 @@ def test_the_shared_loader_refuses_a_weak_token(tmp_path: Path, content: str, re
     (vllm_client_patch/memory.py), so its service refuses to start on the same tokens."""
     token_file = tmp_path / "admin-token"
     token_file.write_text(content)
-    with pytest.raises(AdminTokenError, match=reason):
+    with pytest.raises(AdminTokenError, match=re.escape(reason)):
         read_token(str(token_file))
 
 
@@ -62,3 +71,18 @@ def test_a_good_token_is_read_stripped_and_no_file_means_no_token(tmp_path: Path
     assert read_token("") is None
     with pytest.raises(AdminTokenError, match="cannot read admin token file"):
         read_token(str(tmp_path / "missing"))
+
+
+class _Context:
+    def __init__(self, header: str) -> None:
+        self._metadata = [("authorization", header)]
+
+    def invocation_metadata(self) -> list[tuple[str, str]]:
+        return self._metadata
+
+
+def test_a_non_ascii_token_from_a_client_is_refused_not_an_error() -> None:
+    expected = "9f86d081884c7d659a2feaa0c55ad015"
+    with pytest.raises(UnauthenticatedError, match="invalid admin token"):
+        check_admin_token(_Context(f"Bearer {expected}\u00e9"), expected)  # type: ignore[arg-type]
+    check_admin_token(_Context(f"Bearer {expected}"), expected)  # type: ignore[arg-type]
