@@ -21,12 +21,18 @@ import time
 from pathlib import Path
 from typing import Any
 
+from nightjar_common.files import read_regular_file
+from nightjar_common.validation import MAX_ID_LENGTH, JsonError, load_json
+
 log = logging.getLogger(__name__)
 
 FORMAT = "nightjar-snapshot/1"
 SNAPSHOT_NAME = "snapshot.json"
 TEMP_PREFIX = f".{SNAPSHOT_NAME}."
 TEMP_SUFFIX = ".tmp"
+# The largest snapshot read (at start, or named by Restore): a sidecar at its default
+# bounds writes a few MB; a larger file is not ours.
+MAX_BYTES = 64 << 20
 
 
 class SnapshotError(ValueError):
@@ -63,22 +69,38 @@ def write_bytes_atomic(path: Path, data: bytes) -> None:
 
 
 def parse(text: str | bytes, origin: str) -> dict[str, Any]:
-    """Parse and check a snapshot document; SnapshotError says what is wrong."""
+    """Parse and check a snapshot document; SnapshotError says what is wrong. What a
+    policy's ``load_state`` checks (its own state) is left to it."""
     try:
-        document = json.loads(text)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        document = load_json(text)
+    except JsonError as exc:
         raise SnapshotError(f"{origin}: not valid JSON ({exc})") from exc
     if not isinstance(document, dict) or document.get("format") != FORMAT:
         raise SnapshotError(f"{origin}: not a {FORMAT} document")
     policy = document.get("policy")
     if not isinstance(policy, dict) or not {"name", "params", "state"} <= set(policy):
         raise SnapshotError(f"{origin}: missing policy name/params/state")
+    if not isinstance(policy["name"], str) or not all(
+        isinstance(policy[key], dict) for key in ("params", "state")
+    ):
+        raise SnapshotError(f"{origin}: policy name must be a string, params and state objects")
+    created = document.get("created_unix", 0.0)
+    if isinstance(created, bool) or not isinstance(created, int | float) or created < 0:
+        raise SnapshotError(f"{origin}: created_unix must be a number >= 0, got {created!r}")
+    engines = document.get("engines", [])
+    if not isinstance(engines, list) or not all(
+        isinstance(e, str) and 0 < len(e) <= MAX_ID_LENGTH for e in engines
+    ):
+        raise SnapshotError(
+            f"{origin}: engines must be a list of engine ids (1..{MAX_ID_LENGTH} characters)"
+        )
     return document
 
 
 def read(path: Path) -> dict[str, Any]:
+    """The snapshot document at ``path``: a regular file of at most MAX_BYTES."""
     try:
-        return parse(path.read_bytes(), str(path))
+        return parse(read_regular_file(path, MAX_BYTES), str(path))
     except OSError as exc:
         raise SnapshotError(f"cannot read {path}: {exc}") from exc
 

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from nightjar_common.errors import FailedPreconditionError, NightjarError
+from nightjar_common.errors import FailedPreconditionError
 from policy_server import snapshot
 from policy_server.config import ServerConfig
 from policy_server.policies import REGISTRY, PolicyError, UnknownPolicyError, create_policy
@@ -76,10 +76,25 @@ def restore(
     try:
         document = snapshot.read(path)
         return _restore(service, document, configured, path)
-    except (snapshot.SnapshotError, NightjarError, KeyError, TypeError) as exc:
-        moved = snapshot.quarantine(path)
-        log.error("snapshot %s is unusable (%s); moved to %s, starting fresh", path, exc, moved)
+    except Exception as exc:  # whatever is wrong with it: a crash here would crash-loop
+        _move_aside(path, exc)
         return None
+
+
+def _move_aside(path: Path, reason: Exception) -> None:
+    """Log an unusable snapshot and move it aside, so that the next start does not read it
+    again; the server starts fresh either way (restore_document changed nothing)."""
+    try:
+        moved = snapshot.quarantine(path)
+    except OSError as exc:
+        log.error(
+            "snapshot %s is unusable (%s); cannot move it aside (%s), starting fresh",
+            path,
+            reason,
+            exc,
+        )
+        return
+    log.error("snapshot %s is unusable (%s); moved to %s, starting fresh", path, reason, moved)
 
 
 def _restore(

@@ -24,6 +24,11 @@ class PolicyError(ValueError):
     """Bad policy parameters or an incompatible learned state."""
 
 
+class MalformedStateError(PolicyError):
+    """A learned state that no policy could have written (a value out of range, a wrong
+    type), as opposed to a well-formed one that does not fit (another schema or Γmax)."""
+
+
 class Policy(Protocol):
     """What deciding γ takes; as small as SGLang's adaptive-spec protocol
     (get_steps_for_batch / on_verify_complete). The simulator drives policies through it."""

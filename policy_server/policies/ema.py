@@ -12,12 +12,14 @@ a slot at step 0 probes the smallest positive step (anti-deadlock). Candidates a
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from nightjar_common.types import BinType, Choice, StepContext, StepOutcome
 from policy_server.policies.base import (
     CheckpointedDecide,
+    MalformedStateError,
     ParamsPolicy,
     PolicyError,
     feasible_gamma_max,
@@ -56,19 +58,32 @@ class EmaParams:
 MAX_TIERS = 64
 
 
-def _valid_tier(tier: Any) -> bool:
-    def is_int(value: Any) -> bool:
-        return isinstance(value, int) and not isinstance(value, bool)
+MAX_STEPS = 65
 
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_finite(value: Any) -> bool:
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an integer beyond a float's range
+        return False
+
+
+def _valid_tier(tier: Any) -> bool:
     if not isinstance(tier, list | tuple) or len(tier) != 2:
         return False
     low, steps = tier
     return (
-        is_int(low)
+        _is_int(low)
         and low >= 0
         and isinstance(steps, list | tuple)
-        and 1 <= len(steps) <= 65
-        and all(is_int(s) and 0 <= s <= 64 for s in steps)
+        and 1 <= len(steps) <= MAX_STEPS
+        and all(_is_int(s) and 0 <= s <= 64 for s in steps)
     )
 
 
@@ -171,12 +186,37 @@ class EmaPolicy(ParamsPolicy[EmaParams], CheckpointedDecide):
         if state.get("schema") != self.state_schema:
             raise PolicyError(f"state schema {state.get('schema')!r} is not {self.state_schema}")
         try:
-            self._slots = {
+            loaded = {
                 str(eid): {int(k): Slot(**v) for k, v in dict(slots).items()}
                 for eid, slots in dict(state["slots"]).items()
             }
         except (KeyError, TypeError, ValueError) as exc:
-            raise PolicyError(f"malformed ema state: {exc!r}") from exc
+            raise MalformedStateError(f"malformed ema state: {exc!r}") from exc
+        for eid, slots in loaded.items():
+            for tier, slot in slots.items():
+                problem = self._slot_problem(slot)
+                if problem:
+                    raise MalformedStateError(
+                        f"malformed ema state: engine {eid!r} tier {tier}: {problem}"
+                    )
+        self._slots = loaded  # only once every slot is checked: nothing changes on a refusal
+
+    def _slot_problem(self, slot: Slot) -> str:
+        """Why a loaded slot could not have been learned by this policy ("" if it could):
+        decide() answers its candidate at its index, which must be a γ in 0..gamma_max."""
+        candidates = slot.candidates
+        top = self._params.gamma_max
+        if not isinstance(candidates, list) or not 1 <= len(candidates) <= MAX_STEPS:
+            return f"candidates must be a list of 1..{MAX_STEPS} steps"
+        if not all(_is_int(c) and 0 <= c <= top for c in candidates):
+            return f"candidates must be in 0..{top} (gamma_max), got {candidates}"
+        if not _is_int(slot.index) or not 0 <= slot.index < len(candidates):
+            return f"index must be in 0..{len(candidates) - 1}, got {slot.index!r}"
+        if not _is_finite(slot.ema):
+            return f"ema must be a finite number, got {slot.ema!r}"
+        if not _is_int(slot.batches) or slot.batches < 0:
+            return f"batches must be an integer >= 0, got {slot.batches!r}"
+        return ""
 
     def reset(self, engine_id: str | None = None) -> None:
         if engine_id is None:

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import re
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +18,7 @@ from nightjar_common.errors import ConfigError
 from nightjar_common.types import StepContext, StepOutcome
 from policy_server import snapshot, startup
 from policy_server.cli import load_config, parse_args
+from policy_server.policies.base import MalformedStateError
 from policy_server.service import DecisionService
 
 TABLE = Path(__file__).resolve().parents[2] / "deploy" / "c_prefill_example.csv"
@@ -174,3 +178,112 @@ def write(directory: Path, text: str) -> Path:
     path = directory / "nightjar.toml"
     path.write_text(text)
     return path
+
+
+def ema_text(state_dir: Path, **slot: Any) -> str:
+    """An ema snapshot after some steps, its slot of engine "e" changed by ``slot``."""
+    document = learned_snapshot(state_dir, "ema")
+    document["policy"]["state"]["slots"]["e"]["1"].update(slot)
+    return json.dumps(document)
+
+
+CREATED = r'"created_unix": [0-9.e+]+'
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "reason"),
+    [
+        (lambda t: t.replace('"batches":', '"batches": 1e400, "x":', 1), "too large for a float"),
+        (lambda t: t.replace('"batches":', '"batches": ' + "9" * 5000 + ', "x":', 1), "4300"),
+        (lambda t: t.replace('"batches":', f'"batches": {DEEP}, "x":', 1), "nested more than"),
+        (lambda t: re.sub(CREATED, '"created_unix": "now"', t), "created_unix must be a number"),
+        (lambda t: re.sub(CREATED, '"created_unix": [1]', t), "created_unix must be a number"),
+        (lambda t: t.replace('"engines": [', '"engines": [7, ', 1), "engines must be a list"),
+        (lambda t: t.replace('"name": "ema"', '"name": 5', 1), "policy name must be a string"),
+    ],
+)
+def test_an_unusable_snapshot_is_moved_aside_and_the_server_starts_fresh(
+    tmp_path: Path, corrupt: Any, reason: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    state_dir = tmp_path / "state"
+    (state_dir / snapshot.SNAPSHOT_NAME).write_text(corrupt(ema_text(state_dir)))
+    service = assert_fresh_start(tmp_path, state_dir, caplog)
+    assert reason in caplog.text
+    assert service.state_view().state["slots"] == {}
+
+
+@pytest.mark.parametrize(
+    ("slot", "reason"),
+    [
+        ({"candidates": [-5]}, "candidates must be in 0..7 (gamma_max), got [-5]"),
+        ({"candidates": [1, 1000]}, "candidates must be in 0..7"),
+        ({"candidates": []}, "candidates must be a list of 1..65 steps"),
+        ({"index": 7}, "index must be in 0..2, got 7"),
+        ({"index": -1}, "index must be in 0..2, got -1"),
+        ({"ema": "high"}, "ema must be a finite number"),
+        ({"ema": 10**400}, "ema must be a finite number"),
+        ({"batches": -1}, "batches must be an integer >= 0"),
+        ({"candidates": "137"}, "candidates must be a list"),
+    ],
+)
+def test_learned_ema_state_out_of_range_is_refused(
+    tmp_path: Path, slot: dict[str, Any], reason: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    state_dir = tmp_path / "state"
+    (state_dir / snapshot.SNAPSHOT_NAME).write_text(ema_text(state_dir, **slot))
+    service = assert_fresh_start(tmp_path, state_dir, caplog)
+    assert reason in caplog.text
+    # Decisions stay within 0..Γmax: nothing of the refused state was loaded.
+    assert 0 <= service.decide(StepContext("e", batch_size=4)).gamma <= 7
+
+
+def test_ema_load_state_is_all_or_nothing(tmp_path: Path) -> None:
+    document = learned_snapshot(tmp_path / "state", "ema")
+    policy = DecisionService("ema").active.policy
+    good = document["policy"]["state"]
+    policy.load_state(good)
+    bad = json.loads(json.dumps(good))
+    bad["slots"]["f"] = {"1": {**good["slots"]["e"]["1"], "index": 9}}
+    with pytest.raises(MalformedStateError, match="engine 'f' tier 1: index"):
+        policy.load_state(bad)
+    assert policy.state() == good
+
+
+@pytest.mark.parametrize("kind", ["fifo", "dev-zero", "directory", "huge"])
+def test_a_snapshot_that_is_no_regular_file_or_too_large_never_hangs_start_up(
+    tmp_path: Path, kind: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+    path = state_dir / snapshot.SNAPSHOT_NAME
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "dev-zero":
+        os.symlink("/dev/zero", path)
+    elif kind == "directory":
+        path.mkdir()
+    else:
+        with path.open("wb") as fh:
+            fh.truncate(snapshot.MAX_BYTES + 1)  # sparse
+    assert_fresh_start(tmp_path, state_dir, caplog, policy="goodput")
+    reason = "is larger than" if kind == "huge" else "is not a regular file"
+    assert reason in caplog.text
+
+
+def assert_fresh_start(
+    tmp_path: Path, state_dir: Path, caplog: pytest.LogCaptureFixture, policy: str = "ema"
+) -> DecisionService:
+    """Start-up in a thread (a blocking read fails the test, not hangs it): it must move the
+    snapshot aside and start fresh."""
+    started: list[DecisionService] = []
+    config = configured(tmp_path, "--policy", policy)
+    with caplog.at_level(logging.ERROR, logger="nightjar.server"):
+        runner = threading.Thread(target=lambda: started.append(restart(state_dir, config)))
+        runner.start()
+        runner.join(30)
+    assert started, "start-up blocked"
+    assert "is unusable" in caplog.text and "starting fresh" in caplog.text
+    assert not os.path.lexists(state_dir / snapshot.SNAPSHOT_NAME)
+    assert len(list(state_dir.glob("snapshot.json.corrupt-*"))) == 1
+    return started[0]
