@@ -75,6 +75,7 @@ from policy_server.policies import (
     create_policy,
 )
 from policy_server.policies.base import (
+    MalformedStateError,
     at_batch_size,
     feasible_gamma_max,
     file_path_params,
@@ -756,12 +757,10 @@ class DecisionService:
         if from_client and isinstance(params, Mapping):
             params = self._confine_paths(spec["name"], params)
         candidate = self._build(spec["name"], params)
-        engines = document.get("engines", []) if keep_state else []
+        # Read whole before the engine table is cleared: a malformed one must not wipe it.
+        engines = [str(e) for e in document.get("engines", [])] if keep_state else []
         if keep_state:
-            try:
-                candidate.load_state(spec["state"])
-            except PolicyError as exc:
-                raise FailedPreconditionError(f"snapshot state does not fit: {exc}") from exc
+            _load_state(candidate, spec["state"])
         with self._lock:
             self.engines.clear()
             for engine_id in engines:
@@ -842,6 +841,23 @@ class DecisionService:
         for listener in self._activation_listeners:
             listener(active)
         return active
+
+
+def _load_state(policy: ServedPolicy, state: Any) -> None:
+    """``state`` into a policy not yet active: FAILED_PRECONDITION when it is well formed
+    but does not fit (another schema, another Γmax), INVALID_ARGUMENT when it is malformed;
+    a policy that chokes on garbage (IndexError, OverflowError, ...) is the latter too, not
+    an internal error."""
+    if not isinstance(state, Mapping):
+        raise InvalidArgumentError("snapshot state must be a JSON object")
+    try:
+        policy.load_state(state)
+    except MalformedStateError as exc:
+        raise InvalidArgumentError(f"snapshot state is malformed: {exc}") from exc
+    except PolicyError as exc:
+        raise FailedPreconditionError(f"snapshot state does not fit: {exc}") from exc
+    except (ArithmeticError, LookupError, TypeError, ValueError, RecursionError) as exc:
+        raise InvalidArgumentError(f"snapshot state is malformed: {exc!r}") from exc
 
 
 def _fits(choice: Choice, top: int) -> bool:

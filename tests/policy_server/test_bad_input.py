@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from typing import Any
 
 import grpc
@@ -295,3 +297,75 @@ def test_bad_set_params_restore_reset_and_state_queries(server: Any) -> None:
         server.admin.GetState,
         admin_pb2.GetStateRequest(engine_id="ghost"),
     )
+
+
+def snapshot_json(server: Any, **changes: Any) -> str:
+    """The server's own state as a Restore document, with top-level ``changes``."""
+    reply = server.admin.GetState(admin_pb2.GetStateRequest(), timeout=5)
+    policy = {
+        "name": reply.policy_name,
+        "params": json.loads(reply.params_json),
+        "state": json.loads(reply.state_json),
+    }
+    document = {"format": "nightjar-snapshot/1", "policy": policy, "engines": ["e"]}
+    return json.dumps({**document, **changes})
+
+
+def test_a_failed_restore_is_all_or_nothing(self_checked_server: Any) -> None:
+    """A malformed engine table or a number out of range: INVALID_ARGUMENT, and the engine
+    table, the policy and the decision in flight are as they were."""
+    server = self_checked_server
+    decision = server.policy.Decide(context(), timeout=5)
+    before = server.state()
+    restore = server.admin.Restore
+    bad_engines = snapshot_json(server, engines=["e", 7])
+    request = admin_pb2.RestoreRequest(snapshot_json=bad_engines)
+    expect(INVALID, "engines must be a list", restore, request, metadata=server.auth)
+    # goodput's counters as an integer no float holds: OverflowError in its load_state
+    document = json.loads(snapshot_json(server))
+    for learner in document["policy"]["state"]["learners"].values():
+        learner["acceptance"]["successes"] = 10**400
+    request = admin_pb2.RestoreRequest(snapshot_json=json.dumps(document))
+    expect(INVALID, "snapshot state is malformed", restore, request, metadata=server.auth)
+    created = snapshot_json(server, created_unix="yesterday")
+    request = admin_pb2.RestoreRequest(snapshot_json=created)
+    expect(INVALID, "created_unix must be a number", restore, request, metadata=server.auth)
+    assert server.state() == before
+    assert server.policy.Report(outcome(decision), timeout=5).applied
+
+
+def test_a_restored_ema_state_out_of_range_is_refused(server: Any) -> None:
+    slot = {"candidates": [-5, 1000], "index": 0, "ema": 0.0, "batches": 0}
+    document = {
+        "format": "nightjar-snapshot/1",
+        "policy": {
+            "name": "ema",
+            "params": {},
+            "state": {"schema": "ema/1", "slots": {"e": {"1": slot}}},
+        },
+    }
+    expect(
+        INVALID,
+        "candidates must be in 0..7 (gamma_max), got [-5, 1000]",
+        server.admin.Restore,
+        admin_pb2.RestoreRequest(snapshot_json=json.dumps(document)),
+        metadata=server.auth,
+    )
+
+
+def test_restore_refuses_a_fifo_and_a_huge_file_without_blocking(server: Any) -> None:
+    server.state_dir.mkdir(parents=True, exist_ok=True)
+    fifo = server.state_dir / "pipe.json"
+    if not fifo.exists():
+        os.mkfifo(fifo)
+    huge = server.state_dir / "huge.json"
+    with huge.open("wb") as fh:
+        fh.truncate(300 << 20)  # sparse: 300 MB that take no disk
+    for name, fragment in (
+        ("pipe.json", "is not a regular file (a FIFO)"),
+        ("huge.json", "is larger than"),
+    ):
+        request = admin_pb2.RestoreRequest(path=name)
+        expect(INVALID, fragment, server.admin.Restore, request, metadata=server.auth)
+    # The admin workers are free: the next call is answered.
+    server.admin.GetState(admin_pb2.GetStateRequest(), timeout=5)
