@@ -1,4 +1,4 @@
-"""Input checks for step contexts, outcomes, client paths and JSON: one place, clear messages.
+"""Input checks for step contexts, outcomes and client paths: one place, clear messages.
 
 Everything is checked before anything is applied, so a rejected request
 changes no learned state.
@@ -6,11 +6,9 @@ changes no learned state.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn
 
 from nightjar_common.errors import InvalidArgumentError
 from nightjar_common.types import RanStep, StepContext, StepOutcome
@@ -239,51 +237,3 @@ def check_client_path(given: str) -> None:
         raise InvalidArgumentError(
             f"file path too long (at most {MAX_PATH_BYTES} bytes, {MAX_NAME_BYTES} per name)"
         )
-
-
-# Deeper than any document of ours (a snapshot's state is a few levels); past ~1,000
-# levels json, copy and the encoder raise RecursionError far from where the input came in.
-MAX_JSON_DEPTH = 32
-
-
-class JsonError(ValueError):
-    """Text that is not JSON the sidecar accepts (see load_json)."""
-
-
-def load_json(text: str | bytes) -> Any:
-    """JSON from a file, a flag or the wire, as the sidecar accepts it everywhere: finite
-    numbers only (no NaN or Infinity, no float literal too large such as 1e400), integers
-    of at most 4,300 digits, at most MAX_JSON_DEPTH levels of nesting; JsonError says what
-    is wrong. A NaN learned from a parameter would only fail later, in a snapshot."""
-    try:
-        value = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite_float)
-    except RecursionError:
-        raise JsonError(f"nested more than {MAX_JSON_DEPTH} levels deep") from None
-    except ValueError as exc:  # also UnicodeDecodeError, an integer of over 4,300 digits
-        raise JsonError(str(exc)) from exc
-    _check_depth(value)
-    return value
-
-
-def _refuse_constant(name: str) -> NoReturn:
-    raise JsonError(f"{name} is not a finite number: numbers must be finite")
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise JsonError(f"{text} is too large for a float: numbers must be finite")
-    return value
-
-
-def _check_depth(value: Any) -> None:
-    # Iterative: a recursive walk would itself hit the recursion limit it guards against.
-    stack = [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if not isinstance(item, dict | list):
-            continue
-        if depth > MAX_JSON_DEPTH:
-            raise JsonError(f"nested more than {MAX_JSON_DEPTH} levels deep")
-        children = item.values() if isinstance(item, dict) else item
-        stack.extend((child, depth + 1) for child in children)

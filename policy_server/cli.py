@@ -13,7 +13,8 @@ from typing import Any
 from nightjar_common import tls, uds
 from nightjar_common.admin_token import AdminTokenFile
 from nightjar_common.errors import ConfigError, NightjarError
-from nightjar_common.validation import JsonError, Limits, load_json
+from nightjar_common.json_input import JsonError, load_json
+from nightjar_common.validation import Limits
 from policy_server import __version__, snapshot, startup
 from policy_server.config import LOG_FORMATS, LOG_LEVELS, ServerConfig
 from policy_server.decision_log import DecisionLog

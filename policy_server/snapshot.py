@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from nightjar_common.files import read_regular_file
-from nightjar_common.validation import MAX_ID_LENGTH, JsonError, load_json
+from nightjar_common.json_input import JsonError, load_json
+from nightjar_common.validation import MAX_ID_LENGTH
 
 log = logging.getLogger(__name__)
 

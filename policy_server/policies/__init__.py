@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from nightjar_common.validation import JsonError, load_json
+from nightjar_common.json_input import JsonError, load_json
 from policy_server.policies.base import LearnedState, Policy, PolicyError, ServedPolicy
 from policy_server.policies.dsd import DsdParams, DsdPolicy
 from policy_server.policies.dsde import DsdeParams, DsdePolicy

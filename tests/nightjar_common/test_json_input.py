@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from nightjar_common.validation import MAX_JSON_DEPTH, JsonError, load_json
+from nightjar_common.json_input import MAX_JSON_DEPTH, JsonError, load_json
 
 
 @pytest.mark.parametrize(
