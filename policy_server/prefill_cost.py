@@ -14,11 +14,16 @@ from __future__ import annotations
 
 import bisect
 import csv
+import io
 import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from nightjar_common.files import read_regular_file
+
 REQUIRED_COLUMNS = ("lag_tokens", "batch_size", "c_prefill_ms")
+# A profiled grid is a few hundred rows; far larger is no table of ours.
+MAX_BYTES = 16 << 20
 
 
 class PrefillCostError(ValueError):
@@ -36,7 +41,12 @@ class PrefillCostTable:
     def from_csv(cls, path: str | Path) -> PrefillCostTable:
         path = Path(path)
         try:
-            with path.open(newline="") as fh:
+            # A parameter a client may set names it: one reader with Restore's guards.
+            text = read_regular_file(path, MAX_BYTES).decode("utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise PrefillCostError(f"cannot read c_prefill table {path}: {exc}") from exc
+        try:
+            with io.StringIO(text, newline="") as fh:
                 reader = csv.DictReader(fh)
                 missing = [c for c in REQUIRED_COLUMNS if c not in (reader.fieldnames or [])]
                 if missing:
@@ -50,8 +60,8 @@ class PrefillCostTable:
                     if not all(map(math.isfinite, (lag, bs, ms))) or lag < 0 or bs < 1 or ms < 0:
                         raise PrefillCostError(f"{path}:{line}: values out of range")
                     points[(lag, bs)] = ms / 1000.0
-        except OSError as exc:
-            raise PrefillCostError(f"cannot read c_prefill table {path}: {exc}") from exc
+        except csv.Error as exc:
+            raise PrefillCostError(f"{path}: not a CSV table ({exc})") from exc
         if not points:
             raise PrefillCostError(f"{path}: no rows")
         lags = tuple(sorted({lag for lag, _ in points}))

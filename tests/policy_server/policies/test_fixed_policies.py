@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,7 @@ import pytest
 from nightjar_common.types import BinType, StepContext
 from policy_server.policies import REGISTRY, PolicyError, UnknownPolicyError, create_policy
 from policy_server.policies.fixed import TablePolicy
+from policy_server.prefill_cost import MAX_BYTES as PREFILL_MAX_BYTES
 from policy_server.prefill_cost import PrefillCostError, PrefillCostTable
 
 
@@ -106,3 +108,16 @@ def test_random_covers_every_gamma_reproducibly_per_engine() -> None:
     assert a.decide(ctx(4, draft_resident=False)).bin_type is BinType.FORCED
     with pytest.raises(PolicyError):
         create_policy("random", {"gamma_max": -1})
+
+
+def test_a_prefill_table_that_is_no_regular_file_or_too_large_is_refused(tmp_path: Path) -> None:
+    """A client may name it (SwapPolicy params): the reader must not block or read at will."""
+    fifo = tmp_path / "pipe.csv"
+    os.mkfifo(fifo)
+    with pytest.raises(PrefillCostError, match="is not a regular file"):
+        PrefillCostTable.from_csv(fifo)  # returns at once: opened without blocking
+    huge = tmp_path / "huge.csv"
+    with huge.open("wb") as fh:
+        fh.truncate(PREFILL_MAX_BYTES + 1)  # sparse
+    with pytest.raises(PrefillCostError, match="is larger than"):
+        PrefillCostTable.from_csv(huge)
