@@ -22,6 +22,9 @@ MAX_CANDIDATES = 16
 # Ran steps and outcomes one request may carry (StepRequest.ran_steps, .outcomes): a
 # client reports every few steps, so a few dozen; bounded so one message stays small.
 MAX_BATCHED = 256
+# Token counts of one step: far above any engine's (a step's tokens fit its batch and a
+# few dozen drafts each), far below what overflows a learner's sums.
+MAX_STEP_TOKENS = 2**31
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +36,9 @@ class Limits:
     # engine may draft past the policy's own Γmax when its fallback table says so).
     max_gamma: int = 64
     max_step_seconds: float = 600.0
+    # No engine step is shorter (a GPU kernel launch alone takes a few µs; the plugin
+    # tests' fake engine, all Python, takes ~10 µs): a shorter one makes goodput absurd.
+    min_step_seconds: float = 1e-6
     max_engine_id_length: int = MAX_ID_LENGTH
     # Per-request sections (StepContext.requests, StepOutcome.requests) and each
     # request's recent_accepts: bounded so one message cannot make the server hold much.
@@ -117,14 +123,18 @@ def check_outcome(outcome: StepOutcome, limits: Limits) -> None:
         raise InvalidArgumentError("decision_id is required in a step outcome")
     _check_engine_id(outcome.engine_id, limits)
     seconds = outcome.step_seconds
-    if not math.isfinite(seconds) or not 0 < seconds <= limits.max_step_seconds:
+    if not math.isfinite(seconds) or not (
+        limits.min_step_seconds <= seconds <= limits.max_step_seconds
+    ):
         raise InvalidArgumentError(
-            f"step_seconds must be finite and in (0, {limits.max_step_seconds}], got {seconds}"
+            f"step_seconds must be finite and in [{limits.min_step_seconds}, "
+            f"{limits.max_step_seconds}], got {seconds}"
         )
     for name in ("generated_tokens", "drafted_tokens", "accepted_tokens", "prefill_tokens"):
-        if getattr(outcome, name) < 0:
+        if not 0 <= getattr(outcome, name) <= MAX_STEP_TOKENS:
             raise InvalidArgumentError(
-                f"{name} must be >= 0, got {getattr(outcome, name)} (negative goodput)"
+                f"{name} must be in 0..{MAX_STEP_TOKENS}, got {getattr(outcome, name)} "
+                "(negative goodput, or more tokens than any step has)"
             )
     if outcome.draft_gamma is not None and not 0 <= outcome.draft_gamma <= limits.max_gamma:
         raise InvalidArgumentError(
@@ -198,16 +208,50 @@ def check_batched_outcome(outcome: StepOutcome, engine_id: str, limits: Limits) 
         )
 
 
-def check_outcome_against(outcome: StepOutcome, engine_id: str, gamma_max: int) -> None:
-    """Checks against the decision the outcome answers."""
-    if outcome.engine_id != engine_id:
+def check_outcome_against(
+    outcome: StepOutcome, decided: StepContext, gamma_max: int, limits: Limits
+) -> None:
+    """Checks against the decision the outcome answers (its context ``decided`` and the
+    deciding policy's Γmax): nothing learns from an outcome its decision makes impossible."""
+    if outcome.engine_id != decided.engine_id:
         raise InvalidArgumentError(
-            f"decision {outcome.decision_id} was made for engine {engine_id!r}, "
+            f"decision {outcome.decision_id} was made for engine {decided.engine_id!r}, "
             f"not {outcome.engine_id!r}"
         )
     if not 0 <= outcome.gamma <= gamma_max:
         raise InvalidArgumentError(
             f"gamma must be in 0..{gamma_max} (the deciding policy's Γmax), got {outcome.gamma}"
+        )
+    _check_plausible(outcome, decided.batch_size, limits)
+
+
+def _check_plausible(outcome: StepOutcome, batch_size: int, limits: Limits) -> None:
+    """Token counts a step of ``batch_size`` requests at the outcome's γ can produce.
+
+    Only bounds a real engine never crosses. The decision's batch is the requests that
+    drafted before the step; in the step some may be aborted (vLLM's plugin counts only
+    requests that sampled) and a request reaching its stop or max_tokens keeps fewer
+    tokens than it accepted (the simulator counts those), so generated may fall below the
+    batch size and below the accepted drafts; requests whose prefill completes in the
+    step sample a token each without being in the batch (at most a batch's worth more).
+    What always holds: every request that verified drafts sampled at least one token.
+    """
+    # The drafts verified were proposed at the decision's γ; with draft_gamma the engine
+    # may have drafted at the next one's (the larger bounds either).
+    gamma = max(outcome.gamma, outcome.drafted_gamma)
+    if outcome.drafted_tokens > gamma * batch_size:
+        raise InvalidArgumentError(
+            f"drafted_tokens ({outcome.drafted_tokens}) exceeds gamma ({gamma}) times the "
+            f"decision's batch size ({batch_size})"
+        )
+    floor = len(outcome.request_accepts) or int(outcome.drafted_tokens > 0)
+    ceiling = batch_size * (gamma + 1) + limits.max_batch_size
+    if not floor <= outcome.generated_tokens <= ceiling:
+        raise InvalidArgumentError(
+            f"generated_tokens ({outcome.generated_tokens}) must be in {floor}..{ceiling}: "
+            "each request that verified drafts samples a token at least, and a step of "
+            f"{batch_size} requests at gamma {gamma} samples at most {gamma + 1} each (plus "
+            f"one per request joining, at most {limits.max_batch_size})"
         )
 
 

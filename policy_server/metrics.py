@@ -203,7 +203,8 @@ class Metrics:
         self.skipped_outcomes = Counter(
             "nightjar_skipped_outcomes",
             "Batched outcomes (StepRequest.outcomes) naming a decision the sidecar does not "
-            "hold (expired, or issued before a restart): counted and skipped.",
+            "hold (expired, or issued before a restart) or implausible for it (more drafts "
+            "than its γ and batch allow, ...): counted and skipped.",
             registry=r,
         )
         self.policy_defects = Counter(

@@ -366,12 +366,17 @@ class DecisionService:
             candidates = shard.open
             member = candidates.members.get(outcome.decision_id) if candidates else None
             pending = member.pending if member is not None else None
-        if pending is None or not 0 <= outcome.gamma <= pending.gamma_max:
+        if pending is None:
             self.metrics.skipped_outcomes.inc()
-            result.skip(
-                f"outcome of {outcome.decision_id}: unknown decision, or its gamma is past "
-                "the deciding policy's"
-            )
+            result.skip(f"outcome of {outcome.decision_id}: unknown decision")
+            return
+        try:
+            check_outcome_against(outcome, pending.ctx, pending.gamma_max, self.limits)
+        except InvalidArgumentError as exc:
+            # Implausible for its decision: skipped like a malformed item, still pending.
+            self.metrics.skipped_outcomes.inc()
+            result.malformed += 1
+            result.skip(f"outcome of {outcome.decision_id}: {exc}")
             return
         self._report_locked(shard, pending, outcome)
 
@@ -442,7 +447,7 @@ class DecisionService:
                 f"unknown decision_id {outcome.decision_id!r} (never issued, already "
                 "reported, or expired)"
             )
-        check_outcome_against(outcome, pending.ctx.engine_id, pending.gamma_max)
+        check_outcome_against(outcome, pending.ctx, pending.gamma_max, self.limits)
         return shard, pending
 
     def _report_locked(

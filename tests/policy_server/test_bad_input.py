@@ -110,6 +110,34 @@ def test_nan_signal_in_request_section(server: Any) -> None:
             {"requests": [policy_pb2.RequestAccepts(request_id="r" * 300, accepted_tokens=1)]},
             "a request_id is longer than",
         ),
+        # Implausible for the decision (batch 4, Γmax 4), as reported in issue 28.
+        (
+            {"generated_tokens": 10**18, "drafted_tokens": 10**18, "accepted_tokens": 10**18},
+            "generated_tokens must be in 0..2147483648",
+        ),
+        ({"step_seconds": 1e-9}, "step_seconds must be finite and in [1e-06"),
+        (
+            {"gamma": 3, "draft_gamma": 3, "drafted_tokens": 10**6, "accepted_tokens": 0},
+            "drafted_tokens (1000000) exceeds gamma (3) times the decision's batch size (4)",
+        ),
+        (  # below the batch size: fewer tokens than the requests that verified drafts
+            {
+                "gamma": 3,
+                "drafted_tokens": 12,
+                "accepted_tokens": 4,
+                "request_accepted_tokens": [1, 1, 1, 1],
+                "generated_tokens": 3,
+            },
+            "generated_tokens (3) must be in 4..65552",
+        ),
+        (
+            {"gamma": 3, "drafted_tokens": 12, "accepted_tokens": 9, "generated_tokens": 0},
+            "generated_tokens (0) must be in 1..65552",
+        ),
+        (
+            {"gamma": 3, "drafted_tokens": 12, "accepted_tokens": 9, "generated_tokens": 65553},
+            "generated_tokens (65553) must be in 1..65552",
+        ),
     ],
 )
 def test_bad_reports(self_checked_server: Any, changes: dict[str, Any], fragment: str) -> None:

@@ -134,6 +134,27 @@ def test_bad_items_are_skipped_one_by_one_and_the_rest_applied() -> None:
     assert service.metrics.skipped_outcomes._value.get() == 1
 
 
+def test_an_implausible_batched_outcome_is_skipped_and_nothing_learns_from_it() -> None:
+    """More drafts than the step's γ and batch allow: skipped and counted like a malformed
+    item; the learner ends as if it never came, and its decision still awaits an outcome."""
+    services = [DecisionService("goodput", {"seed": 5}) for _ in range(2)]
+    for service, with_bad in zip(services, (False, True), strict=True):
+        table = service.table_step([], [], context(0, 4)).table
+        assert table is not None
+        steps = [RanStep(f"{table.table_id}.{n}", context(n, 4, 2), 2) for n in (1, 2)]
+        outcomes = [outcome(steps[0].decision_id, 2, 4)]
+        if with_bad:
+            bad = dataclasses.replace(outcome(steps[1].decision_id, 2, 4), drafted_tokens=10**6)
+            outcomes.append(bad)
+        result = service.table_step(steps, outcomes, None)
+        assert (result.skipped, result.malformed) == ((1, 1) if with_bad else (0, 0))
+    assert "exceeds gamma (2) times the decision's batch size (4)" in result.skipped_reason
+    assert services[1].metrics.skipped_outcomes._value.get() == 1
+    assert services[1].state_view().state == services[0].state_view().state
+    late = outcome(steps[1].decision_id, 2, 4)
+    assert services[1].table_step([], [late], None).skipped == 0
+
+
 def test_a_malformed_context_rejects_the_request_before_anything_is_applied() -> None:
     service = DecisionService("static", {"gamma": 2})
     table = service.table_step([], [], context(0, 4)).table

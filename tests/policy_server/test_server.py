@@ -73,7 +73,7 @@ def test_one_sidecar_serves_several_engines(make_server) -> None:
     server = make_server()
     for engine in ("pod-a/dp0", "pod-a/dp1", "pod-b/dp0"):
         for step in range(5):
-            d = server.policy.Decide(context(engine, 2, step_index=step), timeout=5)
+            d = server.policy.Decide(context(engine, 4, step_index=step), timeout=5)
             server.policy.Report(outcome(d, engine), timeout=5)
     reply = server.admin.GetState(admin_pb2.GetStateRequest(), timeout=5)
     assert list(reply.engine_ids) == ["pod-a/dp0", "pod-a/dp1", "pod-b/dp0"]
