@@ -40,6 +40,7 @@ from nightjar_common.fallback import DEFAULT_SCHEDULE, BatchSizeTable
 from nightjar_common.tables import NextStep, ReportBatch, TableCache, TableStep, refresh_due
 from nightjar_common.tls import ClientTls, open_channel
 from nightjar_common.types import (
+    BinType,
     Decision,
     MemoryDirective,
     RanStep,
@@ -127,6 +128,15 @@ class GammaDecision:
         if self.table_step is not None:
             return self.table_step.held.table.policy_name
         return self.decision.policy_name if self.decision else ""
+
+    @property
+    def bin_type(self) -> BinType | None:
+        """How the sidecar chose γ (None for a fallback)."""
+        if self.table_step is not None:
+            taken = self.table_step
+            table = taken.held.table
+            return table.reason or (BinType.EXPLORE if taken.exploring else BinType.EXPLOIT)
+        return self.decision.bin_type if self.decision else None
 
     @property
     def request_gammas(self) -> tuple[tuple[str, int], ...]:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import pytest
 from nightjar_proto.v1 import admin_pb2, policy_pb2
 
 from benchmarks.fuzz.runner import methods
@@ -94,7 +95,13 @@ def test_huge_token_counts_do_not_break_the_goodput_models_fit(make_server: Any)
     server = make_server("--policy", "goodput")
     for tokens in (10, 1 << 62, 5, 1 << 40, 7) * 4:
         decision = server.policy.Decide(context(engine="e", context_tokens=tokens), timeout=5)
-        server.policy.Report(outcome(decision, prefill_tokens=tokens), timeout=5)
+        # Outcomes' token counts are bounded (no step computes 2^31 tokens): refused whole.
+        prefill = min(tokens, 1 << 31)
+        server.policy.Report(outcome(decision, prefill_tokens=prefill), timeout=5)
     state = server.state()
     assert state["policy"] == "goodput" and state["reports"] == 20
-    assert server.policy.Decide(context(engine="e"), timeout=5).decision_id
+    decision = server.policy.Decide(context(engine="e"), timeout=5)
+    with pytest.raises(grpc.RpcError) as refused:
+        server.policy.Report(outcome(decision, prefill_tokens=1 << 62), timeout=5)
+    assert refused.value.code() == INVALID
+    assert server.state()["reports"] == 20

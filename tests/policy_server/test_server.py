@@ -24,14 +24,15 @@ def context(engine: str = "e", batch_size: int = 4, **kw: object) -> policy_pb2.
 def outcome(
     decision: policy_pb2.Decision, engine: str = "e", **kw: object
 ) -> policy_pb2.StepOutcome:
+    batch = decision.batch_size or 4  # a plausible outcome of the decided batch
     fields = dict(
         decision_id=decision.decision_id,
         engine_id=engine,
         gamma=decision.gamma,
         step_seconds=0.02,
-        generated_tokens=4 * (1 + decision.gamma),
-        drafted_tokens=4 * decision.gamma,
-        accepted_tokens=3 * decision.gamma,
+        generated_tokens=batch * (1 + decision.gamma),
+        drafted_tokens=batch * decision.gamma,
+        accepted_tokens=3 * batch * decision.gamma // 4,
     )
     fields.update(kw)
     return policy_pb2.StepOutcome(**fields)  # type: ignore[arg-type]

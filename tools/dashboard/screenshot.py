@@ -176,12 +176,12 @@ def drive(
             decided = client.decide(ctx)
             gamma = decided.gamma if memory.draft_resident else 0
             step_s, generated, accepted = model.run(batch, gamma)
-            if decided.decision is not None:
-                bin_type = decided.decision.bin_type.value
+            if decided.decision_id and decided.bin_type is not None:
+                bin_type = decided.bin_type.value
                 summary.bin_types[bin_type] = summary.bin_types.get(bin_type, 0) + 1
                 client.report(
                     StepOutcome(
-                        decided.decision.decision_id,
+                        decided.decision_id,
                         ENGINE,
                         gamma,
                         step_s,
