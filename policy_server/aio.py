@@ -59,13 +59,16 @@ class InThreads:
         return handler
 
 
-class AioDecodeGuard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
-    """nightjar_common/decode_guard.py for the asyncio server: undecodable request bytes
-    get INVALID_ARGUMENT before the servicer sees anything (a stream ends with it)."""
+class WrappingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
+    """An interceptor that wraps each method's handler once (:meth:`wrap`) and keeps it."""
 
     def __init__(self) -> None:
         # Only handlers that exist are kept: unknown method names cannot grow this.
         self._handlers: dict[str, Any] = {}
+
+    def wrap(self, method: str, handler: Any) -> Any:
+        """``handler`` of ``method`` as this interceptor serves it."""
+        raise NotImplementedError
 
     async def intercept_service(
         self, continuation: Callable[[Any], Awaitable[Any]], handler_call_details: Any
@@ -73,10 +76,18 @@ class AioDecodeGuard(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         method = handler_call_details.method
         handler = self._handlers.get(method)
         if handler is None:
-            handler = _guarded(method, await continuation(handler_call_details))
+            handler = await continuation(handler_call_details)
             if handler is not None:
-                self._handlers[method] = handler
+                handler = self._handlers[method] = self.wrap(method, handler)
         return handler
+
+
+class AioDecodeGuard(WrappingInterceptor):
+    """nightjar_common/decode_guard.py for the asyncio server: undecodable request bytes
+    get INVALID_ARGUMENT before the servicer sees anything (a stream ends with it)."""
+
+    def wrap(self, method: str, handler: Any) -> Any:
+        return _guarded(method, handler)
 
 
 class _UndecodableMessage(Exception):

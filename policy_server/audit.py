@@ -16,13 +16,13 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
 from google.protobuf import json_format
 
 from nightjar_common import decode_guard
+from policy_server.aio import WrappingInterceptor
 
 log = logging.getLogger("nightjar.audit")
 
@@ -30,25 +30,17 @@ log = logging.getLogger("nightjar.audit")
 MAX_LOGGED_CHARS = 256
 
 
-class AdminAudit(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
+class AdminAudit(WrappingInterceptor):
     """Logs every call of the methods under ``service`` (a full service name)."""
 
     def __init__(self, service: str) -> None:
+        super().__init__()
         self._prefix = f"/{service}/"
-        # Only handlers that exist are kept: unknown method names cannot grow this.
-        self._handlers: dict[str, Any] = {}
 
-    async def intercept_service(
-        self, continuation: Callable[[Any], Awaitable[Any]], handler_call_details: Any
-    ) -> Any:
-        method = handler_call_details.method
-        handler = self._handlers.get(method)
-        if handler is None:
-            handler = await continuation(handler_call_details)
-            if handler is not None and method.startswith(self._prefix):
-                handler = _audited(method.removeprefix(self._prefix), handler)
-                self._handlers[method] = handler
-        return handler
+    def wrap(self, method: str, handler: Any) -> Any:
+        if not method.startswith(self._prefix):
+            return handler
+        return _audited(method.removeprefix(self._prefix), handler)
 
 
 def _audited(method: str, handler: Any) -> Any:
