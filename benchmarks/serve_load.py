@@ -146,9 +146,12 @@ def split_phase(phase: Phase, clients: int) -> Phase:
     return Phase(phase.rate / clients, max(1, phase.prompts // clients))
 
 
-def run_clients(argvs: Sequence[Sequence[str]], log: Path) -> list[ServeResult]:
+def run_clients(
+    argvs: Sequence[Sequence[str]], result_files: Sequence[Path], log: Path
+) -> list[ServeResult]:
     """Several `vllm bench serve` clients at once (one process each: this module's main),
-    their console output appended to `log` one after the other."""
+    each writing its result file, their console output appended to `log` one after the
+    other."""
     outputs = [log.with_name(f"{log.stem}.client{i}{log.suffix}") for i in range(len(argvs))]
     command = [sys.executable, "-m", "benchmarks.serve_load"]
     procs = [
@@ -161,15 +164,7 @@ def run_clients(argvs: Sequence[Sequence[str]], log: Path) -> list[ServeResult]:
             combined.write(f"$ vllm bench serve {' '.join(argv)}\n{out.read_text()}")
     if any(codes):
         raise RuntimeError(f"a benchmark client failed (exit codes {codes}); see {log}")
-    results = []
-    for argv in argvs:
-        result_dir = argv[list(argv).index("--result-dir") + 1]
-        result_file = argv[list(argv).index("--result-filename") + 1]
-        result = ServeResult.read(Path(result_dir) / result_file)
-        if not result.completed:
-            raise RuntimeError(f"no request of a client completed; vLLM's errors are in {log}")
-        results.append(result)
-    return results
+    return [_completed(result_file, log) for result_file in result_files]
 
 
 def bench_serve(argv: Sequence[str]) -> Path:
@@ -190,9 +185,14 @@ def run_phase(argv: Sequence[str], log: Path) -> ServeResult:
     with log.open("a") as out, contextlib.redirect_stdout(out):
         print(f"$ vllm bench serve {' '.join(argv)}", flush=True)
         result_file = bench_serve(argv)
+    return _completed(result_file, log)
+
+
+def _completed(result_file: Path, log: Path) -> ServeResult:
+    """A client's results; an error when none of its requests completed."""
     result = ServeResult.read(result_file)
     if not result.completed:
-        raise RuntimeError(f"no request of the phase completed; vLLM's errors are in {log}")
+        raise RuntimeError(f"no request of {result_file.name} completed; vLLM's errors: {log}")
     return result
 
 

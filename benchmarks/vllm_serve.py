@@ -202,7 +202,7 @@ def run_schedule_phase(
         bench_serve_argv(load, share, seed * len(temperatures) + i, file, warmup, t)
         for i, (t, file) in enumerate(zip(temperatures, files, strict=True))
     ]
-    return ServeResult.together(run_clients(argvs, log)), [f.name for f in files]
+    return ServeResult.together(run_clients(argvs, files, log)), [f.name for f in files]
 
 
 def _policies(text: str) -> list[str]:
