@@ -22,6 +22,7 @@ from benchmarks.load_report import (
     FALLBACKS_VERDICT,
     NODE_VERDICT,
     STRESS_VERDICT,
+    TARGET_DECISIONS_PER_CORE,
     TWO_CORE_VERDICT,
     LoadResult,
     load_verdicts,
@@ -151,11 +152,16 @@ def test_bench_load_quick_paced_and_max_rate(tmp_path: Path) -> None:
     # Not the stress shape: its 10-minute target is not claimed either way.
     assert STRESS_VERDICT not in verdicts and "rate held (≥ 99 % of 2 × 200 steps/s)" in verdicts
     text = (tmp_path / "BENCHMARKS.md").read_text()
-    assert "engine steps per second of sidecar CPU" in text and "**not met**" in text
+    assert "engine steps per second of sidecar CPU" in text
     assert "No bare-server run to compare with" in text
     assert markers("bench-load/2x200-pipelined")[0] in text
+    # Whether this host meets the targets varies; the report and the record must agree with
+    # the verdicts, whichever way they went.
     record = json.loads((tmp_path / "reliability" / "load.json").read_text())
-    assert record["test"] == "load (2x200-pipelined)" and record["passed"] is False
+    passed = all(verdicts.values())
+    assert record["test"] == "load (2x200-pipelined)" and record["passed"] is passed
+    per_core_met = peak["steps_per_server_cpu_s"] >= TARGET_DECISIONS_PER_CORE
+    assert ("**not met**" in text) is not (passed and per_core_met)
 
 
 def test_bench_load_measures_the_bare_stream_baseline_the_same_way(tmp_path: Path) -> None:
