@@ -32,3 +32,19 @@ exec:
 {{- define "nightjar.engineProbe" -}}
 httpGet: {path: /health, port: http}
 {{- end -}}
+
+{{/* An image reference: repository@digest when a digest is given, else repository:tag. */}}
+{{- define "nightjar.image" -}}
+{{- if .digest -}}
+{{- printf "%s@%s" .repository .digest -}}
+{{- else -}}
+{{- printf "%s:%s" .repository .tag -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The pod's labels: podLabels, then the chart's labels over them (the selector labels
+     cannot be overridden, or the Services and the StatefulSet would lose their pods). */}}
+{{- define "nightjar.podLabels" -}}
+{{- $chart := include "nightjar.labels" . | fromYaml -}}
+{{- toYaml (merge $chart (deepCopy .Values.podLabels)) -}}
+{{- end -}}

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# Print the --build-arg flags that pin the images' base images by digest.
+#
+#   deploy/pin-base-image.sh                          # python:3.11-slim, vllm/vllm-openai:v0.32.0
+#   deploy/pin-base-image.sh <image> [<image> ...]    # any others (e.g. vLLM's CPU image)
+#
+# Reads each tag's current digest (the multi-platform index) from its registry with
+# `docker buildx imagetools inspect`, so it needs Docker with buildx and a network path
+# to the registry. Pass the printed flags to `docker build` (deploy/README.md, "Images"):
+#
+#   docker build -f deploy/Dockerfile $(deploy/pin-base-image.sh python:3.11-slim) \
+#     -t <registry>/nightjar-sidecar:0.1.0 .
+#
+# Record the digests you built with (e.g. in your CI's build log or a release note): the
+# Dockerfiles' defaults stay the tags, which this repository cannot resolve for you.
+set -euo pipefail
+
+if [ "$#" -eq 0 ]; then
+  set -- python:3.11-slim vllm/vllm-openai:v0.32.0
+fi
+
+for image in "$@"; do
+  case "$image" in
+    *@sha256:*) echo "$image is already pinned" >&2; exit 2 ;;
+  esac
+  digest=$(docker buildx imagetools inspect "$image" --format '{{.Manifest.Digest}}')
+  case "$digest" in
+    sha256:*) ;;
+    *) echo "no digest for $image (got: $digest)" >&2; exit 1 ;;
+  esac
+  case "$image" in
+    python:*) arg=BASE_IMAGE ;;
+    *) arg=VLLM_IMAGE ;;
+  esac
+  printf -- '--build-arg %s=%s@%s ' "$arg" "$image" "$digest"
+done
+echo

@@ -1,0 +1,347 @@
+"""What an operator needs beyond the default deployment (issue 29): reproducible images,
+a chart that can be extended, kube-prometheus-stack, more than one vLLM in a namespace,
+and an admin token that GitOps does not regenerate. Manifests are rendered as in
+test_deploy.py: kubectl's kustomize and Helm's Go SDK."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+import yaml
+from kubernetes_validate import utils as k8s_schema
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+from policy_server.cli import load_config, parse_args
+from tests.deploy.test_deploy import (
+    CHART,
+    DEPLOY,
+    KUBERNETES_VERSIONS,
+    KUSTOMIZE,
+    REPO,
+    container,
+    helm,
+    helm_render,
+    kustomize,
+    one,
+)
+
+DIGEST = "sha256:" + "0123456789abcdef" * 4
+
+
+def load_module(path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"nightjar_{path.stem}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def statefulset_pod(documents: list[dict[str, Any]]) -> dict[str, Any]:
+    template: dict[str, Any] = one(documents, "StatefulSet")["spec"]["template"]
+    return template
+
+
+# --- images: base image, locked dependencies, digests ----------------------------------------
+
+
+def constraints() -> dict[str, str]:
+    pins: dict[str, str] = {}
+    for line in (DEPLOY / "sidecar-constraints.txt").read_text().splitlines():
+        if line and not line.startswith("#"):
+            name, version = line.split("==")
+            pins[canonicalize_name(name)] = version
+    return pins
+
+
+def test_sidecar_constraints_pin_the_runtime_closure() -> None:
+    import tomllib
+
+    pins = constraints()
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    # Every runtime dependency of pyproject.toml is pinned, at a version its floor allows.
+    for text in project["dependencies"]:
+        requirement = Requirement(text)
+        name = canonicalize_name(requirement.name)
+        assert name in pins, f"{name} is not pinned in deploy/sidecar-constraints.txt"
+        assert requirement.specifier.contains(pins[name]), (name, pins[name])
+    # ... and so is everything they pull in (else pip would pick it on the day).
+    lock = load_module(DEPLOY / "sidecar_lock.py")
+    closure = lock.runtime_closure()
+    assert set(closure) <= set(pins), set(closure) - set(pins)
+    # Where this environment has the pinned version, its own requirements are pinned
+    # compatibly (the pins resolve together).
+    for name, version in closure.items():
+        if pins[name] != version:
+            continue
+        for requirement in lock.requirements_of(name):
+            dependency = canonicalize_name(requirement.name)
+            assert requirement.specifier.contains(pins[dependency]), (name, requirement)
+    # The wheel is built by the pinned setuptools, which pyproject's build floor allows.
+    (setuptools,) = [r for r in _build_requires() if r.name == "setuptools"]
+    assert setuptools.specifier.contains(pins["setuptools"])
+
+
+def _build_requires() -> list[Requirement]:
+    import tomllib
+
+    build = tomllib.loads((REPO / "pyproject.toml").read_text())["build-system"]
+    return [Requirement(r) for r in build["requires"]]
+
+
+def dockerfile_stages(name: str) -> tuple[str, list[str]]:
+    """The lines before the first FROM (global ARGs) and each stage's text, with
+    continuation lines joined."""
+    text = re.sub(r"\\\n\s*", " ", (DEPLOY / name).read_text())
+    head, *stages = re.split(r"^FROM ", text, flags=re.M)
+    return head, stages
+
+
+@pytest.mark.parametrize("name", ["Dockerfile", "Dockerfile.vllm"])
+def test_dockerfiles_take_their_base_images_as_build_args(name: str) -> None:
+    head, stages = dockerfile_stages(name)
+    arguments = dict(re.findall(r"^ARG (\w+)=(\S+)$", head, re.M))
+    # The default is the tag (no digest can be resolved here); the README says how to pin.
+    assert arguments["BASE_IMAGE"] == "python:3.11-slim"
+    lock = load_module(DEPLOY / "sidecar_lock.py")
+    assert arguments["BASE_IMAGE"].startswith(f"python:{lock.IMAGE_PYTHON}-")
+    for stage in stages:
+        base = stage.split()[0]
+        # Every stage starts from an ARG, so a digest given at build time reaches all.
+        assert re.fullmatch(r"\$\{(\w+)\}", base), f"{name}: FROM {base} is not a build ARG"
+        assert base[2:-1] in arguments
+    wheel_stage = stages[0]
+    assert re.search(
+        r"^RUN pip install .*--constraint constraints\.txt setuptools$", wheel_stage, re.M
+    )
+    assert "--no-build-isolation" in wheel_stage
+    assert "COPY deploy/sidecar-constraints.txt ./constraints.txt" in wheel_stage
+
+
+def test_sidecar_image_installs_from_the_constraints() -> None:
+    _, stages = dockerfile_stages("Dockerfile")
+    final = stages[-1]
+    (copied,) = re.findall(r"^COPY deploy/sidecar-constraints\.txt (\S+)$", final, re.M)
+    (install,) = [r for r in re.findall(r"^RUN (.+)$", final, re.M) if "pip install" in r]
+    assert f"--constraint {copied}" in install
+    assert "--only-binary=:all:" in install
+
+
+def run_pin_script(
+    tmp_path: Path, docker_output: str, *images: str
+) -> subprocess.CompletedProcess[str]:
+    """deploy/pin-base-image.sh with a stand-in `docker` that answers like buildx's
+    `imagetools inspect --format '{{.Manifest.Digest}}'` and records its arguments."""
+    fake = tmp_path / "bin" / "docker"
+    fake.parent.mkdir(exist_ok=True)
+    fake.write_text(f'#!/bin/sh\necho "$@" >> "{tmp_path}/calls"\necho "{docker_output}"\n')
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}"}
+    return subprocess.run(
+        ["bash", str(DEPLOY / "pin-base-image.sh"), *images],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=30,
+    )
+
+
+def test_pin_script_prints_digest_build_args(tmp_path: Path) -> None:
+    done = run_pin_script(tmp_path, DIGEST)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [
+        "--build-arg",
+        f"BASE_IMAGE=python:3.11-slim@{DIGEST}",
+        "--build-arg",
+        f"VLLM_IMAGE=vllm/vllm-openai:v0.32.0@{DIGEST}",
+    ]
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert calls[0].startswith("buildx imagetools inspect python:3.11-slim --format")
+    # The defaults it pins are the Dockerfiles' own.
+    for name, argument in (("Dockerfile", "BASE_IMAGE"), ("Dockerfile.vllm", "VLLM_IMAGE")):
+        head, _ = dockerfile_stages(name)
+        (default,) = re.findall(rf"^ARG {argument}=(\S+)$", head, re.M)
+        assert f"{argument}={default}@" in done.stdout
+    # No digest (registry unreachable, an error page) or an already pinned image: refused.
+    assert run_pin_script(tmp_path, "error: not found", "python:3.11-slim").returncode != 0
+    pinned = run_pin_script(tmp_path, DIGEST, f"python:3.11-slim@{DIGEST}")
+    assert pinned.returncode != 0 and "already pinned" in pinned.stderr
+
+
+def test_helm_references_images_by_digest_when_given() -> None:
+    tagged, digested = helm_render(
+        {},
+        {
+            "engine": {"image": {"repository": "registry.example/vllm-nightjar", "digest": DIGEST}},
+            "sidecar": {
+                "image": {"repository": "registry.example/nightjar-sidecar", "digest": DIGEST}
+            },
+        },
+    )
+    spec = statefulset_pod(tagged)["spec"]
+    assert container(spec, "nightjar")["image"] == "nightjar-sidecar:0.1.0"
+    spec = statefulset_pod(digested)["spec"]
+    assert container(spec, "nightjar")["image"] == f"registry.example/nightjar-sidecar@{DIGEST}"
+    assert container(spec, "vllm")["image"] == f"registry.example/vllm-nightjar@{DIGEST}"
+    short, tag_as_digest = helm(
+        [
+            {"values": {"sidecar": {"image": {"digest": "sha256:abc"}}}, "lint": False},
+            {"values": {"engine": {"image": {"digest": "v0.32.0"}}}, "lint": False},
+        ]
+    )
+    assert "digest" in short["error"] and "digest" in tag_as_digest["error"]
+
+
+# --- the chart's extension points -------------------------------------------------------------
+
+EXTENDED = {
+    "imagePullSecrets": [{"name": "regcred"}],
+    "podAnnotations": {"example.com/scrape-logs": "true"},
+    "podLabels": {"team": "inference", "app.kubernetes.io/name": "not-vllm"},
+    "priorityClassName": "inference-high",
+    "sidecar": {
+        "extraArgs": ["--decision-log=/var/lib/nightjar/decisions.jsonl", "--log-format=json"],
+        "extraEnv": [{"name": "TZ", "value": "UTC"}],
+    },
+}
+
+
+def test_helm_extension_values_reach_the_pod() -> None:
+    default, extended = helm_render({}, EXTENDED)
+    template = statefulset_pod(extended)
+    spec, labels = template["spec"], template["metadata"]["labels"]
+    assert spec["imagePullSecrets"] == [{"name": "regcred"}]
+    assert spec["priorityClassName"] == "inference-high"
+    assert template["metadata"]["annotations"] == {"example.com/scrape-logs": "true"}
+    assert labels["team"] == "inference"
+    # The selector labels are the chart's: a podLabels entry cannot take the pods away
+    # from their StatefulSet and Services.
+    assert labels["app.kubernetes.io/name"] == "vllm"
+    selector = one(extended, "StatefulSet")["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= labels.items()
+    for service in (d for d in extended if d["kind"] == "Service"):
+        assert service["spec"]["selector"].items() <= labels.items()
+    # The sidecar's extra flags go through nightjar-server's own parser.
+    sidecar = container(spec, "nightjar")
+    config = load_config(parse_args(sidecar["args"]))
+    assert config.decision_log == "/var/lib/nightjar/decisions.jsonl"
+    assert config.log_format == "json"
+    assert sidecar["env"] == [{"name": "TZ", "value": "UTC"}]
+    for version in KUBERNETES_VERSIONS:
+        k8s_schema.validate(one(extended, "StatefulSet"), version, strict=True)
+    # Unset, none of them appears.
+    template = statefulset_pod(default)
+    assert "annotations" not in template["metadata"]
+    assert not {"imagePullSecrets", "priorityClassName"} & set(template["spec"])
+    assert "env" not in container(template["spec"], "nightjar")
+
+
+def test_a_repeated_sidecar_flag_overrides_the_charts() -> None:
+    (documents,) = helm_render({"sidecar": {"extraArgs": ['--params={"gamma_max": 3}']}})
+    sidecar = container(statefulset_pod(documents)["spec"], "nightjar")
+    assert load_config(parse_args(sidecar["args"])).params["gamma_max"] == 3
+
+
+def schema_properties(node: Any, path: str = "") -> list[tuple[str, dict[str, Any]]]:
+    """Every property of the values schema (definitions included), with its path."""
+    found: list[tuple[str, dict[str, Any]]] = []
+    if isinstance(node, dict):
+        for name, child in node.get("properties", {}).items():
+            found.append((f"{path}.{name}", child))
+        for key, child in node.items():
+            found += schema_properties(child, f"{path}.{key}" if key != "properties" else path)
+    elif isinstance(node, list):
+        for child in node:
+            found += schema_properties(child, path)
+    return found
+
+
+def test_every_schema_property_has_a_description() -> None:
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    properties = schema_properties(schema)
+    assert len(properties) > 60
+    undescribed = [
+        path for path, node in properties if not str(node.get("description", "")).strip()
+    ]
+    assert undescribed == []
+    # The schema knows every key values.yaml sets (it refuses unknown ones).
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert set(values) <= set(schema["properties"])
+    for key in ("imagePullSecrets", "podAnnotations", "podLabels", "priorityClassName"):
+        assert key in values
+    assert {"extraArgs", "extraEnv"} <= set(values["sidecar"])
+
+
+def test_schema_rejects_wrong_types_of_the_new_keys() -> None:
+    wrong = [
+        ({"imagePullSecrets": ["regcred"]}, "imagePullSecrets"),
+        ({"podAnnotations": {"a": 1}}, "podAnnotations"),
+        ({"podLabels": ["team=x"]}, "podLabels"),
+        ({"priorityClassName": 5}, "priorityClassName"),
+        ({"sidecar": {"extraArgs": "--log-format=json"}}, "extraArgs"),
+        ({"sidecar": {"extraEnv": [{"value": "x"}]}}, "extraEnv"),
+        ({"sidecar": {"extraFlags": []}}, "extraFlags"),
+    ]
+    results = helm([{"values": values, "lint": False} for values, _ in wrong])
+    for (_, key), result in zip(wrong, results, strict=True):
+        assert "error" in result, key
+        assert key in result["error"], result["error"]
+
+
+def test_readme_documents_the_chart_values() -> None:
+    readme = (DEPLOY / "README.md").read_text()
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    names = set(schema["properties"]) - {"global"}
+    names |= {"digest", "extraArgs", "extraEnv", "existingSecret"}
+    missing = [name for name in sorted(names) if f"`{name}`" not in readme]
+    assert missing == []
+
+
+def write_overlay(directory: Path, kustomization: dict[str, Any], **files: dict[str, Any]) -> Path:
+    """An operator's own overlay in `directory`; paths in `resources`/`components` that
+    name deploy/kubernetes directories are made relative to it (kustomize wants that)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    for key in ("resources", "components"):
+        kustomization[key] = [
+            os.path.relpath(KUSTOMIZE / entry, directory) if (KUSTOMIZE / entry).is_dir() else entry
+            for entry in kustomization.get(key, [])
+        ]
+        if not kustomization[key]:
+            del kustomization[key]
+    (directory / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+    for name, document in files.items():
+        (directory / f"{name}.yaml").write_text(yaml.safe_dump(document))
+    return directory
+
+
+def test_kustomize_images_by_registry_and_digest(tmp_path: Path) -> None:
+    """The README's way to point the overlays at your registry, without `kustomize edit`."""
+    overlay = write_overlay(
+        tmp_path,
+        {
+            "resources": ["overlays/gpu"],
+            "images": [
+                {
+                    "name": "vllm-nightjar",
+                    "newName": "registry.example/vllm-nightjar",
+                    "digest": DIGEST,
+                },
+                {
+                    "name": "nightjar-sidecar",
+                    "newName": "registry.example/nightjar-sidecar",
+                    "newTag": "0.1.0",
+                },
+            ],
+        },
+    )
+    spec = statefulset_pod(kustomize(overlay))["spec"]
+    assert container(spec, "vllm")["image"] == f"registry.example/vllm-nightjar@{DIGEST}"
+    assert container(spec, "nightjar")["image"] == "registry.example/nightjar-sidecar:0.1.0"
