@@ -23,13 +23,18 @@ from packaging.utils import canonicalize_name
 from policy_server.cli import load_config, parse_args
 from tests.deploy.test_deploy import (
     CHART,
+    CRDS,
     DEPLOY,
     KUBERNETES_VERSIONS,
     KUSTOMIZE,
     REPO,
+    VARIANTS,
     container,
+    crd_errors,
+    documents_of,
     helm,
     helm_render,
+    kubectl,
     kustomize,
     one,
 )
@@ -345,3 +350,183 @@ def test_kustomize_images_by_registry_and_digest(tmp_path: Path) -> None:
     spec = statefulset_pod(kustomize(overlay))["spec"]
     assert container(spec, "vllm")["image"] == f"registry.example/vllm-nightjar@{DIGEST}"
     assert container(spec, "nightjar")["image"] == "registry.example/nightjar-sidecar:0.1.0"
+
+
+# --- one deployment's selectors match its own pods only ---------------------------------------
+
+FOREIGN_VLLM_POD = {"app.kubernetes.io/name": "vllm"}  # e.g. a plain vLLM Deployment
+
+
+def selectors(documents: list[dict[str, Any]]) -> dict[str, dict[str, str]]:
+    """Every pod (or Service) selector in the manifests, by object."""
+    found: dict[str, dict[str, str]] = {}
+    for d in documents:
+        name, spec = f"{d['kind']}/{d['metadata']['name']}", d.get("spec", {})
+        if d["kind"] == "Service":
+            found[name] = spec["selector"]
+        elif d["kind"] == "StatefulSet":
+            found[name] = spec["selector"]["matchLabels"]
+        elif d["kind"] == "NetworkPolicy":
+            found[name] = spec["podSelector"]["matchLabels"]
+        elif d["kind"] == "ServiceMonitor":
+            found[name] = spec["selector"]["matchLabels"]
+    return found
+
+
+def matches(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return selector.items() <= labels.items()
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_selectors_name_the_instance(variant: str) -> None:
+    documents = documents_of(variant)
+    pod_labels = statefulset_pod(documents)["metadata"]["labels"]
+    found = selectors(documents)
+    assert len(found) == 5  # StatefulSet, two Services, NetworkPolicy, ServiceMonitor
+    for name, selector in found.items():
+        assert "app.kubernetes.io/instance" in selector, name
+        assert not matches(selector, FOREIGN_VLLM_POD | {"nightjar.io/metrics": "true"}), name
+        if not name.startswith("ServiceMonitor/"):
+            assert matches(selector, pod_labels), name
+    metrics = [d for d in documents if d["kind"] == "Service" and "clusterIP" in d["spec"]]
+    (monitor,) = [s for n, s in found.items() if n.startswith("ServiceMonitor/")]
+    assert [matches(monitor, s["metadata"]["labels"]) for s in metrics] == [True]
+
+
+def test_a_second_deployment_in_the_same_namespace(tmp_path: Path) -> None:
+    """The README's recipe: a name prefix and the instance label in one block. The two
+    deployments' selectors each match their own pods only."""
+    second = write_overlay(
+        tmp_path / "second",
+        {
+            "resources": ["overlays/cpu"],
+            "namePrefix": "qwen-",
+            "labels": [
+                {
+                    "pairs": {"app.kubernetes.io/instance": "qwen"},
+                    "includeSelectors": True,
+                    "fields": [
+                        {
+                            "group": "monitoring.coreos.com",
+                            "kind": "ServiceMonitor",
+                            "path": "spec/selector/matchLabels",
+                            "create": True,
+                        }
+                    ],
+                }
+            ],
+        },
+    )
+    first, other = documents_of("kustomize:gpu"), kustomize(second)
+    assert not {d["metadata"]["name"] for d in first} & {d["metadata"]["name"] for d in other}
+    for mine, theirs in ((first, other), (other, first)):
+        my_pods = statefulset_pod(mine)["metadata"]["labels"]
+        their_pods = statefulset_pod(theirs)["metadata"]["labels"]
+        their_metrics = [
+            d["metadata"]["labels"]
+            for d in theirs
+            if d["kind"] == "Service" and "clusterIP" in d["spec"]
+        ]
+        for name, selector in selectors(mine).items():
+            assert not matches(selector, their_pods), name
+            assert not any(matches(selector, labels) for labels in their_metrics), name
+            if not name.startswith("ServiceMonitor/"):
+                assert matches(selector, my_pods), name
+    assert statefulset_pod(other)["metadata"]["labels"]["app.kubernetes.io/instance"] == "qwen"
+    # The StatefulSet still finds its renamed governing Service.
+    (statefulset,) = [d for d in other if d["kind"] == "StatefulSet"]
+    assert statefulset["spec"]["serviceName"] == "qwen-vllm-metrics"
+
+
+# --- kube-prometheus-stack ---------------------------------------------------------------------
+
+
+def prometheus_settings(release: str, namespace: str) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {
+            "name": "nightjar-prometheus",
+            "annotations": {"config.kubernetes.io/local-config": "true"},
+        },
+        "data": {"release": release, "namespace": namespace},
+    }
+
+
+def scraping_namespace(documents: list[dict[str, Any]]) -> str:
+    policy = one(documents, "NetworkPolicy")["spec"]
+    (rule,) = [r for r in policy["ingress"] if {p["port"] for p in r["ports"]} == {9464}]
+    (source,) = rule["from"]
+    return str(source["namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"])
+
+
+def test_kube_prometheus_stack_overlay() -> None:
+    overlay = KUSTOMIZE / "overlays" / "gpu-kube-prometheus-stack"
+    settings = yaml.safe_load((overlay / "prometheus.yaml").read_text())["data"]
+    documents = kustomize(overlay)
+    for kind in CRDS:
+        resource = one(documents, kind)
+        assert resource["metadata"]["labels"]["release"] == settings["release"]
+        assert crd_errors(resource) == []
+    assert scraping_namespace(documents) == settings["namespace"]
+    # The settings are read by kustomize, never applied.
+    assert not [d for d in documents if d["metadata"]["name"] == "nightjar-prometheus"]
+    # Otherwise the pod is the gpu overlay's.
+    assert statefulset_pod(documents) == statefulset_pod(documents_of("kustomize:gpu"))
+
+
+def test_prometheus_release_and_namespace_are_configurable(tmp_path: Path) -> None:
+    kps = write_overlay(
+        tmp_path / "kps",
+        {
+            "resources": ["overlays/cpu", "prometheus.yaml"],
+            "components": ["components/kube-prometheus-stack"],
+        },
+        prometheus=prometheus_settings("prom-prod", "observability"),
+    )
+    documents = kustomize(kps)
+    assert {one(documents, kind)["metadata"]["labels"]["release"] for kind in CRDS} == {"prom-prod"}
+    assert scraping_namespace(documents) == "observability"
+    # Only the namespace: any Prometheus, no release label.
+    namespace_only = write_overlay(
+        tmp_path / "namespace",
+        {
+            "resources": ["overlays/cpu", "prometheus.yaml"],
+            "components": ["components/monitoring-namespace"],
+        },
+        prometheus={
+            **prometheus_settings("unused", "observability"),
+            "data": {"namespace": "observability"},
+        },
+    )
+    documents = kustomize(namespace_only)
+    assert scraping_namespace(documents) == "observability"
+    assert all("release" not in one(documents, kind)["metadata"]["labels"] for kind in CRDS)
+    # The base's default where neither is used.
+    assert scraping_namespace(documents_of("kustomize:cpu")) == "monitoring"
+
+
+def test_prometheus_component_without_settings_is_refused(tmp_path: Path) -> None:
+    overlay = write_overlay(
+        tmp_path,
+        {"resources": ["overlays/cpu"], "components": ["components/kube-prometheus-stack"]},
+    )
+    done = subprocess.run(
+        [kubectl(), "kustomize", str(overlay)], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode != 0 and "nightjar-prometheus" in done.stderr
+
+
+def test_helm_release_label_and_monitoring_namespace() -> None:
+    (documents,) = helm_render(
+        {
+            "metrics": {
+                "serviceMonitor": {"labels": {"release": "prom-prod"}},
+                "prometheusRule": {"labels": {"release": "prom-prod"}},
+            },
+            "networkPolicy": {"monitoringNamespace": "observability"},
+        }
+    )
+    for kind in CRDS:
+        assert one(documents, kind)["metadata"]["labels"]["release"] == "prom-prod"
+    assert scraping_namespace(documents) == "observability"
