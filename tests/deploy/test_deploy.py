@@ -86,7 +86,8 @@ for request in requests:
         continue
     try:
         out.append(chart.Chart.load(chart_dir).render(request["values"], name="nightjar",
-                                                      namespace="llm"))
+                                                      namespace="llm",
+                                                      **request.get("options", {})))
     except Exception as exc:  # the values' schema or a template refused them
         out.append({"error": f"{type(exc).__name__}: {exc}"})
 json.dump(out, sys.stdout)

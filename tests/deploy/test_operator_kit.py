@@ -36,6 +36,7 @@ from tests.deploy.test_deploy import (
     helm_render,
     kubectl,
     kustomize,
+    manifests,
     one,
 )
 
@@ -530,3 +531,36 @@ def test_helm_release_label_and_monitoring_namespace() -> None:
     for kind in CRDS:
         assert one(documents, kind)["metadata"]["labels"]["release"] == "prom-prod"
     assert scraping_namespace(documents) == "observability"
+
+
+# --- the admin token under helm template and GitOps ------------------------------------------
+
+
+def test_existing_secret_means_no_secret_rendered() -> None:
+    generated, existing = helm_render({}, {"adminToken": {"existingSecret": "nightjar-token"}})
+    assert [d["metadata"]["name"] for d in generated if d["kind"] == "Secret"] == [
+        "nightjar-admin-token"
+    ]
+    assert [d for d in existing if d["kind"] == "Secret"] == []
+    spec = statefulset_pod(existing)["spec"]
+    (volume,) = [v for v in spec["volumes"] if v["name"] == "nightjar-admin-token"]
+    assert volume["secret"]["secretName"] == "nightjar-token"
+
+
+def test_an_upgrade_that_cannot_see_the_token_refuses_to_replace_it() -> None:
+    """Rendered as an upgrade without a cluster (helm template --is-upgrade, helm upgrade
+    --dry-run=client): the lookup finds no Secret, and the chart fails rather than render a
+    new random token. With existingSecret the same upgrade renders."""
+    generated, existing = helm(
+        [
+            {"values": {}, "lint": False, "options": {"is_upgrade": True}},
+            {
+                "values": {"adminToken": {"existingSecret": "nightjar-token"}},
+                "lint": False,
+                "options": {"is_upgrade": True},
+            },
+        ]
+    )
+    assert "adminToken.existingSecret" in generated["error"]
+    assert "nightjar-admin-token" in generated["error"]
+    assert [d for d in manifests(existing) if d["kind"] == "Secret"] == []
