@@ -46,7 +46,8 @@ def _global_flags(parser: argparse.ArgumentParser, *, defaults: bool) -> None:
     parser.add_argument(
         "--token-file",
         default=default(os.environ.get("NIGHTJAR_TOKEN_FILE")),
-        help="file with the admin token, read by mutating calls only (env NIGHTJAR_TOKEN_FILE)",
+        help="file with the admin token, read by mutating calls and state reads (env "
+        "NIGHTJAR_TOKEN_FILE); without it a server with a token shows a state summary",
     )
     parser.add_argument(
         "--timeout", type=float, default=default(5.0), help="seconds per call (default 5)"
@@ -250,13 +251,38 @@ def _auth(args: argparse.Namespace) -> Metadata:
     return [("authorization", f"Bearer {token}")]
 
 
+def _read_auth(args: argparse.Namespace) -> Metadata:
+    """The admin token for a read of the state: sent when there is one, since a server with
+    a token answers GetState without it with a summary of a few engines. An unreadable
+    token file is said, not fatal: the summary is still worth showing."""
+    try:
+        return _auth(args)
+    except OSError as exc:
+        print(f"nightjarctl: {exc}; asking without it", file=sys.stderr)
+        return []
+
+
+def _full_state(reply: Any) -> dict[str, Any]:
+    """The state of a GetState reply that must be whole (export, import); ValueError for
+    a summary (the server wants the admin token)."""
+    state: dict[str, Any] = json.loads(reply.state_json)
+    if "summary" in state:
+        raise ValueError(
+            "the server answered a summary of its state (it has an admin token): give "
+            "--token-file (or NIGHTJAR_TOKEN_FILE) to read all of it"
+        )
+    return state
+
+
 def _admin(channel: grpc.Channel) -> Any:
     return admin_pb2_grpc.AdminServiceStub(channel)
 
 
 def _state(args: argparse.Namespace, channel: grpc.Channel) -> int:
     reply = _admin(channel).GetState(
-        admin_pb2.GetStateRequest(engine_id=args.engine), timeout=args.timeout
+        admin_pb2.GetStateRequest(engine_id=args.engine),
+        metadata=_read_auth(args),
+        timeout=args.timeout,
     )
     state = json.loads(reply.state_json)
     if args.json:
@@ -276,6 +302,9 @@ def _state(args: argparse.Namespace, channel: grpc.Channel) -> int:
     print(f"params   {reply.params_json}")
     print(f"served   {reply.decisions_total} decisions, {reply.reports_total} reports")
     print(f"engines  {', '.join(reply.engine_ids) or '-'}")
+    summary = state.get("summary")
+    if isinstance(summary, dict):
+        print(f"summary  {summary.get('engines_total')} engines: {summary.get('note')}")
     for learner, data in sorted(state.get("learners", {}).items()):
         _print_learner(learner, data)
     return 0
@@ -496,9 +525,11 @@ def _memory(args: argparse.Namespace, channel: grpc.Channel) -> int:
 
 
 def _export(args: argparse.Namespace, channel: grpc.Channel) -> int:
-    reply = _admin(channel).GetState(admin_pb2.GetStateRequest(), timeout=args.timeout)
+    reply = _admin(channel).GetState(
+        admin_pb2.GetStateRequest(), metadata=_read_auth(args), timeout=args.timeout
+    )
     learner = fleet.learner_id_for(args.learner_key, args.engine)
-    document = fleet.export_learner(reply.policy_name, json.loads(reply.state_json), learner)
+    document = fleet.export_learner(reply.policy_name, _full_state(reply), learner)
     text = json.dumps(document, sort_keys=True)
     if args.out == "-":
         print(text)
@@ -511,11 +542,11 @@ def _export(args: argparse.Namespace, channel: grpc.Channel) -> int:
 def _import(args: argparse.Namespace, channel: grpc.Channel) -> int:
     document = json.loads(Path(args.file).read_text())
     admin = _admin(channel)
-    reply = admin.GetState(admin_pb2.GetStateRequest(), timeout=args.timeout)
+    reply = admin.GetState(admin_pb2.GetStateRequest(), metadata=_auth(args), timeout=args.timeout)
     merged = fleet.import_learner(
         reply.policy_name,
         json.loads(reply.params_json),
-        json.loads(reply.state_json),
+        _full_state(reply),
         reply.engine_ids,
         document,
     )

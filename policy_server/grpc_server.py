@@ -35,6 +35,7 @@ from nightjar_common.admin_token import AdminTokenFile, check_admin_token
 from nightjar_common.errors import (
     InvalidArgumentError,
     NightjarError,
+    UnauthenticatedError,
     status_of,
 )
 from nightjar_common.types import StepContext, StepOutcome
@@ -42,7 +43,7 @@ from policy_server.aio import AioDecodeGuard, InThreads, LoopServer
 from policy_server.audit import AdminAudit
 from policy_server.metrics import Metrics
 from policy_server.policies import PolicyError, parse_params_json
-from policy_server.service import ActivePolicy, DecisionService
+from policy_server.service import ActivePolicy, DecisionService, StateView
 
 log = logging.getLogger(__name__)
 
@@ -290,6 +291,16 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):  # type: ignore[mis
         raise AssertionError("unreachable")  # context.abort raises
 
 
+# GetState without the admin token (when one is configured): the state of this many
+# engines at most, and as many engine ids. The whole state of thousands of engines is
+# megabytes, and reading it costs the decisions CPU: only for holders of the token.
+SUMMARY_ENGINES = 32
+SUMMARY_NOTE = (
+    f"a summary: the state of the first {SUMMARY_ENGINES} engines by id; send the admin "
+    "token (nightjarctl --token-file) for all of it, or ask for one engine (--engine)"
+)
+
+
 class AdminServicer(_Servicer, admin_pb2_grpc.AdminServiceServicer):  # type: ignore[misc]
     def __init__(self, service: DecisionService, admin_token: str | AdminTokenFile | None) -> None:
         super().__init__(service)
@@ -311,20 +322,50 @@ class AdminServicer(_Servicer, admin_pb2_grpc.AdminServiceServicer):  # type: ig
         return self._call(method, context, guarded)
 
     def GetState(self, request: admin_pb2.GetStateRequest, context: grpc.ServicerContext) -> Any:
-        view = self._call(
-            "GetState", context, lambda: self.service.state_view(request.engine_id or None)
-        )
+        """The whole state for a caller with the admin token (or when none is configured);
+        without it a summary: the first SUMMARY_ENGINES engines' parts and ids, and a
+        ``summary`` member in state_json with the count of all and how to get the rest.
+        One engine's part (engine_id) is open: it is small."""
+
+        def read() -> tuple[StateView, bool]:
+            whole = self._holds_token(context)
+            limit = None if whole else SUMMARY_ENGINES
+            return self.service.state_view(request.engine_id or None, max_engines=limit), whole
+
+        view, whole = self._call("GetState", context, read)
+        state_json = view.state_json
+        if not whole and not request.engine_id:
+            state = json.loads(state_json)  # at most SUMMARY_ENGINES engines' parts
+            state["summary"] = {
+                "engines_total": view.engines_total,
+                "engines_shown": len(view.engine_ids),
+                "note": SUMMARY_NOTE,
+            }
+            state_json = json.dumps(state, sort_keys=True)
         return admin_pb2.GetStateResponse(
             policy_name=view.policy_name,
             policy_version=view.policy_version,
             params_json=json.dumps(view.params, sort_keys=True),
-            state_json=json.dumps(view.state, sort_keys=True),
+            state_json=state_json,
             decisions_total=view.decisions_total,
             reports_total=view.reports_total,
             engine_ids=view.engine_ids,
             last_snapshot_unix=view.last_snapshot_unix,
             memory_json=json.dumps(view.memory, sort_keys=True),
         )
+
+    def _holds_token(self, context: grpc.ServicerContext) -> bool:
+        """Whether a read-only call may read the whole state: no admin token is configured,
+        or it sends the right one. Read-only calls never fail for the token: one sending
+        none, a wrong one, or one the server cannot check (its token file unusable) is
+        answered the summary, whose note says how to get the rest."""
+        if self._token is None:
+            return True
+        try:
+            check_admin_token(context, self._token)
+        except UnauthenticatedError:
+            return False
+        return True
 
     def ListPolicies(
         self, request: admin_pb2.ListPoliciesRequest, context: grpc.ServicerContext

@@ -12,6 +12,7 @@ live together; per-engine bookkeeping is in engines.py, the policies in policies
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import hashlib
@@ -75,12 +76,14 @@ from policy_server.policies import (
     create_policy,
 )
 from policy_server.policies.base import (
+    UNOWNED,
     MalformedStateError,
     at_batch_size,
     feasible_gamma_max,
     file_path_params,
     reads_request_signals,
 )
+from policy_server.state_text import StateText
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +92,13 @@ T = TypeVar("T")
 # Candidate.after of a policy whose checkpoints do not cover decide (checkpoints_decide
 # False): decided again when the engine names it.
 DECIDE_AGAIN = object()
+
+# How long a read of learned state (state_view, snapshots; see _read_state) holds the
+# service's lock at most before it lets decisions in (goodput's part of an engine takes
+# about 0.2 ms to build, so about 10 engines a hold).
+STATE_HOLD_S = 0.002
+# Reads of the whole state a policy activation may restart before one holds the lock.
+STATE_READ_ATTEMPTS = 3
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -141,12 +151,30 @@ class StateView:
     policy_name: str
     policy_version: str
     params: dict[str, Any]
-    state: dict[str, Any]
+    # The learned state as JSON text (read and encoded an engine at a time, _read_state).
+    state_json: str
     decisions_total: int
     reports_total: int
     engine_ids: list[str]
     last_snapshot_unix: float
     memory: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # Engines the sidecar holds; engine_ids may show fewer (a summary, state_view).
+    engines_total: int = 0
+
+    @property
+    def state(self) -> dict[str, Any]:
+        """The learned state (state_json, parsed)."""
+        state: dict[str, Any] = json.loads(self.state_json)
+        return state
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StateRead:
+    """What _read_state read: the policy, its state's JSON, engines' memory states."""
+
+    active: ActivePolicy
+    state_json: str
+    memory: dict[str, Any]
 
 
 class DecisionService:
@@ -177,6 +205,9 @@ class DecisionService:
         # per-engine bookkeeping has one lock per engine (policy_server/engines.py).
         # Order: an engine's lock, then this one.
         self._lock = threading.Lock()
+        # Whole-state reads (GetState with the token, snapshots) one at a time: each costs
+        # CPU in proportion to the engines, taken from the decisions (the GIL).
+        self._whole_reads = threading.Lock()
         self._revisions = itertools.count(1)
         self._boot_id = secrets.token_hex(4)
         self._sequence = itertools.count(1)
@@ -693,22 +724,97 @@ class DecisionService:
         not reset since)."""
         return self.engines.seen_since(time.perf_counter() - self.engine_idle_s)
 
-    def state_view(self, engine_id: str | None = None) -> StateView:
-        with self._lock:
-            if engine_id and engine_id not in self.engines:
+    def state_view(
+        self, engine_id: str | None = None, *, max_engines: int | None = None
+    ) -> StateView:
+        """The active policy and its learned state: one engine's part, or the whole, read
+        an engine at a time while decisions go on (_read_state), or with ``max_engines`` a
+        summary: the parts of the first ``max_engines`` engines by id and as many ids, with
+        the count of all in ``engines_total`` (what GetState answers a caller without the
+        admin token). Whole reads take turns (``_whole_reads``)."""
+        all_ids = sorted(self.engines.engine_ids())
+        shown = all_ids if max_engines is None else all_ids[:max_engines]
+        if engine_id:
+            if engine_id not in self.engines:
                 raise NotFoundError(f"unknown engine {engine_id!r}")
+            read = self._read_state([engine_id], whole=False, allow_nan=True)
+        elif max_engines is not None:
+            read = self._read_state(shown, whole=False, allow_nan=True)
+        else:
+            with self._whole_reads:
+                read = self._read_state(shown, whole=True, allow_nan=True)
+        active = read.active
+        return StateView(
+            policy_name=active.name,
+            policy_version=active.version,
+            params=active.policy.params(),
+            state_json=read.state_json,
+            decisions_total=self._decisions_total,
+            reports_total=self._reports_total,
+            engine_ids=shown,
+            last_snapshot_unix=self.last_snapshot_unix,
+            memory={"params": dataclasses.asdict(self.memory.params), "engines": read.memory},
+            engines_total=len(all_ids),
+        )
+
+    def _read_state(
+        self, engine_ids: Sequence[str], whole: bool, allow_nan: bool, memory: bool = True
+    ) -> StateRead:
+        """The active policy, the learned state of ``engine_ids`` as JSON text (``whole``:
+        with the part no engine's shows, LearnedState.state) and, with ``memory``, their
+        memory-controller states. ``allow_nan`` False: ValueError for a NaN or infinity.
+
+        The service's lock is held for STATE_HOLD_S at most (and one engine at least) and
+        released between such chunks, so a decision waits for one chunk, never for the
+        whole state (with 10,000 engines of goodput that takes seconds); each chunk is
+        encoded as JSON outside the lock (state_text.py). So the result is not one point in
+        time: each engine's part (its record and the learner it updates) is read at once
+        and is consistent on its own, a learner engines share is the one read last, and an
+        engine that comes or goes during the read may be missing. That is all a snapshot
+        needs: an engine's decisions read its own part only, so a restored engine goes on
+        from a state it was in, as if the snapshot had been taken a moment earlier or later
+        for it. A policy activated during the read makes it start again; the last of
+        STATE_READ_ATTEMPTS holds the lock throughout (activations are admin calls)."""
+        ids = [*engine_ids, UNOWNED] if whole else list(engine_ids)
+        for attempt in range(1, STATE_READ_ATTEMPTS + 1):
+            read = self._read_chunks(ids, allow_nan, memory, attempt == STATE_READ_ATTEMPTS)
+            if read is not None:
+                return read
+        raise AssertionError("unreachable: the last attempt holds the lock throughout")
+
+    def _read_chunks(
+        self, ids: Sequence[str], allow_nan: bool, memory: bool, throughout: bool
+    ) -> StateRead | None:
+        """One attempt of _read_state; None when a policy was activated meanwhile."""
+        text = StateText(allow_nan)
+        memories: dict[str, Any] = {}
+        held = self._lock if throughout else contextlib.nullcontext()
+        each = contextlib.nullcontext() if throughout else self._lock
+        with held:
             active = self._active
-            return StateView(
-                policy_name=active.name,
-                policy_version=active.version,
-                params=active.policy.params(),
-                state=active.policy.state(engine_id or None),
-                decisions_total=self._decisions_total,
-                reports_total=self._reports_total,
-                engine_ids=sorted(self.engines.engine_ids()),
-                last_snapshot_unix=self.last_snapshot_unix,
-                memory=self.memory.state(engine_id or None),
-            )
+            done = 0
+            while done < len(ids):
+                parts: list[dict[str, Any]] = []
+                with each:
+                    if self._active is not active:
+                        return None
+                    until = time.perf_counter() + STATE_HOLD_S
+                    while done < len(ids) and (throughout or not parts or _before(until)):
+                        engine_id = ids[done]
+                        done += 1
+                        # state() builds new JSON data: nothing of it changes once unlocked.
+                        parts.append(active.policy.state(engine_id))
+                        engine_memory = self.memory.engines.get(engine_id) if memory else None
+                        if engine_memory is not None:
+                            memories[engine_id] = engine_memory.as_dict()
+                for part in parts:
+                    text.add(part)
+                if not throughout:
+                    # Hand the GIL over: a decision woken by the release takes the lock
+                    # before this thread takes it again (CPython's locks are not fair).
+                    time.sleep(0)
+        state_json = text.text() if text else json.dumps({"schema": active.policy.state_schema})
+        return StateRead(active, state_json, dict(sorted(memories.items())))
 
     def list_policies(self) -> list[tuple[str, str, dict[str, Any], bool]]:
         return [
@@ -719,33 +825,46 @@ class DecisionService:
     # -- snapshots ----------------------------------------------------------------------
 
     def snapshot_document(self) -> dict[str, Any]:
-        with self._lock:
-            active = self._active
-            return {
-                "format": snapshot.FORMAT,
-                "created_unix": time.time(),
-                "policy": {
-                    "name": active.name,
-                    "version": active.version,
-                    "params": active.policy.params(),
-                    "state": active.policy.state(),
-                },
-                "engines": sorted(self.engines.engine_ids()),
-            }
+        """The snapshot of the active policy (snapshot_text, parsed)."""
+        text, _ = self.snapshot_text()
+        document: dict[str, Any] = json.loads(text)
+        return document
+
+    def snapshot_text(self) -> tuple[str, float]:
+        """The snapshot document of the active policy as JSON text (what snapshot.parse
+        reads), and its created_unix: its params and whole learned state, read an engine
+        at a time while decisions go on (_read_state says why each engine's part is
+        consistent, the whole not one point in time, and why that is enough). ValueError
+        for a NaN or infinity in the state."""
+        engines = sorted(self.engines.engine_ids())
+        created = time.time()
+        with self._whole_reads:
+            read = self._read_state(engines, whole=True, allow_nan=False, memory=False)
+        active = read.active
+        head = {"format": snapshot.FORMAT, "created_unix": created}
+        policy = {"name": active.name, "version": active.version, "params": active.policy.params()}
+        text = (
+            snapshot.encode_text(head)[:-1]
+            + ',"policy":'
+            + snapshot.encode_text(policy)[:-1]
+            + f',"state":{read.state_json}}}'
+            + f',"engines":{snapshot.encode_text(engines)}}}'
+        )
+        return text, created
 
     def write_snapshot(self) -> Path:
         if self.state_dir is None:
             raise FailedPreconditionError("no state directory configured (--state-dir)")
-        document = self.snapshot_document()
         path = self.state_dir / snapshot.SNAPSHOT_NAME
         try:
             # ValueError: a NaN or infinity in the state (refused when it comes in; this
             # keeps one that slipped through from ending the snapshot loop).
-            snapshot.write_atomic(path, document)
+            text, created = self.snapshot_text()
+            snapshot.write_bytes_atomic(path, text.encode())
         except (OSError, ValueError, TypeError) as exc:
             self.metrics.snapshots.labels("failed").inc()
             raise FailedPreconditionError(f"cannot write snapshot {path}: {exc}") from exc
-        self.last_snapshot_unix = document["created_unix"]
+        self.last_snapshot_unix = created
         self.metrics.snapshot_written(self.last_snapshot_unix)
         return path
 
@@ -965,3 +1084,7 @@ def outcome_from_json(data: Mapping[str, Any]) -> StepOutcome:
         for x in fields.get("request_accepts", ())
     )
     return StepOutcome(**fields)
+
+
+def _before(deadline: float) -> bool:
+    return time.perf_counter() < deadline

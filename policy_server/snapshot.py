@@ -42,7 +42,12 @@ class SnapshotError(ValueError):
 
 def encode(document: dict[str, Any]) -> bytes:
     """The bytes :func:`write_atomic` writes for ``document``."""
-    return json.dumps(document, separators=(",", ":"), allow_nan=False).encode()
+    return encode_text(document).encode()
+
+
+def encode_text(value: Any) -> str:
+    """JSON as snapshots hold it: compact, no NaN or infinity (ValueError)."""
+    return json.dumps(value, separators=(",", ":"), allow_nan=False)
 
 
 def write_atomic(path: Path, document: dict[str, Any]) -> None:

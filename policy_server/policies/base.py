@@ -11,7 +11,7 @@ import logging
 import math
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from nightjar_common.types import BinType, Choice, StepContext, StepOutcome
@@ -83,7 +83,12 @@ class LearnedState(Protocol):
     checkpoints_decide: ClassVar[bool]
 
     def state(self, engine_id: str | None = None) -> dict[str, Any]:
-        """Learned state as JSON-serialisable data (one engine's part when given)."""
+        """Learned state as JSON-serialisable data: all of it, or one engine's part (its
+        record and the learner it updates), or with UNOWNED the part no engine's shows
+        (learners no engine updates now). The parts of all engines and UNOWNED, merged by
+        merge_state_parts, are the whole state: the server reads it so, an engine at a
+        time (policy_server/service.py). One engine's part costs what that part holds,
+        whatever the number of engines."""
         ...
 
     def load_state(self, state: Mapping[str, Any]) -> None:
@@ -117,6 +122,31 @@ class LearnedState(Protocol):
         that engine and batch size); the policy's state is left unchanged. Only where
         ``checkpoints_decide``."""
         ...
+
+
+# LearnedState.state's engine id for the part of a state no engine's part shows: learners
+# that no engine updates now (an evicted engine's shared learner). Engine ids are never
+# empty (nightjar_common/validation.py).
+UNOWNED = ""
+
+
+def merge_state_parts(parts: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
+    """The state whose parts (LearnedState.state of some engines and UNOWNED) are ``parts``:
+    members that are JSON objects (engines, learners, slots: keyed by engine or learner id)
+    are merged key by key, each sorted by key as a whole state is; the others (schema,
+    gamma_max) are the same in every part and taken from the first. A learner several
+    parts show is taken from the last (each part is consistent on its own)."""
+    merged: dict[str, Any] = {}
+    for part in parts:
+        for key, value in part.items():
+            if isinstance(value, Mapping):
+                merged.setdefault(key, {}).update(value)
+            else:
+                merged.setdefault(key, value)
+    return {
+        key: dict(sorted(value.items())) if isinstance(value, dict) else value
+        for key, value in merged.items()
+    }
 
 
 class ServedPolicy(Policy, LearnedState, Protocol):

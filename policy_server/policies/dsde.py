@@ -178,6 +178,11 @@ class DsdePolicy(ParamsPolicy[DsdeParams], CheckpointedDecide):
         return None
 
     def state(self, engine_id: str | None = None) -> dict[str, Any]:
+        if engine_id is None:
+            shown = self._engines
+        else:  # found directly (UNOWNED finds none: the state is per engine)
+            record = self._engines.get(engine_id)
+            shown = {} if record is None else {engine_id: record}
         return {
             "schema": STATE_SCHEMA,
             "engines": {
@@ -186,8 +191,7 @@ class DsdePolicy(ParamsPolicy[DsdeParams], CheckpointedDecide):
                     "batch": list(e.batch),
                     "requests": {rid: list(h) for rid, h in e.requests.items()},
                 }
-                for eid, e in self._engines.items()
-                if engine_id is None or eid == engine_id
+                for eid, e in shown.items()
             },
         }
 

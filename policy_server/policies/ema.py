@@ -173,12 +173,16 @@ class EmaPolicy(ParamsPolicy[EmaParams], CheckpointedDecide):
             slot.index += 1
 
     def state(self, engine_id: str | None = None) -> dict[str, Any]:
+        if engine_id is None:
+            shown = self._slots
+        else:  # found directly (UNOWNED finds none: slots are per engine)
+            slots = self._slots.get(engine_id)
+            shown = {} if slots is None else {engine_id: slots}
         return {
             "schema": self.state_schema,
             "slots": {
                 eid: {str(k): dataclasses.asdict(v) for k, v in slots.items()}
-                for eid, slots in self._slots.items()
-                if engine_id is None or eid == engine_id
+                for eid, slots in shown.items()
             },
         }
 

@@ -17,6 +17,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from nightjar_common.types import StepContext
 from policy_server.policies.base import (
+    UNOWNED,
     CheckpointedDecide,
     GammaParams,
     ParamsPolicy,
@@ -140,9 +141,18 @@ class EngineStates(LearnerBook[R, L]):
 
     def selected(self, engine_id: str | None) -> tuple[dict[str, R], dict[str, L]]:
         """Engines and learners a state shows, by id: all of them, or one engine and its
-        learner."""
-        engines = {e: self.engines[e] for e in sorted(self.engines) if engine_id in (None, e)}
-        ids = set(self.learners) if engine_id is None else {r.learner_id for r in engines.values()}
+        learner (found directly: the server reads states an engine at a time), or with
+        UNOWNED the learners no engine updates."""
+        if engine_id is None:
+            engines = dict(sorted(self.engines.items()))
+            ids = set(self.learners)
+        elif engine_id == UNOWNED:
+            engines = {}
+            ids = set(self.learners) - {r.learner_id for r in self.engines.values()}
+        else:
+            engine = self.engines.get(engine_id)
+            engines = {} if engine is None else {engine_id: engine}
+            ids = {r.learner_id for r in engines.values()}
         return engines, {lid: self.learners[lid] for lid in sorted(ids) if lid in self.learners}
 
     def checkpoint(self, ctx: StepContext, part: Callable[[R], S]) -> EngineCheckpoint[R, S] | None:

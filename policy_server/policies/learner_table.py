@@ -11,7 +11,13 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, Generic, TypeVar
 
 from nightjar_common.types import Choice, StepContext
-from policy_server.policies.base import GammaParams, ParamsPolicy, PolicyError, learner_id
+from policy_server.policies.base import (
+    UNOWNED,
+    GammaParams,
+    ParamsPolicy,
+    PolicyError,
+    learner_id,
+)
 from policy_server.policies.engine_state import LearnerBook
 
 L = TypeVar("L")
@@ -41,12 +47,20 @@ class LearnerTable(LearnerBook[str, L]):
     def to_json(
         self, engine_id: str | None, learner_json: Callable[[L], Any]
     ) -> dict[str, dict[str, Any]]:
-        """``engines`` and ``learners`` of a policy state (one engine's part when given)."""
-        engines = {e: lid for e, lid in sorted(self.engines.items()) if engine_id in (None, e)}
+        """``engines`` and ``learners`` of a policy state (one engine's part when given, the
+        learners no engine updates with UNOWNED; see LearnedState.state)."""
+        if engine_id is None:
+            engines = dict(sorted(self.engines.items()))
+            ids = set(self.learners)
+        elif engine_id == UNOWNED:
+            engines = {}
+            ids = set(self.learners) - set(self.engines.values())
+        else:
+            learner = self.engines.get(engine_id)
+            engines = {} if learner is None else {engine_id: learner}
+            ids = set(engines.values())
         learners = {
-            lid: learner_json(self.learners[lid])
-            for lid in sorted(set(engines.values()))
-            if lid in self.learners
+            lid: learner_json(self.learners[lid]) for lid in sorted(ids) if lid in self.learners
         }
         return {"engines": engines, "learners": learners}
 

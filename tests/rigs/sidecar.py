@@ -113,7 +113,8 @@ class ServerProcess:
 
     def state(self) -> dict[str, Any]:
         """Everything observable about the learned state (for before/after comparisons)."""
-        reply = self.admin.GetState(admin_pb2.GetStateRequest(), timeout=5)
+        # With the token: without it, the server answers a summary (issue 28 item 5).
+        reply = self.admin.GetState(admin_pb2.GetStateRequest(), metadata=self.auth, timeout=5)
         return {
             "policy": reply.policy_name,
             "version": reply.policy_version,
