@@ -257,21 +257,21 @@ def run_engine(job: EngineJob, progress: Synchronized[int]) -> EngineResult:
             decision = client.take(ctx) if config.pipelined else client.decide(ctx)
             latencies.append((time.perf_counter() - begin) * 1e6)
             previous_gamma = decision.gamma
-            if config.pipelined:
-                # As the plugin: ask for the next step while this one runs, for the batch as it
-                # is and the sizes it may take (a move outside that window is a miss); with
-                # tables, a new table when the held one is due.
-                candidates = (
-                    ()
-                    if client.uses_tables
-                    else candidate_batch_sizes(ctx.batch_size, ctx.num_waiting)
-                )
+            if config.pipelined and client.uses_tables:
+                # As the plugin: a new table when the held one is due (prefetch, which asks
+                # for one whatever the held table, is the plugin's call at idle only).
+                client.prefetch_after(ctx, previous_gamma)
+            elif config.pipelined:
+                # As the plugin: ask for the next step while this one runs, for the batch as
+                # it is and the sizes it may take (a move outside that window is a miss).
                 client.prefetch(
                     dataclasses.replace(
                         ctx,
                         step_index=ctx.step_index + 1,
                         previous_gamma=previous_gamma,
-                        candidate_batch_sizes=candidates,
+                        candidate_batch_sizes=candidate_batch_sizes(
+                            ctx.batch_size, ctx.num_waiting
+                        ),
                     )
                 )
             outcome = model.run_step(ctx, decision.gamma, decision.decision_id)

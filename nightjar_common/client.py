@@ -74,8 +74,17 @@ _HINTS = {
 }
 
 
-# Steps one decision table serves before the client asks for the next (ClientConfig).
-TABLE_REFRESH_STEPS = 8
+# Steps one decision table serves before the client asks for the next, or its age in ms
+# (ClientConfig), whichever comes first. The simulator learns as well refreshing every 32
+# steps as every 8; each refresh costs the sidecar a round trip and a table, so fewer
+# refreshes is most of its CPU at fast steps (docs/DECISION_TABLES.md, "Refresh period").
+# The age stays well inside a table's validity (GammaTable.valid_ms, 1 s by default).
+TABLE_REFRESH_STEPS = 32
+TABLE_REFRESH_MS = 200.0
+# Outcomes queued before the sender thread sends them without asking for a table: a
+# request that must be answered while the engine waits (a step the table cannot answer)
+# then carries at most this many to be learned from before its table is decided.
+REPORT_BATCH_OUTCOMES = 8
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -101,7 +110,7 @@ class ClientConfig:
     # Ask for a new table after this many steps from one, or once it is this old; the
     # answer arrives while the engine runs on the held one.
     table_refresh_steps: int = TABLE_REFRESH_STEPS
-    table_refresh_ms: float = 50.0
+    table_refresh_ms: float = TABLE_REFRESH_MS
 
 
 @dataclasses.dataclass(slots=True)
@@ -395,6 +404,9 @@ class NightjarClient:
         self._next_step: NextStep | None = None
         self._refresh_wanted = threading.Event()
         self._refreshing = False
+        # Set by the engine's thread when REPORT_BATCH_OUTCOMES are queued: the sender
+        # thread sends them.
+        self._flush_wanted = False
         self._sender: threading.Thread | None = None
         if self._use_tables:
             self._sender = threading.Thread(
@@ -524,7 +536,11 @@ class NightjarClient:
         if not outcome.decision_id:
             return  # a fallback decision: the sidecar never saw it
         if self._use_tables:
-            self._reports.outcome(outcome)  # goes with the next table request
+            reports = self._reports
+            reports.outcome(outcome)  # goes with the next table request
+            if reports.outcomes >= REPORT_BATCH_OUTCOMES and not self._refreshing:
+                self._flush_wanted = True  # or alone, by the sender thread
+                self._refresh_wanted.set()
             return
         with self._lock:
             older, self._pending_outcome = self._pending_outcome, outcome
@@ -776,6 +792,11 @@ class NightjarClient:
                 return
             if not self._use_tables:
                 continue
+            if asked and self._flush_wanted and not self._refreshing:
+                self._flush_wanted = False
+                self._flush_reports()
+                continue
+            self._flush_wanted = False
             if not asked:
                 step = self._outlived_table()
                 if step is None:

@@ -140,21 +140,32 @@ class NextStep:
         )
 
 
+# A batch within this many sizes of a table's edge asks for the next table (the edge at
+# batch size 1 excepted): a batch that drifts leaves a table in a few steps, and the step
+# that left it would wait a round trip.
+EDGE_MARGIN = 2
+
+
 def refresh_due(
     held: HeldTable | None, step: NextStep, now: float, every_steps: int, every_ms: float
 ) -> bool:
     """Whether to ask for a new table now, so that it is there for ``step``: the held
     one has served ``every_steps`` steps or is ``every_ms`` old, or will not answer that
     step (its batch size or speculation state is not the table's, or its entry explored
-    already)."""
+    already), or the step's batch size is near the table's edge."""
     if held is None:
         return True
     index = held.index(step.batch_size, step.speculation_off)
+    if isinstance(index, str):
+        return True
+    table = held.table
+    near_low = index < EDGE_MARGIN and table.first_batch_size > 1
     return (
         held.uses >= every_steps
         or held.age_ms(now) >= every_ms
-        or isinstance(index, str)
         or index in held.spent
+        or near_low
+        or index >= len(table.gammas) - EDGE_MARGIN
     )
 
 
@@ -171,6 +182,10 @@ class ReportBatch:
 
     def outcome(self, outcome: StepOutcome) -> None:
         self._outcomes.append(outcome)
+
+    @property
+    def outcomes(self) -> int:
+        return len(self._outcomes)
 
     def __len__(self) -> int:
         return len(self._ran) + len(self._outcomes)

@@ -9,7 +9,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from nightjar_common.client import GammaDecision, NightjarClient
+from nightjar_common.client import TABLE_REFRESH_STEPS, GammaDecision, NightjarClient
 from nightjar_common.tables import NextStep, ReportBatch, TableCache, refresh_due
 from nightjar_common.types import Choice, RanStep, StepContext, StepOutcome
 from nightjar_common.validation import MAX_BATCHED
@@ -61,7 +61,7 @@ class TableSource:
         self,
         policy: str,
         params: Mapping[str, Any] | None = None,
-        refresh_steps: int = 8,
+        refresh_steps: int = TABLE_REFRESH_STEPS,
         half_width: int = DEFAULT_HALF_WIDTH,
     ) -> None:
         self.service = DecisionService(policy, params, tables=TableOptions(half_width))

@@ -15,7 +15,12 @@ import pytest
 from nightjar_proto.v1 import admin_pb2, policy_pb2
 
 from nightjar_common import wire
-from nightjar_common.client import ClientConfig, NightjarClient
+from nightjar_common.client import (
+    REPORT_BATCH_OUTCOMES,
+    TABLE_REFRESH_MS,
+    ClientConfig,
+    NightjarClient,
+)
 from nightjar_common.errors import InvalidArgumentError
 from nightjar_common.tables import SPENT, NextStep, TableCache, refresh_due
 from nightjar_common.types import GammaTable, RanStep, StepContext, StepOutcome
@@ -186,8 +191,8 @@ def test_a_table_is_for_one_speculation_state_and_its_exploring_entries_run_once
         policy_name="p",
         policy_version="v",
         first_batch_size=3,
-        gammas=(1, 2, 3),
-        exploring=(False, True, False),
+        gammas=(1, 2, 3, 3, 3, 3),
+        exploring=(False, True, False, False, False, False),
         speculation_off=False,
         step_index=0,
         valid_steps=3,
@@ -212,6 +217,34 @@ def test_a_table_is_for_one_speculation_state_and_its_exploring_entries_run_once
     assert not isinstance(cache.take(context(2, 3, 2), 0.0), str)
     assert cache.take(context(3, 3, 2), 0.0) == "expired"  # valid_steps = 3
     assert cache.take(context(3, 3, 2), 5.0) == "expired"
+
+
+def test_a_batch_near_the_tables_edge_asks_for_the_next_table() -> None:
+    """A batch that drifts leaves its table: the next table is asked for while the held
+    one still answers, so the step that leaves it does not wait a round trip."""
+    table = GammaTable(
+        table_id="t",
+        policy_name="p",
+        policy_version="v",
+        first_batch_size=10,
+        gammas=(2,) * 9,  # 10..18
+        exploring=(False,) * 9,
+        speculation_off=False,
+        step_index=0,
+        valid_steps=64,
+        valid_ms=1000.0,
+    )
+    cache = TableCache()
+    cache.install(table, 1)
+    assert due_sizes(cache, range(10, 19)) == [10, 11, 17, 18]
+    # A table that starts at batch size 1 has no lower edge to leave.
+    cache.install(dataclasses.replace(table, first_batch_size=1), 2)
+    assert due_sizes(cache, range(1, 10)) == [8, 9]
+
+
+def due_sizes(cache: TableCache, sizes: range) -> list[int]:
+    """The batch sizes whose next step asks for a new table (none served, none aged)."""
+    return [b for b in sizes if refresh_due(cache.held, NextStep(context(0, b, 2)), 0.0, 32, 1e9)]
 
 
 def test_over_grpc_steps_come_from_tables_and_every_one_reaches_the_sidecar(
@@ -239,6 +272,40 @@ def test_over_grpc_steps_come_from_tables_and_every_one_reaches_the_sidecar(
     scraped = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=5)
     committed = f'nightjar_table_steps_total{{result="committed"}} {float(steps)}'
     assert committed in scraped.read().decode()
+
+
+def test_outcomes_go_to_the_sidecar_in_batches_between_tables(make_server: Any) -> None:
+    """The sidecar learns from a batch of REPORT_BATCH_OUTCOMES outcomes without being
+    asked for a table: a step the held table cannot answer then waits for a few outcomes
+    to be learned from, not for every one since the last table."""
+    server = make_server("--policy", "static", "--params", '{"gamma": 2}')
+    client = NightjarClient(
+        ClientConfig(target=server.target, engine_id="e0", deadline_s=0.5, connect_timeout_s=10)
+    )
+
+    def run_steps(first: int, count: int) -> None:
+        for step in range(first, first + count):
+            ctx = context(step, 10, 2 if step else None)
+            decision = client.take(ctx)
+            assert decision.source == "sidecar"
+            client.report(outcome(decision.decision_id, decision.gamma, ctx.batch_size))
+            client.prefetch_after(ctx, decision.gamma)
+
+    def applied_after(wanted: int, wait_s: float = 2.0) -> int:
+        deadline = time.monotonic() + wait_s
+        while server.state()["reports"] < wanted and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return int(server.state()["reports"])
+
+    try:
+        run_steps(0, REPORT_BATCH_OUTCOMES - 1)
+        # A batch short of full waits (looked at within the table's refresh period).
+        assert applied_after(1, wait_s=TABLE_REFRESH_MS / 4000) == 0
+        run_steps(REPORT_BATCH_OUTCOMES - 1, 1)
+        assert applied_after(REPORT_BATCH_OUTCOMES) == REPORT_BATCH_OUTCOMES
+        assert client.stats.tables == 1  # sent by themselves: no table was due
+    finally:
+        client.close()
 
 
 def test_over_grpc_a_table_request_without_a_context_is_invalid(make_server: Any) -> None:
