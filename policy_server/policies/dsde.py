@@ -36,6 +36,7 @@ from typing import Any, ClassVar
 from nightjar_common.types import BinType, Choice, RequestSignals, StepContext, StepOutcome
 from policy_server.policies.base import (
     CheckpointedDecide,
+    MalformedStateError,
     ParamsPolicy,
     PolicyError,
     feasible_gamma_max,
@@ -47,6 +48,10 @@ EPSILON = 1e-6
 # Per-request histories an engine keeps (requests of its latest steps): bounded, so that
 # a client cannot make the server hold an unbounded number.
 MAX_REQUESTS = 4096
+# Counts of a calibration a state may hold, and the most tokens one request may have
+# accepted in a step (a step's token counts are checked against 2^31).
+MAX_COUNT = 1 << 63
+MAX_ACCEPTED = 1 << 31
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -211,9 +216,9 @@ class DsdePolicy(ParamsPolicy[DsdeParams], CheckpointedDecide):
                 )
                 for eid, e in dict(state["engines"]).items()
             }
-        except (KeyError, TypeError, ValueError) as exc:
-            raise PolicyError(f"malformed dsde state: {exc!r}") from exc
-        self._engines = engines
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
+            raise MalformedStateError(f"malformed dsde state: {exc!r}") from exc
+        self._engines = engines  # only once all of it is checked
 
     def reset(self, engine_id: str | None = None) -> None:
         if engine_id is None:
@@ -273,6 +278,8 @@ def _weights(count: int, decay: float) -> tuple[float, ...]:
 
 
 def _history(values: Any, window: int) -> collections.deque[float]:
+    if not isinstance(values, list):
+        raise TypeError(f"a disagreement history must be a list, got {values!r}")
     history = collections.deque((float(v) for v in values), maxlen=window)
     if not all(math.isfinite(v) and v >= 0 for v in history):
         raise ValueError("disagreements must be finite and >= 0")
@@ -288,7 +295,13 @@ def _calibration_from_json(data: Mapping[str, Any]) -> Calibration:
         disagreement_max=float(data["disagreement_max"]),
     )
     numbers = (calibration.disagreement_sum, calibration.disagreement_max)
-    counts = (calibration.steps, calibration.max_accepted, calibration.disagreement_count)
-    if min(counts) < 0 or not all(math.isfinite(x) and x >= 0 for x in numbers):
-        raise ValueError("calibration counts must be >= 0 and sums finite and >= 0")
+    counts = (calibration.steps, calibration.disagreement_count)
+    if not all(0 <= c <= MAX_COUNT for c in counts):
+        raise ValueError(f"calibration counts must be in 0..{MAX_COUNT}")
+    # SL_A,max: tokens one request accepted in one step, at most a step's tokens (2^31,
+    # what outcomes are checked against); beyond, SL_max would overflow a float.
+    if not 0 <= calibration.max_accepted <= MAX_ACCEPTED:
+        raise ValueError(f"max_accepted must be in 0..{MAX_ACCEPTED}")
+    if not all(math.isfinite(x) and x >= 0 for x in numbers):
+        raise ValueError("calibration sums must be finite and >= 0")
     return calibration

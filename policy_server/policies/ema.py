@@ -194,11 +194,13 @@ class EmaPolicy(ParamsPolicy[EmaParams], CheckpointedDecide):
                 str(eid): {int(k): Slot(**v) for k, v in dict(slots).items()}
                 for eid, slots in dict(state["slots"]).items()
             }
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise MalformedStateError(f"malformed ema state: {exc!r}") from exc
         for eid, slots in loaded.items():
             for tier, slot in slots.items():
-                problem = self._slot_problem(slot)
+                problem = self._slot_problem(slot) or (
+                    f"a tier's min_batch_size must be >= 0, got {tier}" if tier < 0 else ""
+                )
                 if problem:
                     raise MalformedStateError(
                         f"malformed ema state: engine {eid!r} tier {tier}: {problem}"

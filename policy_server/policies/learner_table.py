@@ -14,6 +14,7 @@ from nightjar_common.types import Choice, StepContext
 from policy_server.policies.base import (
     UNOWNED,
     GammaParams,
+    MalformedStateError,
     ParamsPolicy,
     PolicyError,
     learner_id,
@@ -67,7 +68,9 @@ class LearnerTable(LearnerBook[str, L]):
     def load(self, state: Mapping[str, Any], learner_from_json: Callable[[Any], L]) -> None:
         """Replace the table from a state's ``engines`` and ``learners``; raises KeyError,
         TypeError or ValueError (and changes nothing) when they do not fit."""
-        engines = {str(e): str(lid) for e, lid in dict(state["engines"]).items()}
+        engines = {str(e): lid for e, lid in dict(state["engines"]).items()}
+        if not all(isinstance(lid, str) for lid in engines.values()):
+            raise TypeError("engines must map engine ids to learner ids (strings)")
         learners = {str(lid): learner_from_json(v) for lid, v in dict(state["learners"]).items()}
         self.engines, self.learners = engines, learners
 
@@ -103,8 +106,8 @@ class LearnerTablePolicy(ParamsPolicy[G], Generic[G, L]):
             raise PolicyError(f"state is not {self.state_schema} with gamma_max={self.gamma_max}")
         try:
             self._table.load(state, self._learner_from_json)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise PolicyError(f"malformed {self.name} state: {exc!r}") from exc
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
+            raise MalformedStateError(f"malformed {self.name} state: {exc!r}") from exc
 
     def forget_learner(self, learner_key: str) -> None:
         self._table.forget_learner(learner_key)

@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 from nightjar_common.types import BinType, Choice, StepContext, StepOutcome
 from policy_server.policies.base import (
     FILE_PATH,
+    MalformedStateError,
     PolicyError,
     load_prefill_cost,
     parse_params,
@@ -30,6 +31,10 @@ log = logging.getLogger(__name__)
 
 STATE_SCHEMA = "nightjar/1"
 BUCKETINGS = ("exact", "pow2")
+# The largest max_batch_size, and so batch-size context, of a state.
+MAX_BATCH_SIZE = 1 << 20
+# Pulls of an arm a state may hold (a step a microsecond for 290,000 years).
+MAX_COUNT = 1 << 63
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -52,8 +57,10 @@ class NightjarParams:
     def __post_init__(self) -> None:
         if not 1 <= self.gamma_max <= 64:
             raise PolicyError(f"gamma_max must be in 1..64, got {self.gamma_max}")
-        if not 1 <= self.max_batch_size <= 1 << 20:
-            raise PolicyError(f"max_batch_size must be in 1..{1 << 20}, got {self.max_batch_size}")
+        if not 1 <= self.max_batch_size <= MAX_BATCH_SIZE:
+            raise PolicyError(
+                f"max_batch_size must be in 1..{MAX_BATCH_SIZE}, got {self.max_batch_size}"
+            )
         if self.batch_bucketing not in BUCKETINGS:
             raise PolicyError(f"batch_bucketing must be one of {BUCKETINGS}")
 
@@ -195,14 +202,20 @@ class NightjarPolicy(EngineStatePolicy[NightjarParams, EngineState, dict[int, Ar
         if state.get("schema") != STATE_SCHEMA:
             raise PolicyError(f"state schema {state.get('schema')!r} is not {STATE_SCHEMA}")
         self._check_gamma_max(state)
+        top = self._params.gamma_max
         try:
-            engines = {str(eid): _engine_from_json(e) for eid, e in dict(state["engines"]).items()}
+            engines = {
+                str(eid): _engine_from_json(e, top) for eid, e in dict(state["engines"]).items()
+            }
             learners = {
-                str(lid): {int(k): _stats_from_json(v, self._arms) for k, v in dict(ctxs).items()}
+                str(lid): {
+                    _context_key(k): _stats_from_json(v, self._arms) for k, v in dict(ctxs).items()
+                }
                 for lid, ctxs in dict(state["learners"]).items()
             }
-        except (KeyError, TypeError, ValueError) as exc:
-            raise PolicyError(f"malformed nightjar state: {exc!r}") from exc
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
+            raise MalformedStateError(f"malformed nightjar state: {exc!r}") from exc
+        # Only once all of it is checked: nothing changes on a refusal.
         self._book.engines, self._book.learners = engines, learners
 
     # -- internals ----------------------------------------------------------------------
@@ -283,23 +296,70 @@ def _engine_to_json(engine: EngineState) -> dict[str, Any]:
     }
 
 
-def _engine_from_json(data: Mapping[str, Any]) -> EngineState:
-    rng = SplitMix64(int(data["rng"]))
-    schedules = {int(k): BinSchedule(**v) for k, v in dict(data["schedules"]).items()}
+def _engine_from_json(data: Mapping[str, Any], gamma_max: int) -> EngineState:
+    """An engine's record, every value in the range this policy could have written
+    (ValueError otherwise): γ_prev in 0..gamma_max, the RNG a 64-bit state, schedules of
+    Algorithm 1 (see _schedule_from_json)."""
+    rng = data["rng"]
+    if not _is_int(rng) or not 0 <= rng < 1 << 64:
+        raise ValueError(f"rng must be an integer in 0..2^64-1, got {rng!r}")
+    schedules = {
+        _context_key(k): _schedule_from_json(v) for k, v in dict(data["schedules"]).items()
+    }
     previous = data["previous_gamma"]
+    if previous is not None and (not _is_int(previous) or not 0 <= previous <= gamma_max):
+        raise ValueError(f"previous_gamma must be null or in 0..{gamma_max}, got {previous!r}")
+    learner = data["learner"]
+    if not isinstance(learner, str):
+        raise TypeError(f"learner must be a string, got {learner!r}")
     return EngineState(
-        rng=rng,
-        learner_id=str(data["learner"]),
-        previous_gamma=None if previous is None else int(previous),
+        rng=SplitMix64(rng),
+        learner_id=learner,
+        previous_gamma=previous,
         schedules=schedules,
     )
 
 
+# The largest block a schedule can reach: block j lasts 2^(j-1) bins of rounds, so the
+# 64th starts after more than 2^62 steps.
+MAX_BLOCK = 64
+
+
+def _schedule_from_json(data: Mapping[str, Any]) -> BinSchedule:
+    """A BinSchedule as advance() leaves it: block in 1..MAX_BLOCK, its length 2^(block-1),
+    bin and round in 1..isqrt(length)+1, explore a boolean (ValueError otherwise)."""
+    schedule = BinSchedule(**data)
+    counters = (schedule.block, schedule.block_length, schedule.bin, schedule.round)
+    if not all(_is_int(c) for c in counters) or not isinstance(schedule.explore, bool):
+        raise TypeError(f"schedule counters must be integers, explore a boolean: {dict(data)}")
+    if not 1 <= schedule.block <= MAX_BLOCK or schedule.block_length != 2 ** (schedule.block - 1):
+        raise ValueError(f"schedule block must be in 1..{MAX_BLOCK}, its length 2^(block-1)")
+    limit = math.isqrt(schedule.block_length) + 1
+    if not (1 <= schedule.bin <= limit and 1 <= schedule.round <= limit):
+        raise ValueError(f"schedule bin and round must be in 1..{limit}: {dict(data)}")
+    return schedule
+
+
+def _context_key(key: Any) -> int:
+    """A batch-size context of a state: 1..MAX_BATCH_SIZE (ValueError otherwise)."""
+    value = int(key)
+    if not 1 <= value <= MAX_BATCH_SIZE:
+        raise ValueError(f"batch-size context must be in 1..{MAX_BATCH_SIZE}, got {key!r}")
+    return value
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _stats_from_json(data: Mapping[str, Any], arms: int) -> ArmStats:
+    """Goodput means (finite, >= 0: goodput is) and pull counts (0..2^63) of each arm."""
     means = [float(x) for x in data["means"]]
     counts = [int(x) for x in data["counts"]]
     if len(means) != arms or len(counts) != arms:
         raise ValueError(f"expected {arms} arms, got {len(means)}")
-    if any(not math.isfinite(m) for m in means) or any(c < 0 for c in counts):
-        raise ValueError("non-finite mean or negative count")
+    if not all(math.isfinite(m) and m >= 0 for m in means):
+        raise ValueError("goodput means must be finite and >= 0")
+    if not all(0 <= c <= MAX_COUNT for c in counts):
+        raise ValueError(f"pull counts must be in 0..{MAX_COUNT}")
     return ArmStats(means, counts)

@@ -23,6 +23,9 @@ from policy_server.policies.base import PolicyError, feasible_gamma_max, parse_p
 from policy_server.policies.learner_table import LearnerTable, LearnerTablePolicy
 
 STATE_SCHEMA = "ucb/1"
+# Pulls of an arm a state may hold, and its largest batch bucket.
+MAX_COUNT = 1 << 63
+MAX_BUCKET = 1 << 62
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -105,9 +108,15 @@ class UcbPolicy(LearnerTablePolicy[UcbParams, dict[int, ArmSet]]):
             arms = ArmSet(sums, counts, float(data["best"]))
             if len(arms.sums) != arms_per_set or len(arms.counts) != arms_per_set:
                 raise ValueError(f"expected {arms_per_set} arms")
-            if not all(math.isfinite(s) for s in arms.sums) or min(arms.counts) < 0:
-                raise ValueError("non-finite sum or negative count")
-            out[int(bucket)] = arms
+            # Rewards are goodputs: sums and the best are finite and >= 0.
+            if not all(math.isfinite(s) and s >= 0 for s in [*arms.sums, arms.best]):
+                raise ValueError("reward sums and the best reward must be finite and >= 0")
+            if not all(0 <= c <= MAX_COUNT for c in arms.counts):
+                raise ValueError(f"pull counts must be in 0..{MAX_COUNT}")
+            key = int(bucket)
+            if not 1 <= key <= MAX_BUCKET or key != bucket_of(key):
+                raise ValueError(f"batch bucket must be a power of two in 1..{MAX_BUCKET}")
+            out[key] = arms
         return out
 
     def _arm_set(self, ctx: StepContext) -> ArmSet:
