@@ -774,6 +774,8 @@ class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner])
         if observed < 0:
             raise ValueError("observed_steps must be >= 0")
         previous = data["previous_gamma"]
+        if previous is not None and not 0 <= int(previous) <= self._params.gamma_max:
+            raise ValueError(f"previous_gamma must be None or in 0..{self._params.gamma_max}")
         return EngineState(
             rng=_generator_from_state(data["rng"]),
             learner_id=str(data["learner"]),
@@ -838,10 +840,9 @@ class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner])
         )
         if not 0 <= learner.min_draft_passes <= p.gamma_max:
             raise ValueError(f"min_draft_passes must be in 0..{p.gamma_max}")
-        if learner.steps < 0 or not (
-            math.isfinite(learner.prefill_tokens) and math.isfinite(learner.context_per_request)
-        ):
-            raise ValueError("steps must be >= 0, token means finite")
+        means = (learner.prefill_tokens, learner.context_per_request)
+        if learner.steps < 0 or not all(math.isfinite(m) and m >= 0 for m in means):
+            raise ValueError("steps must be >= 0, token means finite and >= 0")
         return learner
 
 

@@ -442,6 +442,8 @@ def test_the_drafters_minimum_passes_survive_a_snapshot_within_gamma_max() -> No
         ("correction", [[6, 1, -2.0] + [0.0] * 15]),
         ("correction", [[6, 1, 3.0]]),
         ("min_draft_passes", GAMMA_MAX + 1),
+        ("prefill_tokens", -1.0),
+        ("context_per_request", -5.0),
     ],
 )
 def test_malformed_state_is_refused_and_changes_nothing(part: str, value: Any) -> None:
@@ -454,6 +456,18 @@ def test_malformed_state_is_refused_and_changes_nothing(part: str, value: Any) -
         learner[part].update(value)
     else:
         learner[part] = value
+    with pytest.raises(PolicyError):
+        policy.load_state(broken)
+    assert policy.state() == before
+
+
+@pytest.mark.parametrize("previous_gamma", [GAMMA_MAX + 1, 99, -1])
+def test_a_previous_gamma_beyond_the_range_is_refused(previous_gamma: int) -> None:
+    policy = GoodputModelPolicy({"gamma_max": GAMMA_MAX})
+    drive(policy, Environment(alpha=0.7), 50)
+    before = policy.state()
+    broken = json.loads(json.dumps(before))
+    broken["engines"]["e"]["previous_gamma"] = previous_gamma
     with pytest.raises(PolicyError):
         policy.load_state(broken)
     assert policy.state() == before
