@@ -136,7 +136,8 @@ GPU_PYTHON ?= python3
 bench-memory-gpu:
 	$(GPU_PYTHON) -m benchmarks.memory_gpu --out docs/BENCHMARKS.md
 
-# Options of benchmarks/fuzz (--help), e.g. FUZZ_ARGS=--quick (the CI slice).
+# Options of benchmarks/fuzz (--help), e.g. FUZZ_ARGS=--quick (the CI slice), or
+# FUZZ_ARGS=--hardening-only (only the classes of issue 28 -> docs/reliability/fuzz-hardening.json).
 fuzz: $(VLLM_STAMP)
 	$(PY) -m benchmarks.fuzz $(FUZZ_ARGS)
 

@@ -1,9 +1,11 @@
-"""`make fuzz`: fuzz every RPC of the three services; `--quick` is the CI slice.
+"""`make fuzz`: fuzz every RPC of the three services, then the hardening classes of
+issue 28 (hardening.py); `--quick` is the CI slice.
 
-    python -m benchmarks.fuzz [--quick] [--requests N] [--seed S] [--json PATH]
+    python -m benchmarks.fuzz [--quick] [--hardening-only] [--requests N] [--seed S]
+        [--json PATH] [--hardening-json PATH]
 
-Writes the result (docs/reliability/fuzz.json by default, in the Reliability report's
-format) and exits 1 when a server crashed or answered wrongly.
+Writes the results (docs/reliability/fuzz.json and fuzz-hardening.json by default, in the
+Reliability report's format) and exits 1 when a server crashed or answered wrongly.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 from nightjar_proto.v1 import policy_pb2
 
+from benchmarks.fuzz import hardening
 from benchmarks.fuzz import strategies as fs
 from benchmarks.fuzz.processes import ServerProcess
 from benchmarks.fuzz.runner import Method, Sender, Tally, message_class, methods
@@ -165,17 +168,63 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, help="requests in all (default 110,000)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=Path("docs/reliability/fuzz.json"))
+    parser.add_argument(
+        "--hardening-json", type=Path, default=Path("docs/reliability/fuzz-hardening.json")
+    )
+    parser.add_argument(
+        "--hardening-only",
+        action="store_true",
+        help="only the hardening classes (snapshot documents and files, parameter values, "
+        "outcomes), not the protocol fuzzing",
+    )
     args = parser.parse_args(argv)
-    total = args.requests or (4_000 if args.quick else 110_000)
-    started = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="nj-fuzz-") as tmp:
-        tally = fuzz(Path(tmp), total, args.seed)
-    elapsed = time.monotonic() - started
-    result = report(tally, elapsed, args.quick, args.requests)
-    print(json.dumps({**result, "details": tally.as_dict()}, indent=2))
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({**result, "details": tally.as_dict()}, indent=2) + "\n")
-    return 0 if result["passed"] else 1
+    passed = True
+    if not args.hardening_only:
+        total = args.requests or (4_000 if args.quick else 110_000)
+        started = time.monotonic()
+        with tempfile.TemporaryDirectory(prefix="nj-fuzz-") as tmp:
+            tally = fuzz(Path(tmp), total, args.seed)
+        elapsed = time.monotonic() - started
+        result = report(tally, elapsed, args.quick, args.requests)
+        print(json.dumps({**result, "details": tally.as_dict()}, indent=2))
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({**result, "details": tally.as_dict()}, indent=2) + "\n")
+        passed = bool(result["passed"])
+    with tempfile.TemporaryDirectory(prefix="nj-fuzz-hardening-") as tmp:
+        rows = hardening_rows(hardening.run(Path(tmp), args.quick, args.seed), args)
+    print(json.dumps(rows, indent=2))
+    args.hardening_json.parent.mkdir(parents=True, exist_ok=True)
+    args.hardening_json.write_text(json.dumps(rows, indent=2) + "\n")
+    return 0 if passed and all(row["passed"] for row in rows) else 1
+
+
+def hardening_rows(
+    results: Sequence[hardening.ClassResult], args: argparse.Namespace
+) -> list[dict[str, Any]]:
+    """The Reliability report's rows of the hardening classes."""
+    from benchmarks.host import machine
+
+    command = "make fuzz" + (" FUZZ_ARGS=--quick" if args.quick else "")
+    if args.hardening_only:
+        command = "make fuzz FUZZ_ARGS='--hardening-only" + (" --quick'" if args.quick else "'")
+    return [
+        {
+            "test": f"fuzz, hardening: {result.name}",
+            "what": result.what + "; after each: alive, SERVING, γ within 0..Γmax and the "
+            "engine's max_gamma, no number beyond what a policy learns, a refusal changes "
+            "nothing",
+            "figure": (
+                f"{result.cases:,} cases, {result.refused:,} refused, "
+                f"{len(result.failures)} failures"
+                + (f" (first: {result.failures[0][:300]})" if result.failures else "")
+            ),
+            "passed": not result.failures,
+            "date": datetime.date.today().isoformat(),
+            "machine": machine(),
+            "command": command,
+        }
+        for result in results
+    ]
 
 
 def fuzz(workdir: Path, total: int, run_seed: int) -> Tally:

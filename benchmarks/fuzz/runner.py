@@ -288,8 +288,13 @@ class Sender:
         try:
             if target == "sidecar":
                 get_state = unary(channel, "/nightjar.v1.AdminService/GetState")
+                # With the token: without it the state of all engines is a summary.
                 state = admin_pb2.GetStateResponse.FromString(
-                    get_state(admin_pb2.GetStateRequest().SerializeToString(), timeout=TIMEOUT_S)
+                    get_state(
+                        admin_pb2.GetStateRequest().SerializeToString(),
+                        metadata=self.metadata(1),
+                        timeout=TIMEOUT_S,
+                    )
                 )
                 view = {
                     "policy_name": state.policy_name,

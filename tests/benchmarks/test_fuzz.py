@@ -20,12 +20,23 @@ INVALID = grpc.StatusCode.INVALID_ARGUMENT
 
 
 def test_quick_fuzz_slice_finds_no_crash_wrong_code_or_state_change(tmp_path: Path) -> None:
-    out = tmp_path / "fuzz.json"
+    out, hardened = tmp_path / "fuzz.json", tmp_path / "fuzz-hardening.json"
     run = subprocess.run(
-        [sys.executable, "-m", "benchmarks.fuzz", "--quick", "--seed", "7", "--json", str(out)],
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.fuzz",
+            "--quick",
+            "--seed",
+            "7",
+            "--json",
+            str(out),
+            "--hardening-json",
+            str(hardened),
+        ],
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=300,
     )
     assert out.exists(), run.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -40,6 +51,15 @@ def test_quick_fuzz_slice_finds_no_crash_wrong_code_or_state_change(tmp_path: Pa
     assert details["by_code"]["OK"] > 100 and details["by_code"]["INVALID_ARGUMENT"] > 500
     assert details["by_code"]["UNAUTHENTICATED"] > 0 and details["state_checks"] > 1000
     assert {"test", "what", "figure", "passed", "date", "machine", "command"} <= set(result)
+    # The hardening classes of issue 28: every case ran, none failed.
+    rows = json.loads(hardened.read_text())
+    assert [row["test"].split(": ", 1)[1] for row in rows] == [
+        "snapshot documents",
+        "snapshot file kinds",
+        "parameter values",
+        "implausible outcomes",
+    ]
+    assert all(row["passed"] and " 0 failures" in row["figure"] for row in rows), rows
 
 
 def raw_call(channel: grpc.Channel, path: str, payload: bytes) -> grpc.StatusCode:
