@@ -29,6 +29,11 @@ class MalformedStateError(PolicyError):
     type), as opposed to a well-formed one that does not fit (another schema or Γmax)."""
 
 
+# The largest count (steps, pulls, tokens summed) a learned state may hold: a step a
+# microsecond for 290,000 years.
+MAX_COUNT = 1 << 63
+
+
 class Policy(Protocol):
     """What deciding γ takes; as small as SGLang's adaptive-spec protocol
     (get_steps_for_batch / on_verify_complete). The simulator drives policies through it."""

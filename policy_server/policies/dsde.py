@@ -35,6 +35,7 @@ from typing import Any, ClassVar
 
 from nightjar_common.types import BinType, Choice, RequestSignals, StepContext, StepOutcome
 from policy_server.policies.base import (
+    MAX_COUNT,
     CheckpointedDecide,
     MalformedStateError,
     ParamsPolicy,
@@ -48,9 +49,8 @@ EPSILON = 1e-6
 # Per-request histories an engine keeps (requests of its latest steps): bounded, so that
 # a client cannot make the server hold an unbounded number.
 MAX_REQUESTS = 4096
-# Counts of a calibration a state may hold, and the most tokens one request may have
-# accepted in a step (a step's token counts are checked against 2^31).
-MAX_COUNT = 1 << 63
+# The most tokens one request may have accepted in a step (a step's token counts are
+# checked against 2^31).
 MAX_ACCEPTED = 1 << 31
 
 

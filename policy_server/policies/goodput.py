@@ -48,6 +48,8 @@ import numpy.typing as npt
 from nightjar_common.types import BinType, Choice, StepContext, StepOutcome
 from policy_server.policies.base import (
     FILE_PATH,
+    MAX_COUNT,
+    MalformedStateError,
     PolicyError,
     load_prefill_cost,
     parse_params,
@@ -489,8 +491,8 @@ class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner])
                 str(lid): self._learner_from_json(data)
                 for lid, data in dict(state["learners"]).items()
             }
-        except (KeyError, TypeError, ValueError) as exc:
-            raise PolicyError(f"malformed goodput state: {exc!r}") from exc
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
+            raise MalformedStateError(f"malformed goodput state: {exc!r}") from exc
         self._book.engines, self._book.learners = engines, learners
 
     # -- what operators and tests look at ------------------------------------------------
@@ -770,16 +772,19 @@ class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner])
 
     def _engine_from_json(self, data: Mapping[str, Any]) -> EngineState:
         # Absent from goodput/3 states and older: no request records, none observed.
-        observed = int(data.get("observed_steps", 0))
-        if observed < 0:
-            raise ValueError("observed_steps must be >= 0")
+        observed = _count(data.get("observed_steps", 0), "observed_steps")
         previous = data["previous_gamma"]
-        if previous is not None and not 0 <= int(previous) <= self._params.gamma_max:
+        if previous is not None and not (
+            _is_int(previous) and 0 <= previous <= self._params.gamma_max
+        ):
             raise ValueError(f"previous_gamma must be None or in 0..{self._params.gamma_max}")
+        learner_id = data["learner"]
+        if not isinstance(learner_id, str):
+            raise TypeError("an engine's learner must be a string")
         return EngineState(
             rng=_generator_from_state(data["rng"]),
-            learner_id=str(data["learner"]),
-            previous_gamma=None if previous is None else int(previous),
+            learner_id=learner_id,
+            previous_gamma=previous,
             # Absent from states written before the trials: none started.
             trials=_trials_from_json(data.get("trials", []), self._params.gamma_max),
             requests=records_from_json(data.get("requests", {}), observed),
@@ -832,7 +837,7 @@ class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner])
                 p.correction_prior_steps,
                 p.gamma_max,
             ),
-            steps=int(data["steps"]),
+            steps=_count(data["steps"], "steps"),
             prefill_tokens=float(data["prefill_tokens"]),
             context_per_request=float(data.get("context_per_request", 0.0)),
             # Absent from states written before v1.6's field: an engine that sent none.
@@ -841,8 +846,8 @@ class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner])
         if not 0 <= learner.min_draft_passes <= p.gamma_max:
             raise ValueError(f"min_draft_passes must be in 0..{p.gamma_max}")
         means = (learner.prefill_tokens, learner.context_per_request)
-        if learner.steps < 0 or not all(math.isfinite(m) and m >= 0 for m in means):
-            raise ValueError("steps must be >= 0, token means finite and >= 0")
+        if not all(math.isfinite(m) and m >= 0 for m in means):
+            raise ValueError("token means must be finite and >= 0")
         return learner
 
 
@@ -867,6 +872,17 @@ def _best(goodput: FloatArray, allowed: Mask | None) -> npt.NDArray[np.intp]:
 def _choice(gamma: int, kind: BinType) -> Choice:
     """The (immutable) choice of ``gamma`` as ``kind``, shared: a table holds one per size."""
     return Choice(gamma=gamma, bin_type=kind)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _count(value: Any, name: str) -> int:
+    """A step count read from a state: an integer in 0..MAX_COUNT."""
+    if not (_is_int(value) and 0 <= value <= MAX_COUNT):
+        raise ValueError(f"{name} must be an integer in 0..{MAX_COUNT}")
+    return int(value)
 
 
 def _trials_from_json(data: Any, gamma_max: int) -> Trials:

@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 from nightjar_common.types import BinType, Choice, StepContext, StepOutcome
 from policy_server.policies.base import (
     FILE_PATH,
+    MAX_COUNT,
     MalformedStateError,
     PolicyError,
     load_prefill_cost,
@@ -33,8 +34,6 @@ STATE_SCHEMA = "nightjar/1"
 BUCKETINGS = ("exact", "pow2")
 # The largest max_batch_size, and so batch-size context, of a state.
 MAX_BATCH_SIZE = 1 << 20
-# Pulls of an arm a state may hold (a step a microsecond for 290,000 years).
-MAX_COUNT = 1 << 63
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -19,12 +19,16 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from nightjar_common.types import BinType, Choice, StepContext, StepOutcome
-from policy_server.policies.base import PolicyError, feasible_gamma_max, parse_params
+from policy_server.policies.base import (
+    MAX_COUNT,
+    PolicyError,
+    feasible_gamma_max,
+    parse_params,
+)
 from policy_server.policies.learner_table import LearnerTable, LearnerTablePolicy
 
 STATE_SCHEMA = "ucb/1"
-# Pulls of an arm a state may hold, and its largest batch bucket.
-MAX_COUNT = 1 << 63
+# The largest batch bucket a state may hold.
 MAX_BUCKET = 1 << 62
 
 

@@ -22,6 +22,7 @@ from nightjar_proto.v1 import admin_pb2, policy_pb2
 from nightjar_common import wire
 from nightjar_common.types import BinType, StepContext, StepOutcome
 from policy_server.policies import DEFAULT_POLICY, PolicyError, create_policy
+from policy_server.policies.base import MalformedStateError
 from policy_server.policies.goodput import STATE_SCHEMA, GoodputModelPolicy
 from policy_server.policies.models import (
     StepTimeModel,
@@ -444,6 +445,8 @@ def test_the_drafters_minimum_passes_survive_a_snapshot_within_gamma_max() -> No
         ("min_draft_passes", GAMMA_MAX + 1),
         ("prefill_tokens", -1.0),
         ("context_per_request", -5.0),
+        ("steps", 1 << 70),
+        ("steps", -1),
     ],
 )
 def test_malformed_state_is_refused_and_changes_nothing(part: str, value: Any) -> None:
@@ -461,14 +464,26 @@ def test_malformed_state_is_refused_and_changes_nothing(part: str, value: Any) -
     assert policy.state() == before
 
 
-@pytest.mark.parametrize("previous_gamma", [GAMMA_MAX + 1, 99, -1])
-def test_a_previous_gamma_beyond_the_range_is_refused(previous_gamma: int) -> None:
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("previous_gamma", GAMMA_MAX + 1),
+        ("previous_gamma", 99),
+        ("previous_gamma", -1),
+        ("previous_gamma", 2.5),
+        ("observed_steps", 1 << 70),
+        ("observed_steps", -1),
+        ("learner", ["engine:e"]),
+    ],
+)
+def test_an_engine_record_out_of_range_is_malformed(field: str, value: Any) -> None:
+    """Refused as malformed (Restore: INVALID_ARGUMENT), and nothing changes."""
     policy = GoodputModelPolicy({"gamma_max": GAMMA_MAX})
     drive(policy, Environment(alpha=0.7), 50)
     before = policy.state()
     broken = json.loads(json.dumps(before))
-    broken["engines"]["e"]["previous_gamma"] = previous_gamma
-    with pytest.raises(PolicyError):
+    broken["engines"]["e"][field] = value
+    with pytest.raises(MalformedStateError):
         policy.load_state(broken)
     assert policy.state() == before
 
