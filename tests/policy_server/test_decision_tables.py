@@ -25,6 +25,7 @@ from nightjar_common.errors import InvalidArgumentError
 from nightjar_common.tables import SPENT, NextStep, TableCache, refresh_due
 from nightjar_common.types import GammaTable, RanStep, StepContext, StepOutcome
 from policy_server.service import DecisionService
+from tests.rigs.outcomes import step_outcome
 
 
 def context(step: int, batch: int, previous: int | None = None, **extra: Any) -> StepContext:
@@ -40,16 +41,7 @@ def context(step: int, batch: int, previous: int | None = None, **extra: Any) ->
 
 
 def outcome(decision_id: str, gamma: int, batch: int) -> StepOutcome:
-    accepted = gamma * batch // 2
-    return StepOutcome(
-        decision_id=decision_id,
-        engine_id="e0",
-        gamma=gamma,
-        step_seconds=0.01 + 0.0004 * batch * (1 + gamma),
-        generated_tokens=batch + accepted,
-        drafted_tokens=gamma * batch,
-        accepted_tokens=accepted,
-    )
+    return step_outcome(decision_id, "e0", gamma, batch)
 
 
 def test_a_table_holds_the_decisions_candidates_would_get() -> None:

@@ -23,20 +23,11 @@ from policy_server.policies import REGISTRY
 from policy_server.policies.base import UNOWNED, merge_state_parts
 from policy_server.service import DecisionService
 from policy_server.state_text import StateText
+from tests.rigs.outcomes import step_outcome
 
 
 def outcome(decision: Decision, ctx: StepContext) -> StepOutcome:
-    gamma, batch = decision.gamma, ctx.batch_size
-    accepted = gamma * batch // 2
-    return StepOutcome(
-        decision_id=decision.decision_id,
-        engine_id=ctx.engine_id,
-        gamma=gamma,
-        step_seconds=0.01 + 0.0004 * batch * (1 + gamma),
-        generated_tokens=batch + accepted,
-        drafted_tokens=gamma * batch,
-        accepted_tokens=accepted,
-    )
+    return step_outcome(decision.decision_id, ctx.engine_id, decision.gamma, ctx.batch_size)
 
 
 def drive(service: DecisionService, engine: str, steps: int, key: str = "") -> None:

@@ -22,6 +22,7 @@ from nightjar_common.errors import NotFoundError
 from nightjar_common.types import Decision, StepContext, StepOutcome
 from policy_server.policies import REGISTRY
 from policy_server.service import DecisionService
+from tests.rigs.outcomes import step_outcome
 from vllm_client_patch.controller import candidate_batch_sizes
 
 STEPS = 400
@@ -39,18 +40,7 @@ def batch_walk(seed: int, steps: int) -> list[int]:
 
 
 def outcome(decision: Decision, ctx: StepContext) -> StepOutcome:
-    """A deterministic step result: speculation pays at small batches, costs at large."""
-    gamma, batch = decision.gamma, ctx.batch_size
-    accepted = gamma * batch // 2
-    return StepOutcome(
-        decision_id=decision.decision_id,
-        engine_id=ctx.engine_id,
-        gamma=gamma,
-        step_seconds=0.01 + 0.0004 * batch * (1 + gamma),
-        generated_tokens=batch + accepted,
-        drafted_tokens=gamma * batch,
-        accepted_tokens=accepted,
-    )
+    return step_outcome(decision.decision_id, ctx.engine_id, decision.gamma, ctx.batch_size)
 
 
 def context(step: int, batch: int, **extra: Any) -> StepContext:
