@@ -714,7 +714,9 @@ class NightjarClient:
         self.stats.decisions += 1
         taken = self._tables.take(ctx, time.monotonic())
         if isinstance(taken, str):
-            self.stats.table_misses[taken] += 1
+            # Whether the table that would have answered was on its way: a refresh asked
+            # for too late, or one answered too late.
+            self.stats.table_misses[f"{taken} (refreshing)" if self._refreshing else taken] += 1
             waited = self._wait_for_table(ctx)
             if isinstance(waited, GammaDecision):
                 return waited

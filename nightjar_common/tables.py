@@ -26,7 +26,8 @@ NO_TABLE = "no_table"
 OUT_OF_RANGE = "batch_size"
 OTHER_STATE = "speculation_state"
 SPENT = "exploring_spent"
-EXPIRED = "expired"
+EXPIRED = "expired"  # older than valid_ms
+USED_UP = "used_up"  # served valid_steps steps
 
 T = TypeVar("T")
 
@@ -100,7 +101,9 @@ class TableCache:
         if isinstance(index, str):
             return index
         table = held.table
-        if held.uses >= table.valid_steps or held.age_ms(now) >= table.valid_ms:
+        if held.uses >= table.valid_steps:
+            return USED_UP
+        if held.age_ms(now) >= table.valid_ms:
             return EXPIRED
         exploring = table.exploring[index] if index < len(table.exploring) else False
         if exploring:

@@ -131,7 +131,9 @@ def test_a_stalled_sidecar_leaves_the_held_table_until_it_expires(make_server) -
         sources = [d.source for d in stalled]
         answered = sources.index("fallback")
         assert 0 < answered < 64 and set(sources[answered:]) == {"fallback"}
-        assert client.stats.table_misses["expired"] >= 1
+        # Its 64 steps used up (or its second gone), with the refresh asked for unanswered.
+        misses = client.stats.table_misses
+        assert sum(n for why, n in misses.items() if why.startswith(("used_up", "expired"))) >= 1
         assert client.stats.fallbacks["deadline"] >= 80 - 64
         assert wait_until(lambda: step(client, 200).source == "sidecar")
     finally:
