@@ -407,10 +407,6 @@ class NightjarClient:
         # Set by the engine's thread when REPORT_BATCH_OUTCOMES are queued: the sender
         # thread sends them.
         self._flush_wanted = False
-        # The request of the last step the held table could not answer, until answered:
-        # while it is unanswered a miss falls back at once instead of asking again (a
-        # sidecar behind its queue gets no more requests from this engine than it answers).
-        self._miss_request: PendingReply | None = None
         self._sender: threading.Thread | None = None
         if self._use_tables:
             self._sender = threading.Thread(
@@ -730,13 +726,8 @@ class NightjarClient:
         return GammaDecision(taken.gamma, "sidecar", table_step=taken)
 
     def _wait_for_table(self, ctx: StepContext) -> TableStep | GammaDecision:
-        """Ask for a table for ``ctx`` now and take its entry, within the deadline (unless
-        the last miss's request is still unanswered: then the fallback at once)."""
-        outstanding = self._miss_request
-        if outstanding is not None and not outstanding.done:
-            return self._fall_back(ctx, "behind")
+        """Ask for a table for ``ctx`` now and take its entry, within the deadline."""
         future, seq = self._send_batch(ctx, want_table=True)
-        self._miss_request = future
         reply = self._await(ctx, future)
         if isinstance(reply, GammaDecision):
             return reply

@@ -118,8 +118,7 @@ def test_a_stalled_sidecar_costs_at_most_the_deadline(make_server) -> None:
 
 def test_a_stalled_sidecar_leaves_the_held_table_until_it_expires(make_server) -> None:
     """With decision tables a stalled sidecar costs nothing while the held table is valid
-    (64 steps, 1 s); then the first step it cannot answer waits at most the deadline and
-    falls back, and the next ones fall back at once while that request is unanswered."""
+    (64 steps, 1 s), then each step waits at most the deadline and falls back."""
     server = make_server()
     client = make_client(server.target, deadline_s=0.005, connect_timeout_s=5)
     try:
@@ -135,11 +134,7 @@ def test_a_stalled_sidecar_leaves_the_held_table_until_it_expires(make_server) -
         # Its 64 steps used up (or its second gone), with the refresh asked for unanswered.
         misses = client.stats.table_misses
         assert sum(n for why, n in misses.items() if why.startswith(("used_up", "expired"))) >= 1
-        # One request waits for its answer: the steps after it fall back at once, without
-        # adding to the stalled sidecar's queue.
-        fallbacks = client.stats.fallbacks
-        assert fallbacks["deadline"] + fallbacks["behind"] >= 80 - 64
-        assert 1 <= fallbacks["deadline"] <= 3 and fallbacks["behind"] >= 80 - 64 - 3
+        assert client.stats.fallbacks["deadline"] >= 80 - 64
         assert wait_until(lambda: step(client, 200).source == "sidecar")
     finally:
         client.close()
