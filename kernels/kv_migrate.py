@@ -142,16 +142,18 @@ def _kernel() -> Any:
     import triton.language as tl
 
     # No annotations but tl.constexpr: Triton's compiler resolves each annotation as a
-    # global of the kernel, and a typing name such as Any fails to compile.
-    @triton.jit  # type: ignore[untyped-decorator]
+    # global of the kernel, and a typing name such as Any fails to compile. The two loop
+    # bounds are compile-time constants (one binary per layout; an engine has one or
+    # two): Triton 3.6's interpreter turns a runtime loop bound into a one-element array,
+    # which numpy >= 2.5 refuses to convert to an int.
     def migrate_blocks_kernel(  # type: ignore[no-untyped-def]
         buf,
         src_ids,
         dst_ids,
-        num_layers,
+        num_layers: tl.constexpr,
         layer_stride,
         block_stride,
-        page_numel,
+        page_numel: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
         move = tl.program_id(0)
@@ -167,5 +169,5 @@ def _kernel() -> Any:
                 values = tl.load(buf + base + src + index, mask=mask)
                 tl.store(buf + base + dst + index, values, mask=mask)
 
-    _KERNEL = migrate_blocks_kernel
+    _KERNEL = triton.jit(migrate_blocks_kernel)
     return _KERNEL

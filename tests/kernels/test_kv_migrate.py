@@ -117,14 +117,16 @@ def test_kernel_compiles_to_cuda_machine_code_without_a_gpu(
         "buf": "*bf16",
         "src_ids": "*i64",
         "dst_ids": "*i64",
-        "num_layers": "i32",
+        "num_layers": "constexpr",
         "layer_stride": "i64",
         "block_stride": "i32",
-        "page_numel": "i32",
+        "page_numel": "constexpr",
         "BLOCK": "constexpr",
     }
+    # Llama-3-8B's layout: 32 layers of 64 KiB bf16 pages.
+    constants = {"num_layers": 32, "page_numel": 32768, "BLOCK": 1024}
     source = triton.compiler.ASTSource(
-        fn=kv_migrate._kernel(), signature=signature, constexprs={"BLOCK": 1024}
+        fn=kv_migrate._kernel(), signature=signature, constexprs=constants
     )
     compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32))
     assert b"ELF" in compiled.asm["cubin"][:4]
