@@ -14,8 +14,12 @@ download: KV buffers and draft models are random tensors shaped like real ones.
 3. Draft weights in the KV buffer's top blocks (`memory_agent/draft_slot.py`): settle,
    hand-over, reload into the same addresses after KV data was written over them, and
    emptying the slot with the planner and the kernel.
+4. The draft's memory under the KV buffer's top blocks through CUDA virtual memory
+   (`memory_agent/vmm*.py`): blocks gained, offload, reload dispatch and completion,
+   compaction, CUDA graph replay identity and free memory over the cycles.
 
 The parts: `benchmarks/memory_gpu_kv.py` (1.), `benchmarks/memory_gpu_drafts.py` (2., 3.),
+`benchmarks/memory_gpu_vmm.py` (4.),
 what is measured and the clocks in `benchmarks/memory_gpu_plan.py`, the section in
 `benchmarks/memory_gpu_report.py`; this module runs them and is the command line.
 
@@ -45,6 +49,7 @@ from benchmarks.memory_gpu_drafts import draft_rows, slot_rows
 from benchmarks.memory_gpu_kv import kv_rows
 from benchmarks.memory_gpu_plan import FULL, SMOKE, Plan
 from benchmarks.memory_gpu_report import render
+from benchmarks.memory_gpu_vmm import vmm_rows
 
 SECTION = "bench-memory-gpu"
 
@@ -84,9 +89,14 @@ def _driver() -> str:
         return "unknown"
 
 
-def measure(plan: Plan, device: torch.device, keep: Path | None = None) -> dict[str, Any]:
-    """Every part; a part that fails is recorded with its error, the others still run.
-    ``keep``: the results so far are written there after each part."""
+PARTS = {"kv": kv_rows, "draft": draft_rows, "slot": slot_rows, "vmm": vmm_rows}
+
+
+def measure(
+    plan: Plan, device: torch.device, keep: Path | None = None, parts: Sequence[str] = tuple(PARTS)
+) -> dict[str, Any]:
+    """The parts named, in that order; a part that fails is recorded with its error, the
+    others still run. ``keep``: the results so far are written there after each part."""
     results: dict[str, Any] = {
         "date": datetime.date.today().isoformat(),
         "env": environment(device),
@@ -95,10 +105,9 @@ def measure(plan: Plan, device: torch.device, keep: Path | None = None) -> dict[
         "cycles": plan.cycles,
         "errors": {},
     }
-    parts = {"kv": kv_rows, "draft": draft_rows, "slot": slot_rows}
-    for name, part in parts.items():
+    for name in parts:
         try:
-            results[name] = part(plan, device)
+            results[name] = PARTS[name](plan, device)
         except Exception as error:  # keep what the other parts measure
             traceback.print_exc()
             results[name] = []
@@ -117,6 +126,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, help="also keep the raw results here")
     parser.add_argument("--render", type=Path, help="render this JSON instead of measuring")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, CPU allowed")
+    parser.add_argument(
+        "--parts", default=",".join(PARTS), help=f"parts to run, in order (of {', '.join(PARTS)})"
+    )
     args = parser.parse_args(argv)
     if args.render:
         results = json.loads(args.render.read_text())
@@ -126,7 +138,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif not torch.cuda.is_available():
             parser.error("no CUDA device: this benchmark measures the GPU paths (--smoke: CPU)")
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        results = measure(SMOKE if args.smoke else FULL, device, args.json)
+        parts = [part for part in args.parts.split(",") if part]
+        unknown = set(parts) - set(PARTS)
+        if unknown:
+            parser.error(f"unknown parts {sorted(unknown)}: choose from {', '.join(PARTS)}")
+        results = measure(SMOKE if args.smoke else FULL, device, args.json, parts)
     text = render(results)
     print(text)
     if args.out:

@@ -57,6 +57,8 @@ class Plan:
     reps: int
     cycles: int
     matmul: int  # side of the bf16 products that stand in for the engine's steps
+    vmm_blocks: int  # blocks of the KV buffer the draft's memory goes under (part 4)
+    vmm_cycles: int
 
 
 LLAMA3_8B = KVShape("Llama-3-8B", layers=32, kv_heads=8, head_dim=128)
@@ -73,6 +75,8 @@ FULL = Plan(
     reps=10,
     cycles=5,
     matmul=4096,
+    vmm_blocks=8192,  # 16 GiB of Llama-3-8B KV
+    vmm_cycles=20,
 )
 SMOKE = Plan(
     kv=[(KVShape("tiny", 2, 1, 8, block_tokens=2), (8, 40))],
@@ -82,6 +86,8 @@ SMOKE = Plan(
     reps=2,
     cycles=2,
     matmul=64,
+    vmm_blocks=4096,
+    vmm_cycles=2,
 )
 
 

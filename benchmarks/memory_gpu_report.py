@@ -16,7 +16,7 @@ def gbs(nbytes: float, ms: float | None) -> str:
 
 
 def _products(results: dict[str, Any]) -> str:
-    rows = results["draft"]
+    rows = results.get("draft", [])
     side = rows[0]["matmul"] if rows else 0
     return f"{rows[0]['steps'] if rows else 0} bf16 products {side}×{side}×{side}"
 
@@ -57,7 +57,7 @@ def render(results: dict[str, Any]) -> str:
         "| `migrate()` ms |",
         "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for r in results["kv"]:
+    for r in results.get("kv", []):
         ms = r["ms"]
         lines.append(
             f"| {r['model']} ({r['layers']} × {r['page_bytes'] >> 10} KiB) | {r['layout']} "
@@ -85,7 +85,7 @@ def render(results: dict[str, Any]) -> str:
         "| reload complete ms (GB/s) | verify ms | products alone / during reload ms |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for r in results["draft"]:
+    for r in results.get("draft", []):
         lines.append(
             f"| {r['model']} | {r['tensors']} | {r['bytes'] / 1e9:.2f} "
             f"| {r['first_offload_ms']:.0f} | {r['offload_ms']:.0f} | {r['dispatch_ms']:.1f} "
@@ -113,7 +113,7 @@ def render(results: dict[str, Any]) -> str:
         "| layer-outermost would need | start-up sizing |",
         "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---|",
     ]
-    for r in results["slot"]:
+    for r in results.get("slot", []):
         lb = r["layer_outermost_blocks"]
         need = (
             f"{lb:,} blocks ({lb * r['block_bytes'] / 1e9:.1f} GB)"
@@ -133,6 +133,50 @@ def render(results: dict[str, Any]) -> str:
             f"| {r['verify_ms']:.1f} | {'yes' if r['same_addresses'] else '**no**'} "
             f"| {r['empty_slot_ms']:.1f} | {need} | {startup} |"
         )
+    lines += _vmm(results)
     for part, error in results["errors"].items():
         lines += ["", f"**{part} failed:** `{error}`"]
     return "\n".join(lines)
+
+
+def _vmm(results: dict[str, Any]) -> list[str]:
+    rows = results.get("vmm", [])
+    if not rows:
+        return []
+    lines = [
+        "",
+        "### The draft's memory under the KV buffer's top blocks (CUDA virtual memory)",
+        "",
+        "`memory_agent/vmm*.py`, `memory_agent/elastic_draft.py`: the KV buffer and the "
+        "draft's weights in reserved address ranges; an offload maps the draft's physical "
+        "chunks under the top blocks of every layer's region (`vmm_plan.plan_elastic`), a "
+        "reload maps them back and copies the pinned host copy in. Per row: the KV buffer "
+        f"({rows[0]['kv_blocks']:,} blocks), the draft settled into its range, then "
+        f"{rows[0]['cycles']} cycles of offload → KV written over the gained blocks → "
+        "compaction of all of them (planner + Triton kernel) → reload (dispatch: the call "
+        "that remaps and queues the copies; complete: until verified). *Graphs identical*: "
+        "a CUDA graph reading every weight and one reading KV through a block table, "
+        "captured before the first cycle, replayed after each, bit for bit. *Free memory*: "
+        "device free memory after the first and the last cycle; *released*: what closing "
+        "gave back against the physical memory held. Medians over the cycles.",
+        "",
+        "| KV layout | draft (bytes) | blocks gained (bytes) | runs · calls per move "
+        "| settle ms | offload ms | reload dispatch µs | reload complete ms | verify ms "
+        "| compaction ms | graphs identical | free memory first → last cycle | released |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---|---|---|",
+    ]
+    for r in rows:
+        gained = r["top_blocks"] * r["block_bytes"]
+        released = r["free_after_close"] - r["free_last_cycle"]
+        lines.append(
+            f"| {r['kv']} {r['layout']} | {r['draft']} ({r['draft_bytes'] / 1e9:.3f} GB) "
+            f"| {r['top_blocks']:,} ({gained / 1e9:.3f} GB; "
+            f"{r['gained_bytes'] / 1e9:.3f} GB of granules) "
+            f"| {r['runs']} · {r['calls_per_move']} | {r['settle_ms']:.0f} "
+            f"| {r['offload_ms']:.2f} | {r['dispatch_us']:,.0f} | {r['complete_ms']:.1f} "
+            f"| {r['verify_ms']:.1f} | {r['compact_ms']:.2f} "
+            f"| {'yes' if r['identical'] else '**no**'} "
+            f"| {r['free_first_cycle'] / 2**30:.3f} → {r['free_last_cycle'] / 2**30:.3f} GiB "
+            f"| {released / 2**20:,.0f} of {r['physical_bytes'] / 2**20:,.0f} MiB |"
+        )
+    return lines
