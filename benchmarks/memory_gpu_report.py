@@ -157,17 +157,18 @@ def _vmm(results: dict[str, Any]) -> list[str]:
         "that remaps and queues the copies; complete: until verified). *Graphs identical*: "
         "a CUDA graph reading every weight and one reading KV through a block table, "
         "captured before the first cycle, replayed after each, bit for bit. *Free memory*: "
-        "device free memory after the first and the last cycle; *released*: what closing "
-        "gave back against the physical memory held. Medians over the cycles.",
+        "device free memory after the first and the last cycle; *before → after*: free "
+        "memory before the row's buffers existed and after the elastic memory was closed "
+        "(the first row also loads CUDA libraries and kernels). Medians over the cycles.",
         "",
         "| KV layout | draft (bytes) | blocks gained (bytes) | runs · calls per move "
         "| settle ms | offload ms | reload dispatch µs | reload complete ms | verify ms "
-        "| compaction ms | graphs identical | free memory first → last cycle | released |",
+        "| compaction ms | graphs identical | free memory first → last cycle "
+        "| before → after (GiB) |",
         "|---|---|---|---|---:|---:|---:|---:|---:|---:|---|---|---|",
     ]
     for r in rows:
         gained = r["top_blocks"] * r["block_bytes"]
-        released = r["free_after_close"] - r["free_last_cycle"]
         lines.append(
             f"| {r['kv']} {r['layout']} | {r['draft']} ({r['draft_bytes'] / 1e9:.3f} GB) "
             f"| {r['top_blocks']:,} ({gained / 1e9:.3f} GB; "
@@ -177,6 +178,6 @@ def _vmm(results: dict[str, Any]) -> list[str]:
             f"| {r['verify_ms']:.1f} | {r['compact_ms']:.2f} "
             f"| {'yes' if r['identical'] else '**no**'} "
             f"| {r['free_first_cycle'] / 2**30:.3f} → {r['free_last_cycle'] / 2**30:.3f} GiB "
-            f"| {released / 2**20:,.0f} of {r['physical_bytes'] / 2**20:,.0f} MiB |"
+            f"| {r['free_before'] / 2**30:.3f} → {r['free_after_close'] / 2**30:.3f} |"
         )
     return lines
