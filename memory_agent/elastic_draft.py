@@ -29,10 +29,12 @@ class ElasticDraft:
     """The draft half of the agent's :class:`DraftDevice` over virtual memory."""
 
     def __init__(self, weights: DraftWeights, memory: ElasticMemory) -> None:
-        """``weights``: a resident draft in memory of its own; it moves into the range."""
+        """``weights``: a draft in memory of its own, resident or already offloaded (to free
+        its device memory before the KV buffer was made); it moves into the range."""
         self.weights = weights
         self.memory = memory
-        weights.offload()
+        if weights.state is DraftState.RESIDENT:
+            weights.offload()
         host = weights.host_tensors()
         sizes = [t.numel() * t.element_size() for t in host.values()]
         offsets, total = pack_tensors(sizes)

