@@ -85,7 +85,7 @@ def _row(
     from memory_agent.draft_weights import DraftWeights
     from memory_agent.elastic_draft import ElasticDraft, draft_range_bytes
     from memory_agent.planner import plan_compaction
-    from memory_agent.vmm import ElasticMemory, scratch_pieces
+    from memory_agent.vmm import ElasticMemory
     from memory_agent.vmm_plan import KVGeometry, plan_elastic
 
     free_before = _free(device)
@@ -171,14 +171,12 @@ def _row(
         if cycle == 0:
             free_first = _free(device)
     free_last = _free(device)
-    physical = memory.physical_bytes
+    physical, swap_calls = memory.physical_bytes, memory.calls_per_move
     del read_draft, read_kv
     memory.close()
     del draft, weights, model, memory
     free_after = _free(device)
     timings = {key: statistics.median(c[key] for c in cycles) for key in cycles[0]}
-    # An offload unmaps each run's chunk and scratch pieces and maps the chunk there.
-    swap_calls = sum(2 + len(scratch_pieces(n)) for _, n in elastic_plan.swap_runs)
     return {
         "kv": kv_shape.model,
         "layout": layout,

@@ -8,9 +8,10 @@ captured with them stay valid through any number of offloads and reloads. What c
 only which physical chunk backs which granule (:mod:`memory_agent.vmm_plan` says which).
 
 While the draft is resident, the KV granules its chunks would back are mapped to a small
-*scratch* memory shared by all of them (the same physical chunk under many addresses), so a
-stray read or write of a withheld block lands somewhere harmless instead of faulting the
-engine. The KV cache's contents there are meaningless, as those blocks are withheld.
+*scratch* chunk shared by all of them (the same physical memory under many addresses, one
+map call per run of up to :data:`SCRATCH_GRANULES`), so a stray read or write of a
+withheld block lands somewhere harmless instead of faulting the engine. The KV cache's
+contents there are meaningless, as those blocks are withheld.
 
 Every transition either completes or is undone step by step and raises
 :class:`VmmError`, leaving the mappings as they were. The caller synchronises the device
@@ -33,9 +34,9 @@ from memory_agent.vmm_plan import ElasticPlan
 
 log = logging.getLogger(__name__)
 
-# Scratch memory is mapped in pieces of at most this many granules (powers of two), so it
-# costs at most 15 granules however long the runs it stands in for.
-SCRATCH_PIECE_GRANULES = 8
+# The scratch chunk's size cap in granules: runs up to this long take one map call (a
+# layer-outermost buffer's runs are a few granules), longer ones one per piece.
+SCRATCH_GRANULES = 16
 
 
 class VmmError(RuntimeError):
@@ -44,7 +45,7 @@ class VmmError(RuntimeError):
 
 class Driver(Protocol):
     """Virtual memory management calls: CUDA's cuMem API (vmm_cuda.py) or mmap (vmm_host.py).
-    Handles map whole; every size and address is a multiple of :attr:`granularity`."""
+    Every size and address is a multiple of :attr:`granularity`."""
 
     @property
     def granularity(self) -> int: ...
@@ -65,7 +66,7 @@ class Driver(Protocol):
     def free(self, address: int, nbytes: int) -> None: ...
 
     def map(self, address: int, nbytes: int, handle: int) -> None:
-        """Map a whole chunk at ``address`` and make it readable and writable."""
+        """Map the chunk's first ``nbytes`` at ``address``, readable and writable."""
         ...
 
     def unmap(self, address: int, nbytes: int) -> None: ...
@@ -84,14 +85,9 @@ class Residence(enum.StrEnum):
     KV = "kv"  # the chunks back the KV buffer's top blocks; the draft is offloaded
 
 
-def scratch_pieces(length: int) -> list[int]:
-    """A run of ``length`` granules as scratch pieces: whole pieces of the largest size,
-    then the binary digits of the rest."""
-    big = SCRATCH_PIECE_GRANULES
-    pieces = [big] * (length // big)
-    rest = length % big
-    pieces += [1 << bit for bit in reversed(range(big.bit_length())) if rest & (1 << bit)]
-    return pieces
+def scratch_pieces(length: int, scratch: int) -> list[int]:
+    """A run of ``length`` granules in pieces of at most ``scratch`` granules."""
+    return [scratch] * (length // scratch) + ([length % scratch] if length % scratch else [])
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -121,10 +117,9 @@ class ElasticMemory:
             self.draft_address = self._reserve(plan.draft_granules * granule)
             for start, length in plan.fixed_runs():
                 self._map_new(self.kv_address + start * granule, length * granule)
-            self._scratch = {
-                size: self._create(size * granule)
-                for size in {p for _, length in plan.swap_runs for p in scratch_pieces(length)}
-            }
+            longest = max((length for _, length in plan.swap_runs), default=0)
+            self.scratch_granules = min(longest, SCRATCH_GRANULES)
+            self._scratch = self._create(self.scratch_granules * granule) if longest else -1
             for start, length in plan.swap_runs:
                 self._map_scratch(self.kv_address + start * granule, length)
             # The draft's range: one chunk per swap run, end to end, then the remainder.
@@ -163,6 +158,15 @@ class ElasticMemory:
     def mappings(self) -> dict[int, tuple[int, int]]:
         """address -> (bytes, handle) of everything mapped now."""
         return dict(self._mapped)
+
+    @property
+    def calls_per_move(self) -> int:
+        """Driver calls of one offload or reload: per run, the chunk's unmap and map and
+        the scratch pieces' map or unmap."""
+        return sum(
+            2 + len(scratch_pieces(length, self.scratch_granules))
+            for _, length in self.plan.swap_runs
+        )
 
     @property
     def physical_bytes(self) -> int:
@@ -251,9 +255,9 @@ class ElasticMemory:
         self, address: int, granules: int, undo: list[Callable[[], None]] | None = None
     ) -> int:
         calls = 0
-        for piece in scratch_pieces(granules):
+        for piece in scratch_pieces(granules, self.scratch_granules):
             nbytes = piece * self.plan.granule
-            calls += self._map(address, nbytes, self._scratch[piece], undo)
+            calls += self._map(address, nbytes, self._scratch, undo)
             address += nbytes
         return calls
 

@@ -25,7 +25,7 @@ from torch.overrides import TorchFunctionMode
 
 from memory_agent.draft_weights import DraftWeights
 from memory_agent.elastic_draft import draft_range_bytes
-from memory_agent.vmm import SCRATCH_PIECE_GRANULES, Driver, ElasticMemory
+from memory_agent.vmm import SCRATCH_GRANULES, Driver, ElasticMemory
 from memory_agent.vmm_plan import ElasticPlan, KVGeometry, PageRun, plan_elastic
 
 log = logging.getLogger(__name__)
@@ -109,7 +109,8 @@ def sizing_bytes(weights: DraftWeights, page_bytes: list[int], kv_bytes: int, gr
         layers.append(PageRun(offset, page, page))
         offset += blocks * page
     plan = plan_elastic(KVGeometry(offset, blocks, tuple(layers)), granule, draft)
-    scratch = min(plan.draft_granules, 2 * SCRATCH_PIECE_GRANULES - 1) * granule
+    longest = max((length for _, length in plan.swap_runs), default=0)
+    scratch = min(longest, SCRATCH_GRANULES) * granule
     return max(0, plan.gained_bytes - scratch - granule)
 
 

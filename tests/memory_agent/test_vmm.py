@@ -126,6 +126,7 @@ def test_a_hundred_cycles_hold_the_same_memory_and_close_releases_it() -> None:
     held, mapped = memory.physical_bytes, memory.mappings()
     # Fixed KV memory + scratch + the draft's chunks, nothing else.
     fixed = sum(n for _, n in memory.plan.fixed_runs()) * GRANULE
+    assert memory.scratch_granules == 2 and memory.calls_per_move == 4 * 3
     assert held == fixed + 2 * GRANULE + memory.draft_nbytes
     for _ in range(100):
         memory.to_kv()
@@ -137,8 +138,9 @@ def test_a_hundred_cycles_hold_the_same_memory_and_close_releases_it() -> None:
     assert len(os.listdir("/proc/self/fd")) == fds_before
 
 
-def test_scratch_pieces_cover_a_run_with_few_sizes() -> None:
-    for length in range(1, 40):
-        pieces = scratch_pieces(length)
-        assert sum(pieces) == length
-        assert set(pieces) <= {1, 2, 4, 8} and len(pieces) <= length // 8 + 3
+def test_scratch_pieces_cover_a_run_in_as_few_calls_as_the_scratch_allows() -> None:
+    for scratch in (1, 3, 16):
+        for length in range(1, 40):
+            pieces = scratch_pieces(length, scratch)
+            assert sum(pieces) == length and max(pieces) <= scratch
+            assert len(pieces) == -(-length // scratch)

@@ -16,7 +16,6 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 )
 
 from memory_agent.draft_weights import DraftWeights  # noqa: E402
-from memory_agent.vmm import ElasticMemory  # noqa: E402
 from memory_agent.vmm_host import HostDriver  # noqa: E402
 from vllm_client_patch import kv_vmm  # noqa: E402
 from vllm_client_patch.config import PluginConfig, PluginConfigError  # noqa: E402
@@ -53,42 +52,17 @@ def test_the_geometry_is_vllms_placement(layer_outermost: bool) -> None:
     assert second.page_bytes == page
 
 
+def test_a_plan_for_vllms_placement_takes_the_top_of_every_layer() -> None:
+    draft = torch.nn.Linear(256, 1024, dtype=torch.bfloat16)  # 512 KiB: 2 granules a layer
+    plan = kv_vmm.plan_for(config(True), DraftWeights(draft), HostDriver(kv_vmm.HOST_GRANULE))
+    assert plan is not None and len(plan.swap_runs) == LAYERS and plan.remainder_granules == 0
+
+
 def test_placements_of_several_backing_sizes_are_not_covered() -> None:
     placed = config(True)
     extra = KVCacheTensor(size=123, layers=["x"], layer_stride=0, block_stride=1)
     placed.kv_cache_tensors.append(extra)
     assert kv_vmm.geometry(placed) is None
-
-
-def test_only_vllms_kv_allocation_is_answered_from_the_elastic_memory() -> None:
-    placed = config(True)
-    geometry = kv_vmm.geometry(placed)
-    assert geometry is not None
-    draft = torch.nn.Linear(256, 1024, dtype=torch.bfloat16)  # 512 KiB
-    driver = HostDriver(kv_vmm.HOST_GRANULE)
-    plan = kv_vmm.plan_for(placed, DraftWeights(draft), driver)
-    assert plan is not None and plan.top_blocks
-    built: list[ElasticMemory] = []
-
-    def build(size: int) -> ElasticMemory:
-        built.append(ElasticMemory(driver, plan))
-        return built[-1]
-
-    size = geometry.nbytes
-    allocation = kv_vmm.KVAllocation(size, build)
-    with allocation:
-        other = torch.zeros(size, dtype=torch.float32)  # not the KV buffer: vLLM's own
-        buffer = torch.zeros(size, dtype=torch.int8, device="cpu")
-        again = torch.zeros(size, dtype=torch.int8)  # only the first such call
-    try:
-        assert len(built) == 1 and allocation.memory is built[0]
-        assert buffer.data_ptr() == built[0].kv_address and buffer.numel() == size
-        assert not buffer.any()
-        assert kv_vmm.inside(built[0], [buffer[100:], buffer])
-        assert not kv_vmm.inside(built[0], [other, again])
-    finally:
-        del buffer
-        built[0].close()
 
 
 def test_the_mode_is_auto_on_or_off() -> None:
