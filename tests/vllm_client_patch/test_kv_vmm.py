@@ -53,7 +53,7 @@ def test_the_geometry_is_vllms_placement(layer_outermost: bool) -> None:
 
 
 def test_a_plan_for_vllms_placement_takes_the_top_of_every_layer() -> None:
-    draft = torch.nn.Linear(256, 1024, dtype=torch.bfloat16)  # 512 KiB: 2 granules a layer
+    draft = torch.nn.Linear(256, 1024, bias=False, dtype=torch.bfloat16)  # 2 granules a layer
     plan = kv_vmm.plan_for(config(True), DraftWeights(draft), HostDriver(kv_vmm.HOST_GRANULE))
     assert plan is not None and len(plan.swap_runs) == LAYERS and plan.remainder_granules == 0
 
