@@ -8,9 +8,11 @@ captured with them stay valid through any number of offloads and reloads. What c
 only which physical chunk backs which granule (:mod:`memory_agent.vmm_plan` says which).
 
 While the draft is resident, the KV granules its chunks would back are mapped to a small
-*scratch* chunk shared by all of them (the same physical memory under many addresses, one
-map call per run of up to :data:`SCRATCH_GRANULES`), so a stray read or write of a
-withheld block lands somewhere harmless instead of faulting the engine. The KV cache's
+*scratch* memory shared by all of them (the same physical chunks under many addresses), so
+a stray read or write of a withheld block lands somewhere harmless instead of faulting the
+engine. Chunks map whole (CUDA refuses part of one), so the scratch is a chunk as long as
+the longest run (at most :data:`SCRATCH_GRANULES`) plus power-of-two chunks for the rest
+of longer runs: one call per run in the usual case of runs of one length. The KV cache's
 contents there are meaningless, as those blocks are withheld.
 
 Every transition either completes or is undone step by step and raises
@@ -34,8 +36,8 @@ from memory_agent.vmm_plan import ElasticPlan
 
 log = logging.getLogger(__name__)
 
-# The scratch chunk's size cap in granules: runs up to this long take one map call (a
-# layer-outermost buffer's runs are a few granules), longer ones one per piece.
+# The largest scratch chunk in granules: runs up to this long take one map call (a
+# layer-outermost buffer's runs are a few granules); scratch costs under twice this.
 SCRATCH_GRANULES = 16
 
 
@@ -66,7 +68,7 @@ class Driver(Protocol):
     def free(self, address: int, nbytes: int) -> None: ...
 
     def map(self, address: int, nbytes: int, handle: int) -> None:
-        """Map the chunk's first ``nbytes`` at ``address``, readable and writable."""
+        """Map a whole chunk of ``nbytes`` at ``address``, readable and writable."""
         ...
 
     def unmap(self, address: int, nbytes: int) -> None: ...
@@ -86,8 +88,11 @@ class Residence(enum.StrEnum):
 
 
 def scratch_pieces(length: int, scratch: int) -> list[int]:
-    """A run of ``length`` granules in pieces of at most ``scratch`` granules."""
-    return [scratch] * (length // scratch) + ([length % scratch] if length % scratch else [])
+    """A run of ``length`` granules as scratch chunks: ``scratch`` granules long, then the
+    rest in powers of two."""
+    rest = length % scratch
+    powers = [1 << bit for bit in reversed(range(rest.bit_length())) if rest >> bit & 1]
+    return [scratch] * (length // scratch) + powers
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -119,7 +124,12 @@ class ElasticMemory:
                 self._map_new(self.kv_address + start * granule, length * granule)
             longest = max((length for _, length in plan.swap_runs), default=0)
             self.scratch_granules = min(longest, SCRATCH_GRANULES)
-            self._scratch = self._create(self.scratch_granules * granule) if longest else -1
+            self._scratch = {
+                size: self._create(size * granule)
+                for size in sorted(
+                    {p for _, n in plan.swap_runs for p in scratch_pieces(n, self.scratch_granules)}
+                )
+            }
             for start, length in plan.swap_runs:
                 self._map_scratch(self.kv_address + start * granule, length)
             # The draft's range: one chunk per swap run, end to end, then the remainder.
@@ -257,7 +267,7 @@ class ElasticMemory:
         calls = 0
         for piece in scratch_pieces(granules, self.scratch_granules):
             nbytes = piece * self.plan.granule
-            calls += self._map(address, nbytes, self._scratch, undo)
+            calls += self._map(address, nbytes, self._scratch[piece], undo)
             address += nbytes
         return calls
 

@@ -2,7 +2,7 @@
 mmap, with memfd files as the physical chunks.
 
 The same semantics as CUDA's cuMem API: an address range is reserved (``PROT_NONE``), a
-chunk (a memfd file) is mapped from its start at a fixed address in it (``MAP_FIXED | MAP_SHARED``,
+chunk (a memfd file) is mapped whole at a fixed address in it (``MAP_FIXED | MAP_SHARED``,
 so one chunk can be mapped at several addresses and its bytes follow it), and unmapping
 puts the reservation back rather than freeing the addresses. It runs the elastic memory
 on CPU engines and in CI, where no GPU is.
@@ -86,8 +86,8 @@ class HostDriver:
             raise OSError(ctypes.get_errno(), "munmap failed")
 
     def map(self, address: int, nbytes: int, handle: int) -> None:
-        if nbytes > self._files.get(handle, 0):
-            raise OSError(errno.EINVAL, f"chunk {handle} is smaller than {nbytes} bytes")
+        if self._files.get(handle) != nbytes:  # as CUDA: a chunk maps whole
+            raise OSError(errno.EINVAL, f"chunk {handle} is not {nbytes} bytes: it maps whole")
         self._mmap(address, nbytes, _PROT_RW, mmap.MAP_SHARED | _MAP_FIXED, handle)
 
     def unmap(self, address: int, nbytes: int) -> None:

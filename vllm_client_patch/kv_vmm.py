@@ -110,7 +110,7 @@ def sizing_bytes(weights: DraftWeights, page_bytes: list[int], kv_bytes: int, gr
         offset += blocks * page
     plan = plan_elastic(KVGeometry(offset, blocks, tuple(layers)), granule, draft)
     longest = max((length for _, length in plan.swap_runs), default=0)
-    scratch = min(longest, SCRATCH_GRANULES) * granule
+    scratch = 2 * min(longest, SCRATCH_GRANULES) * granule  # a bound: scratch_pieces
     return max(0, plan.gained_bytes - scratch - granule)
 
 
