@@ -131,10 +131,12 @@ bench-memory: $(VLLM_STAMP)
 	$(PY) -m benchmarks.memory --out docs/BENCHMARKS.md
 
 # On a machine with a CUDA GPU: GPU_PYTHON is an interpreter whose torch has CUDA and
-# Triton, with this repository installed (pip install -e . --no-deps); no vLLM needed.
+# Triton, with NVIDIA's cuda-bindings (part 4, virtual memory) and this repository
+# installed (pip install -e '.[gpu]' --no-deps); no vLLM needed. BENCH_MEMORY_GPU_ARGS:
+# e.g. --parts vmm (one part), --json FILE (keep the raw results).
 GPU_PYTHON ?= python3
 bench-memory-gpu:
-	$(GPU_PYTHON) -m benchmarks.memory_gpu --out docs/BENCHMARKS.md
+	$(GPU_PYTHON) -m benchmarks.memory_gpu --out docs/BENCHMARKS.md $(BENCH_MEMORY_GPU_ARGS)
 
 # Options of benchmarks/fuzz (--help), e.g. FUZZ_ARGS=--quick (the CI slice), or
 # FUZZ_ARGS=--hardening-only (only the classes of issue 28 -> docs/reliability/fuzz-hardening.json).
