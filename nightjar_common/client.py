@@ -183,9 +183,12 @@ class ClientStats:
     # Policy notices received (the first on each stream confirms that they come).
     policy_notices: int = 0
     # Decision tables: installed, and steps that found no usable entry, by why
-    # (nightjar_common/tables.py); each miss asks for a table and waits up to the deadline.
+    # (nightjar_common/tables.py); a miss waits up to the deadline for a table.
     tables: int = 0
     table_misses: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    # Table requests sent by steps that missed: one in flight at a time, later misses
+    # wait for it.
+    miss_requests: int = 0
 
     @property
     def fallbacks_total(self) -> int:
@@ -407,6 +410,9 @@ class NightjarClient:
         # Set by the engine's thread when REPORT_BATCH_OUTCOMES are queued: the sender
         # thread sends them.
         self._flush_wanted = False
+        # The table request of the last step the held table could not answer, and its
+        # seq: one such request is in flight at a time (see _wait_for_table).
+        self._miss_request: tuple[PendingReply, int] | None = None
         self._sender: threading.Thread | None = None
         if self._use_tables:
             self._sender = threading.Thread(
@@ -726,8 +732,15 @@ class NightjarClient:
         return GammaDecision(taken.gamma, "sidecar", table_step=taken)
 
     def _wait_for_table(self, ctx: StepContext) -> TableStep | GammaDecision:
-        """Ask for a table for ``ctx`` now and take its entry, within the deadline."""
+        """Ask for a table for ``ctx`` now and take its entry, within the deadline. One
+        such request is in flight per engine: a miss while the last one is unanswered
+        waits for that one instead of queueing another behind it (a sidecar behind its
+        queue would answer each late, leaving every next step missing and asking again)."""
+        if self._miss_request is not None and not self._miss_request[0].done:
+            return self._wait_for_outstanding(ctx, *self._miss_request)
         future, seq = self._send_batch(ctx, want_table=True)
+        self._miss_request = (future, seq) if future is not None else None
+        self.stats.miss_requests += future is not None
         reply = self._await(ctx, future)
         if isinstance(reply, GammaDecision):
             return reply
@@ -748,6 +761,21 @@ class NightjarClient:
         if isinstance(taken, str):  # the answer does not fit the step (cannot happen)
             return self._fall_back(ctx, "answer")
         return taken
+
+    def _wait_for_outstanding(
+        self, ctx: StepContext, future: PendingReply, seq: int
+    ) -> TableStep | GammaDecision:
+        """Within the deadline, the table the last miss asked for, if it fits ``ctx``."""
+        try:
+            reply = future.result(timeout=self.config.deadline_s)
+        except TimeoutError:
+            return self._fall_back(ctx, "deadline")
+        except Exception:  # rejected or lost: that miss counted it already
+            return self._fall_back(ctx, "unavailable")
+        if reply.HasField("table"):
+            self._install(reply.table, seq)  # its callback may not have run yet
+        taken = self._tables.take(ctx, time.monotonic())
+        return self._fall_back(ctx, "deadline") if isinstance(taken, str) else taken
 
     def _refresh_if_due(self, step: NextStep, always: bool = False) -> None:
         """Have the sender thread ask for a new table if the held one is due (``always``:

@@ -118,11 +118,13 @@ def test_a_stalled_sidecar_costs_at_most_the_deadline(make_server) -> None:
 
 def test_a_stalled_sidecar_leaves_the_held_table_until_it_expires(make_server) -> None:
     """With decision tables a stalled sidecar costs nothing while the held table is valid
-    (64 steps, 1 s), then each step waits at most the deadline and falls back."""
+    (64 steps, 1 s), then each step waits at most the deadline and falls back — for the
+    one table request in flight, not a new request each (they would pile up)."""
     server = make_server()
     client = make_client(server.target, deadline_s=0.005, connect_timeout_s=5)
     try:
         assert wait_until(lambda: step(client, 0).source == "sidecar")
+        asked = client.stats.miss_requests
         server.proc.send_signal(signal.SIGSTOP)
         try:
             stalled = [step(client, 1 + i) for i in range(80)]
@@ -135,6 +137,7 @@ def test_a_stalled_sidecar_leaves_the_held_table_until_it_expires(make_server) -
         misses = client.stats.table_misses
         assert sum(n for why, n in misses.items() if why.startswith(("used_up", "expired"))) >= 1
         assert client.stats.fallbacks["deadline"] >= 80 - 64
+        assert client.stats.miss_requests - asked == 1
         assert wait_until(lambda: step(client, 200).source == "sidecar")
     finally:
         client.close()
