@@ -42,23 +42,30 @@ MEMORY = {
     "cooldown_steps": 4,
     "order_timeout_steps": 64,
 }
+# The vmm engine's pool is 2,048 blocks of 32 tokens, where these thresholds would have the
+# sidecar order transitions in the middle of the operators' orders: there both are out of
+# reach (an offload needs fewer free blocks than one, a reload more than the pool has).
+MEMORY_BY_MODE = {"slot": MEMORY, "vmm": {**MEMORY, "tau_low": 0.0001, "draft_blocks": 4096}}
 
 
-@pytest.fixture(scope="module")
-def sidecar(make_server_module: Any) -> Any:
-    return make_server_module(
+@pytest.fixture(scope="module", params=["slot", "vmm"])
+def sidecar(request: pytest.FixtureRequest, make_server_module: Any) -> Any:
+    server = make_server_module(
         "--policy",
         "static",
         "--params",
         json.dumps({"gamma": 3}),
         "--memory",
-        json.dumps(MEMORY),
-        name="mem",
+        json.dumps(MEMORY_BY_MODE[request.param]),
+        name=f"mem-{request.param}",
     )
+    server.mode = request.param
+    return server
 
 
-@pytest.fixture(scope="module", params=["slot", "vmm"])
-def engine(request: pytest.FixtureRequest, models: Any, sidecar: Any) -> Iterator[Any]:
+@pytest.fixture(scope="module")
+def engine(models: Any, sidecar: Any) -> Iterator[Any]:
+    """The engine of the sidecar's mode: ``slot`` or ``vmm``."""
     saved = dict(os.environ)
     socket = Path(tempfile.mkdtemp(prefix="nj-")) / "memory.sock"
     os.environ.update(CPU_ENV)
@@ -69,15 +76,15 @@ def engine(request: pytest.FixtureRequest, models: Any, sidecar: Any) -> Iterato
         NIGHTJAR_MEMORY_AGENT="1",
         NIGHTJAR_MEMORY_SOCKET=str(socket),
         NIGHTJAR_ADMIN_TOKEN_FILE=str(sidecar.token_file),
-        NIGHTJAR_MEMORY_VMM="on" if request.param == "vmm" else "off",
+        NIGHTJAR_MEMORY_VMM="on" if sidecar.mode == "vmm" else "off",
     )
     try:
         # vmm: 32-token blocks (384 KiB) so that the draft's 0.9 MiB of movable tensors
         # (vLLM's CPU backend packs the linear layers away) outweigh a block.
-        block_size = 32 if request.param == "vmm" else None
+        block_size = 32 if sidecar.mode == "vmm" else None
         llm = make_llm(models.target, "draft_model", models.draft, block_size=block_size)
         llm.memory_socket = socket
-        llm.mode = request.param
+        llm.mode = sidecar.mode
         yield llm
         llm.llm_engine.engine_core.shutdown()
         assert not socket.exists() or not _serving(socket)  # the service went with it
@@ -243,7 +250,7 @@ def test_operator_offload_compact_reload_mid_generation_is_token_identical(
     assert learned["engines"][ENGINE]["state"] == "resident"
 
 
-@pytest.mark.parametrize("engine", ["slot"], indirect=True)
+@pytest.mark.parametrize("sidecar", ["slot"], indirect=True)
 def test_sidecar_directives_offload_under_pressure_and_reload_when_the_load_falls(
     engine: Any, sidecar: Any, reference: list[list[int]]
 ) -> None:
