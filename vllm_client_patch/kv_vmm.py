@@ -118,7 +118,7 @@ class KVAllocation(TorchFunctionMode):  # type: ignore[misc]
     """While active, vLLM's KV backing allocation (``torch.zeros(size, dtype=torch.int8)``)
     is a zeroed view over a new :class:`ElasticMemory`'s KV range."""
 
-    def __init__(self, size: int, build: Callable[[int], ElasticMemory]) -> None:
+    def __init__(self, size: int, build: Callable[[], ElasticMemory]) -> None:
         super().__init__()
         self.size = size
         self.build = build
@@ -139,7 +139,7 @@ class KVAllocation(TorchFunctionMode):  # type: ignore[misc]
             and kwargs.get("dtype") is torch.int8
             and size == self.size
         ):
-            self.memory = self.build(self.size)
+            self.memory = self.build()
             buffer = self.memory.kv_tensor()[: self.size].view(torch.int8)
             buffer.zero_()
             return buffer

@@ -160,7 +160,7 @@ class ElasticSetup:
         if runner.device.type == "cuda":
             torch.cuda.empty_cache()
         size = kv_cache_config.kv_cache_tensors[0].size
-        return cls(weights, kv_vmm.KVAllocation(size, lambda _: ElasticMemory(driver, plan)))
+        return cls(weights, kv_vmm.KVAllocation(size, lambda: ElasticMemory(driver, plan)))
 
     def finish(self, runner: Any) -> ElasticDraft:
         memory = self.allocation.memory

@@ -65,6 +65,10 @@ def free_memory(device: str, memory: ElasticMemory) -> int:
     return -memory.physical_bytes
 
 
+# Captured graphs, dropped before the memory they read is closed.
+graphs: list[object] = []
+
+
 def captured(device: str, action: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
     """``action`` as a CUDA graph on a GPU (it keeps the addresses it read), else as is."""
     if device != "cuda":
@@ -84,9 +88,6 @@ def captured(device: str, action: Callable[[], torch.Tensor]) -> Callable[[], to
         return out.clone()
 
     return replay
-
-
-graphs: list[object] = []
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -28,7 +28,7 @@ def test_only_vllms_kv_allocation_is_answered_from_the_elastic_memory(device: st
     assert plan.top_blocks == 8  # one granule at the top of each layer
     built: list[ElasticMemory] = []
 
-    def build(size: int) -> ElasticMemory:
+    def build() -> ElasticMemory:
         built.append(ElasticMemory(driver, plan))
         return built[-1]
 
