@@ -29,9 +29,7 @@ fallback table says, and the step contexts carry the agent's pool size and draft
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import logging
-import operator
 from collections.abc import Mapping
 from typing import Any
 
@@ -39,7 +37,6 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import ModelRunnerOutput
-from vllm.v1.request import RequestStatus
 
 from nightjar_common.validation import MAX_ID_LENGTH
 from vllm_client_patch.config import PluginConfig
@@ -124,66 +121,38 @@ def verified_step(
     result: ModelRunnerOutput,
     requests: Mapping[str, Any],
     with_ids: bool = False,
+    finished_kept: bool = False,
 ) -> VerifiedStep:
     """Drafted / accepted / generated tokens of a finished step, counted as vLLM counts
     them in ``update_from_output`` (call it before vLLM's, which drops finished requests):
     requests aborted meanwhile are skipped, grammar-invalidated drafts are not drafts.
-    ``with_ids``: the per-request counts name their requests.
+    ``with_ids``: the per-request counts name their requests. ``finished_kept``: a
+    request aborted meanwhile may still be among ``requests`` (vLLM keeps those whose KV
+    a connector still transfers: ``delay_free_blocks``); else an aborted request is gone.
 
-    This runs on the engine's thread for every request of the step, so the usual step
-    (every request still running, each with output) is counted by C-level maps; a step
-    with an aborted request or an empty output takes the request-by-request walk."""
+    This runs on the engine's thread for every request of the step, after a forward pass
+    that evicted the CPU caches: one pass over the output's lists, reading a request
+    object only where an aborted one may be kept (a status read from each cold request
+    object cost as much as the rest; docs/BENCHMARKS.md)."""
     sampled = result.sampled_token_ids
     if not sampled:
         return VerifiedStep(0, 0, 0)
-    scheduled = output.num_scheduled_tokens
-    index_of = result.req_id_to_index.__getitem__
-    try:
-        statuses = map(_STATUS, map(requests.__getitem__, scheduled))
-        # is_finished is "status above PREEMPTED": the highest status tells for all.
-        if RequestStatus.is_finished(max(statuses, default=RequestStatus.RUNNING)):
-            return _verified_walk(output, result, requests, with_ids)
-        tokens = list(map(len, map(sampled.__getitem__, map(index_of, scheduled))))
-        drafts = output.scheduled_spec_decode_tokens
-        drafted_by = list(map(len, drafts.values()))
-        verified_by = list(map(len, map(sampled.__getitem__, map(index_of, drafts))))
-    except KeyError:  # a request gone from the scheduler, or not in the output
-        return _verified_walk(output, result, requests, with_ids)
-    if 0 in verified_by or 0 in drafted_by:
-        return _verified_walk(output, result, requests, with_ids)
-    invalid = output.num_invalid_spec_tokens
-    if invalid:
-        drafted_by = list(map(operator.sub, drafted_by, map(invalid.get, drafts, _ZEROS)))
-    # All but the bonus / corrected token, at most what was drafted.
-    accepts = tuple(map(min, map(operator.sub, verified_by, _ONES), drafted_by))
-    ids = tuple(drafts) if with_ids else ()
-    return VerifiedStep(sum(drafted_by), sum(accepts), sum(tokens), accepts, ids)
-
-
-_STATUS = operator.attrgetter("status")
-_ONES = itertools.repeat(1)
-_ZEROS = itertools.repeat(0)
-
-
-def _verified_walk(
-    output: SchedulerOutput,
-    result: ModelRunnerOutput,
-    requests: Mapping[str, Any],
-    with_ids: bool,
-) -> VerifiedStep:
-    """:func:`verified_step` request by request."""
     drafted = accepted = generated = 0
     accepts: list[int] = []
     ids: list[str] = []
-    sampled = result.sampled_token_ids
     index_of = result.req_id_to_index.get
     request_of = requests.get
     drafts_of = output.scheduled_spec_decode_tokens.get
     invalid = output.num_invalid_spec_tokens
     for req_id in output.num_scheduled_tokens:
         index = index_of(req_id)
-        request = request_of(req_id)
-        if index is None or request is None or request.is_finished():
+        if index is None:
+            continue
+        if finished_kept:
+            request = request_of(req_id)
+            if request is None or request.is_finished():
+                continue
+        elif req_id not in requests:
             continue
         tokens = len(sampled[index])
         generated += tokens
@@ -226,6 +195,9 @@ class _NightjarMixin:
     # propose), so a γ = 0 step costs what a γ = 1 draft does (docs/POLICIES.md, "Step time
     # is one smooth function").
     _drafts_at_gamma_zero: int = 0
+    # Whether a request aborted during a step may still be in self.requests at its update
+    # (a KV or encoder-cache connector delays freeing it): verified_step then reads statuses.
+    _finished_kept: bool = False
 
     @property
     def nightjar(self) -> GammaController | None:
@@ -271,6 +243,7 @@ class _NightjarMixin:
             model_runner_output,
             self.requests,
             self._nightjar.wants_request_ids,
+            self._finished_kept,
         )
         hook = started.elapsed()
         outputs = super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
@@ -308,6 +281,8 @@ class _NightjarMixin:
             )
             return
         self._drafts_at_gamma_zero = 1 if spec.uses_draft_kv_cache() else 0
+        connectors = (getattr(self, name, None) for name in ("connector", "ec_connector"))
+        self._finished_kept = any(c is not None for c in connectors)
         self._nightjar = GammaController(
             config, tuple(tuple(row) for row in table), metrics=PluginMetrics.create()
         )

@@ -352,6 +352,11 @@ def test_verified_tokens_of_a_decode_batch(aborted: bool) -> None:
     # a: 2 of 3 accepted + bonus; b: 3 verified but only 2 valid drafts; c: none accepted.
     sampled = [[7, 8, 9], [7, 8, 9, 6], [5]]
     result = SimpleNamespace(sampled_token_ids=sampled, req_id_to_index={"a": 0, "b": 1, "c": 2})
+    if aborted:  # vLLM freed it, unless a connector still transfers its KV
+        kept, requests = requests, {k: v for k, v in requests.items() if k != "b"}
+        assert verified_step(output, result, kept, finished_kept=True) == verified_step(
+            output, result, requests
+        )
     step = verified_step(output, result, requests, with_ids=True)
     named = dict(zip(step.request_ids, step.request_accepts, strict=True))
     if aborted:
