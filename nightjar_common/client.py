@@ -164,6 +164,30 @@ class GammaDecision:
         return self.decision.reads_request_signals if self.decision else None
 
 
+class Wakeup:
+    """A wake-up flag for one waiting thread, like ``threading.Event`` with ``wait`` also
+    clearing it. :meth:`set` is one C call (``queue.SimpleQueue.put``), where an Event's
+    set runs its condition's Python code: the engine's thread sets it."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[None] = queue.SimpleQueue()
+
+    def set(self) -> None:
+        self._queue.put(None)
+
+    def wait(self, timeout: float) -> bool:
+        """Whether it was set within ``timeout`` seconds (or already); clears it."""
+        try:
+            self._queue.get(timeout=timeout)
+        except queue.Empty:
+            return False
+        while True:  # sets before this wake-up are answered by it
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                return True
+
+
 @dataclasses.dataclass(slots=True)
 class ClientStats:
     decisions: int = 0
@@ -405,7 +429,7 @@ class NightjarClient:
         # refresh in flight.
         self._refresh_step: NextStep | None = None
         self._next_step: NextStep | None = None
-        self._refresh_wanted = threading.Event()
+        self._refresh_wanted = Wakeup()
         self._refreshing = False
         # Set by the engine's thread when REPORT_BATCH_OUTCOMES are queued: the sender
         # thread sends them.
@@ -666,6 +690,8 @@ class NightjarClient:
 
     def take_directives(self) -> list[MemoryDirective]:
         """Memory directives received since the last call, oldest first."""
+        if not self._directives:  # the usual step: no lock on the engine's thread
+            return []
         with self._lock:
             directives, self._directives = self._directives, []
         return directives
@@ -738,7 +764,9 @@ class NightjarClient:
         queue would answer each late, leaving every next step missing and asking again)."""
         if self._miss_request is not None and not self._miss_request[0].done:
             return self._wait_for_outstanding(ctx, *self._miss_request)
-        future, seq = self._send_batch(ctx, want_table=True)
+        # Without the queued reports: building them into the request is the sender
+        # thread's work, not the waiting engine's (the next refresh carries them).
+        future, seq = self._send_batch(ctx, want_table=True, reports=False)
         self._miss_request = (future, seq) if future is not None else None
         self.stats.miss_requests += future is not None
         reply = self._await(ctx, future)
@@ -817,7 +845,6 @@ class NightjarClient:
         period = self.config.table_refresh_ms / 1000
         while True:
             asked = self._refresh_wanted.wait(timeout=period)
-            self._refresh_wanted.clear()
             if self._closed.is_set():
                 return
             if not self._use_tables:
@@ -849,10 +876,15 @@ class NightjarClient:
         return step
 
     def _send_batch(
-        self, ctx: StepContext | None, want_table: bool, refresh: bool = False
+        self,
+        ctx: StepContext | None,
+        want_table: bool,
+        refresh: bool = False,
+        reports: bool = True,
     ) -> tuple[PendingReply | None, int]:
-        """Send the queued reports, with ``ctx`` (and a table asked for it) if given;
-        ``refresh``: with the step handed to the sender instead (nothing if none is)."""
+        """Send the queued reports (unless not ``reports``), with ``ctx`` (and a table
+        asked for it) if given; ``refresh``: with the step handed to the sender instead
+        (nothing if none is)."""
         transport = self._live_transport()
         if transport is None:
             return None, 0
@@ -862,10 +894,11 @@ class NightjarClient:
                     return None, 0
                 ctx = self._refresh_step.context()
             self._refresh_step = None
-            ran, outcomes = self._reports.drain(MAX_BATCHED)
             request = policy_pb2.StepRequest(seq=next(self._seq), want_table=want_table)
-            request.ran_steps.extend(wire.ran_step_to_pb(step) for step in ran)
-            request.outcomes.extend(wire.outcome_to_pb(outcome) for outcome in outcomes)
+            if reports:
+                ran, outcomes = self._reports.drain(MAX_BATCHED)
+                request.ran_steps.extend(wire.ran_step_to_pb(step) for step in ran)
+                request.outcomes.extend(wire.outcome_to_pb(outcome) for outcome in outcomes)
             if ctx is not None:
                 request.context.CopyFrom(wire.context_to_pb(_without_candidates(ctx)))
             future = transport.send(request)

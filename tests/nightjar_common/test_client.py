@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import threading
 import time
 from concurrent import futures
 from typing import Any
@@ -12,7 +13,7 @@ import grpc
 import pytest
 from nightjar_proto.v1 import policy_pb2_grpc
 
-from nightjar_common.client import ClientConfig, GammaDecision, NightjarClient
+from nightjar_common.client import ClientConfig, GammaDecision, NightjarClient, Wakeup
 from nightjar_common.types import StepContext, StepOutcome
 
 FALLBACK = [[1, 4, 3], [5, 16, 1]]  # default_gamma 0 above 16
@@ -244,3 +245,20 @@ def test_a_stream_that_ends_at_once_is_reopened_even_behind_a_slow_log(tmp_path)
         client_log.removeHandler(sink)
         client_log.setLevel(level)
         server.stop(grace=None)
+
+
+def test_the_sender_wakeup_is_an_event_that_clears_as_it_wakes() -> None:
+    """Set before the wait: it wakes at once, and several sets wake it once; set from
+    another thread: it wakes; unset: the wait times out."""
+    wakeup = Wakeup()
+    assert not wakeup.wait(timeout=0.01)
+    wakeup.set()
+    wakeup.set()
+    assert wakeup.wait(timeout=0.01)
+    assert not wakeup.wait(timeout=0.01)  # both sets answered by one wake-up
+    timer = threading.Timer(0.05, wakeup.set)
+    timer.start()
+    started = time.monotonic()
+    assert wakeup.wait(timeout=5)
+    assert time.monotonic() - started < 2
+    timer.join()
