@@ -37,7 +37,15 @@ from nightjar_proto.v1 import policy_pb2, policy_pb2_grpc
 
 from nightjar_common import uds, wire
 from nightjar_common.fallback import DEFAULT_SCHEDULE, BatchSizeTable
-from nightjar_common.tables import NextStep, ReportBatch, TableCache, TableStep, refresh_due
+from nightjar_common.tables import (
+    AheadStep,
+    LazyStep,
+    NextStep,
+    ReportBatch,
+    TableCache,
+    TableStep,
+    refresh_due,
+)
 from nightjar_common.tls import ClientTls, open_channel
 from nightjar_common.types import (
     BinType,
@@ -186,6 +194,10 @@ class Wakeup:
                 self._queue.get_nowait()
             except queue.Empty:
                 return True
+
+
+def _nothing() -> None:
+    """No deferred reports to gather."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -427,8 +439,8 @@ class NightjarClient:
         # a blocking request for a later step made it moot: sent after that one, it would
         # supersede it); the latest such step (asked for again after a policy change); a
         # refresh in flight.
-        self._refresh_step: NextStep | None = None
-        self._next_step: NextStep | None = None
+        self._refresh_step: AheadStep | None = None
+        self._next_step: AheadStep | None = None
         self._refresh_wanted = Wakeup()
         self._refreshing = False
         # Set by the engine's thread when REPORT_BATCH_OUTCOMES are queued: the sender
@@ -437,6 +449,8 @@ class NightjarClient:
         # The table request of the last step the held table could not answer, and its
         # seq: one such request is in flight at a time (see _wait_for_table).
         self._miss_request: tuple[PendingReply, int] | None = None
+        # Queues a caller's deferred reports before a batch is taken (gather_reports_with).
+        self._gather: Callable[[], None] = _nothing
         self._sender: threading.Thread | None = None
         if self._use_tables:
             self._sender = threading.Thread(
@@ -520,16 +534,58 @@ class NightjarClient:
             return
         self.prefetch(NextStep(ctx, gamma).context())
 
+    def take_from_table(self, batch_size: int, speculation_off: bool) -> TableStep | None:
+        """The held table's entry for a step of ``batch_size`` (after a step at γ = 0 when
+        ``speculation_off``), counted as a sidecar decision; None when it has none (then
+        :meth:`take` the step: it asks for a table, waits, or falls back). Unlike
+        :meth:`take`, nothing is reported: the caller reports the step with :meth:`ran`,
+        from any thread, in the order its steps ran (the engine's thread builds no
+        context). None also without decision tables."""
+        if not self._use_tables:
+            return None
+        taken = self._tables.take_size(batch_size, speculation_off, time.monotonic())
+        if isinstance(taken, str):
+            return None
+        stats = self.stats
+        stats.decisions += 1
+        stats.sidecar_decisions += 1
+        return taken
+
+    def ran(self, step: TableStep, ctx: StepContext) -> None:
+        """Report a step run from :meth:`take_from_table`'s entry, with its context."""
+        self._reports.ran(RanStep(step.decision_id, ctx, step.gamma))
+
+    def ask_ahead(self, step: LazyStep) -> None:
+        """With decision tables: have the sender thread ask for a new table when the held
+        one is due for a refresh or will not answer ``step`` (whose context it then builds);
+        nothing without them."""
+        if self._use_tables:
+            self._refresh_if_due(step)
+
+    def gather_reports_with(self, gather: Callable[[], None]) -> None:
+        """``gather`` queues reports a caller deferred (:meth:`ran`, :meth:`report`): run
+        before each batch of reports is taken to be sent, by the thread sending it."""
+        self._gather = gather
+
+    def flush_soon(self) -> None:
+        """Have the sender thread send the queued reports without asking for a table
+        (unless a table request, which carries them, is under way)."""
+        if not self._refreshing:
+            self._flush_wanted = True
+            self._refresh_wanted.set()
+
     def _ask_ahead_locked(self, ctx: StepContext) -> None:
         """Send ``ctx`` and keep its pending answer, stamped with the policy epoch."""
         future = self._send(ctx)
         self._prefetched = (ctx, future, self._policy_epoch) if future is not None else None
 
-    def take(self, ctx: StepContext) -> GammaDecision:
+    def take(self, ctx: StepContext, report_ran: bool = True) -> GammaDecision:
         """The prefetched decision for this step's batch size, else a fresh decide (also
-        when a policy notice came after the prefetch was sent: its answer may be stale)."""
+        when a policy notice came after the prefetch was sent: its answer may be stale).
+        With decision tables, not ``report_ran``: a step answered from a table is not
+        reported; the caller does (:meth:`ran`), as for :meth:`take_from_table`."""
         if self._use_tables:
-            return self._take_from_table(ctx)
+            return self._take_from_table(ctx, report_ran)
         with self._prefetch_lock:
             prefetched, self._prefetched = self._prefetched, None
         if prefetched is not None:
@@ -568,9 +624,8 @@ class NightjarClient:
         if self._use_tables:
             reports = self._reports
             reports.outcome(outcome)  # goes with the next table request
-            if reports.outcomes >= REPORT_BATCH_OUTCOMES and not self._refreshing:
-                self._flush_wanted = True  # or alone, by the sender thread
-                self._refresh_wanted.set()
+            if reports.outcomes >= REPORT_BATCH_OUTCOMES:
+                self.flush_soon()  # or alone, by the sender thread
             return
         with self._lock:
             older, self._pending_outcome = self._pending_outcome, outcome
@@ -740,7 +795,7 @@ class NightjarClient:
 
     # -- decision tables ------------------------------------------------------------------
 
-    def _take_from_table(self, ctx: StepContext) -> GammaDecision:
+    def _take_from_table(self, ctx: StepContext, report_ran: bool = True) -> GammaDecision:
         """The held table's entry for this step; on a miss a table asked for now, waited
         for up to the deadline, else the fallback."""
         self.stats.decisions += 1
@@ -754,7 +809,8 @@ class NightjarClient:
                 return waited
             taken = waited
         self.stats.sidecar_decisions += 1
-        self._reports.ran(RanStep(taken.decision_id, ctx, taken.gamma))
+        if report_ran:
+            self.ran(taken, ctx)
         return GammaDecision(taken.gamma, "sidecar", table_step=taken)
 
     def _wait_for_table(self, ctx: StepContext) -> TableStep | GammaDecision:
@@ -764,9 +820,7 @@ class NightjarClient:
         queue would answer each late, leaving every next step missing and asking again)."""
         if self._miss_request is not None and not self._miss_request[0].done:
             return self._wait_for_outstanding(ctx, *self._miss_request)
-        # Without the queued reports: building them into the request is the sender
-        # thread's work, not the waiting engine's (the next refresh carries them).
-        future, seq = self._send_batch(ctx, want_table=True, reports=False)
+        future, seq = self._send_batch(ctx, want_table=True)
         self._miss_request = (future, seq) if future is not None else None
         self.stats.miss_requests += future is not None
         reply = self._await(ctx, future)
@@ -805,7 +859,7 @@ class NightjarClient:
         taken = self._tables.take(ctx, time.monotonic())
         return self._fall_back(ctx, "deadline") if isinstance(taken, str) else taken
 
-    def _refresh_if_due(self, step: NextStep, always: bool = False) -> None:
+    def _refresh_if_due(self, step: AheadStep, always: bool = False) -> None:
         """Have the sender thread ask for a new table if the held one is due (``always``:
         whatever the held one; either way not while a refresh is in flight)."""
         config = self.config
@@ -823,7 +877,7 @@ class NightjarClient:
         self._hand_over(step)
         self._refresh_wanted.set()
 
-    def _hand_over(self, step: NextStep) -> None:
+    def _hand_over(self, step: AheadStep) -> None:
         """Give the sender thread the step to refresh the table for; a refresh is now
         under way (until its reply, or until it could not be sent)."""
         with self._send_lock:
@@ -831,6 +885,7 @@ class NightjarClient:
         self._refreshing = True
 
     def _flush_reports(self) -> PendingReply | None:
+        self._gather()
         if not len(self._reports):
             return None
         future, _ = self._send_batch(None, want_table=False)
@@ -863,7 +918,7 @@ class NightjarClient:
             if future is None:
                 self._refreshing = False
 
-    def _outlived_table(self) -> NextStep | None:
+    def _outlived_table(self) -> AheadStep | None:
         """The step the engine will ask for next, if the held table has served, aged past
         the refresh period since, and no refresh is under way (a new table is not used
         until that step: at most one such refresh per long step, none while an engine
@@ -876,15 +931,10 @@ class NightjarClient:
         return step
 
     def _send_batch(
-        self,
-        ctx: StepContext | None,
-        want_table: bool,
-        refresh: bool = False,
-        reports: bool = True,
+        self, ctx: StepContext | None, want_table: bool, refresh: bool = False
     ) -> tuple[PendingReply | None, int]:
-        """Send the queued reports (unless not ``reports``), with ``ctx`` (and a table
-        asked for it) if given; ``refresh``: with the step handed to the sender instead
-        (nothing if none is)."""
+        """Send the queued reports, with ``ctx`` (and a table asked for it) if given;
+        ``refresh``: with the step handed to the sender instead (nothing if none is)."""
         transport = self._live_transport()
         if transport is None:
             return None, 0
@@ -895,10 +945,10 @@ class NightjarClient:
                 ctx = self._refresh_step.context()
             self._refresh_step = None
             request = policy_pb2.StepRequest(seq=next(self._seq), want_table=want_table)
-            if reports:
-                ran, outcomes = self._reports.drain(MAX_BATCHED)
-                request.ran_steps.extend(wire.ran_step_to_pb(step) for step in ran)
-                request.outcomes.extend(wire.outcome_to_pb(outcome) for outcome in outcomes)
+            self._gather()
+            ran, outcomes = self._reports.drain(MAX_BATCHED)
+            request.ran_steps.extend(wire.ran_step_to_pb(step) for step in ran)
+            request.outcomes.extend(wire.outcome_to_pb(outcome) for outcome in outcomes)
             if ctx is not None:
                 request.context.CopyFrom(wire.context_to_pb(_without_candidates(ctx)))
             future = transport.send(request)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+from collections.abc import Callable
 from typing import TypeVar
 
 from nightjar_common.types import GammaTable, RanStep, StepContext, StepOutcome
@@ -94,10 +95,15 @@ class TableCache:
 
     def take(self, ctx: StepContext, now: float) -> TableStep | str:
         """The entry for ``ctx``'s step, counted as used; else why there is none."""
+        return self.take_size(ctx.batch_size, ctx.previous_gamma == 0, now)
+
+    def take_size(self, batch_size: int, speculation_off: bool, now: float) -> TableStep | str:
+        """The entry for a step of ``batch_size`` (after a step at γ = 0 when
+        ``speculation_off``), counted as used; else why there is none."""
         held = self.held
         if held is None:
             return NO_TABLE
-        index = held.index(ctx.batch_size, ctx.previous_gamma == 0)
+        index = held.index(batch_size, speculation_off)
         if isinstance(index, str):
             return index
         table = held.table
@@ -143,6 +149,23 @@ class NextStep:
         )
 
 
+@dataclasses.dataclass(slots=True)
+class LazyStep:
+    """A step a table is wanted for, as :class:`NextStep` is, given by its batch size and
+    speculation state and a function that builds its context: called only for a request
+    that carries it, on the sender's thread (nothing built on the engine's)."""
+
+    batch_size: int
+    speculation_off: bool
+    build: Callable[[], StepContext]
+
+    def context(self) -> StepContext:
+        return self.build()
+
+
+AheadStep = NextStep | LazyStep
+
+
 # A batch within this many sizes of a table's edge asks for the next table (the edge at
 # batch size 1 excepted): a batch that drifts leaves a table in a few steps, and the step
 # that left it would wait a round trip.
@@ -150,7 +173,7 @@ EDGE_MARGIN = 2
 
 
 def refresh_due(
-    held: HeldTable | None, step: NextStep, now: float, every_steps: int, every_ms: float
+    held: HeldTable | None, step: AheadStep, now: float, every_steps: int, every_ms: float
 ) -> bool:
     """Whether to ask for a new table now, so that it is there for ``step``: the held
     one has served ``every_steps`` steps or is ``every_ms`` old, or will not answer that

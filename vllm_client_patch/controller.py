@@ -18,12 +18,22 @@ client asks again and waits at most its deadline, then falls back to the local t
 With decision tables (nightjar.v1.7, the client's default) the client answers each step
 from the table of γ per batch size the sidecar sent last and reports in batches; the
 request for step k+1 then only asks for a new table when the held one is due.
+
+The engine's thread does as little as a step needs: a step the held table answers is
+looked up and journaled (one tuple), a finished step journaled; the bookkeeping —
+contexts, the steps run and their outcomes for the sidecar, pairing each decision with
+the step that verified it, counters — is settled from the journal by whichever thread
+next needs it: the client's sender just before it sends a report batch, the telemetry
+thread, or the engine's own thread on the steps that must ask the sidecar anyway. After a
+forward pass has evicted the CPU caches, each object built on the engine's thread costs
+microseconds (docs/BENCHMARKS.md, "The engine thread's CPU").
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -33,8 +43,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from nightjar_common.client import ClientConfig, GammaDecision, NightjarClient
+from nightjar_common.client import (
+    REPORT_BATCH_OUTCOMES,
+    ClientConfig,
+    GammaDecision,
+    NightjarClient,
+)
 from nightjar_common.fallback import DEFAULT_SCHEDULE
+from nightjar_common.tables import LazyStep, TableStep
 from nightjar_common.types import MemoryDirective, RequestSignals, StepContext, StepOutcome
 from nightjar_common.validation import MAX_CANDIDATES
 from vllm_client_patch.config import PluginConfig
@@ -137,12 +153,23 @@ class HookTime(NamedTuple):
 
 @dataclasses.dataclass(slots=True)
 class _InFlight:
-    ctx: StepContext
     decision: GammaDecision
     started: float
     # Prefill computed in the step: reported with the outcome whose time is this step's
     # (the previous decision's, whose drafts this step verifies).
     prefill_tokens: int = 0
+
+
+# Journal records (GammaController._journal), appended by the engine's thread in step
+# order. A decided step: its view, step index, the γ the step before ran, its context
+# where one was built (else None), the table entry it took (not reported yet) or the
+# client's decision (reported), the γ it runs, when its hook began.
+_Decided = tuple[
+    EngineView, int, "int | None", "StepContext | None", "TableStep | GammaDecision", int, float
+]
+# A finished step: what it verified, when its hook began. IDLE: the engine ran dry.
+_Ended = tuple[VerifiedStep, float]
+IDLE = "idle"
 
 
 class GammaController:
@@ -167,12 +194,20 @@ class GammaController:
             tls=config.tls,
         )
         self.client = client_factory(client_config)
+        # The engine's thread owns these: the step index, the γ the last step ran, the
+        # engine as last scheduled (what an idle engine's next step will resemble), and
+        # when each step decided and not ended yet began (one with synchronous scheduling,
+        # two with async).
         self._step_index = 0
         self._previous_gamma: int | None = None
-        # The engine as last scheduled: what an idle engine's next step will resemble.
         self._last_view: EngineView | None = None
-        # Decided at schedule calls whose step has not ended (one with synchronous
-        # scheduling, two with async) / the last ended one, awaiting its verify step.
+        self._open_steps: collections.deque[float] = collections.deque()
+        # Steps decided and ended, in order, for _settle (deque appends and pops are
+        # thread-safe); _settle_lock serialises the settling threads.
+        self._journal: collections.deque[_Decided | _Ended | str] = collections.deque()
+        self._settle_lock = threading.Lock()
+        # Settled state (under _settle_lock): decisions whose step has not ended / the
+        # last ended one, awaiting its verify step.
         self._pending: collections.deque[_InFlight] = collections.deque()
         self._in_flight: _InFlight | None = None
         self._reported = 0
@@ -202,6 +237,7 @@ class GammaController:
         self._request_gammas: tuple[tuple[str, int], ...] = ()
         self._truncated = collections.Counter[str]()
         self._lock = threading.Lock()
+        self.client.gather_reports_with(self._settle)
         # The stats file and the metrics are written off the engine's thread: sorting the
         # samples for percentiles takes milliseconds, and both stay fresh while it idles.
         self._closed = threading.Event()
@@ -213,8 +249,15 @@ class GammaController:
             self._writer.start()
 
     def _context(
-        self, view: EngineView, step_index: int, candidates: tuple[int, ...] = ()
+        self,
+        view: EngineView,
+        step_index: int,
+        previous_gamma: int | None,
+        requests: tuple[RequestSignals, ...] = (),
+        candidates: tuple[int, ...] = (),
     ) -> StepContext:
+        """The step's context, from its arguments and the configuration only (the sender
+        thread builds some: nothing the engine's thread changes is read here)."""
         return StepContext(
             engine_id=self.config.engine_id,
             learner_key=self.config.learner_key,
@@ -227,12 +270,12 @@ class GammaController:
             # anyway), so re-enabling speculation has no catch-up to do.
             max_draft_lag_tokens=0,
             draft_resident=view.draft_resident,
-            previous_gamma=self._previous_gamma,
+            previous_gamma=previous_gamma,
             max_gamma=view.max_gamma,
             context_tokens=view.context_tokens,
             candidate_batch_sizes=candidates,
             min_draft_passes=min(view.min_draft_passes, view.max_gamma),
-            requests=self._request_signals(view) if self._reads_request_signals else (),
+            requests=requests,
         )
 
     def _request_signals(self, view: EngineView) -> tuple[RequestSignals, ...]:
@@ -269,37 +312,78 @@ class GammaController:
     def decide(self, view: EngineView, started: HookTime | None = None) -> int:
         """γ for the step being scheduled (drafted after it, verified in the next).
 
-        ``started``: when the caller's hook began (:meth:`HookTime.now`), so that the
-        hook time counts the caller's own work (default: now).
+        ``started``: when the caller's hook began (:meth:`HookTime.now`), so that the hook
+        time counts the caller's own work (default: now).
         """
         started = HookTime.now() if started is None else started
+        batch_size = max(1, view.batch_size)
+        taken = self.client.take_from_table(batch_size, self._previous_gamma == 0)
+        if taken is None:  # no table, or not this step's: ask (or fall back)
+            return self._decide_asking(view, started)
+        # The usual step: the held table answers it; its context is built off this thread
+        # unless a per-request policy needs this step's signals in it.
+        table = taken.held.table
+        step_index, previous = self._step_index, self._previous_gamma
+        ctx = (
+            self._context(view, step_index, previous, self._request_signals(view))
+            if self._reads_request_signals
+            else None
+        )
+        gamma = self._ran_gamma(taken.gamma, view)
+        self._reads_request_signals = table.reads_request_signals
+        self._request_gammas = table.request_gammas
+        self._journal.append((view, step_index, previous, ctx, taken, gamma, started.wall))
+        self._opened(view, gamma, started)
+        requests = ctx.requests if ctx is not None else ()
+        after = functools.partial(self._context, view, step_index + 1, gamma, requests)
+        self.client.ask_ahead(LazyStep(batch_size, gamma == 0, after))
+        self._hook_decide = started.elapsed()
+        return gamma
+
+    def _decide_asking(self, view: EngineView, started: HookTime) -> int:
+        """A step the held table cannot answer (or without tables): asked of the sidecar,
+        within the deadline, else the fallback table. The steps before it are settled
+        first, so that their reports ride on its request: the sidecar commits the steps
+        run from its last table before it decides the next (else that table's posterior
+        draw would be drawn again). Its own step is reported from the journal."""
+        self._settle()
+        tables = self.client.uses_tables
         previous_batch = self._last_view.batch_size if self._last_view else view.batch_size
-        self._last_view = view
-        ctx = self._context(view, self._step_index)
-        decision = self.client.take(ctx)
-        # No drafter to run while the draft is away, whatever the sidecar or the table said.
-        gamma = max(0, min(decision.gamma, view.max_gamma if view.draft_resident else 0))
-        ran = decision if gamma == decision.gamma else dataclasses.replace(decision, gamma=gamma)
-        self._pending.append(_InFlight(ctx, ran, started.wall, view.prefill_tokens))
-        self._previous_gamma = gamma
-        self._gammas[gamma] += 1
-        self._sources[decision.source if view.draft_resident else "forced"] += 1
+        step_index, previous = self._step_index, self._previous_gamma
+        requests = self._request_signals(view) if self._reads_request_signals else ()
+        ctx = self._context(view, step_index, previous, requests)
+        decision = self.client.take(ctx, report_ran=False)
+        gamma = self._ran_gamma(decision.gamma, view)
         reads = decision.reads_request_signals
         if reads is not None:  # a fallback says nothing of the sidecar's policy
             self._reads_request_signals = reads
         self._request_gammas = decision.request_gammas
+        self._journal.append((view, step_index, previous, ctx, decision, gamma, started.wall))
+        self._opened(view, gamma, started)
         # Ask for the next step now, for the batch as it is and as it may become. With
         # decision tables: a new table, when the held one is due or will not answer it
         # (that step's context is then built off this thread).
-        if self.client.uses_tables:
+        if tables:
             self.client.prefetch_after(ctx, gamma)
         else:
             candidates = candidate_batch_sizes(
                 max(1, view.batch_size), view.waiting, view.batch_size - previous_batch
             )
-            self.client.prefetch(self._context(view, self._step_index + 1, candidates))
+            self.client.prefetch(self._context(view, step_index + 1, gamma, requests, candidates))
         self._hook_decide = started.elapsed()
         return gamma
+
+    @staticmethod
+    def _ran_gamma(gamma: int, view: EngineView) -> int:
+        """The γ the engine runs: no drafter runs while the draft is away, whatever the
+        sidecar or the table said, and never above the engine's Γmax."""
+        return max(0, min(gamma, view.max_gamma if view.draft_resident else 0))
+
+    def _opened(self, view: EngineView, gamma: int, started: HookTime) -> None:
+        """A step was decided (the engine's thread's own state)."""
+        self._open_steps.append(started.wall)
+        self._previous_gamma = gamma
+        self._last_view = view
 
     def memory_directives(self) -> list[MemoryDirective]:
         """Memory directives the sidecar sent since the last call (for the memory agent)."""
@@ -312,13 +396,71 @@ class GammaController:
         """
         started = time.perf_counter()
         begun_cpu = time.thread_time()
-        self._drafted += verified.drafted_tokens
-        self._accepted += verified.accepted_tokens
-        self._drafts += len(verified.request_accepts)
-        if verified.request_ids:
+        if verified.request_ids:  # a per-request policy's signals for the next step
             self._last_accepts = dict(
                 zip(verified.request_ids, verified.request_accepts, strict=True)
             )
+        journal = self._journal
+        journal.append((verified, started))
+        if len(journal) >= 2 * REPORT_BATCH_OUTCOMES:
+            self.client.flush_soon()  # the sender settles them and sends their reports
+        if not self._open_steps:
+            return  # nothing decided for this step (nothing sampled in it)
+        step_started = self._open_steps.popleft()
+        self._step_index += 1
+        ended = time.perf_counter()
+        ended_cpu = time.thread_time()
+        decided, verified_in = self._hook_decide, hook or HookTime()
+        self._samples.append(
+            (
+                decided.wall + verified_in.wall + ended - started,
+                decided.cpu + verified_in.cpu + ended_cpu - begun_cpu,
+                ended - step_started,
+            )
+        )
+        if len(self._samples) >= MAX_QUEUED_SAMPLES:  # nobody reads them: bounded anyway
+            self._count_samples()
+
+    def _settle(self) -> None:
+        """Settle the journal: the bookkeeping of the steps journaled so far, in order."""
+        with self._settle_lock:
+            journal = self._journal
+            while journal:
+                record = journal.popleft()
+                if record is IDLE:
+                    self._in_flight = None
+                elif len(record) == 2:
+                    self._settle_ended(*record)
+                else:
+                    self._settle_decided(*record)
+
+    def _settle_decided(
+        self,
+        view: EngineView,
+        step_index: int,
+        previous: int | None,
+        ctx: StepContext | None,
+        taken: TableStep | GammaDecision,
+        gamma: int,
+        started: float,
+    ) -> None:
+        if isinstance(taken, TableStep):  # the held table's entry
+            decision = GammaDecision(taken.gamma, "sidecar", table_step=taken)
+        else:  # asked: a table's entry too, or a decision the client reported, or a fallback
+            decision = taken
+        if decision.table_step is not None:
+            if ctx is None:
+                ctx = self._context(view, step_index, previous)
+            self.client.ran(decision.table_step, ctx)
+        ran = decision if gamma == decision.gamma else dataclasses.replace(decision, gamma=gamma)
+        self._pending.append(_InFlight(ran, started, view.prefill_tokens))
+        self._gammas[gamma] += 1
+        self._sources[decision.source if view.draft_resident else "forced"] += 1
+
+    def _settle_ended(self, verified: VerifiedStep, started: float) -> None:
+        self._drafted += verified.drafted_tokens
+        self._accepted += verified.accepted_tokens
+        self._drafts += len(verified.request_accepts)
         if not self._pending:
             # No decision this step (nothing sampled in it): whatever the in-flight
             # decision drafted was not verified here, and pairing it with a later
@@ -331,19 +473,6 @@ class GammaController:
             # and its drafter proposed this step's decision's (its γ's draft passes).
             self._report(self._in_flight, verified, started - step.started, step)
         self._in_flight = step
-        self._step_index += 1
-        ended = time.perf_counter()
-        ended_cpu = time.thread_time()
-        decided, verified_in = self._hook_decide, hook or HookTime()
-        self._samples.append(
-            (
-                decided.wall + verified_in.wall + ended - started,
-                decided.cpu + verified_in.cpu + ended_cpu - begun_cpu,
-                ended - step.started,
-            )
-        )
-        if len(self._samples) >= MAX_QUEUED_SAMPLES:  # nobody reads them: bounded anyway
-            self._count_samples()
 
     def idle(self) -> None:
         """The engine ran out of requests: drop the unverifiable last decision, send the
@@ -353,7 +482,8 @@ class GammaController:
         most of the prefetch misses). Only where the sidecar sends policy notices: the
         answer may be taken minutes later, and a policy swapped in meanwhile must decide
         that step (the client drops the answer on a notice)."""
-        self._in_flight = None
+        self._journal.append(IDLE)
+        self._settle()
         self.client.discard_prefetch()  # asked for a batch that has finished
         self.client.flush()
         if self._last_view is None or not self.client.follows_policy_changes:
@@ -362,7 +492,9 @@ class GammaController:
             self._last_view, batch_size=1, waiting=0, context_tokens=0, prefill_tokens=0
         )
         joins = tuple(range(2, 2 + CANDIDATE_JOINS))
-        self.client.prefetch(self._context(resumed, self._step_index, joins))
+        self.client.prefetch(
+            self._context(resumed, self._step_index, self._previous_gamma, candidates=joins)
+        )
 
     def _report(
         self, flight: _InFlight, verified: VerifiedStep, seconds: float, step: _InFlight
@@ -373,7 +505,7 @@ class GammaController:
         self.client.report(
             StepOutcome(
                 decision_id=decision_id,
-                engine_id=flight.ctx.engine_id,
+                engine_id=self.config.engine_id,
                 gamma=flight.decision.gamma,
                 step_seconds=seconds,
                 generated_tokens=verified.generated_tokens,
@@ -389,6 +521,7 @@ class GammaController:
         self._drafted_reported += verified.drafted_tokens
 
     def stats(self) -> dict[str, Any]:
+        self._settle()
         client = self.client.stats
         self._count_samples()
         return {
@@ -434,6 +567,7 @@ class GammaController:
         """Add what was counted since the last export to the Prometheus metrics."""
         if self.metrics is None:
             return
+        self._settle()
         client = self.client.stats
         self._count_samples()
         with self._lock:

@@ -157,7 +157,15 @@ def test_each_decision_is_reported_with_the_step_that_verified_it(
     assert [o["prefill_tokens"] for o in outcomes] == [20, 30, 40]
     # ... and the γ its drafter ran: the decision of step k+1 (None would mean "as gamma").
     assert [o["draft_gamma"] for o in outcomes] == [2, 2, 2]
-    assert [decided[o["decision_id"]]["context"]["batch_size"] for o in outcomes] == [4, 4, 4]
+    contexts = [decided[o["decision_id"]]["context"] for o in outcomes]
+    assert [c["batch_size"] for c in contexts] == [4, 4, 4]
+    # Each step's own context, also where it was built off the engine's thread (a step
+    # the held table answered is settled from the controller's journal).
+    assert [(c["step_index"], c.get("previous_gamma")) for c in contexts] == [
+        (0, None),
+        (1, 2),
+        (2, 2),
+    ]
     assert {r["context"]["learner_key"] for r in decided.values()} == {"tiny@cpu"}
     controller.close()
     written = json.loads(stats_file.read_text())
