@@ -65,12 +65,18 @@ class HeldTable:
 
 @dataclasses.dataclass(slots=True)
 class TableStep:
-    """One step answered from a table: the γ, the id to report it with, its entry."""
+    """One step answered from a table: the γ, whether its entry explores, the table, and
+    which of the table's steps it was (its decision id, formatted when reported)."""
 
     gamma: int
-    decision_id: str
     exploring: bool
     held: HeldTable
+    use: int
+
+    @property
+    def decision_id(self) -> str:
+        """The id the step is reported with: "<table_id>.<n>"."""
+        return f"{self.held.table.table_id}.{self.use}"
 
 
 class TableCache:
@@ -103,13 +109,16 @@ class TableCache:
         held = self.held
         if held is None:
             return NO_TABLE
-        index = held.index(batch_size, speculation_off)
-        if isinstance(index, str):
-            return index
+        # HeldTable.index and age_ms inlined: this runs on the engine's thread every step.
         table = held.table
+        index = batch_size - table.first_batch_size
+        if not 0 <= index < len(table.gammas):
+            return OUT_OF_RANGE
+        if speculation_off != table.speculation_off:
+            return OTHER_STATE
         if held.uses >= table.valid_steps:
             return USED_UP
-        if held.age_ms(now) >= table.valid_ms:
+        if held.started is not None and 1000.0 * (now - held.started) >= table.valid_ms:
             return EXPIRED
         exploring = table.exploring[index] if index < len(table.exploring) else False
         if exploring:
@@ -119,7 +128,7 @@ class TableCache:
         if held.started is None:
             held.started = now
         held.uses += 1
-        return TableStep(table.gammas[index], f"{table.table_id}.{held.uses}", exploring, held)
+        return TableStep(table.gammas[index], exploring, held, held.uses)
 
 
 @dataclasses.dataclass(slots=True)
