@@ -552,8 +552,10 @@ class NightjarClient:
         return taken
 
     def ran(self, step: TableStep, ctx: StepContext) -> None:
-        """Report a step run from :meth:`take_from_table`'s entry, with its context."""
-        self._reports.ran(RanStep(step.decision_id, ctx, step.gamma))
+        """Report a step run from :meth:`take_from_table`'s entry, with its context
+        (unless its table came on a connection since lost: that sidecar is gone)."""
+        if self._tables.current(step.held):
+            self._reports.ran(RanStep(step.decision_id, ctx, step.gamma))
 
     def ask_ahead(self, step: LazyStep) -> None:
         """With decision tables: have the sender thread ask for a new table when the held
@@ -1057,7 +1059,7 @@ class NightjarClient:
     def _connection_lost(self) -> None:
         """The sidecar went away: its tables go with it (a restarted one does not know
         them, and the engine falls back until one answers), the reports too."""
-        self._tables.void()
+        self._tables.forget()
         self._reports.clear()
         self._broken.set()
 
@@ -1097,7 +1099,7 @@ class NightjarClient:
                 with self._lock:
                     self._pending_outcome = None
                     self._ran_decision_id = ""
-                self._tables.void()
+                self._tables.forget()
                 self._reports.clear()
             else:
                 self._log_first_connection()

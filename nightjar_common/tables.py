@@ -47,6 +47,8 @@ class HeldTable:
     started: float | None = None
     uses: int = 0
     spent: set[int] = dataclasses.field(default_factory=set)
+    # The sidecar connection it came on (TableCache.connection when installed).
+    connection: int = 0
 
     def age_ms(self, now: float) -> float:
         return 0.0 if self.started is None else 1000.0 * (now - self.started)
@@ -84,6 +86,9 @@ class TableCache:
 
     def __init__(self) -> None:
         self.held: HeldTable | None = None
+        # Counts the sidecar connections lost (forget): a table of an earlier one is
+        # unknown to the sidecar now.
+        self.connection = 0
 
     def install(self, table: GammaTable, seq: int) -> bool:
         """Hold ``table`` unless it, or a newer one (a later request's), is held already
@@ -92,12 +97,22 @@ class TableCache:
         held = self.held
         if held is not None and held.seq >= seq:
             return False
-        self.held = HeldTable(table, seq)
+        self.held = HeldTable(table, seq, connection=self.connection)
         return True
 
     def void(self) -> None:
-        """Drop the held table (a policy change, a new connection)."""
+        """Drop the held table (a policy change: its steps are still reported)."""
         self.held = None
+
+    def forget(self) -> None:
+        """Drop the held table and mark every table so far as of a lost connection (the
+        sidecar answering next does not know them: their steps are not reported)."""
+        self.connection += 1
+        self.held = None
+
+    def current(self, held: HeldTable) -> bool:
+        """Whether ``held`` came on the present connection."""
+        return held.connection == self.connection
 
     def take(self, ctx: StepContext, now: float) -> TableStep | str:
         """The entry for ``ctx``'s step, counted as used; else why there is none."""

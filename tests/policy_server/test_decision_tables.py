@@ -210,6 +210,15 @@ def test_a_table_is_for_one_speculation_state_and_its_exploring_entries_run_once
     assert cache.take(context(3, 3, 2), 0.0) == "used_up"  # valid_steps = 3
     cache.held.uses = 0  # type: ignore[union-attr]
     assert cache.take(context(3, 3, 2), 5.0) == "expired"  # valid_ms = 1 s
+    # Its steps are reported after a policy change voids it, not after a lost connection.
+    cache.held.uses = 0  # type: ignore[union-attr]
+    taken = cache.take_size(5, False, 0.5)
+    assert not isinstance(taken, str) and taken.decision_id == "t.1"
+    cache.void()
+    assert cache.held is None and cache.current(taken.held)
+    cache.forget()
+    assert not cache.current(taken.held)
+    assert cache.install(table, 3) and cache.current(cache.held)  # type: ignore[arg-type]
 
 
 def test_a_batch_near_the_tables_edge_asks_for_the_next_table() -> None:
