@@ -124,16 +124,13 @@ class TableCache:
         held = self.held
         if held is None:
             return NO_TABLE
-        # HeldTable.index and age_ms inlined: this runs on the engine's thread every step.
+        index = held.index(batch_size, speculation_off)
+        if isinstance(index, str):
+            return index
         table = held.table
-        index = batch_size - table.first_batch_size
-        if not 0 <= index < len(table.gammas):
-            return OUT_OF_RANGE
-        if speculation_off != table.speculation_off:
-            return OTHER_STATE
         if held.uses >= table.valid_steps:
             return USED_UP
-        if held.started is not None and 1000.0 * (now - held.started) >= table.valid_ms:
+        if held.age_ms(now) >= table.valid_ms:
             return EXPIRED
         exploring = table.exploring[index] if index < len(table.exploring) else False
         if exploring:
