@@ -239,6 +239,10 @@ class SidecarRejected(Exception):
         self.code = code
 
 
+class NotSent(ConnectionError):
+    """No connection to the sidecar was up to send the request on."""
+
+
 class PendingReply:
     """A reply that will arrive from the sidecar: one waiter, any number of callbacks.
 
@@ -262,14 +266,18 @@ class PendingReply:
     def resolve(
         self, reply: policy_pb2.StepReply | None = None, error: BaseException | None = None
     ) -> None:
+        """Resolve it: the callbacks run first, then the waiter wakes (so a waiter finds
+        what a callback installs, e.g. a table, and does not parse it again itself)."""
         with self._lock:
             if self.done:
                 return
             self._reply, self._error, self.done = reply, error, True
             callbacks, self._callbacks = self._callbacks, []
-        self._wakeup.put(None)
-        for callback in callbacks:
-            callback(self)
+        try:
+            for callback in callbacks:
+                callback(self)
+        finally:
+            self._wakeup.put(None)
 
     def result(self, timeout: float) -> policy_pb2.StepReply:
         """The reply; TimeoutError past ``timeout``, or the transport's error."""
@@ -293,6 +301,10 @@ class PendingReply:
                 self._callbacks.append(callback)
                 return
         callback(self)
+
+    def relay_to(self, other: PendingReply) -> None:
+        """Resolve ``other`` as this one resolves (after this one's earlier callbacks)."""
+        self.add_done_callback(lambda done: other.resolve(done._reply, done._error))
 
 
 class _StreamTransport:
@@ -446,9 +458,12 @@ class NightjarClient:
         # Set by the engine's thread when REPORT_BATCH_OUTCOMES are queued: the sender
         # thread sends them.
         self._flush_wanted = False
-        # The table request of the last step the held table could not answer, and its
-        # seq: one such request is in flight at a time (see _wait_for_table).
-        self._miss_request: tuple[PendingReply, int] | None = None
+        # The reply to the table request of the last step the held table could not
+        # answer: one such request is in flight at a time (see _wait_for_table). The
+        # engine's thread hands the step to the sender thread (_miss_step), which sends
+        # the request and relays its reply.
+        self._miss_request: PendingReply | None = None
+        self._miss_step: tuple[StepContext, PendingReply] | None = None
         # Queues a caller's deferred reports before a batch is taken (gather_reports_with).
         self._gather: Callable[[], None] = _nothing
         self._sender: threading.Thread | None = None
@@ -819,13 +834,19 @@ class NightjarClient:
         """Ask for a table for ``ctx`` now and take its entry, within the deadline. One
         such request is in flight per engine: a miss while the last one is unanswered
         waits for that one instead of queueing another behind it (a sidecar behind its
-        queue would answer each late, leaving every next step missing and asking again)."""
-        if self._miss_request is not None and not self._miss_request[0].done:
-            return self._wait_for_outstanding(ctx, *self._miss_request)
-        future, seq = self._send_batch(ctx, want_table=True)
-        self._miss_request = (future, seq) if future is not None else None
-        self.stats.miss_requests += future is not None
-        reply = self._await(ctx, future)
+        queue would answer each late, leaving every next step missing and asking again).
+
+        The sender thread gathers the reports, builds and sends the request (the engine's
+        thread, which waits for the answer anyway, only hands it the step); the reply's
+        callback installs the table before this thread wakes."""
+        if self._miss_request is not None and not self._miss_request.done:
+            return self._wait_for_outstanding(ctx, self._miss_request)
+        if self._live_transport() is None:  # (a fresh client's first waits for one)
+            return self._fall_back(ctx, "disconnected")
+        reply_to = self._miss_request = PendingReply()
+        self._miss_step = (ctx, reply_to)
+        self._refresh_wanted.set()
+        reply = self._await(ctx, reply_to)
         if isinstance(reply, GammaDecision):
             return reply
         if reply.HasField("error"):
@@ -840,24 +861,22 @@ class NightjarClient:
             self.stats.sidecar_decisions += 1
             decision = wire.decision_from_pb(reply.decision, candidates=False)
             return GammaDecision(gamma=decision.gamma, source="sidecar", decision=decision)
-        self._install(reply.table, seq)
         taken = self._tables.take(ctx, time.monotonic())
         if isinstance(taken, str):  # the answer does not fit the step (cannot happen)
             return self._fall_back(ctx, "answer")
         return taken
 
     def _wait_for_outstanding(
-        self, ctx: StepContext, future: PendingReply, seq: int
+        self, ctx: StepContext, future: PendingReply
     ) -> TableStep | GammaDecision:
-        """Within the deadline, the table the last miss asked for, if it fits ``ctx``."""
+        """Within the deadline, the table the last miss asked for (installed by the
+        reply's callback), if it fits ``ctx``."""
         try:
-            reply = future.result(timeout=self.config.deadline_s)
+            future.result(timeout=self.config.deadline_s)
         except TimeoutError:
             return self._fall_back(ctx, "deadline")
         except Exception:  # rejected or lost: that miss counted it already
             return self._fall_back(ctx, "unavailable")
-        if reply.HasField("table"):
-            self._install(reply.table, seq)  # its callback may not have run yet
         taken = self._tables.take(ctx, time.monotonic())
         return self._fall_back(ctx, "deadline") if isinstance(taken, str) else taken
 
@@ -890,8 +909,7 @@ class NightjarClient:
         self._gather()
         if not len(self._reports):
             return None
-        future, _ = self._send_batch(None, want_table=False)
-        return future
+        return self._send_batch(None, want_table=False)
 
     def _send_loop(self) -> None:
         """The sender thread: builds and sends the refresh requests, off the engine's
@@ -906,6 +924,11 @@ class NightjarClient:
                 return
             if not self._use_tables:
                 continue
+            miss, self._miss_step = self._miss_step, None
+            if miss is not None:  # it carries the queued reports, and supersedes a refresh
+                self._flush_wanted = False
+                self._send_miss(*miss)
+                continue
             if asked and self._flush_wanted and not self._refreshing:
                 self._flush_wanted = False
                 self._flush_reports()
@@ -916,9 +939,19 @@ class NightjarClient:
                 if step is None:
                     continue
                 self._hand_over(step)
-            future, _ = self._send_batch(None, want_table=True, refresh=True)
+            future = self._send_batch(None, want_table=True, refresh=True)
             if future is None:
                 self._refreshing = False
+
+    def _send_miss(self, ctx: StepContext, reply_to: PendingReply) -> None:
+        """Send the table request of a step the held table could not answer; its reply
+        (or why there is none) goes to ``reply_to``, which the engine's thread awaits."""
+        future = self._send_batch(ctx, want_table=True)
+        if future is None:
+            reply_to.resolve(error=NotSent("no connection to the sidecar"))
+            return
+        self.stats.miss_requests += 1
+        future.relay_to(reply_to)
 
     def _outlived_table(self) -> AheadStep | None:
         """The step the engine will ask for next, if the held table has served, aged past
@@ -934,17 +967,19 @@ class NightjarClient:
 
     def _send_batch(
         self, ctx: StepContext | None, want_table: bool, refresh: bool = False
-    ) -> tuple[PendingReply | None, int]:
+    ) -> PendingReply | None:
         """Send the queued reports, with ``ctx`` (and a table asked for it) if given;
         ``refresh``: with the step handed to the sender instead (nothing if none is)."""
         transport = self._live_transport()
         if transport is None:
-            return None, 0
+            return None
         with self._send_lock:
             if refresh:
                 if self._refresh_step is None:
-                    return None, 0
+                    return None
                 ctx = self._refresh_step.context()
+            elif self._refresh_step is not None:
+                self._refreshing = False  # a refresh handed over and not sent: moot now
             self._refresh_step = None
             request = policy_pb2.StepRequest(seq=next(self._seq), want_table=want_table)
             self._gather()
@@ -956,7 +991,7 @@ class NightjarClient:
             future = transport.send(request)
         seq = request.seq
         future.add_done_callback(lambda done: self._on_table_reply(done, seq, refresh))
-        return future, seq
+        return future
 
     def _on_table_reply(self, future: PendingReply, seq: int, refresh: bool) -> None:
         """Every reply to a table request, on time or late: hold its table (unless a
@@ -1010,6 +1045,8 @@ class NightjarClient:
         except TimeoutError:
             future.add_done_callback(self._count_late)
             return self._fall_back(ctx, "deadline")
+        except NotSent:
+            return self._fall_back(ctx, "disconnected")
         except SidecarRejected as exc:
             log.warning("%s", exc)
             self._rename_ran(future, exc.code)  # before the next request is built

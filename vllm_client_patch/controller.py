@@ -345,9 +345,12 @@ class GammaController:
         within the deadline, else the fallback table. The steps before it are settled
         first, so that their reports ride on its request: the sidecar commits the steps
         run from its last table before it decides the next (else that table's posterior
-        draw would be drawn again). Its own step is reported from the journal."""
-        self._settle()
+        draw would be drawn again). With tables the client's sender thread settles them
+        (gather_reports_with) as it builds the request. Its own step is reported from the
+        journal."""
         tables = self.client.uses_tables
+        if not tables:
+            self._settle()
         previous_batch = self._last_view.batch_size if self._last_view else view.batch_size
         step_index, previous = self._step_index, self._previous_gamma
         requests = self._request_signals(view) if self._reads_request_signals else ()

@@ -13,7 +13,13 @@ import grpc
 import pytest
 from nightjar_proto.v1 import policy_pb2_grpc
 
-from nightjar_common.client import ClientConfig, GammaDecision, NightjarClient, Wakeup
+from nightjar_common.client import (
+    ClientConfig,
+    GammaDecision,
+    NightjarClient,
+    PendingReply,
+    Wakeup,
+)
 from nightjar_common.types import StepContext, StepOutcome
 
 FALLBACK = [[1, 4, 3], [5, 16, 1]]  # default_gamma 0 above 16
@@ -262,3 +268,41 @@ def test_the_sender_wakeup_is_an_event_that_clears_as_it_wakes() -> None:
     assert wakeup.wait(timeout=5)
     assert time.monotonic() - started < 2
     timer.join()
+
+
+def test_a_reply_wakes_its_waiter_after_its_callbacks_ran() -> None:
+    """What a callback installs (a table) is there when the waiter wakes: the waiter does
+    not install it again itself."""
+    pending = PendingReply()
+    installed: list[str] = []
+    pending.add_done_callback(lambda done: (time.sleep(0.05), installed.append("table")))
+    relayed = PendingReply()
+    pending.relay_to(relayed)
+    resolver = threading.Timer(0.01, pending.resolve, kwargs={"error": ConnectionError("x")})
+    resolver.start()
+    with pytest.raises(ConnectionError):
+        relayed.result(timeout=5)
+    assert installed == ["table"]
+    resolver.join()
+
+
+def test_a_step_the_table_cannot_answer_is_sent_by_the_sender_thread(make_server) -> None:
+    """The engine's thread hands a miss to the sender thread, which gathers the deferred
+    reports and sends them with the step's table request; the sidecar commits them."""
+    server = make_server()
+    client = make_client(server.target, deadline_s=0.5, connect_timeout_s=5)
+    gathered_on: list[str] = []
+    client.gather_reports_with(lambda: gathered_on.append(threading.current_thread().name))
+    try:
+        first = step(client, 0)  # its step and outcome are queued for the next request
+        assert first.source == "sidecar" and first.table_step is not None
+        gathered_on.clear()
+        asked = client.stats.miss_requests
+        far = client.decide(StepContext("eng", batch_size=60, step_index=1))  # off the table
+        assert far.source == "sidecar" and client.stats.table_misses["batch_size"] == 1
+        assert client.stats.miss_requests - asked == 1
+        assert gathered_on and threading.current_thread().name not in gathered_on
+        assert "nightjar-tables" in gathered_on
+        assert wait_until(lambda: server.state()["reports"] == 1)
+    finally:
+        client.close()
