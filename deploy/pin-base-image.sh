@@ -11,8 +11,9 @@
 #   docker build -f deploy/Dockerfile $(deploy/pin-base-image.sh python:3.11-slim) \
 #     -t <registry>/nightjar-sidecar:0.1.0 .
 #
-# Record the digests you built with (e.g. in your CI's build log or a release note): the
-# Dockerfiles' defaults stay the tags, which this repository cannot resolve for you.
+# Record the digests you built with (e.g. in your CI's build log or a release note). The
+# Dockerfiles pin python:3.11-slim by digest already (a recorded build: this moves it to the
+# tag's current one); vLLM's image is a tag there, which this repository cannot resolve.
 set -euo pipefail
 
 if [ "$#" -eq 0 ]; then
