@@ -922,12 +922,12 @@ class NightjarClient:
             asked = self._refresh_wanted.wait(timeout=period)
             if self._closed.is_set():
                 return
-            if not self._use_tables:
-                continue
             miss, self._miss_step = self._miss_step, None
             if miss is not None:  # it carries the queued reports, and supersedes a refresh
                 self._flush_wanted = False
-                self._send_miss(*miss)
+                self._send_miss(*miss)  # (also to a sidecar found meanwhile to send none)
+                continue
+            if not self._use_tables:
                 continue
             if asked and self._flush_wanted and not self._refreshing:
                 self._flush_wanted = False
