@@ -584,6 +584,8 @@ class DecisionService:
         policy's Γmax, 0 while the draft is not resident): a γ outside is a policy defect,
         never passed on; it is clamped, counted and logged (once per policy version)."""
         top = feasible_gamma_max(ctx, self._active.policy.gamma_max)
+        if all(_fits(choice, top) for choice, _ in decided):  # nearly always
+            return decided
         bounded: list[tuple[Choice, object]] = []
         for choice, after in decided:
             if not _fits(choice, top):
@@ -985,8 +987,8 @@ def _load_state(policy: ServedPolicy, state: Any) -> None:
 
 
 def _fits(choice: Choice, top: int) -> bool:
-    return 0 <= choice.gamma <= top and all(
-        0 <= g <= choice.gamma for _, g in choice.request_gammas
+    return 0 <= choice.gamma <= top and (
+        not choice.request_gammas or all(0 <= g <= choice.gamma for _, g in choice.request_gammas)
     )
 
 
