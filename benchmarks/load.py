@@ -8,8 +8,9 @@ asks for γ with a step context whose batch grows and shrinks as simulated reque
 finish, and reports an outcome consistent with the γ it ran on the next request.
 
 `--preset` names the shapes of load: `pod` (1 engine × 200 steps/s, pipelined), `node`
-(8 engines × 125 steps/s, pipelined: one node of 8 GPUs, 8 ms steps) and `stress` (8 ×
-1,000 steps/s, blocking; the default); explicit flags override a preset's values.
+(8 engines × 125 steps/s, pipelined: one node of 8 GPUs, 8 ms steps), `node-fast` (the same
+node at 2 ms steps: 8 × 500 steps/s) and `stress` (8 × 1,000 steps/s, blocking; the
+default); explicit flags override a preset's values.
 
 Then the same load (engines, rate, duration, transport, pipelining, deadline) against a
 bare stream server (`benchmarks/bare_server.py`: the same wire contract, answers γ = 1,

@@ -97,6 +97,9 @@ PRESETS: dict[str, Preset] = {
     "node": Preset(
         8, 125.0, True, 0.0, "one node of 8 GPUs: 8 engines × 125 steps/s (8 ms steps), pipelined"
     ),
+    "node-fast": Preset(
+        8, 500.0, True, 0.0, "one node of 8 GPUs at 2 ms steps: 8 engines × 500 steps/s, pipelined"
+    ),
     "pod": Preset(1, 200.0, True, 0.0, "one engine per pod: 1 engine × 200 steps/s, pipelined"),
 }
 

@@ -20,6 +20,7 @@ from benchmarks.load import shown_command
 from benchmarks.load_engines import PRESETS, EngineModel, LoadConfig
 from benchmarks.load_report import (
     FALLBACKS_VERDICT,
+    NODE_FAST_VERDICT,
     NODE_VERDICT,
     STRESS_VERDICT,
     TARGET_DECISIONS_PER_CORE,
@@ -371,10 +372,22 @@ def test_node_target_and_a_host_with_fewer_cores_than_engines() -> None:
     assert load_verdicts(heavy)[NODE_VERDICT] is False
     text = render_load(light, None, HEADER)
     assert "2 logical CPUs for 8 engine processes" in text
-    assert "only meaningful on ≥ 8 cores; here it is not" in text
+    assert "only meaningful on ≥ 8 cores; here they are not" in text
     assert "logical CPUs for" not in render_load(heavy, None, HEADER)
     stress = LoadConfig(engines=8, rate=1000.0, duration_s=60.0)
     assert load_verdicts(built_result(stress, steps=480_000))[STRESS_VERDICT] is False
+
+
+def test_node_at_two_ms_steps_allows_one_percent_of_fallbacks() -> None:
+    fast = LoadConfig(engines=8, rate=500.0, duration_s=100.0, pipelined=True)
+    assert fast.shape == "node-fast"
+    within = built_result(fast, steps=400_000, fallbacks=3_900, host_cores=16)
+    beyond = built_result(fast, steps=400_000, fallbacks=4_100, host_cores=16)
+    assert load_verdicts(within)[NODE_FAST_VERDICT] is True
+    assert load_verdicts(within)[FALLBACKS_VERDICT] is False  # the general 0.1 % still applies
+    assert load_verdicts(beyond)[NODE_FAST_VERDICT] is False
+    slower = built_result(dataclasses.replace(fast, rate=125.0))
+    assert NODE_FAST_VERDICT not in load_verdicts(slower)
 
 
 def test_each_shape_keeps_its_own_subsection_and_record(tmp_path: Path) -> None:
@@ -428,4 +441,6 @@ def test_presets_and_the_flags_that_override_them() -> None:
     assert (flags.engines, flags.rate, flags.pipelined, flags.max_rate) == (2, 125.0, True, 0.0)
     blocking = bench_load.parse_args(["--preset", "pod", "--no-pipelined", "--baseline", "0"])
     assert blocking.pipelined is False and blocking.baseline == 0.0
-    assert set(PRESETS) == {"stress", "node", "pod"}
+    fast = bench_load.parse_args(["--preset", "node-fast"])
+    assert (fast.engines, fast.rate, fast.pipelined, fast.max_rate) == (8, 500.0, True, 0.0)
+    assert set(PRESETS) == {"stress", "node", "node-fast", "pod"}
