@@ -167,8 +167,8 @@ bounds-check: $(STAMP)
 
 # The shapes of load in turn (benchmarks/load.py --preset): pod (1 engine x 200 steps/s,
 # pipelined), node (8 x 125/s, pipelined), node-fast (8 x 500/s, pipelined), stress
-# (8 x 1,000/s, blocking); each for 10 min
-# beside the bare stream server driven the same way. Pick with BENCH_LOAD_PRESETS="pod";
+# (8 x 1,000/s, blocking); each for 10 min beside the bare stream server driven the same
+# way. Pick with BENCH_LOAD_PRESETS="pod";
 # options of benchmarks/load.py (--help) in BENCH_LOAD_ARGS, e.g. "--quick" (60 s each) or
 # "--engines 2" (flags override the preset).
 BENCH_LOAD_PRESETS ?= pod node node-fast stress
