@@ -869,7 +869,6 @@ def _best(goodput: FloatArray, allowed: Mask | None) -> npt.NDArray[np.intp]:
 
 
 @functools.cache
-@functools.cache
 def _choice(gamma: int, kind: BinType) -> Choice:
     """The (immutable) choice of ``gamma`` as ``kind``, shared: a table holds one per size,
     and building a frozen dataclass for each costs more than the lookup."""
