@@ -274,8 +274,8 @@ class Estimate:
         )
         if self.correct:
             offsets = [self._offsets(b) for b in rows.firsts]  # one row per octave
-            # One octave (most tables): its row, which numpy broadcasts to every size.
-            ms = ms + (offsets[0] if len(offsets) == 1 else np.stack(offsets)[rows.index])
+            for position, run in rows.runs:  # broadcast down the octave's rows
+                ms[run] += offsets[position]
         return ms
 
     def plan_pricer(self, batch_size: int, switch_ms: FloatArray) -> PlanPricer:

@@ -176,9 +176,19 @@ def predict_ms_many(
     tests/policy_server/policies/test_goodput_candidates.py)."""
     shape = _stacked_shape_features(tuple(batch_sizes), gamma_top, prefill_tokens, min_draft_passes)
     context = context_tokens / CONTEXT_SCALE
-    head: FloatArray = shape @ weights[:SHAPE_FEATURES]
-    ms: FloatArray = head + context * (weights[-2] + weights[-1] * shape[:, :, -2])
+    ms: FloatArray = shape @ weights[:SHAPE_FEATURES]
+    # Attention re-reads the KV once per verified query token: γ, not the draft passes
+    # (step_features' last column), so one row per size broadcast down the rows.
+    ms += context * (weights[-2] + weights[-1] * _gammas(gamma_top))
     return ms
+
+
+@functools.lru_cache(maxsize=64)
+def _gammas(gamma_top: int) -> FloatArray:
+    """γ = 0..gamma_top as floats (a read-only array)."""
+    gammas = np.arange(gamma_top + 1, dtype=np.float64)
+    gammas.flags.writeable = False
+    return gammas
 
 
 @dataclasses.dataclass(slots=True)
@@ -339,7 +349,8 @@ class StepTimeModel:
     def solve(self) -> Fit:
         """A fit of every observation so far (changes nothing: views and tests use it)."""
         mean_weight = self.weight_sum / self.count if self.count > 0 else 1.0
-        regularized = self.gram + self.ridge * mean_weight * np.eye(FEATURES)
+        regularized = self.gram.copy()
+        regularized.flat[:: FEATURES + 1] += self.ridge * mean_weight  # A + ρI
         try:
             covariance = np.linalg.inv(regularized)
             root = np.linalg.cholesky(self.noise_variance * covariance)
@@ -351,9 +362,8 @@ class StepTimeModel:
             inverse = 1.0 / np.maximum(values, max(self.ridge * mean_weight, 1e-300))
             covariance = (vectors * inverse) @ vectors.T
             root = vectors * np.sqrt(self.noise_variance * inverse)
-        weights: FloatArray = (covariance @ self.moment).astype(np.float64)
-        factor: FloatArray = root.astype(np.float64)
-        return Fit(weights, factor)
+        weights: FloatArray = covariance @ self.moment
+        return Fit(weights, root)
 
     @property
     def mean_ms(self) -> float:
@@ -423,12 +433,13 @@ def batch_octave(batch_size: int) -> int:
 class BatchRows:
     """The batch sizes one decision prices, a row each, with what the correction needs of
     them (its offsets are per octave): each row's octave, the first size of each octave
-    present, and each row's position among those."""
+    present, and the runs of consecutive rows of one octave as (position of the octave
+    among the firsts, the run's slice of rows) — one run per octave for a table's range."""
 
     sizes: tuple[int, ...]
     octaves: tuple[int, ...]
     firsts: tuple[int, ...]
-    index: npt.NDArray[np.intp]
+    runs: tuple[tuple[int, slice], ...]
 
 
 @functools.lru_cache(maxsize=1024)
@@ -439,9 +450,13 @@ def batch_rows(sizes: tuple[int, ...]) -> BatchRows:
     for size, octave in zip(sizes, octaves, strict=True):
         firsts.setdefault(octave, size)
     position = {octave: i for i, octave in enumerate(firsts)}
-    index = np.array([position[octave] for octave in octaves], dtype=np.intp)
-    index.flags.writeable = False
-    return BatchRows(sizes, octaves, tuple(firsts.values()), index)
+    runs: list[tuple[int, slice]] = []
+    start = 0
+    for row in range(1, len(octaves) + 1):
+        if row == len(octaves) or octaves[row] != octaves[start]:
+            runs.append((position[octaves[start]], slice(start, row)))
+            start = row
+    return BatchRows(sizes, octaves, tuple(firsts.values()), tuple(runs))
 
 
 class LocalCorrection:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
 import pytest
 from nightjar_proto.v1 import admin_pb2, policy_pb2
 
@@ -25,6 +26,7 @@ from policy_server.policies import DEFAULT_POLICY, PolicyError, create_policy
 from policy_server.policies.base import MalformedStateError
 from policy_server.policies.goodput import STATE_SCHEMA, GoodputModelPolicy
 from policy_server.policies.models import (
+    FEATURES,
     StepTimeModel,
     expected_tokens,
     predict_ms_many,
@@ -674,6 +676,23 @@ def test_a_gamma_zero_step_is_priced_with_the_draft_pass_the_engine_runs_anyway(
     assert told[1] > told[0] and abs(told[0] / truth(64, 0) - 1.0) < 0.25
     untold = estimate_at_64(0)
     assert max(range(4), key=lambda g: untold[g]) == 0 and untold[0] > 2.0 * truth(64, 0)
+
+
+@pytest.mark.parametrize("min_draft_passes", [0, 1, 2])
+def test_a_predicted_step_is_the_regression_of_that_steps_own_features(
+    min_draft_passes: int,
+) -> None:
+    """What a decision prices for (B, γ) is what the regression learns from a step of
+    (B, γ): the same feature row. The attention term counts the verified γ, not the draft
+    passes, so a γ = 0 step of an engine whose drafter runs anyway is not charged the
+    attention of a drafted token it never verifies."""
+    weights = np.linspace(0.5, 3.0, FEATURES)
+    sizes, top, prefill, context = (3, 4, 9, 40), 4, 128, 20_000
+    predicted = predict_ms_many(weights, sizes, top, prefill, context, min_draft_passes)
+    for row, batch in enumerate(sizes):
+        for gamma in range(top + 1):
+            x = step_features(batch, gamma, prefill, context, None, min_draft_passes)
+            assert predicted[row, gamma] == pytest.approx(float(x @ weights), rel=1e-12)
 
 
 def test_a_trial_runs_the_best_gammas_untried_neighbours_once_per_octave() -> None:
