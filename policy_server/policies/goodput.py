@@ -347,7 +347,11 @@ class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner])
         under that one draw, and each checkpoint is built directly instead of copied."""
         before = self.checkpoint(ctx)
         engine, top = self._engine_and_top(ctx)
-        unchanged = engine.stream.state
+        # The RNG as the checkpoint holds it (read once: a PCG64 state read builds a dict).
+        if isinstance(before, EngineCheckpoint):
+            unchanged = before.rng_state
+        else:  # the engine's first decision
+            unchanged = engine.stream.state
         chosen = self._choose(engine, top, ctx, batch_rows(tuple(batch_sizes)))
         drawn = engine.stream.state  # advanced by the draw if any candidate drew
         self.restore(ctx, before)
@@ -721,11 +725,11 @@ class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner])
         octaves = rows.octaves
         # Per octave, the γ never run there nor started (their outcome is on its way).
         fresh = {
-            octave: [
+            octave: {
                 g
                 for g in learner.correction.unrun(octave, point.shape[1] - 1)
                 if (octave, g) not in engine.trials
-            ]
+            }
             for octave in dict.fromkeys(octaves)
         }
         if not any(fresh.values()):
@@ -735,21 +739,25 @@ class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner])
         # "Trials").
         switch_back = self._prefill_cost is not None
         weights = learner.step_time.fit().weights
+        misfits: dict[int, float] = {}  # per octave, all it depends on of the batch size
         tried: dict[int, int] = {}
         for row, (octave, best) in enumerate(zip(octaves, greedy.tolist(), strict=True)):
-            if not fresh[octave]:
+            cells = fresh[octave]
+            if not cells:
                 continue
             untried = [
                 g
-                for g in fresh[octave]
-                if abs(g - best) <= 1
+                for g in (best - 1, best, best + 1)  # the best and its neighbours, ascending
+                if g in cells
                 and (allowed is None or allowed[row, g])
                 and not (g == 0 and switch_back and best > 0)
             ]
             if not untried:
                 continue
             goodput = point[row].tolist()
-            misfit = learner.correction.misfit(weights, rows.sizes[row])
+            misfit = misfits.get(octave)
+            if misfit is None:
+                misfit = misfits[octave] = learner.correction.misfit(weights, rows.sizes[row])
             least = (1.0 - max(cap, min(misfit, 1.0))) * goodput[best]
             plausible = [g for g in untried if goodput[g] >= least]
             if plausible:
