@@ -548,9 +548,7 @@ class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner])
         tried = self._trials(learner, engine, rows, goodput, allowed, greedy)
         chosen: list[tuple[Choice, Trials, bool]] = []
         if len(tried) < len(rows.sizes):
-            sample = self._sample(learner, engine, ctx, top)
-            _, drawn = sample.priced(rows, switch)
-            sampled = _best(drawn, allowed)
+            sample = self._sample(learner, engine, ctx, top)  # the table's one draw
             # Why the cap: with a 14-feature posterior and the few hundred steps a busy
             # engine runs at one batch size, plain Thompson draws keep trying γ far behind
             # the best (docs/POLICIES.md, "Decision"). Near-ties, where a wrong point
@@ -559,7 +557,13 @@ class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner])
             keep = 1.0 - self._params.explore_loss_cap
             point_goodput = goodput.tolist()
             greedy_gammas = greedy.tolist()
-            for row, gamma in enumerate(sampled.tolist()):
+            sampled = greedy_gammas
+            if _contested(goodput, greedy, allowed, keep):
+                # Elsewhere the cap takes any drawn γ back to the greedy one: the draw is
+                # priced only when it can change a choice.
+                _, drawn = sample.priced(rows, switch)
+                sampled = _best(drawn, allowed).tolist()
+            for row, gamma in enumerate(sampled):
                 if row in tried:
                     chosen.append(self._trial_choice(trials, rows.octaves[row], tried[row]))
                     continue
@@ -874,6 +878,18 @@ def _best(goodput: FloatArray, allowed: Mask | None) -> npt.NDArray[np.intp]:
         goodput = np.where(allowed, goodput, -np.inf)
     best: npt.NDArray[np.intp] = goodput.argmax(axis=1)
     return best
+
+
+def _contested(
+    goodput: FloatArray, greedy: npt.NDArray[np.intp], allowed: Mask | None, keep: float
+) -> bool:
+    """Whether a row has an allowed γ besides its greedy one that the exploration cap
+    lets a draw choose: one not below ``keep`` times the greedy γ's point goodput."""
+    best = np.take_along_axis(goodput, greedy[:, None], axis=1)
+    within: Mask = ~(goodput < keep * best)  # as the cap compares (a NaN is not below)
+    if allowed is not None:
+        within &= allowed
+    return bool((within.sum(axis=1) > 1).any())
 
 
 @functools.cache

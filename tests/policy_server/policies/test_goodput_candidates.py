@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nightjar_common.types import BinType, Choice, StepContext
+from policy_server.policies import goodput
 from policy_server.policies.base import CheckpointedDecide, at_batch_size
 from policy_server.policies.goodput import GoodputModelPolicy
 from tests.policy_server.policies.test_goodput_policy import GAMMA_MAX, Environment
@@ -195,3 +196,40 @@ def test_a_set_across_every_octave_decides_as_the_loop(seed: int) -> None:
     expected = loop(copy.deepcopy(policy), ctx, sizes)
     got = policy.decide_candidates(ctx, sizes)
     assert [choice for choice, _ in got] == [choice for choice, _ in expected]
+
+
+def test_a_draw_is_priced_only_where_the_cap_lets_it_change_a_choice(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where no γ but the greedy one is within the exploration cap, the cap takes any drawn
+    γ back to the greedy one, so a table leaves the draw unpriced there. Over a run that
+    meets both (tables with near-ties and without), every choice of every table, and so
+    the RNG stream, is what pricing the draw always gives."""
+    seen: list[bool] = []
+    contested = goodput._contested
+
+    def spied(*args: Any) -> bool:
+        seen.append(contested(*args))
+        return seen[-1]
+
+    def run() -> list[list[tuple[int, BinType]]]:
+        policy = GoodputModelPolicy({"gamma_max": GAMMA_MAX, "seed": 1, "warmup_steps": 0})
+        env = Bumpy(alpha=0.7)
+        tables = []
+        for i in range(300):
+            batch = (4, 24, 32, 64, 128)[i % 5]
+            ctx = train_context(batch, i)
+            low = max(1, batch - 8)
+            decided = policy.decide_candidates(ctx, list(range(low, batch + 9)))
+            choice, after = decided[batch - low]
+            policy.restore(ctx, after)
+            policy.observe(ctx, choice, env.outcome(ctx, choice.gamma))
+            tables.append([(c.gamma, c.bin_type) for c, _ in decided])
+        return tables
+
+    monkeypatch.setattr(goodput, "_contested", spied)
+    skipping = run()
+    assert True in seen and False in seen
+    assert any(kind is BinType.EXPLORE for table in skipping for _, kind in table)
+    monkeypatch.setattr(goodput, "_contested", lambda *args: True)
+    assert run() == skipping
