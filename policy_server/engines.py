@@ -2,7 +2,8 @@
 
 Each engine's pending decisions, its open set of tentative candidates and its last
 activity live in its own shard with its own lock, so engines do not wait on each other
-for bookkeeping (the policy, whose learners engines may share, has the service's lock).
+for bookkeeping (the policy's part an engine changes is under its learner's lock,
+learner_locks.py: engines of one learner key share it).
 Everything a client can make the sidecar hold is bounded: engines, learner keys and
 pending decisions per engine; past a bound the least recently used entry is evicted
 and counted (``nightjar_evictions_total{kind}``), so a misbehaving client costs memory

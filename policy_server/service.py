@@ -1,13 +1,15 @@
 """The decision service: owns the active policy, pending decisions and their bookkeeping.
 
 This is the sidecar's core, free of gRPC: the gRPC servicers, the benchmarks
-and in-process users all call it. One lock guards the active policy and the
-pending-decision table; policy activation (swap, set-params, restore, reset)
-is atomic and leaves the last good policy in place when it fails.
+and in-process users all call it. An engine's step holds its own locks only: its shard's
+(its pending decisions, engines.py) and its learner's (the part of the policy it changes,
+learner_locks.py); policy activation (swap, set-params, restore, reset) holds every
+learner's, is atomic and leaves the last good policy in place when it fails.
 
 One thing over ~600 lines: every path that touches the active policy and the pending
-decisions (decide, report, commit, swap, restore, snapshot) shares that one lock, so they
-live together; per-engine bookkeeping is in engines.py, the policies in policies/.
+decisions (decide, report, commit, swap, restore, snapshot) takes those locks in one
+order, so they live together; per-engine bookkeeping is in engines.py, the policies in
+policies/.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import math
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -65,6 +67,7 @@ from policy_server.engines import (
     IssuedTable,
     PendingDecision,
 )
+from policy_server.learner_locks import LearnerLocks
 from policy_server.memory import OFFLOAD, RELOAD, MemoryController, MemoryParams
 from policy_server.metrics import Metrics, batch_bucket
 from policy_server.policies import (
@@ -93,9 +96,9 @@ T = TypeVar("T")
 # False): decided again when the engine names it.
 DECIDE_AGAIN = object()
 
-# How long a read of learned state (state_view, snapshots; see _read_state) holds the
-# service's lock at most before it lets decisions in (goodput's part of an engine takes
-# about 0.2 ms to build, so about 10 engines a hold).
+# How long a read of learned state (state_view, snapshots; see _read_state) reads engines'
+# parts before it encodes them and hands the GIL over (goodput's part of an engine takes
+# about 0.2 ms to build, so about 10 engines a chunk).
 STATE_HOLD_S = 0.002
 # Reads of the whole state a policy activation may restart before one holds the lock.
 STATE_READ_ATTEMPTS = 3
@@ -201,10 +204,14 @@ class DecisionService:
         self.memory = memory or MemoryController(MemoryParams())
         # The draft state last published in nightjar_memory_draft_state, per engine.
         self._published_draft_state: dict[str, DraftState] = {}
-        # Guards the active policy (engines may share its learners) and the totals; the
-        # per-engine bookkeeping has one lock per engine (policy_server/engines.py).
-        # Order: an engine's lock, then this one.
+        # What an engine's step changes has its own locks: its bookkeeping its shard's
+        # (policy_server/engines.py), its part of the policy its learner's
+        # (learner_locks.py). This one is taken with all of the learners' to activate a
+        # policy or change it whole (reset, eviction). Order: an engine's lock, this one,
+        # the learners'.
         self._lock = threading.Lock()
+        self._learner_locks = LearnerLocks()
+        self._totals_lock = threading.Lock()  # the two totals, counted from any learner's
         # Whole-state reads (GetState with the token, snapshots) one at a time: each costs
         # CPU in proportion to the engines, taken from the decisions (the GIL).
         self._whole_reads = threading.Lock()
@@ -242,7 +249,7 @@ class DecisionService:
         shard, pending = self._locate(outcome)
         with shard.lock:
             shard, pending = self._locate(outcome)  # again, under the lock
-            with self._lock:
+            with self._learner_part(shard.engine_id, pending.ctx.learner_key):
                 return self._report_locked(shard, pending, outcome)
 
     def step(
@@ -269,7 +276,7 @@ class DecisionService:
         shard, evicted = self.engines.shard(ctx.engine_id)
         self._forget(evicted)
         self._forget_learners(self.engines.use_learner_key(ctx.learner_key))
-        with shard.lock, self._lock:
+        with shard.lock, self._learner_part(ctx.engine_id, ctx.learner_key):
             if ctx.ran_decision_id:
                 self._commit_locked(shard, ctx.ran_decision_id)
             if outcome is not None:
@@ -297,9 +304,10 @@ class DecisionService:
         result = TableStepResult()
         if ctx is not None:
             check_context(ctx, self.limits)
-            engine_id = ctx.engine_id
+            engine_id, learner_key = ctx.engine_id, ctx.learner_key
         elif ran_steps or outcomes:
             engine_id = ran_steps[0].context.engine_id if ran_steps else outcomes[0].engine_id
+            learner_key = ran_steps[0].context.learner_key if ran_steps else ""
         else:
             raise InvalidArgumentError("a step request needs an outcome, a context or both")
         check_batch_size(ran_steps, outcomes)
@@ -314,7 +322,7 @@ class DecisionService:
         ran_ids = {step.decision_id for step in ran_steps}
         later = {o.decision_id: o for o in outcomes if o.decision_id in ran_ids}
         earlier = [o for o in outcomes if o.decision_id not in ran_ids]
-        with shard.lock, self._lock:
+        with shard.lock, self._learner_part(engine_id, learner_key):
             for outcome in earlier:
                 self._report_batched_locked(shard, outcome, result)
             for step in ran_steps:
@@ -616,7 +624,8 @@ class DecisionService:
 
     def _count_decision(self, decision_id: str, pending: PendingDecision) -> None:
         """Metrics and log of a decision the engine runs (tentative ones once named)."""
-        self._decisions_total += 1
+        with self._totals_lock:
+            self._decisions_total += 1
         choice, ctx = pending.choice, pending.ctx
         active = self._active
         metrics, gamma = self.metrics, str(choice.gamma)
@@ -650,7 +659,7 @@ class DecisionService:
         """Evicted engines: their policy state, memory state and per-engine series go."""
         if not engine_ids:
             return
-        with self._lock:
+        with self._whole_policy():
             for engine_id in engine_ids:
                 self._active.policy.reset(engine_id)
                 self.memory.engines.pop(engine_id, None)
@@ -661,7 +670,7 @@ class DecisionService:
         """Learner keys evicted from the table: what the policy learned under them goes."""
         if not keys:
             return
-        with self._lock:
+        with self._whole_policy():
             for key in keys:
                 self._active.policy.forget_learner(key)
 
@@ -670,7 +679,8 @@ class DecisionService:
         applied = pending.revision == active.revision
         if applied:
             active.policy.observe(pending.ctx, pending.choice, outcome)
-        self._reports_total += 1
+        with self._totals_lock:
+            self._reports_total += 1
         metrics, gamma = self.metrics, str(outcome.gamma)
         metrics.child(metrics.reports, active.name, "applied" if applied else "stale").inc()
         metrics.child(metrics.goodput, gamma).observe(outcome.goodput)
@@ -687,7 +697,7 @@ class DecisionService:
     def swap(self, name: str, params: Mapping[str, Any] | None, keep_state: bool) -> ActivePolicy:
         """Activate another policy; the current one stays active if anything fails."""
         candidate = self._build(name, self._confine_paths(name, params))
-        with self._lock:
+        with self._whole_policy():
             if keep_state:
                 self._carry_state(self._active.policy, candidate)
             return self._activate(candidate, "swap", "kept" if keep_state else "fresh")
@@ -698,12 +708,12 @@ class DecisionService:
             current = self._active
             merged = {**current.policy.params(), **self._confine_paths(current.name, changes)}
         candidate = self._build(current.name, merged)
-        with self._lock:
+        with self._whole_policy():
             self._carry_state(self._active.policy, candidate)
             return self._activate(candidate, "set_params", "kept")
 
     def reset(self, engine_id: str | None = None) -> ActivePolicy:
-        with self._lock:
+        with self._whole_policy():
             if engine_id is None:
                 self.engines.clear()
                 policy = self._build(self._active.name, self._active.policy.params())
@@ -766,17 +776,18 @@ class DecisionService:
         with the part no engine's shows, LearnedState.state) and, with ``memory``, their
         memory-controller states. ``allow_nan`` False: ValueError for a NaN or infinity.
 
-        The service's lock is held for STATE_HOLD_S at most (and one engine at least) and
-        released between such chunks, so a decision waits for one chunk, never for the
+        Each engine's part is read holding its learner's lock only (the part no engine
+        owns, every learner's), in chunks of STATE_HOLD_S with the GIL handed over between
+        them, so a decision waits for one part of its own learner at most, never for the
         whole state (with 10,000 engines of goodput that takes seconds); each chunk is
-        encoded as JSON outside the lock (state_text.py). So the result is not one point in
+        encoded as JSON outside the locks (state_text.py). So the result is not one point in
         time: each engine's part (its record and the learner it updates) is read at once
         and is consistent on its own, a learner engines share is the one read last, and an
         engine that comes or goes during the read may be missing. That is all a snapshot
         needs: an engine's decisions read its own part only, so a restored engine goes on
         from a state it was in, as if the snapshot had been taken a moment earlier or later
         for it. A policy activated during the read makes it start again; the last of
-        STATE_READ_ATTEMPTS holds the lock throughout (activations are admin calls)."""
+        STATE_READ_ATTEMPTS holds every lock throughout (activations are admin calls)."""
         ids = [*engine_ids, UNOWNED] if whole else list(engine_ids)
         for attempt in range(1, STATE_READ_ATTEMPTS + 1):
             read = self._read_chunks(ids, allow_nan, memory, attempt == STATE_READ_ATTEMPTS)
@@ -790,20 +801,21 @@ class DecisionService:
         """One attempt of _read_state; None when a policy was activated meanwhile."""
         text = StateText(allow_nan)
         memories: dict[str, Any] = {}
-        held = self._lock if throughout else contextlib.nullcontext()
-        each = contextlib.nullcontext() if throughout else self._lock
+        held = self._whole_policy() if throughout else contextlib.nullcontext()
         with held:
             active = self._active
             done = 0
             while done < len(ids):
                 parts: list[dict[str, Any]] = []
-                with each:
-                    if self._active is not active:
-                        return None
-                    until = time.perf_counter() + STATE_HOLD_S
-                    while done < len(ids) and (throughout or not parts or _before(until)):
-                        engine_id = ids[done]
-                        done += 1
+                until = time.perf_counter() + STATE_HOLD_S
+                while done < len(ids) and (throughout or not parts or _before(until)):
+                    engine_id = ids[done]
+                    done += 1
+                    with contextlib.ExitStack() as holding:
+                        if not throughout:  # the engine's learner only, or all for UNOWNED
+                            holding.enter_context(self._engine_part(engine_id))
+                        if self._active is not active:
+                            return None
                         # state() builds new JSON data: nothing of it changes once unlocked.
                         parts.append(active.policy.state(engine_id))
                         engine_memory = self.memory.engines.get(engine_id) if memory else None
@@ -817,6 +829,34 @@ class DecisionService:
                     time.sleep(0)
         state_json = text.text() if text else json.dumps({"schema": active.policy.state_schema})
         return StateRead(active, state_json, dict(sorted(memories.items())))
+
+    @contextlib.contextmanager
+    def _learner_part(self, engine_id: str, learner_key: str) -> Iterator[None]:
+        """Hold the lock of the learner the engine's steps change in the active policy
+        (LearnedState.learner_for; ``learner_key`` the engine's, for one it has not seen):
+        taken again when an activation or a reset moved it before it was held."""
+        while True:
+            policy = self._active.policy
+            lock = self._learner_locks.of(policy.learner_for(engine_id, learner_key))
+            with lock:
+                current = self._active.policy
+                if current is policy and lock is self._learner_locks.of(
+                    current.learner_for(engine_id, learner_key)
+                ):
+                    yield
+                    return
+
+    def _engine_part(self, engine_id: str) -> contextlib.AbstractContextManager[None]:
+        """What reading ``engine_id``'s part of the state holds (UNOWNED: every learner)."""
+        if engine_id == UNOWNED:
+            return self._learner_locks.every()
+        return self._learner_part(engine_id, "")
+
+    @contextlib.contextmanager
+    def _whole_policy(self) -> Iterator[None]:
+        """This lock and every learner's: no step is in the policy while it is held."""
+        with self._lock, self._learner_locks.every():
+            yield
 
     def list_policies(self) -> list[tuple[str, str, dict[str, Any], bool]]:
         return [
@@ -887,7 +927,7 @@ class DecisionService:
         engines = [str(e) for e in document.get("engines", [])] if keep_state else []
         if keep_state:
             _load_state(candidate, spec["state"])
-        with self._lock:
+        with self._whole_policy():
             self.engines.clear()
             for engine_id in engines:
                 shard, _ = self.engines.shard(str(engine_id))

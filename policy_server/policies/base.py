@@ -110,6 +110,14 @@ class LearnedState(Protocol):
         least recently used one it evicts (policy_server/engines.py)."""
         ...
 
+    def learner_for(self, engine_id: str, learner_key: str) -> str:
+        """The learner whose state the engine's decisions and outcomes change, besides its
+        own record: the one its record updates, or for an engine without a record the one
+        a step sending ``learner_key`` would create (own_learner(engine_id) when nothing is
+        shared). Steps of one learner are serialised by the server, those of others not
+        (a lock per learner, policy_server/service.py)."""
+        ...
+
     def checkpoint(self, ctx: StepContext) -> object:
         """A copy of everything decide(ctx) may change (opaque to the server)."""
         ...
@@ -238,9 +246,14 @@ def forced_choice_if_no_speculation(ctx: StepContext, gamma_max: int) -> Choice 
 def learner_id(ctx: StepContext, share_learner: bool) -> str:
     """Whose learned state a step updates: the engine's learner key when it sends one and
     sharing is on (engines of one model and hardware learn together), else its own."""
-    if share_learner and ctx.learner_key:
-        return learner_id_of_key(ctx.learner_key)
-    return own_learner(ctx.engine_id)
+    return engine_learner_id(ctx.engine_id, ctx.learner_key, share_learner)
+
+
+def engine_learner_id(engine_id: str, learner_key: str, share_learner: bool) -> str:
+    """learner_id of a step of ``engine_id`` that sends ``learner_key``."""
+    if share_learner and learner_key:
+        return learner_id_of_key(learner_key)
+    return own_learner(engine_id)
 
 
 def learner_id_of_key(learner_key: str) -> str:
@@ -251,6 +264,10 @@ def learner_id_of_key(learner_key: str) -> str:
 
 def own_learner(engine_id: str) -> str:
     return f"engine:{engine_id}"
+
+
+# LearnedState.learner_for of a policy whose every step may read all of it.
+WHOLE_POLICY = "*"
 
 
 def load_prefill_cost(path: str, policy: str) -> PrefillCostTable | None:

@@ -41,6 +41,7 @@ from policy_server.policies.base import (
     ParamsPolicy,
     PolicyError,
     feasible_gamma_max,
+    own_learner,
     parse_params,
 )
 
@@ -228,6 +229,9 @@ class DsdePolicy(ParamsPolicy[DsdeParams], CheckpointedDecide):
 
     def forget_learner(self, learner_key: str) -> None:
         return None  # the state is per engine, never per learner key
+
+    def learner_for(self, engine_id: str, learner_key: str) -> str:
+        return own_learner(engine_id)
 
     # -- internals ----------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ from policy_server.policies.base import (
     ParamsPolicy,
     PolicyError,
     feasible_gamma_max,
+    own_learner,
     parse_params,
 )
 
@@ -232,3 +233,6 @@ class EmaPolicy(ParamsPolicy[EmaParams], CheckpointedDecide):
 
     def forget_learner(self, learner_key: str) -> None:
         return None  # slots are per engine, never per learner key
+
+    def learner_for(self, engine_id: str, learner_key: str) -> str:
+        return own_learner(engine_id)

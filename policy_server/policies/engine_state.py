@@ -22,6 +22,7 @@ from policy_server.policies.base import (
     GammaParams,
     ParamsPolicy,
     PolicyError,
+    engine_learner_id,
     feasible_gamma_max,
     learner_id,
     learner_id_of_key,
@@ -62,6 +63,13 @@ class LearnerBook(Generic[E, L]):
 
     def forget_learner(self, learner_key: str) -> None:
         self.learners.pop(learner_id_of_key(learner_key), None)
+
+    def learner_for(self, engine_id: str, learner_key: str) -> str:
+        """LearnedState.learner_for: the record's learner, else the one it would get."""
+        engine = self.engines.get(engine_id)
+        if engine is None:
+            return engine_learner_id(engine_id, learner_key, self.share_learner)
+        return self._learner_id(engine)
 
     def reset(self, engine_id: str | None = None) -> None:
         if engine_id is None:
@@ -208,6 +216,9 @@ class EngineStatePolicy(ParamsPolicy[G], CheckpointedDecide, Generic[G, R, L]):
 
     def forget_learner(self, learner_key: str) -> None:
         self._book.forget_learner(learner_key)
+
+    def learner_for(self, engine_id: str, learner_key: str) -> str:
+        return self._book.learner_for(engine_id, learner_key)
 
     def reset(self, engine_id: str | None = None) -> None:
         self._book.reset(engine_id)

@@ -20,6 +20,7 @@ from policy_server.policies.base import (
     PolicyError,
     feasible_gamma_max,
     forced_choice_if_no_speculation,
+    own_learner,
     parse_params,
 )
 from policy_server.policies.engine_state import engine_rng
@@ -46,6 +47,9 @@ class _StatelessPolicy(CheckpointedDecide):
 
     def forget_learner(self, learner_key: str) -> None:
         return None
+
+    def learner_for(self, engine_id: str, learner_key: str) -> str:
+        return own_learner(engine_id)  # what an engine's decisions keep (random: its RNG)
 
     def checkpoint(self, ctx: StepContext) -> object:
         return None  # decide() changes nothing

@@ -13,6 +13,7 @@ from typing import Any, ClassVar, Generic, TypeVar
 from nightjar_common.types import Choice, StepContext
 from policy_server.policies.base import (
     UNOWNED,
+    WHOLE_POLICY,
     GammaParams,
     MalformedStateError,
     ParamsPolicy,
@@ -111,6 +112,11 @@ class LearnerTablePolicy(ParamsPolicy[G], Generic[G, L]):
 
     def forget_learner(self, learner_key: str) -> None:
         self._table.forget_learner(learner_key)
+
+    def learner_for(self, engine_id: str, learner_key: str) -> str:
+        # One for all engines: without checkpoints_decide the server decides candidates on
+        # a copy of the whole policy, which must not change meanwhile.
+        return WHOLE_POLICY
 
     def reset(self, engine_id: str | None = None) -> None:
         self._table.reset(engine_id)
