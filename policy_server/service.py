@@ -100,7 +100,7 @@ DECIDE_AGAIN = object()
 # parts before it encodes them and hands the GIL over (goodput's part of an engine takes
 # about 0.2 ms to build, so about 10 engines a chunk).
 STATE_HOLD_S = 0.002
-# Reads of the whole state a policy activation may restart before one holds the lock.
+# Reads of the whole state a policy activation may restart before one holds every lock.
 STATE_READ_ATTEMPTS = 3
 
 
