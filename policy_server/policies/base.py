@@ -270,6 +270,17 @@ def own_learner(engine_id: str) -> str:
 WHOLE_POLICY = "*"
 
 
+class StatePerEngine:
+    """LearnedState.forget_learner and learner_for of a policy whose state is per engine
+    only (nothing shared under a learner key): nothing to forget, each engine its own."""
+
+    def forget_learner(self, learner_key: str) -> None:
+        return None
+
+    def learner_for(self, engine_id: str, learner_key: str) -> str:
+        return own_learner(engine_id)
+
+
 def load_prefill_cost(path: str, policy: str) -> PrefillCostTable | None:
     """The c_prefill(L_max, B) table of a policy's ``prefill_cost_table`` ("" = none)."""
     if not path:

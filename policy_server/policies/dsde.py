@@ -40,8 +40,8 @@ from policy_server.policies.base import (
     MalformedStateError,
     ParamsPolicy,
     PolicyError,
+    StatePerEngine,
     feasible_gamma_max,
-    own_learner,
     parse_params,
 )
 
@@ -102,7 +102,7 @@ class EngineRecord:
     requests: dict[str, collections.deque[float]]
 
 
-class DsdePolicy(ParamsPolicy[DsdeParams], CheckpointedDecide):
+class DsdePolicy(ParamsPolicy[DsdeParams], CheckpointedDecide, StatePerEngine):
     """decide() changes nothing (histories grow in observe): checkpoints are empty."""
 
     name: ClassVar[str] = "dsde"
@@ -226,12 +226,6 @@ class DsdePolicy(ParamsPolicy[DsdeParams], CheckpointedDecide):
             self._engines.clear()
         else:
             self._engines.pop(engine_id, None)
-
-    def forget_learner(self, learner_key: str) -> None:
-        return None  # the state is per engine, never per learner key
-
-    def learner_for(self, engine_id: str, learner_key: str) -> str:
-        return own_learner(engine_id)
 
     # -- internals ----------------------------------------------------------------------
 

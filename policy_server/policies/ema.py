@@ -22,8 +22,8 @@ from policy_server.policies.base import (
     MalformedStateError,
     ParamsPolicy,
     PolicyError,
+    StatePerEngine,
     feasible_gamma_max,
-    own_learner,
     parse_params,
 )
 
@@ -100,7 +100,7 @@ class Slot:
         return self.candidates[self.index]
 
 
-class EmaPolicy(ParamsPolicy[EmaParams], CheckpointedDecide):
+class EmaPolicy(ParamsPolicy[EmaParams], CheckpointedDecide, StatePerEngine):
     name: ClassVar[str] = "ema"
     state_schema: ClassVar[str] = "ema/1"
 
@@ -230,9 +230,3 @@ class EmaPolicy(ParamsPolicy[EmaParams], CheckpointedDecide):
             self._slots.clear()
         else:
             self._slots.pop(engine_id, None)
-
-    def forget_learner(self, learner_key: str) -> None:
-        return None  # slots are per engine, never per learner key
-
-    def learner_for(self, engine_id: str, learner_key: str) -> str:
-        return own_learner(engine_id)

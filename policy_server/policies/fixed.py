@@ -18,16 +18,16 @@ from policy_server.policies.base import (
     CheckpointedDecide,
     ParamsPolicy,
     PolicyError,
+    StatePerEngine,
     feasible_gamma_max,
     forced_choice_if_no_speculation,
-    own_learner,
     parse_params,
 )
 from policy_server.policies.engine_state import engine_rng
 from policy_server.policies.rng import SplitMix64
 
 
-class _StatelessPolicy(CheckpointedDecide):
+class _StatelessPolicy(CheckpointedDecide, StatePerEngine):  # random: an RNG per engine
     """LearnedState of policies that learn nothing."""
 
     state_schema: ClassVar[str] = "stateless/1"
@@ -44,12 +44,6 @@ class _StatelessPolicy(CheckpointedDecide):
 
     def reset(self, engine_id: str | None = None) -> None:
         return None
-
-    def forget_learner(self, learner_key: str) -> None:
-        return None
-
-    def learner_for(self, engine_id: str, learner_key: str) -> str:
-        return own_learner(engine_id)  # what an engine's decisions keep (random: its RNG)
 
     def checkpoint(self, ctx: StepContext) -> object:
         return None  # decide() changes nothing
