@@ -592,7 +592,9 @@ class DecisionService:
         policy's Γmax, 0 while the draft is not resident): a γ outside is a policy defect,
         never passed on; it is clamped, counted and logged (once per policy version)."""
         top = feasible_gamma_max(ctx, self._active.policy.gamma_max)
-        if all(_fits(choice, top) for choice, _ in decided):  # nearly always
+        # A table's choices are few objects shared by many sizes: each checked once.
+        distinct = {id(choice): choice for choice, _ in decided}.values()
+        if all(_fits(choice, top) for choice in distinct):  # nearly always
             return decided
         bounded: list[tuple[Choice, object]] = []
         for choice, after in decided:

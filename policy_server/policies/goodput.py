@@ -738,6 +738,11 @@ class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner])
         }
         if not any(fresh.values()):
             return {}
+        # Per octave, the best γ that have a fresh cell among themselves and their
+        # neighbours: any other row has nothing to try (most rows, nearly always).
+        near = {
+            octave: {g + d for g in cells for d in (-1, 0, 1)} for octave, cells in fresh.items()
+        }
         # Never a trial that turns speculation off where turning it back on costs a
         # catch-up: the switch cost then keeps the next decisions at γ = 0 (docs/POLICIES.md,
         # "Trials").
@@ -746,9 +751,9 @@ class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner])
         misfits: dict[int, float] = {}  # per octave, all it depends on of the batch size
         tried: dict[int, int] = {}
         for row, (octave, best) in enumerate(zip(octaves, greedy.tolist(), strict=True)):
-            cells = fresh[octave]
-            if not cells:
+            if best not in near[octave]:
                 continue
+            cells = fresh[octave]
             untried = [
                 g
                 for g in (best - 1, best, best + 1)  # the best and its neighbours, ascending
@@ -885,11 +890,14 @@ def _contested(
 ) -> bool:
     """Whether a row has an allowed γ besides its greedy one that the exploration cap
     lets a draw choose: one not below ``keep`` times the greedy γ's point goodput."""
-    best = np.take_along_axis(goodput, greedy[:, None], axis=1)
-    within: Mask = ~(goodput < keep * best)  # as the cap compares (a NaN is not below)
+    rows = len(greedy)
+    best = goodput[np.arange(rows), greedy]
+    within: Mask = ~(goodput < keep * best[:, None])  # as the cap compares (a NaN is not below)
     if allowed is not None:
         within &= allowed
-    return bool((within.sum(axis=1) > 1).any())
+    # Each row's greedy γ is within (allowed, and goodput is positive, never below a
+    # fraction of itself): some row has another where there are more than one per row.
+    return int(np.count_nonzero(within)) > rows
 
 
 @functools.cache
