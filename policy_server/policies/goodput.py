@@ -555,23 +555,26 @@ class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner])
             # estimate is plausible and cheap, are still explored; a γ the estimate is only
             # extrapolated for was tried before any draw.
             keep = 1.0 - self._params.explore_loss_cap
-            point_goodput = goodput.tolist()
             greedy_gammas = greedy.tolist()
-            sampled = greedy_gammas
             if _contested(goodput, greedy, allowed, keep):
                 # Elsewhere the cap takes any drawn γ back to the greedy one: the draw is
                 # priced only when it can change a choice.
                 _, drawn = sample.priced(rows, switch)
                 sampled = _best(drawn, allowed).tolist()
-            for row, gamma in enumerate(sampled):
-                if row in tried:
-                    chosen.append(self._trial_choice(trials, rows.octaves[row], tried[row]))
-                    continue
-                best, values = greedy_gammas[row], point_goodput[row]
-                if values[gamma] < keep * values[best]:
-                    gamma = best
-                kind = BinType.EXPLOIT if gamma == best else BinType.EXPLORE
-                chosen.append((_choice(gamma, kind), trials, True))
+                for gamma, best, values in zip(
+                    sampled, greedy_gammas, goodput.tolist(), strict=True
+                ):
+                    if values[gamma] < keep * values[best]:
+                        gamma = best
+                    kind = BinType.EXPLOIT if gamma == best else BinType.EXPLORE
+                    chosen.append((_choice(gamma, kind), trials, True))
+            else:  # every row exploits its greedy γ
+                exploit = {
+                    g: (_choice(g, BinType.EXPLOIT), trials, True) for g in set(greedy_gammas)
+                }
+                chosen = [exploit[g] for g in greedy_gammas]
+            for row, gamma in tried.items():
+                chosen[row] = self._trial_choice(trials, rows.octaves[row], gamma)
             planned = self._request_row(ctx, rows, tried)
             if planned is not None:
                 plan = self._plan_choice(engine, ctx, (point, sample), switch[planned], top)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from benchmarks.report import markers, write_section
 from benchmarks.rpc import measure_in_process
-from benchmarks.rpc_report import TABLE_REFRESHES, Measurement
+from benchmarks.rpc_report import TABLE_REFRESHES, Measurement, table_target
 
 
 def test_in_process_measurement_is_sane() -> None:
@@ -31,6 +31,10 @@ def test_in_process_measurement_is_sane() -> None:
     assert 0 < deciding.p50_us < deciding.mean_us < deciding.p99_us
     assert applying.p50_us == 0 < applying.mean_us
     assert results[-2].mean_us < deciding.mean_us  # refreshed 4 x less often (32 vs 8)
+    # The table cases ran in three rounds; each row is the round with the median mean.
+    for m in results[4:]:
+        assert len(m.round_means_us) == 3 and m.mean_us == sorted(m.round_means_us)[1]
+    assert "(rounds " in " ".join(table_target(results))
 
 
 def test_report_sections_are_replaced_in_place_and_kept_apart(tmp_path: Path) -> None:
