@@ -276,10 +276,13 @@ class Simulator:
             # KV for the cap: the drafter proposes it for every request before verifying.
             decode = self._reserve(decode, gamma)
         catch_up = max((r.lag for r in decode), default=0) if self.previous_gamma == 0 else 0
-        # The token budget is planned for the cap as well (the scheduler's lookahead).
-        prefill_tokens = self._run_prefill(len(decode), gamma)
-        context = sum(r.context_tokens for r in decode)
         verification = verification_of(decode, gammas)
+        # Each request's verify tokens count against the token budget: vLLM's synchronous
+        # scheduler schedules 1 + len(spec_token_ids) tokens a request, its drafts already
+        # cut to γ_i (the plugin's NightjarScheduler); the drafter's KV is the cap's.
+        verified = len(decode) * gamma if verification is None else verification.draft_tokens
+        prefill_tokens = self._run_prefill(len(decode) + verified)
+        context = sum(r.context_tokens for r in decode)
         step_s = self.profile.step_seconds(
             len(decode), gamma, prefill_tokens, context, catch_up, verification
         )
@@ -294,9 +297,7 @@ class Simulator:
                 gamma,
                 step_s,
                 generated,
-                drafted_tokens=(
-                    len(decode) * gamma if verification is None else verification.draft_tokens
-                ),
+                drafted_tokens=verified,
                 accepted_tokens=accepted,
                 request_accepts=accepts,
                 prefill_tokens=prefill_tokens,
@@ -319,9 +320,9 @@ class Simulator:
 
     # -- pieces of a step -------------------------------------------------------------------
 
-    def _prefill_chunks(self, batch_size: int, gamma: int) -> list[tuple[SimRequest, int]]:
+    def _prefill_chunks(self, decode_tokens: int) -> list[tuple[SimRequest, int]]:
         """Prefill work of the step: decode tokens first, prefill chunks fill the budget."""
-        budget = max(0, self.config.max_batch_tokens - batch_size * (gamma + 1))
+        budget = max(0, self.config.max_batch_tokens - decode_tokens)
         chunks: list[tuple[SimRequest, int]] = []
         used = 0
         for request in self.running:
@@ -338,8 +339,8 @@ class Simulator:
             used += chunk
         return chunks
 
-    def _run_prefill(self, batch_size: int, gamma: int) -> int:
-        chunks = self._prefill_chunks(batch_size, gamma)
+    def _run_prefill(self, decode_tokens: int) -> int:
+        chunks = self._prefill_chunks(decode_tokens)
         for request, chunk in chunks:
             request.prefilled += chunk
             request.just_prefilled = request.decoding

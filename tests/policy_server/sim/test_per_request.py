@@ -118,6 +118,26 @@ def test_a_request_verifies_at_most_its_own_gamma_and_the_outcome_counts_them() 
         assert outcome.gamma == 4
 
 
+def test_the_token_budget_counts_each_requests_own_verify_tokens() -> None:
+    """vLLM's synchronous scheduler schedules 1 + len(spec_token_ids) tokens a request, the
+    drafts already cut to γ_i: what a request does not verify is left to prefill chunks
+    (before, the simulator kept the cap's tokens for every request)."""
+    budget, cap = 64, 4
+    source = Scripted(cap=cap, even=0)
+    config = SimConfig(max_running=8, max_batch_tokens=budget, gamma_max=cap, seed=3)
+    result = Simulator(PROFILE, MIX, SPECS[:40], source, config).run()
+    assert not any(r.preemptions for r in result.requests)  # each step decoded its context's
+    steps = list(zip(source.contexts, source.outcomes, strict=True))
+    for ctx, outcome in steps:
+        assert outcome.prefill_tokens <= budget - ctx.batch_size - outcome.drafted_tokens
+    roomier = [
+        outcome
+        for ctx, outcome in steps
+        if outcome.prefill_tokens > max(0, budget - ctx.batch_size * (cap + 1))
+    ]
+    assert roomier
+
+
 def test_lower_request_gammas_make_the_same_batch_cap_cheaper_per_step() -> None:
     """Same cap, same arrivals: requests that verify less make each step shorter."""
     full, short = simulate(Scripted(cap=4, even=None)), simulate(Scripted(cap=4, even=0))

@@ -116,8 +116,8 @@ class _PrefillWatch(Simulator):
 
     partial_steps = 0
 
-    def _run_prefill(self, batch_size: int, gamma: int) -> int:
-        used = super()._run_prefill(batch_size, gamma)
+    def _run_prefill(self, decode_tokens: int) -> int:
+        used = super()._run_prefill(decode_tokens)
         self.partial_steps += any(0 < r.prefilled < r.prefill_target for r in self.running)
         return used
 
