@@ -545,7 +545,8 @@ class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner])
         ms, goodput = point.priced(rows, switch)
         allowed = self._allowed(ms, point.tokens)
         greedy = _best(goodput, allowed)
-        tried = self._trials(learner, engine, rows, goodput, allowed, greedy)
+        greedy_gammas = greedy.tolist()
+        tried = self._trials(learner, engine, rows, goodput, allowed, greedy_gammas)
         chosen: list[tuple[Choice, Trials, bool]] = []
         if len(tried) < len(rows.sizes):
             sample = self._sample(learner, engine, ctx, top)  # the table's one draw
@@ -555,7 +556,6 @@ class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner])
             # estimate is plausible and cheap, are still explored; a γ the estimate is only
             # extrapolated for was tried before any draw.
             keep = 1.0 - self._params.explore_loss_cap
-            greedy_gammas = greedy.tolist()
             if _contested(goodput, greedy, allowed, keep):
                 # Elsewhere the cap takes any drawn γ back to the greedy one: the draw is
                 # priced only when it can change a choice.
@@ -709,7 +709,7 @@ class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner])
         rows: BatchRows,
         point: FloatArray,
         allowed: Mask | None,
-        greedy: npt.NDArray[np.intp],
+        greedy: list[int],
     ) -> dict[int, int]:
         """Per batch size (row index), a γ never run in its octave, to run now, if one is
         plausible; the rows without one are left out (nearly all, once the engine has run a
@@ -753,7 +753,7 @@ class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner])
         weights = learner.step_time.fit().weights
         misfits: dict[int, float] = {}  # per octave, all it depends on of the batch size
         tried: dict[int, int] = {}
-        for row, (octave, best) in enumerate(zip(octaves, greedy.tolist(), strict=True)):
+        for row, (octave, best) in enumerate(zip(octaves, greedy, strict=True)):
             if best not in near[octave]:
                 continue
             cells = fresh[octave]
