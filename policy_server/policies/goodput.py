@@ -355,17 +355,23 @@ class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner])
         chosen = self._choose(engine, top, ctx, batch_rows(tuple(batch_sizes)))
         drawn = engine.stream.state  # advanced by the draw if any candidate drew
         self.restore(ctx, before)
-        # Candidates that chose alike share their checkpoint (all of a table, nearly).
+        # Candidates that chose alike share their checkpoint (all of a table, nearly), and
+        # most share one entry of ``chosen`` as well: each entry is looked at once.
         checkpoints: dict[tuple[int, bool, Trials], EngineCheckpoint[EngineState, Trials]] = {}
+        by_entry: dict[int, tuple[Choice, object]] = {}
         decided: list[tuple[Choice, object]] = []
-        for choice, trials, drew in chosen:
-            key = (choice.gamma, drew, trials)
-            after = checkpoints.get(key)
-            if after is None:
-                after = checkpoints[key] = EngineCheckpoint(
-                    engine, drawn if drew else unchanged, choice.gamma, trials
-                )
-            decided.append((choice, after))
+        for entry in chosen:
+            pair = by_entry.get(id(entry))  # ``chosen`` keeps each entry alive
+            if pair is None:
+                choice, trials, drew = entry
+                key = (choice.gamma, drew, trials)
+                after = checkpoints.get(key)
+                if after is None:
+                    after = checkpoints[key] = EngineCheckpoint(
+                        engine, drawn if drew else unchanged, choice.gamma, trials
+                    )
+                pair = by_entry[id(entry)] = (choice, after)
+            decided.append(pair)
         return decided
 
     def observe(self, ctx: StepContext, choice: Choice, outcome: StepOutcome) -> None:
@@ -549,7 +555,10 @@ class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner])
         tried = self._trials(learner, engine, rows, goodput, allowed, greedy_gammas)
         chosen: list[tuple[Choice, Trials, bool]] = []
         if len(tried) < len(rows.sizes):
-            sample = self._sample(learner, engine, ctx, top)  # the table's one draw
+            # The table's one draw: the RNG advances by it alike whether or not it is used;
+            # the drawn model is built only where it can change a choice.
+            normals = self._draw(engine, top)
+            sample: Estimate | None = None
             # Why the cap: with a 14-feature posterior and the few hundred steps a busy
             # engine runs at one batch size, plain Thompson draws keep trying γ far behind
             # the best (docs/POLICIES.md, "Decision"). Near-ties, where a wrong point
@@ -559,6 +568,7 @@ class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner])
             if _contested(goodput, greedy, allowed, keep):
                 # Elsewhere the cap takes any drawn γ back to the greedy one: the draw is
                 # priced only when it can change a choice.
+                sample = self._sample(learner, ctx, top, normals)
                 _, drawn = sample.priced(rows, switch)
                 sampled = _best(drawn, allowed).tolist()
                 for gamma, best, values in zip(
@@ -577,6 +587,8 @@ class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner])
                 chosen[row] = self._trial_choice(trials, rows.octaves[row], gamma)
             planned = self._request_row(ctx, rows, tried)
             if planned is not None:
+                if sample is None:
+                    sample = self._sample(learner, ctx, top, normals)
                 plan = self._plan_choice(engine, ctx, (point, sample), switch[planned], top)
                 chosen[planned] = (plan, trials, True)
             return chosen
@@ -669,13 +681,17 @@ class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner])
         weights = (fit or learner.step_time.fit()).weights
         return self._model(learner, learner.acceptance.alpha, weights, ctx, top, None)
 
-    def _sample(
-        self, learner: Learner, engine: EngineState, ctx: StepContext, top: int
-    ) -> Estimate:
-        """A draw from the posterior (α, the weights, the correction) with the engine's RNG."""
+    def _draw(self, engine: EngineState, top: int) -> FloatArray:
+        """The standard normals of one posterior draw, from the engine's RNG."""
         # The correction's draws only when it is on: off, the stream is as before it.
         extra = top + 1 if self._params.local_correction else 0
-        normals = engine.rng.standard_normal(1 + FEATURES + extra)
+        normals: FloatArray = engine.rng.standard_normal(1 + FEATURES + extra)
+        return normals
+
+    def _sample(
+        self, learner: Learner, ctx: StepContext, top: int, normals: FloatArray
+    ) -> Estimate:
+        """The posterior's draw (α, the weights, the correction) given by ``normals``."""
         alpha = learner.acceptance.sample(float(normals[0]))
         weights = learner.step_time.fit().sample(normals[1 : 1 + FEATURES])
         return self._model(learner, alpha, weights, ctx, top, normals[1 + FEATURES :])

@@ -28,7 +28,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -262,18 +262,54 @@ class AcceptanceModel:
         return model
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True)
 class Fit:
     """A solved regression: the weights and the Cholesky factor of their posterior
-    covariance σ²(A + ρI)⁻¹ (what Thompson sampling draws with)."""
+    covariance σ²(A + ρI)⁻¹ (what Thompson sampling draws with). The factor is computed on
+    the first draw: most decisions draw none (the exploration cap prices a draw only where
+    the point estimate has a near-tie)."""
 
     weights: FloatArray
-    factor: FloatArray
+    _factor: FloatArray | None = None
+    # Until then, what it is factored from: A + ρI, its inverse, σ² and the eigenvalue floor.
+    _unfactored: tuple[FloatArray, FloatArray, float, float] | None = None
+
+    @property
+    def factor(self) -> FloatArray:
+        if self._factor is None:
+            assert self._unfactored is not None
+            self._factor = _posterior_root(*self._unfactored)
+            self._unfactored = None
+        return self._factor
 
     def sample(self, normals: FloatArray) -> FloatArray:
         """Weights drawn from the posterior, given standard normals."""
         drawn: FloatArray = self.weights + self.factor @ normals
         return drawn
+
+
+def _posterior_root(
+    regularized: FloatArray, covariance: FloatArray, noise_variance: float, floor: float
+) -> FloatArray:
+    """The Cholesky factor of σ²·covariance, or where that is too ill-conditioned, the
+    square root its eigendecomposition gives."""
+    try:
+        root = cast(FloatArray, np.linalg.cholesky(noise_variance * covariance))
+    except np.linalg.LinAlgError:
+        root = _eigen_posterior(regularized, floor, noise_variance)[1]
+    return root
+
+
+def _eigen_posterior(
+    regularized: FloatArray, floor: float, noise_variance: float
+) -> tuple[FloatArray, FloatArray]:
+    """The covariance (A + ρI)⁻¹ and a square root of σ² times it, from the eigenvectors of
+    the symmetric A + ρI (eigenvalues >= ρ, floored at ``floor``): for matrices too
+    ill-conditioned for inv or Cholesky (steps with huge token counts, found by fuzzing)."""
+    values, vectors = np.linalg.eigh(regularized)
+    inverse = 1.0 / np.maximum(values, floor)
+    covariance = (vectors * inverse) @ vectors.T
+    return covariance, vectors * np.sqrt(noise_variance * inverse)
 
 
 class StepTimeModel:
@@ -351,19 +387,14 @@ class StepTimeModel:
         mean_weight = self.weight_sum / self.count if self.count > 0 else 1.0
         regularized = self.gram.copy()
         regularized.flat[:: FEATURES + 1] += self.ridge * mean_weight  # A + ρI
+        floor = max(self.ridge * mean_weight, 1e-300)
         try:
-            covariance = np.linalg.inv(regularized)
-            root = np.linalg.cholesky(self.noise_variance * covariance)
+            covariance = cast(FloatArray, np.linalg.inv(regularized))
         except np.linalg.LinAlgError:
-            # Too ill-conditioned for inv/Cholesky (steps with huge token counts, found by
-            # fuzzing): A + ρI is symmetric with eigenvalues >= ρ, so its eigenvectors give
-            # the covariance and a square root of it.
-            values, vectors = np.linalg.eigh(regularized)
-            inverse = 1.0 / np.maximum(values, max(self.ridge * mean_weight, 1e-300))
-            covariance = (vectors * inverse) @ vectors.T
-            root = vectors * np.sqrt(self.noise_variance * inverse)
-        weights: FloatArray = covariance @ self.moment
-        return Fit(weights, root)
+            covariance, root = _eigen_posterior(regularized, floor, self.noise_variance)
+            return Fit(covariance @ self.moment, root)
+        unfactored = (regularized, covariance, self.noise_variance, floor)
+        return Fit(covariance @ self.moment, _unfactored=unfactored)
 
     @property
     def mean_ms(self) -> float:

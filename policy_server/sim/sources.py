@@ -85,8 +85,9 @@ class TableSource:
             self._refresh(ctx)
             taken = self._cache.take(ctx, 0.0)
             assert not isinstance(taken, str), taken
-        self._reports.ran(RanStep(taken.decision_id, ctx, taken.gamma))
-        return Decided(taken.gamma, taken.decision_id)
+        decision_id = taken.decision_id  # formatted once: a step's own cost
+        self._reports.ran(RanStep(decision_id, ctx, taken.gamma))
+        return Decided(taken.gamma, decision_id)
 
     def report(self, ctx: StepContext, decision_id: str, outcome: StepOutcome) -> None:
         self._reports.outcome(outcome)

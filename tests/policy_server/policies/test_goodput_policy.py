@@ -634,6 +634,37 @@ def test_the_fit_in_use_is_at_most_a_quarter_second_of_engine_time_old() -> None
     assert feed(StepTimeModel(decay, ridge, refit_ms=0.0)) > 0.15
 
 
+@pytest.mark.parametrize("cholesky_fails", [False, True])
+def test_posterior_draws_have_the_covariance_of_the_fit(
+    cholesky_fails: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Thompson sampling draws w + L·z with L·Lᵀ = σ²(A + ρI)⁻¹: the Cholesky factor (lower
+    triangular), or where Cholesky fails on an ill-conditioned matrix, a square root from
+    the eigendecomposition; the weights are the fit's either way."""
+    model = StepTimeModel(1.0 - 1.0 / 2048, 0.01)
+    noise = random.Random(5)
+    for i in range(200):
+        batch, gamma = 1 + i % 16, i % 5
+        model.observe(step_features(batch, gamma, 0, 400 * batch), 20.0 + noise.random() * batch)
+    mean_weight = model.weight_sum / model.count
+    covariance = model.noise_variance * np.linalg.inv(
+        model.gram + model.ridge * mean_weight * np.eye(FEATURES)
+    )
+    if cholesky_fails:
+
+        def refuse(_: Any) -> Any:
+            raise np.linalg.LinAlgError("not positive definite")
+
+        monkeypatch.setattr(np.linalg, "cholesky", refuse)
+    fit = model.solve()
+    np.testing.assert_allclose(fit.weights, covariance @ model.moment / model.noise_variance)
+    root = fit.factor
+    scale = np.abs(covariance).max()
+    np.testing.assert_allclose(root @ root.T, covariance, rtol=1e-6, atol=1e-9 * scale)
+    assert np.allclose(np.triu(root, 1), 0.0) != cholesky_fails
+    assert fit.factor is root  # factored once
+
+
 def test_a_gamma_zero_step_is_priced_with_the_draft_pass_the_engine_runs_anyway() -> None:
     """vLLM's drafter runs its first pass at γ = 0 too (StepContext.min_draft_passes = 1):
     on an engine that does, trained at batches 1–4 (where the policy runs γ ≥ 1), the
