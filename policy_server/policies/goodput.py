@@ -298,7 +298,8 @@ class Estimate:
         octave = batch_octave(batch_size)
         offsets = self.offsets.get(octave)
         if offsets is None:
-            noise = self.learner.step_time.noise_variance
+            drawn = self.normals is not None  # the point estimate's offsets need no σ²
+            noise = self.learner.step_time.noise_variance if drawn else 0.0
             offsets = self.learner.correction.offsets_ms(
                 self.weights, batch_size, self.top, noise, self.normals
             )
@@ -565,7 +566,7 @@ class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner])
             # estimate is plausible and cheap, are still explored; a γ the estimate is only
             # extrapolated for was tried before any draw.
             keep = 1.0 - self._params.explore_loss_cap
-            if _contested(goodput, greedy, allowed, keep):
+            if _contested(goodput, allowed, keep):
                 # Elsewhere the cap takes any drawn γ back to the greedy one: the draw is
                 # priced only when it can change a choice.
                 sample = self._sample(learner, ctx, top, normals)
@@ -904,13 +905,12 @@ def _best(goodput: FloatArray, allowed: Mask | None) -> npt.NDArray[np.intp]:
     return best
 
 
-def _contested(
-    goodput: FloatArray, greedy: npt.NDArray[np.intp], allowed: Mask | None, keep: float
-) -> bool:
+def _contested(goodput: FloatArray, allowed: Mask | None, keep: float) -> bool:
     """Whether a row has an allowed γ besides its greedy one that the exploration cap
     lets a draw choose: one not below ``keep`` times the greedy γ's point goodput."""
-    rows = len(greedy)
-    best = goodput[np.arange(rows), greedy]
+    rows = len(goodput)
+    # The greedy γ's goodput, the allowed maximum (a NaN's, as argmax takes a NaN first).
+    best = (goodput if allowed is None else np.where(allowed, goodput, -np.inf)).max(axis=1)
     within: Mask = ~(goodput < keep * best[:, None])  # as the cap compares (a NaN is not below)
     if allowed is not None:
         within &= allowed

@@ -512,6 +512,9 @@ class LocalCorrection:
         # Octave → rows γ = 0..Γmax of [n, Σy, Σx...], forgotten on each row's own updates
         # (a block per octave: a decision reads its row set in one product).
         self.blocks: dict[int, FloatArray] = {}
+        # Octave → its γ never run, as last asked for (every table asks): a cell once run
+        # stays run (its count is scaled only by its own updates, which add 1 each).
+        self._unrun: dict[int, tuple[int, ...]] = {}
 
     def observe(self, batch_size: int, gamma: int, x: FloatArray, milliseconds: float) -> None:
         if not 0 <= gamma <= self.gamma_max:
@@ -521,17 +524,23 @@ class LocalCorrection:
         if block is None:
             block = self.blocks[octave] = np.zeros((self.gamma_max + 1, 2 + FEATURES))
         row = block[gamma]
+        if row[0] == 0.0:  # the cell's first run
+            self._unrun.pop(octave, None)
         row *= self.decay
         row[0] += 1.0
         row[1] += milliseconds
         row[2:] += x
 
-    def unrun(self, octave: int, gamma_top: int) -> list[int]:
+    def unrun(self, octave: int, gamma_top: int) -> tuple[int, ...]:
         """The γ in 0..gamma_top no decode step of ``octave`` has run at (as forgotten)."""
-        block = self.blocks.get(octave)
-        if block is None:
-            return list(range(gamma_top + 1))
-        return [g for g, count in enumerate(block[: gamma_top + 1, 0].tolist()) if count == 0]
+        unrun = self._unrun.get(octave)
+        if unrun is None:
+            block = self.blocks.get(octave)
+            counts = [0.0] * (self.gamma_max + 1) if block is None else block[:, 0].tolist()
+            unrun = self._unrun[octave] = tuple(g for g, n in enumerate(counts) if n == 0)
+        if gamma_top >= self.gamma_max:
+            return unrun
+        return tuple(g for g in unrun if g <= gamma_top)
 
     def misfit(self, weights: FloatArray, batch_size: int) -> float:
         """How far the regression under ``weights`` is off the decode steps run in this

@@ -27,6 +27,7 @@ from policy_server.policies.base import MalformedStateError
 from policy_server.policies.goodput import STATE_SCHEMA, GoodputModelPolicy
 from policy_server.policies.models import (
     FEATURES,
+    LocalCorrection,
     StepTimeModel,
     expected_tokens,
     predict_ms_many,
@@ -663,6 +664,22 @@ def test_posterior_draws_have_the_covariance_of_the_fit(
     np.testing.assert_allclose(root @ root.T, covariance, rtol=1e-6, atol=1e-9 * scale)
     assert np.allclose(np.triu(root, 1), 0.0) != cholesky_fails
     assert fit.factor is root  # factored once
+
+
+def test_a_cell_once_run_is_never_unrun_again_and_a_loaded_state_says_which_ran() -> None:
+    """The trial rule asks, per octave, for the γ no decode step has run at: a cell leaves
+    that set on its first step and stays out however long it is forgotten; a state keeps it."""
+    correction = LocalCorrection(decay=0.5, prior_steps=2.0, gamma_max=4)
+    octave = 3  # batch sizes 8–15
+    assert correction.unrun(octave, 4) == (0, 1, 2, 3, 4)
+    for _ in range(50):  # each step halves what the cell held before it
+        correction.observe(9, 2, step_features(9, 2), 30.0)
+    correction.observe(12, 4, step_features(12, 4), 40.0)
+    assert correction.unrun(octave, 4) == (0, 1, 3)
+    assert correction.unrun(octave, 2) == (0, 1)
+    assert correction.unrun(octave + 1, 4) == (0, 1, 2, 3, 4)
+    loaded = LocalCorrection.from_json(correction.to_json(), 0.5, 2.0, 4)
+    assert loaded.unrun(octave, 4) == (0, 1, 3)
 
 
 def test_a_gamma_zero_step_is_priced_with_the_draft_pass_the_engine_runs_anyway() -> None:
