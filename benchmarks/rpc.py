@@ -2,7 +2,8 @@
 
 Measures (p50/p99):
 1. in-process: the Nightjar policy's decide alone, DecisionService.decide (ids,
-   bookkeeping, Prometheus), and a decide + report pair;
+   bookkeeping, Prometheus), and a decide + report pair; steps through decision tables
+   (their amortised mean too), in rounds spread over the run;
 2. the client's round trip to a real `nightjar-server` process over a Unix
    socket and loopback TCP, stream and unary transports, 1 and 8 concurrent
    client processes (each decision's outcome piggybacked, as an engine does);
@@ -129,21 +130,27 @@ def measure_in_process(samples: int = 20_000) -> list[Measurement]:
         summarise(f"DecisionService.decide ({DEFAULT_POLICY})", decide_ns),
         summarise(f"DecisionService.decide + report ({DEFAULT_POLICY})", pair_ns),
         measured[1],
-        *measure_tables_in_rounds(samples, warm),
     ]
 
 
-def measure_tables_in_rounds(samples: int, warm: int, rounds: int = 3) -> list[Measurement]:
-    """Each refresh period's walk ``rounds`` times, the periods of a round one after the
-    other, so that a slow spell of a shared host lands in one round of each rather than
-    in all of one period's steps; per case the median round (`median_round`). Each round
-    makes the same decisions (the same seeds)."""
-    runs: dict[str, list[Measurement]] = {}
-    for _ in range(rounds):
+class TableRounds:
+    """The decision-table walks of every refresh period, in rounds the caller spreads over
+    its run (a round after each of the benchmark's phases): a slow spell of a shared host,
+    minutes long, then lands in a round or two of each case rather than in all of one
+    case's steps; per case the median round (`median_round`). Each round makes the same
+    decisions (the same seeds)."""
+
+    def __init__(self, samples: int) -> None:
+        self.samples = samples
+        self.runs: dict[str, list[Measurement]] = {}
+
+    def run_round(self) -> None:
         for refresh_steps in TABLE_REFRESHES:
-            for m in measure_tables(samples, warm, refresh_steps):
-                runs.setdefault(m.case, []).append(m)
-    return [median_round(measured) for measured in runs.values()]
+            for m in measure_tables(self.samples, min(2_000, self.samples), refresh_steps):
+                self.runs.setdefault(m.case, []).append(m)
+
+    def medians(self) -> list[Measurement]:
+        return [median_round(measured) for measured in self.runs.values()]
 
 
 def measure_tables(samples: int, warm: int, refresh_steps: int) -> list[Measurement]:
@@ -334,8 +341,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "machine": machine(),
         "load_average": [os.getloadavg()[0]],
     }
+    tables = TableRounds(int(20_000 * scale))
     print("in-process decide ...", file=sys.stderr)
-    results["in_process"] = [dataclasses.asdict(m) for m in measure_in_process(int(20_000 * scale))]
+    in_process = measure_in_process(int(20_000 * scale))
+    tables.run_round()
     rpc = []
     for transport in ("uds", "tcp"):
         for use_stream in (True, False):
@@ -344,6 +353,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"rpc {transport} stream 8 clients ...", file=sys.stderr)
         rpc.append(measure_rpc(transport, True, 8, int(1_500 * scale)))
     results["rpc"] = [dataclasses.asdict(m) for m in rpc]
+    tables.run_round()
     print("stock gRPC echo baseline ...", file=sys.stderr)
     payload = wire_size_payload()
     results["baseline"] = [
@@ -351,15 +361,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         for kind in ECHO_KINDS
         for use_stream in (True, False)
     ]
+    tables.run_round()
     print("pipelined ...", file=sys.stderr)
     results["pipelined"] = dataclasses.asdict(measure_pipelined(int(1_000 * scale)))
     print("sustained 1000/s ...", file=sys.stderr)
     results["rate"] = [measure_rate(1000.0, 10.0 * scale, pipelined) for pipelined in (False, True)]
+    tables.run_round()
     print("hook ...", file=sys.stderr)
     with sidecar("uds") as target:
         hook = [measure_hook(target, int(2_000 * scale), evict) for evict in (False, True)]
     hook.append(measure_floor(int(1_000 * scale)))
     results["hook"] = [dataclasses.asdict(m) for m in hook]
+    tables.run_round()
+    results["in_process"] = [dataclasses.asdict(m) for m in [*in_process, *tables.medians()]]
     results["load_average"].append(os.getloadavg()[0])
     write_section(args.out, SECTION, render(results))
     if args.json:
