@@ -13,7 +13,7 @@ APT_PACKAGES := prometheus
 APT_STAMP := $(VENV)/.apt-installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: help install install-vllm install-apt demo test lint proto check-proto k8s dashboard dashboard-screenshot bench bench-quick bench-traces bench-tables bench-rpc bench-vllm bench-vllm-mixed bench-memory bench-memory-gpu bench-load soak fuzz chaos reliability-report reliability-durable reliability-security bounds-check clean
+.PHONY: help install install-vllm install-apt demo test lint proto check-proto k8s dashboard dashboard-screenshot bench bench-quick bench-traces bench-tables bench-rpc bench-instructions bench-vllm bench-vllm-mixed bench-memory bench-memory-gpu bench-load soak fuzz chaos reliability-report reliability-durable reliability-security bounds-check clean
 
 help:
 	@echo "make demo       start the sidecar and drive it with a synthetic engine loop"
@@ -28,6 +28,7 @@ help:
 	@echo "make bench-traces  the same policies on two traces they were not tuned on (Azure code, Mooncake) -> docs/BENCHMARKS.md"
 	@echo "make bench-tables  goodput per step against decision tables (every 8 / 32 steps) in the simulator -> docs/BENCHMARKS.md"
 	@echo "make bench-rpc  measure decide cost and RPC round trips -> docs/BENCHMARKS.md"
+	@echo "make bench-instructions  count a decision-table step's instructions with callgrind (valgrind) -> docs/BENCHMARKS.md"
 	@echo "make bounds-check  flood the sidecar with 100,000 engine ids; RSS must stay flat"
 	@echo "make bench-load engine processes on one sidecar, 10 min per shape: pod (1 x 200 steps/s), node (8 x 125/s), node-fast (8 x 500/s), stress (8 x 1,000/s),"
 	@echo "                each beside a bare stream server run the same way (CPU per step, ratio, fallbacks <= 0.1 %) -> docs/BENCHMARKS.md,"
@@ -159,6 +160,14 @@ reliability-security: $(STAMP)
 
 bench-rpc: $(STAMP)
 	$(PY) -m benchmarks.rpc --out docs/BENCHMARKS.md
+
+# The instructions of a step through decision tables, counted by callgrind (independent
+# of a shared host's speed; benchmarks/step_instructions.py). About 6 minutes.
+bench-instructions: $(STAMP)
+	@command -v valgrind >/dev/null || { $(SUDO) apt-get update && \
+		$(SUDO) env DEBIAN_FRONTEND=noninteractive \
+			apt-get install -y --no-install-recommends valgrind; }
+	$(PY) -m benchmarks.step_instructions --out docs/BENCHMARKS.md
 
 # 100,000 distinct engine ids against a real sidecar: RSS stays flat, evictions counted;
 # writes docs/reliability/bounded-memory.json (benchmarks/bounds_check.py).
