@@ -25,6 +25,7 @@ from prometheus_client import (
 )
 
 from nightjar_common.buckets import GAMMA_BUCKETS
+from policy_server.step_series import CounterSeries, HistogramSeries, StepSeries
 
 # Decision latency spans µs (in-process) to ms (slow host).
 LATENCY_BUCKETS = (
@@ -47,6 +48,50 @@ RATIO_BUCKETS = tuple(i / 10 for i in range(11))
 BATCH_BUCKETS = ("1", *(f"{2**k}-{2 ** (k + 1) - 1}" for k in range(1, 8)), "256+")
 
 
+DECISIONS = CounterSeries(
+    "nightjar_decisions",
+    "Decisions served, by policy, γ and bin type.",
+    ("policy", "gamma", "bin_type"),
+)
+REPORTS = CounterSeries(
+    "nightjar_reports", "Step outcomes received; result=applied|stale.", ("policy", "result")
+)
+TABLE_STEPS = CounterSeries(
+    "nightjar_table_steps",
+    "Steps engines ran from decision tables (StepRequest.ran_steps), by what the "
+    "sidecar did with them: committed (learned from like a decision), late (learned "
+    "from; newer tables were decided before it came), stale (the table's policy is "
+    "no longer active), unknown (a table it does not know).",
+    ("result",),
+    preset=(("committed",), ("late",), ("stale",), ("unknown",)),
+)
+GOODPUT = HistogramSeries(
+    "nightjar_goodput_tokens_per_second",
+    "Realized goodput of reported steps.",
+    ("gamma",),
+    GOODPUT_BUCKETS,
+    preset=(),
+)
+ACCEPTANCE = HistogramSeries(
+    "nightjar_acceptance_ratio",
+    "Accepted / drafted tokens of reported steps, by γ.",
+    ("gamma",),
+    RATIO_BUCKETS,
+    preset=(),
+)
+GAMMA_CHOSEN = HistogramSeries(
+    "nightjar_gamma_chosen",
+    "γ decided, by the step's batch size (power-of-two ranges); "
+    "rate(_sum) / rate(_count) is the average γ.",
+    ("batch_bucket",),
+    GAMMA_BUCKETS,
+    preset=tuple((bucket,) for bucket in BATCH_BUCKETS),
+)
+STEP_DURATION = HistogramSeries(
+    "nightjar_step_duration_seconds", "Engine step wall time as reported.", (), STEP_BUCKETS
+)
+
+
 def batch_bucket(batch_size: int) -> int:
     """Index into BATCH_BUCKETS of a batch size (≥ 1)."""
     return min(max(batch_size, 1).bit_length() - 1, len(BATCH_BUCKETS) - 1)
@@ -58,48 +103,11 @@ class Metrics:
         r = self.registry
         # Labelled children of the step metrics, by (metric, labels): see child().
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
-        self.decisions = Counter(
-            "nightjar_decisions",
-            "Decisions served, by policy, γ and bin type.",
-            ["policy", "gamma", "bin_type"],
-            registry=r,
+        # The series every step touches (policy_server/step_series.py).
+        self.steps = StepSeries(
+            (DECISIONS, REPORTS, TABLE_STEPS), (GOODPUT, ACCEPTANCE, GAMMA_CHOSEN, STEP_DURATION)
         )
-        self.reports = Counter(
-            "nightjar_reports",
-            "Step outcomes received; result=applied|stale.",
-            ["policy", "result"],
-            registry=r,
-        )
-        self.goodput = Histogram(
-            "nightjar_goodput_tokens_per_second",
-            "Realized goodput of reported steps.",
-            ["gamma"],
-            buckets=GOODPUT_BUCKETS,
-            registry=r,
-        )
-        self.acceptance = Histogram(
-            "nightjar_acceptance_ratio",
-            "Accepted / drafted tokens of reported steps, by γ.",
-            ["gamma"],
-            buckets=RATIO_BUCKETS,
-            registry=r,
-        )
-        gamma_chosen = Histogram(
-            "nightjar_gamma_chosen",
-            "γ decided, by the step's batch size (power-of-two ranges); "
-            "rate(_sum) / rate(_count) is the average γ.",
-            ["batch_bucket"],
-            buckets=GAMMA_BUCKETS,
-            registry=r,
-        )
-        # One child per bucket, made once: the decision path only indexes a tuple.
-        self.gamma_chosen = tuple(gamma_chosen.labels(b) for b in BATCH_BUCKETS)
-        self.step_duration = Histogram(
-            "nightjar_step_duration_seconds",
-            "Engine step wall time as reported.",
-            buckets=STEP_BUCKETS,
-            registry=r,
-        )
+        r.register(self.steps)
         self.decision_latency = Histogram(
             "nightjar_decision_latency_seconds",
             "Time to compute a decision inside the server.",
@@ -191,15 +199,6 @@ class Metrics:
             "the γ of a range of batch sizes, for the steps an engine runs until the next.",
             registry=r,
         )
-        self.table_steps = Counter(
-            "nightjar_table_steps",
-            "Steps engines ran from decision tables (StepRequest.ran_steps), by what the "
-            "sidecar did with them: committed (learned from like a decision), late (learned "
-            "from; newer tables were decided before it came), stale (the table's policy is "
-            "no longer active), unknown (a table it does not know).",
-            ["result"],
-            registry=r,
-        )
         self.skipped_outcomes = Counter(
             "nightjar_skipped_outcomes",
             "Batched outcomes (StepRequest.outcomes) naming a decision the sidecar does not "
@@ -215,8 +214,6 @@ class Metrics:
             ["policy", "kind"],
             registry=r,
         )
-        for result in ("committed", "late", "stale", "unknown"):
-            self.table_steps.labels(result)
         for kind in ("engine", "learner_key", "pending"):
             self.evictions.labels(kind)
         for result in ("committed", "dropped", "unknown"):
@@ -235,9 +232,8 @@ class Metrics:
         GCCollector(registry=r)
 
     def child(self, metric: Any, *labels: str) -> Any:
-        """``metric.labels(*labels)``, kept: the series of decisions and reports are few
-        (policy, γ, kind) and touched every step, and ``labels()`` validates its arguments
-        and takes a lock on each call. Not for per-engine series (those are removed)."""
+        """``metric.labels(*labels)``, kept: ``labels()`` validates its arguments and takes
+        a lock on each call. Not for per-engine series (those are removed)."""
         key = (id(metric), labels)
         found = self._children.get(key)
         if found is None:

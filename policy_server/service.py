@@ -69,7 +69,18 @@ from policy_server.engines import (
 )
 from policy_server.learner_locks import LearnerLocks
 from policy_server.memory import OFFLOAD, RELOAD, MemoryController, MemoryParams
-from policy_server.metrics import Metrics, batch_bucket
+from policy_server.metrics import (
+    ACCEPTANCE,
+    BATCH_BUCKETS,
+    DECISIONS,
+    GAMMA_CHOSEN,
+    GOODPUT,
+    REPORTS,
+    STEP_DURATION,
+    TABLE_STEPS,
+    Metrics,
+    batch_bucket,
+)
 from policy_server.policies import (
     DEFAULT_POLICY,
     REGISTRY,
@@ -211,7 +222,6 @@ class DecisionService:
         # the learners'.
         self._lock = threading.Lock()
         self._learner_locks = LearnerLocks()
-        self._totals_lock = threading.Lock()  # the two totals, counted from any learner's
         # Whole-state reads (GetState with the token, snapshots) one at a time: each costs
         # CPU in proportion to the engines, taken from the decisions (the GIL).
         self._whole_reads = threading.Lock()
@@ -223,8 +233,6 @@ class DecisionService:
         # engine_idle_s, so a replaced pod's engine drops out of it.
         self.engine_idle_s = engine_idle_s
         self.metrics.engines.set_function(self.active_engines)
-        self._decisions_total = 0
-        self._reports_total = 0
         self.last_snapshot_unix = 0.0
         # The policy version whose defect was last logged (see _policy_defect).
         self._defect_logged = ""
@@ -367,7 +375,7 @@ class DecisionService:
         entry = table.entry(step.context.batch_size) if table is not None else None
         revision, gamma_max = shard.known_tables.get(step.table_id, (0, -1))
         if (entry is None and table is not None) or step.gamma > gamma_max:
-            self.metrics.child(self.metrics.table_steps, "unknown").inc()
+            self.metrics.steps.count(TABLE_STEPS, ("unknown",))
             return False
         if entry is None:
             # Known, no longer kept: newer tables were decided since, so its entry's
@@ -387,7 +395,7 @@ class DecisionService:
                 result = "committed"
         if revision != self._active.revision:
             result = "stale"
-        self.metrics.child(self.metrics.table_steps, result).inc()
+        self.metrics.steps.count(TABLE_STEPS, (result,))
         if step.gamma != choice.gamma:  # the engine clamped it
             choice = dataclasses.replace(choice, gamma=step.gamma)
         pending = PendingDecision(step.context, choice, revision, gamma_max)
@@ -626,13 +634,11 @@ class DecisionService:
 
     def _count_decision(self, decision_id: str, pending: PendingDecision) -> None:
         """Metrics and log of a decision the engine runs (tentative ones once named)."""
-        with self._totals_lock:
-            self._decisions_total += 1
         choice, ctx = pending.choice, pending.ctx
         active = self._active
-        metrics, gamma = self.metrics, str(choice.gamma)
-        metrics.child(metrics.decisions, active.name, gamma, choice.bin_type.value).inc()
-        metrics.gamma_chosen[batch_bucket(ctx.batch_size)].observe(choice.gamma)
+        steps = self.metrics.steps
+        steps.count(DECISIONS, (active.name, str(choice.gamma), choice.bin_type.value))
+        steps.observe(GAMMA_CHOSEN, (BATCH_BUCKETS[batch_bucket(ctx.batch_size)],), choice.gamma)
         if self.decision_log is not None:
             self.decision_log.write(_decision_record(decision_id, choice, active, ctx))
 
@@ -681,15 +687,12 @@ class DecisionService:
         applied = pending.revision == active.revision
         if applied:
             active.policy.observe(pending.ctx, pending.choice, outcome)
-        with self._totals_lock:
-            self._reports_total += 1
-        metrics, gamma = self.metrics, str(outcome.gamma)
-        metrics.child(metrics.reports, active.name, "applied" if applied else "stale").inc()
-        metrics.child(metrics.goodput, gamma).observe(outcome.goodput)
-        metrics.step_duration.observe(outcome.step_seconds)
+        steps, gamma = self.metrics.steps, (str(outcome.gamma),)
+        steps.count(REPORTS, (active.name, "applied" if applied else "stale"))
+        steps.observe(GOODPUT, gamma, outcome.goodput)
+        steps.observe(STEP_DURATION, (), outcome.step_seconds)
         if outcome.drafted_tokens > 0:
-            ratio = outcome.accepted_tokens / outcome.drafted_tokens
-            metrics.child(metrics.acceptance, gamma).observe(ratio)
+            steps.observe(ACCEPTANCE, gamma, outcome.accepted_tokens / outcome.drafted_tokens)
         if self.decision_log is not None:
             self.decision_log.write(_outcome_record(outcome))
         return applied
@@ -763,8 +766,8 @@ class DecisionService:
             policy_version=active.version,
             params=active.policy.params(),
             state_json=read.state_json,
-            decisions_total=self._decisions_total,
-            reports_total=self._reports_total,
+            decisions_total=int(self.metrics.steps.total(DECISIONS)),
+            reports_total=int(self.metrics.steps.total(REPORTS)),
             engine_ids=shown,
             last_snapshot_unix=self.last_snapshot_unix,
             memory={"params": dataclasses.asdict(self.memory.params), "engines": read.memory},

@@ -24,6 +24,7 @@ from nightjar_common.client import (
 from nightjar_common.errors import InvalidArgumentError
 from nightjar_common.tables import SPENT, NextStep, TableCache, refresh_due
 from nightjar_common.types import GammaTable, RanStep, StepContext, StepOutcome
+from policy_server.metrics import REPORTS, TABLE_STEPS
 from policy_server.service import DecisionService
 from tests.rigs.outcomes import step_outcome
 
@@ -100,7 +101,7 @@ def test_ran_steps_and_outcomes_are_learned_like_decisions() -> None:
     service.table_step(ran, outcomes, None)
     view = service.state_view()
     assert view.decisions_total == 200 and view.reports_total == 200
-    committed = service.metrics.table_steps.labels("committed")._value.get()
+    committed = service.metrics.steps.value(TABLE_STEPS, ("committed",))
     assert committed == 200
     assert service.metrics.tables._value.get() < 200 / 2  # tables serve several steps
     assert view.state["learners"]  # it learned
@@ -127,7 +128,7 @@ def test_bad_items_are_skipped_one_by_one_and_the_rest_applied() -> None:
     assert result.table is not None
     view = service.state_view()
     assert view.decisions_total == 3 and view.reports_total == 3
-    assert service.metrics.table_steps.labels("unknown")._value.get() == 1
+    assert service.metrics.steps.value(TABLE_STEPS, ("unknown",)) == 1
     assert service.metrics.skipped_outcomes._value.get() == 1
 
 
@@ -173,8 +174,8 @@ def test_steps_of_a_table_decided_before_a_swap_count_as_stale() -> None:
     after = service.table_step([step], [outcome(step.decision_id, 2, 4)], context(2, 4, 2))
     assert after.table is not None and after.table.gammas == (0,) * len(after.table.gammas)
     assert after.table.reason is not None and after.table.reason.value == "fixed"
-    assert service.metrics.table_steps.labels("stale")._value.get() == 1
-    assert service.metrics.reports.labels("off", "stale")._value.get() == 1
+    assert service.metrics.steps.value(TABLE_STEPS, ("stale",)) == 1
+    assert service.metrics.steps.value(REPORTS, ("off", "stale")) == 1
 
 
 def test_a_table_is_for_one_speculation_state_and_its_exploring_entries_run_once() -> None:
