@@ -21,7 +21,9 @@ from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, M
 from prometheus_client.utils import floatToGoString
 
 
-@dataclasses.dataclass(frozen=True)
+# eq=False: a family is looked up by identity on every addition (a generated __hash__
+# would hash all its fields in Python each time).
+@dataclasses.dataclass(frozen=True, eq=False)
 class CounterSeries:
     """A counter (exposed as ``<name>_total``) and the label values shown from the start."""
 
@@ -31,7 +33,7 @@ class CounterSeries:
     preset: tuple[tuple[str, ...], ...] = ()
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class HistogramSeries:
     """A histogram with upper bounds ``buckets`` (+Inf added) and its preset label values."""
 
