@@ -356,23 +356,17 @@ class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner])
         chosen = self._choose(engine, top, ctx, batch_rows(tuple(batch_sizes)))
         drawn = engine.stream.state  # advanced by the draw if any candidate drew
         self.restore(ctx, before)
-        # Candidates that chose alike share their checkpoint (all of a table, nearly), and
-        # most share one entry of ``chosen`` as well: each entry is looked at once.
+        # Candidates that chose alike share their checkpoint (all of a table, nearly).
         checkpoints: dict[tuple[int, bool, Trials], EngineCheckpoint[EngineState, Trials]] = {}
-        by_entry: dict[int, tuple[Choice, object]] = {}
         decided: list[tuple[Choice, object]] = []
-        for entry in chosen:
-            pair = by_entry.get(id(entry))  # ``chosen`` keeps each entry alive
-            if pair is None:
-                choice, trials, drew = entry
-                key = (choice.gamma, drew, trials)
-                after = checkpoints.get(key)
-                if after is None:
-                    after = checkpoints[key] = EngineCheckpoint(
-                        engine, drawn if drew else unchanged, choice.gamma, trials
-                    )
-                pair = by_entry[id(entry)] = (choice, after)
-            decided.append(pair)
+        for choice, trials, drew in chosen:
+            key = (choice.gamma, drew, trials)
+            after = checkpoints.get(key)
+            if after is None:
+                after = checkpoints[key] = EngineCheckpoint(
+                    engine, drawn if drew else unchanged, choice.gamma, trials
+                )
+            decided.append((choice, after))
         return decided
 
     def observe(self, ctx: StepContext, choice: Choice, outcome: StepOutcome) -> None:
