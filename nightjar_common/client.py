@@ -889,7 +889,8 @@ class NightjarClient:
             return
         if not always and not refresh_due(
             self._tables.held,
-            step,
+            step.batch_size,
+            step.speculation_off,
             time.monotonic(),
             config.table_refresh_steps,
             config.table_refresh_ms,

@@ -194,25 +194,29 @@ EDGE_MARGIN = 2
 
 
 def refresh_due(
-    held: HeldTable | None, step: AheadStep, now: float, every_steps: int, every_ms: float
+    held: HeldTable | None,
+    batch_size: int,
+    speculation_off: bool,
+    now: float,
+    every_steps: int,
+    every_ms: float,
 ) -> bool:
-    """Whether to ask for a new table now, so that it is there for ``step``: the held
-    one has served ``every_steps`` steps or is ``every_ms`` old, or will not answer that
-    step (its batch size or speculation state is not the table's, or its entry explored
-    already), or the step's batch size is near the table's edge."""
-    if held is None:
+    """Whether to ask for a new table now, so that it is there for a step of
+    ``batch_size`` (after a step at γ = 0 when ``speculation_off``): the held one has
+    served ``every_steps`` steps or is ``every_ms`` old, or will not answer that step (its
+    batch size or speculation state is not the table's, or its entry explored already), or
+    the step's batch size is near the table's edge."""
+    if held is None or held.uses >= every_steps:
         return True
-    index = held.index(step.batch_size, step.speculation_off)
+    index = held.index(batch_size, speculation_off)
     if isinstance(index, str):
         return True
     table = held.table
-    near_low = index < EDGE_MARGIN and table.first_batch_size > 1
     return (
-        held.uses >= every_steps
-        or held.age_ms(now) >= every_ms
+        index >= len(table.gammas) - EDGE_MARGIN
+        or (index < EDGE_MARGIN and table.first_batch_size > 1)
         or index in held.spent
-        or near_low
-        or index >= len(table.gammas) - EDGE_MARGIN
+        or held.age_ms(now) >= every_ms
     )
 
 

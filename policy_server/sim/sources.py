@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from nightjar_common.client import TABLE_REFRESH_STEPS, GammaDecision, NightjarClient
-from nightjar_common.tables import NextStep, ReportBatch, TableCache, refresh_due
+from nightjar_common.tables import ReportBatch, TableCache, refresh_due
 from nightjar_common.types import Choice, RanStep, StepContext, StepOutcome
 from nightjar_common.validation import MAX_BATCHED
 from policy_server.policies import Policy, create_policy
@@ -78,12 +78,15 @@ class TableSource:
         return cls(name, params, **options)
 
     def decide(self, ctx: StepContext, sim: Simulator) -> Decided:
-        if refresh_due(self._cache.held, NextStep(ctx), 0.0, self.refresh_steps, math.inf):
+        speculation_off = ctx.previous_gamma == 0
+        if refresh_due(
+            self._cache.held, ctx.batch_size, speculation_off, 0.0, self.refresh_steps, math.inf
+        ):
             self._refresh(ctx)
-        taken = self._cache.take(ctx, 0.0)
+        taken = self._cache.take_size(ctx.batch_size, speculation_off, 0.0)
         if isinstance(taken, str):  # an exploring entry of a fresh table ran already
             self._refresh(ctx)
-            taken = self._cache.take(ctx, 0.0)
+            taken = self._cache.take_size(ctx.batch_size, speculation_off, 0.0)
             assert not isinstance(taken, str), taken
         decision_id = taken.decision_id  # formatted once: a step's own cost
         self._reports.ran(RanStep(decision_id, ctx, taken.gamma))

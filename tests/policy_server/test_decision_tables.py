@@ -80,7 +80,7 @@ def test_ran_steps_and_outcomes_are_learned_like_decisions() -> None:
     seq, ran, outcomes, previous = 0, [], [], None
     for step in range(200):
         ctx = context(step, 8 + step % 5, previous)
-        if refresh_due(cache.held, NextStep(ctx), 0.0, 8, float("inf")):
+        if refresh_due(cache.held, ctx.batch_size, ctx.previous_gamma == 0, 0.0, 8, float("inf")):
             seq += 1
             result = service.table_step(ran, outcomes, ctx)
             assert result.skipped == 0 and result.table is not None
@@ -199,12 +199,14 @@ def test_a_table_is_for_one_speculation_state_and_its_exploring_entries_run_once
     first = cache.take(context(0, 4, 1), 0.0)
     assert not isinstance(first, str) and first.exploring and first.gamma == 2
     assert cache.take(context(1, 4, 2), 0.0) == SPENT
-    assert refresh_due(cache.held, NextStep(context(1, 4, 2)), 0.0, 8, 1e9)
-    assert not refresh_due(cache.held, NextStep(context(1, 5, 2)), 0.0, 8, 1e9)
+    assert refresh_due(cache.held, 4, False, 0.0, 8, 1e9)
+    assert not refresh_due(cache.held, 5, False, 0.0, 8, 1e9)
     # The step after one at batch size 5, by the γ it ran at: the context only on demand.
     after = NextStep(context(0, 5, 1), gamma=0)
-    assert refresh_due(cache.held, after, 0.0, 8, 1e9)  # speculation turned off
-    assert not refresh_due(cache.held, NextStep(context(0, 5, 0), gamma=2), 0.0, 8, 1e9)
+    assert (after.batch_size, after.speculation_off) == (5, True)  # speculation turned off
+    assert refresh_due(cache.held, after.batch_size, after.speculation_off, 0.0, 8, 1e9)
+    resumed = NextStep(context(0, 5, 0), gamma=2)
+    assert (resumed.batch_size, resumed.speculation_off) == (5, False)
     assert after.context() == context(1, 5, 0)
     assert not isinstance(cache.take(context(1, 5, 2), 0.0), str)
     assert not isinstance(cache.take(context(2, 3, 2), 0.0), str)
@@ -247,7 +249,7 @@ def test_a_batch_near_the_tables_edge_asks_for_the_next_table() -> None:
 
 def due_sizes(cache: TableCache, sizes: range) -> list[int]:
     """The batch sizes whose next step asks for a new table (none served, none aged)."""
-    return [b for b in sizes if refresh_due(cache.held, NextStep(context(0, b, 2)), 0.0, 32, 1e9)]
+    return [b for b in sizes if refresh_due(cache.held, b, False, 0.0, 32, 1e9)]
 
 
 def test_over_grpc_steps_come_from_tables_and_every_one_reaches_the_sidecar(
