@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -49,6 +50,12 @@ class HeldTable:
     spent: set[int] = dataclasses.field(default_factory=set)
     # The sidecar connection it came on (TableCache.connection when installed).
     connection: int = 0
+    # time.monotonic() from which it serves no step: started + valid_ms (before its first
+    # step, never, unless valid_ms says it is void).
+    expires: float = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.expires = math.inf if self.table.valid_ms > 0 else -math.inf
 
     def age_ms(self, now: float) -> float:
         return 0.0 if self.started is None else 1000.0 * (now - self.started)
@@ -130,7 +137,7 @@ class TableCache:
         table = held.table
         if held.uses >= table.valid_steps:
             return USED_UP
-        if held.age_ms(now) >= table.valid_ms:
+        if now >= held.expires:
             return EXPIRED
         exploring = table.exploring[index] if index < len(table.exploring) else False
         if exploring:
@@ -139,6 +146,7 @@ class TableCache:
             held.spent.add(index)
         if held.started is None:
             held.started = now
+            held.expires = now + table.valid_ms / 1000.0
         held.uses += 1
         return TableStep(table.gammas[index], exploring, held, held.uses)
 
