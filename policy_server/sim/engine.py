@@ -22,7 +22,11 @@ import random
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
+import numpy as np
+
 from nightjar_common.types import RequestSignals, StepContext, StepOutcome
+from policy_server.policies.models import FloatArray
+from policy_server.policies.per_request import IntArray, Plan, best_plan
 from policy_server.sim.acceptance import Acceptance, accepted_run, expected_tokens
 from policy_server.sim.profile import HardwareProfile, Verification
 from policy_server.sim.workload import RequestSpec
@@ -439,6 +443,28 @@ class Simulator:
         """
         work = self._pending_work()
         return [self._expected_goodput(gamma, None, *work) for gamma in range(top + 1)]
+
+    def best_request_plan(self, top: int) -> Plan:
+        """The per-request plan (a cap ≤ ``top``, γ_i ≤ cap) of the best expected decode
+        goodput of the pending step, from each request's true α: per_request.best_plan
+        over the profile's own step time, scored as ``expected_goodputs`` scores a batch γ
+        (decode work alone). What it leaves out: a request about to finish takes fewer
+        tokens than its drafts would give (``expected_goodputs`` caps those)."""
+        decode = self.pending_decode
+        context, catch_up = self._pending_work()
+        batch, step_seconds = len(decode), self.profile.step_seconds
+
+        def price(caps: IntArray, verified: FloatArray, attention: FloatArray) -> FloatArray:
+            rows = zip(caps.tolist(), verified.tolist(), attention.tolist(), strict=True)
+            return np.array(
+                [
+                    1000.0 * step_seconds(batch, cap, 0, context, catch_up, Verification(int(v), a))
+                    for cap, v, a in rows
+                ]
+            )
+
+        alphas = [r.alpha for r in decode]
+        return best_plan(alphas, [r.context_tokens for r in decode], top, price)
 
     def _pending_work(self) -> tuple[int, int]:
         """Context tokens and the draft's catch-up lag of the pending step."""

@@ -22,7 +22,12 @@ from policy_server.sim.acceptance import (
 )
 from policy_server.sim.engine import DecisionSource, SimConfig, SimResult, Simulator
 from policy_server.sim.profile import HardwareProfile
-from policy_server.sim.sources import OracleSource, PolicySource, TableSource
+from policy_server.sim.sources import (
+    OracleSource,
+    PolicySource,
+    RequestOracleSource,
+    TableSource,
+)
 from policy_server.sim.workload import (
     SCHEDULES,
     RatePhase,
@@ -136,6 +141,11 @@ TABLE_MODE: dict[str, SourceFactory] = {
 PER_REQUEST_MODE: dict[str, SourceFactory] = {
     "goodput-per-request": _learning("goodput", per_request=True),
 }
+# The limit of per-request γ (each step's best plan from the requests' true α): the
+# ceiling of the per-sequence mode on the mixed populations.
+REQUEST_ORACLE: dict[str, SourceFactory] = {
+    "oracle-per-request": lambda seed, assets: RequestOracleSource(),
+}
 FIXED = ["off"] + [p for p in POLICIES if p.startswith("static-")]
 # The policy the targets are judged for: the server's default.
 DEFAULT = "goodput"
@@ -180,6 +190,7 @@ MIXED_POLICIES = [
     "dsd",
     "dsde",
     "oracle",
+    "oracle-per-request",
 ]
 
 
@@ -296,7 +307,7 @@ def simulate(
     seed: int,
     workload: str = "",
 ) -> SimResult:
-    factory = {**POLICIES, **SLO_ONLY, **TABLE_MODE, **PER_REQUEST_MODE}[policy]
+    factory = {**POLICIES, **SLO_ONLY, **TABLE_MODE, **PER_REQUEST_MODE, **REQUEST_ORACLE}[policy]
     source = factory(seed, bench.assets.get(profile.name, ProfileAssets()))
     acceptance = acceptance_of(workload, specs, bench)
     return Simulator(profile, acceptance, specs, source, bench.sim(seed)).run()

@@ -123,6 +123,22 @@ class ClientSource:
             self.client.report(outcome)
 
 
+class RequestOracleSource:
+    """The limit of per-request γ: each step's plan (cap and γ_i) with the best expected
+    goodput, from every request's true α (``Simulator.best_request_plan``)."""
+
+    per_request = False  # it reads the simulator, not the requests' signals
+
+    def decide(self, ctx: StepContext, sim: Simulator) -> Decided:
+        top = ctx.max_gamma if ctx.draft_resident else 0
+        plan = sim.best_request_plan(top)
+        rids = [str(r.rid) for r in sim.pending_decode]
+        return Decided(plan.cap, "", tuple(zip(rids, plan.gammas, strict=True)))
+
+    def report(self, ctx: StepContext, decision_id: str, outcome: StepOutcome) -> None:
+        return None
+
+
 class OracleSource:
     """The limit of a batch γ: the γ with the best expected goodput of each step, from true
     parameters."""

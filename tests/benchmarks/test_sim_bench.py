@@ -36,9 +36,20 @@ def test_render_marks_targets_from_the_figures() -> None:
 def test_mixed_section_puts_both_populations_side_by_side_and_dsde_against_the_batch() -> None:
     config = BenchConfig(Path("data"), [1, 2], quick=True)
     tpot = {"dsde": 9.0, "static-2": 10.0, "goodput": 12.0}
+    regret = {"oracle-per-request": -20.0}  # 2 % more tokens per step time than the oracle
     cells = {
         ("p", workload, policy): [
-            Cell("p", workload, policy, 100.0 + s, 1.0, 2.0, tpot.get(policy, 20.0) + s, 1000, 5.0)
+            Cell(
+                "p",
+                workload,
+                policy,
+                100.0 + s,
+                1.0,
+                2.0,
+                tpot.get(policy, 20.0) + s,
+                1000,
+                regret.get(policy, 5.0),
+            )
             for s in (0, 2)  # two seeds
         ]
         for mixed, (base, _) in MIXED.items()
@@ -59,6 +70,12 @@ def test_mixed_section_puts_both_populations_side_by_side_and_dsde_against_the_b
     paired = "| 1.000 (1.000–1.000) | 1.98% | 1.000 (1.000–1.000) | 0.00% | 1.615 (1.571–1.667)"
     assert f"| p | `step` {paired} | met |" in text
     assert f"| p | `step-mix` {paired} | missed |" in text
+    # The ceiling: the per-request oracle's goodput gain over the batch oracle (from the
+    # regret), judged by the same targets; level on e2e, it misses the mixed one.
+    assert "### The ceiling: `oracle-per-request` against `oracle`" in text
+    level = "1.000 (1.000–1.000) | 1.98% | 1.000 (1.000–1.000) | 0.00% | 1.000 (1.000–1.000)"
+    assert f"| p | `step-mix` | +2.00 % (+2.00–+2.00) | {level} | missed |" in text
+    assert f"| p | `step` | +2.00 % (+2.00–+2.00) | {level} | met |" in text
 
 
 def test_mixed_jobs_skip_the_homogeneous_cells_the_matrix_ran() -> None:

@@ -15,7 +15,7 @@ from policy_server.sim.acceptance import MIXES, WORKLOADS, AcceptanceModel, expe
 from policy_server.sim.engine import Decided, DecisionSource, SimConfig, SimResult, Simulator
 from policy_server.sim.profile import Verification, builtin_profiles
 from policy_server.sim.runs import MIXED, BenchConfig, acceptance_of, mixed_workloads, workloads
-from policy_server.sim.sources import PolicySource
+from policy_server.sim.sources import PolicySource, RequestOracleSource
 from policy_server.sim.workload import RatePhase, read_trace, synthetic
 
 DATA = nightjar_data.ROOT
@@ -245,3 +245,37 @@ def test_dsde_runs_end_to_end_with_per_request_gammas() -> None:
         assert all(0 <= g <= decided.gamma for _, g in decided.request_gammas)
     # Somewhere the batch ran with different γ per request.
     assert any(len({g for _, g in d.request_gammas}) > 1 for _, d in answered)
+
+
+# -- the limit of per-request γ ----------------------------------------------------------------
+
+
+class WatchedOracle(RequestOracleSource):
+    """The per-request oracle, each step's plan set beside the best batch γ's goodput."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[float, float, int]] = []
+
+    def decide(self, ctx: StepContext, sim: Simulator) -> Decided:
+        decided = super().decide(ctx, sim)
+        top = ctx.max_gamma if ctx.draft_resident else 0
+        plan = sim.best_request_plan(top)
+        distinct = len({g for _, g in decided.request_gammas})
+        self.steps.append((1000.0 * plan.goodput, max(sim.expected_goodputs(top)), distinct))
+        return decided
+
+
+def test_the_request_oracle_plans_no_worse_than_any_batch_gamma_and_beats_the_batch_oracle() -> (
+    None
+):
+    """Its candidates include every batch γ (every request at the cap), so no step's plan
+    is predicted below the best batch γ; on the mixed population it splits γ across the
+    batch and gets more tokens per step time than the per-step batch oracle (regret < 0)."""
+    source = WatchedOracle()
+    result = simulate(source)
+    assert all(r.generated == r.spec.output_tokens for r in result.requests)
+    assert source.steps
+    assert all(plan >= best * (1 - 1e-9) for plan, best, _ in source.steps)
+    assert any(plan > best * 1.01 for plan, best, _ in source.steps)
+    assert any(distinct > 1 for _, _, distinct in source.steps)
+    assert result.regret_tokens < 0
