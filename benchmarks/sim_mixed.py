@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import datetime
 import statistics
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 
 from policy_server.sim.acceptance import MIXES
 from policy_server.sim.profile import HardwareProfile
@@ -135,19 +135,15 @@ def against_batch(cells: Cells, profiles: Sequence[str], policy: str) -> list[st
         "| tok/s / best | TPOT / best |",
         "|---|---|---:|---:|---|---:|---:|",
     ]
-    for profile in profiles:
-        for mixed, (base, _) in MIXED.items():
-            for workload in (base, mixed):
-                mine = cells[(profile, workload, policy)]
-                default = cells[(profile, workload, DEFAULT)]
-                best = min(
-                    rivals, key=lambda p: _mean(cells[(profile, workload, p)], "mean_tpot_ms")
-                )
-                theirs = cells[(profile, workload, best)]
-                lines.append(
-                    f"| {profile} | `{workload}` | {_ratios(mine, default)} "
-                    f"| {best} ({_mean(theirs, 'mean_tpot_ms'):.1f}) | {_ratios(mine, theirs)} |"
-                )
+    for profile, workload, _ in _rows(profiles):
+        mine = cells[(profile, workload, policy)]
+        default = cells[(profile, workload, DEFAULT)]
+        best = min(rivals, key=lambda p: _mean(cells[(profile, workload, p)], "mean_tpot_ms"))
+        theirs = cells[(profile, workload, best)]
+        lines.append(
+            f"| {profile} | `{workload}` | {_ratios(mine, default)} "
+            f"| {best} ({_mean(theirs, 'mean_tpot_ms'):.1f}) | {_ratios(mine, theirs)} |"
+        )
     return [*lines, ""]
 
 
@@ -168,21 +164,9 @@ def against_default(cells: Cells, profiles: Sequence[str]) -> list[str]:
         "| mean TPOT ratio | target |",
         "|---|---|---:|---:|---:|---:|---:|---|",
     ]
-    for profile in profiles:
-        for mixed, (base, _) in MIXED.items():
-            for workload in (base, mixed):
-                mine, default = (
-                    cells[(profile, workload, MODE)],
-                    cells[(profile, workload, DEFAULT)],
-                )
-                met = _target_met(mine, default, workload == mixed)
-                lines.append(
-                    f"| {profile} | `{workload}` | {_paired(mine, default, 'throughput')} "
-                    f"| {_relative_spread(default, 'throughput'):.2%} "
-                    f"| {_paired(mine, default, 'mean_latency')} "
-                    f"| {_relative_spread(default, 'mean_latency'):.2%} "
-                    f"| {_paired(mine, default, 'mean_tpot_ms')} | {'met' if met else 'missed'} |"
-                )
+    for profile, workload, mixed in _rows(profiles):
+        mine, default = cells[(profile, workload, MODE)], cells[(profile, workload, DEFAULT)]
+        lines.append(f"| {profile} | `{workload}` | {_judged(mine, default, mixed)} |")
     return [*lines, ""]
 
 
@@ -206,22 +190,34 @@ def ceiling(cells: Cells, profiles: Sequence[str]) -> list[str]:
         "| mean TPOT ratio | target |",
         "|---|---|---:|---:|---:|---:|---:|---:|---|",
     ]
+    for profile, workload, mixed in _rows(profiles):
+        mine, theirs = (cells[(profile, workload, p)] for p in (per_request, batch))
+        gains = [-100 * c.regret_tokens / max(c.generated_tokens, 1) for c in mine]
+        gain = f"{statistics.fmean(gains):+.2f} % ({min(gains):+.2f}–{max(gains):+.2f})"
+        lines.append(f"| {profile} | `{workload}` | {gain} | {_judged(mine, theirs, mixed)} |")
+    return [*lines, ""]
+
+
+def _rows(profiles: Sequence[str]) -> Iterator[tuple[str, str, bool]]:
+    """(profile, workload, whether its population is mixed) of every row of the
+    comparison tables: each homogeneous workload before its mixed one."""
     for profile in profiles:
         for mixed, (base, _) in MIXED.items():
             for workload in (base, mixed):
-                mine, theirs = (cells[(profile, workload, p)] for p in (per_request, batch))
-                gains = [-100 * c.regret_tokens / max(c.generated_tokens, 1) for c in mine]
-                met = _target_met(mine, theirs, workload == mixed)
-                lines.append(
-                    f"| {profile} | `{workload}` "
-                    f"| {statistics.fmean(gains):+.2f} % ({min(gains):+.2f}–{max(gains):+.2f}) "
-                    f"| {_paired(mine, theirs, 'throughput')} "
-                    f"| {_relative_spread(theirs, 'throughput'):.2%} "
-                    f"| {_paired(mine, theirs, 'mean_latency')} "
-                    f"| {_relative_spread(theirs, 'mean_latency'):.2%} "
-                    f"| {_paired(mine, theirs, 'mean_tpot_ms')} | {'met' if met else 'missed'} |"
-                )
-    return [*lines, ""]
+                yield profile, workload, workload == mixed
+
+
+def _judged(mine: Sequence[Cell], theirs: Sequence[Cell], mixed: bool) -> str:
+    """The target table's cells for ``mine`` against ``theirs``: the paired ratios of
+    tok/s, mean e2e (each with ``theirs``' seed spread) and mean TPOT, and the verdict."""
+    met = _target_met(mine, theirs, mixed)
+    return (
+        f"{_paired(mine, theirs, 'throughput')} "
+        f"| {_relative_spread(theirs, 'throughput'):.2%} "
+        f"| {_paired(mine, theirs, 'mean_latency')} "
+        f"| {_relative_spread(theirs, 'mean_latency'):.2%} "
+        f"| {_paired(mine, theirs, 'mean_tpot_ms')} | {'met' if met else 'missed'}"
+    )
 
 
 def _target_met(mine: Sequence[Cell], default: Sequence[Cell], mixed: bool) -> bool:
