@@ -49,12 +49,14 @@ from benchmarks.rpc_report import (
     summarise,
 )
 from nightjar_common.client import ClientConfig, GammaDecision, NightjarClient
-from nightjar_common.types import StepContext, StepOutcome
+from nightjar_common.types import Choice, RequestSignals, StepContext, StepOutcome
 from policy_server.policies import DEFAULT_POLICY, create_policy
 from policy_server.service import DecisionService
 from policy_server.sim.sources import TableSource
 
 SECTION = "bench-rpc"
+# The default policy's per-request mode, on steps whose requests are named.
+PER_REQUEST_CASE = f"{DEFAULT_POLICY}, per_request: requests named"
 # The wire cases ask one decision per step: they measure the round trip and what the
 # sidecar spends on it. Decision tables (nightjar.v1.7, the client's default) take most
 # steps without one; `make bench-load` measures them against the same load.
@@ -94,9 +96,37 @@ def outcome_for(engine: str, decision_id: str, ctx: StepContext, gamma: int) -> 
 # -- 1. in process ------------------------------------------------------------------------
 
 
+def with_requests(ctx: StepContext) -> StepContext:
+    """``ctx`` with each of its requests named (the per-request mode plans for a step
+    whose requests it knows): 400 context tokens each, ids that change every 50 steps."""
+    batch = ctx.step_index // 50
+    requests = tuple(RequestSignals(f"r{batch}-{j}", 400) for j in range(ctx.batch_size))
+    return dataclasses.replace(ctx, requests=requests, context_tokens=400 * ctx.batch_size)
+
+
+def request_outcome(ctx: StepContext, choice: Choice) -> StepOutcome:
+    """``outcome_for``'s step with each request's accepts: even-numbered requests accept
+    all of their γ_i, odd ones half (two populations the plans can tell apart), and a
+    step time that grows with the tokens verified (so that a plan can pay)."""
+    planned = dict(choice.request_gammas)
+    ids = tuple(r.request_id for r in ctx.requests)
+    verified = [min(planned.get(rid, choice.gamma), choice.gamma) for rid in ids]
+    accepts = tuple(g if j % 2 == 0 else g // 2 for j, g in enumerate(verified))
+    return dataclasses.replace(
+        outcome_for("bench", "x", ctx, choice.gamma),
+        step_seconds=0.01 + 0.0004 * (ctx.batch_size + sum(verified)) + 0.002 * choice.gamma,
+        drafted_tokens=sum(verified),
+        accepted_tokens=sum(accepts),
+        request_accepts=accepts,
+        request_ids=ids,
+    )
+
+
 def measure_in_process(samples: int = 20_000) -> list[Measurement]:
     """The default policy's decide alone and through the service (as the sidecar serves
-    it), and the paper's Nightjar policy's decide for reference."""
+    it), the paper's Nightjar policy's decide for reference, and the default's
+    per-request mode deciding steps whose requests are named (issue 30's decision
+    cost)."""
     ctxs = contexts("bench", samples)
     warm = min(2_000, samples)
     measured = []
@@ -111,6 +141,15 @@ def measure_in_process(samples: int = 20_000) -> list[Measurement]:
             if i == warm:
                 policy_ns.clear()
         measured.append(summarise(f"{type(policy).__name__}.decide ({name})", policy_ns))
+    planner = create_policy(DEFAULT_POLICY, {"seed": 1, "per_request": True})
+    planning_ns = []
+    for i, ctx in enumerate(map(with_requests, ctxs)):
+        start = time.perf_counter_ns()
+        choice = planner.decide(ctx)
+        planning_ns.append(time.perf_counter_ns() - start)
+        planner.observe(ctx, choice, request_outcome(ctx, choice))
+        if i == warm:
+            planning_ns.clear()
 
     service = DecisionService(DEFAULT_POLICY, {"seed": 1})
     decide_ns, pair_ns = [], []
@@ -130,6 +169,7 @@ def measure_in_process(samples: int = 20_000) -> list[Measurement]:
         summarise(f"DecisionService.decide ({DEFAULT_POLICY})", decide_ns),
         summarise(f"DecisionService.decide + report ({DEFAULT_POLICY})", pair_ns),
         measured[1],
+        summarise(f"{type(planner).__name__}.decide ({PER_REQUEST_CASE})", planning_ns),
     ]
 
 

@@ -19,23 +19,26 @@ def test_in_process_measurement_is_sane() -> None:
         "DecisionService.decide (goodput)",
         "DecisionService.decide + report (goodput)",
         "NightjarPolicy.decide (nightjar)",
+        "GoodputModelPolicy.decide (goodput, per_request: requests named)",
         *(
             f"decision tables of {k}: {what}"
             for k in TABLE_REFRESHES
             for what in ("deciding a step", "applying its report")
         ),
     ]
-    for m in results[:4]:
+    for m in results[:5]:
         assert isinstance(m, Measurement) and m.samples > 0
         assert 0 < m.p50_us <= m.p99_us
+    # Planning per request prices a plan search besides the batch's γ.
+    assert results[4].p50_us > results[0].p50_us
     # Through tables most steps only look their γ up; a refresh costs a table's decision,
     # so the mean lies between the two, and applying reports happens on refreshes only.
-    deciding, applying = results[4], results[5]
+    deciding, applying = results[5], results[6]
     assert 0 < deciding.p50_us < deciding.mean_us < deciding.p99_us
     assert applying.p50_us == 0 < applying.mean_us
     assert results[-2].mean_us < deciding.mean_us  # refreshed 4 x less often (32 vs 8)
     # The table cases ran in three rounds; each row is the round with the median mean.
-    for m in results[4:]:
+    for m in results[5:]:
         assert len(m.round_means_us) == 3 and m.mean_us == sorted(m.round_means_us)[1]
     assert "(rounds " in " ".join(table_target(results))
 
