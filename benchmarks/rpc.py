@@ -31,7 +31,7 @@ import random
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -50,7 +50,7 @@ from benchmarks.rpc_report import (
 )
 from nightjar_common.client import ClientConfig, GammaDecision, NightjarClient
 from nightjar_common.types import Choice, RequestSignals, StepContext, StepOutcome
-from policy_server.policies import DEFAULT_POLICY, create_policy
+from policy_server.policies import DEFAULT_POLICY, Policy, create_policy
 from policy_server.service import DecisionService
 from policy_server.sim.sources import TableSource
 
@@ -99,8 +99,8 @@ def outcome_for(engine: str, decision_id: str, ctx: StepContext, gamma: int) -> 
 def with_requests(ctx: StepContext) -> StepContext:
     """``ctx`` with each of its requests named (the per-request mode plans for a step
     whose requests it knows): 400 context tokens each, ids that change every 50 steps."""
-    batch = ctx.step_index // 50
-    requests = tuple(RequestSignals(f"r{batch}-{j}", 400) for j in range(ctx.batch_size))
+    cohort = ctx.step_index // 50
+    requests = tuple(RequestSignals(f"r{cohort}-{j}", 400) for j in range(ctx.batch_size))
     return dataclasses.replace(ctx, requests=requests, context_tokens=400 * ctx.batch_size)
 
 
@@ -113,7 +113,7 @@ def request_outcome(ctx: StepContext, choice: Choice) -> StepOutcome:
     verified = [min(planned.get(rid, choice.gamma), choice.gamma) for rid in ids]
     accepts = tuple(g if j % 2 == 0 else g // 2 for j, g in enumerate(verified))
     return dataclasses.replace(
-        outcome_for("bench", "x", ctx, choice.gamma),
+        batch_outcome(ctx, choice),
         step_seconds=0.01 + 0.0004 * (ctx.batch_size + sum(verified)) + 0.002 * choice.gamma,
         drafted_tokens=sum(verified),
         accepted_tokens=sum(accepts),
@@ -129,27 +129,13 @@ def measure_in_process(samples: int = 20_000) -> list[Measurement]:
     cost)."""
     ctxs = contexts("bench", samples)
     warm = min(2_000, samples)
-    measured = []
-    for name in (DEFAULT_POLICY, "nightjar"):
-        policy = create_policy(name, {"seed": 1})
-        policy_ns = []
-        for i, ctx in enumerate(ctxs):
-            start = time.perf_counter_ns()
-            choice = policy.decide(ctx)
-            policy_ns.append(time.perf_counter_ns() - start)
-            policy.observe(ctx, choice, outcome_for("bench", "x", ctx, choice.gamma))
-            if i == warm:
-                policy_ns.clear()
-        measured.append(summarise(f"{type(policy).__name__}.decide ({name})", policy_ns))
+    measured = [
+        decide_times(create_policy(name, {"seed": 1}), name, ctxs, warm, batch_outcome)
+        for name in (DEFAULT_POLICY, "nightjar")
+    ]
     planner = create_policy(DEFAULT_POLICY, {"seed": 1, "per_request": True})
-    planning_ns = []
-    for i, ctx in enumerate(map(with_requests, ctxs)):
-        start = time.perf_counter_ns()
-        choice = planner.decide(ctx)
-        planning_ns.append(time.perf_counter_ns() - start)
-        planner.observe(ctx, choice, request_outcome(ctx, choice))
-        if i == warm:
-            planning_ns.clear()
+    named = [with_requests(ctx) for ctx in ctxs]
+    planning = decide_times(planner, PER_REQUEST_CASE, named, warm, request_outcome)
 
     service = DecisionService(DEFAULT_POLICY, {"seed": 1})
     decide_ns, pair_ns = [], []
@@ -169,8 +155,32 @@ def measure_in_process(samples: int = 20_000) -> list[Measurement]:
         summarise(f"DecisionService.decide ({DEFAULT_POLICY})", decide_ns),
         summarise(f"DecisionService.decide + report ({DEFAULT_POLICY})", pair_ns),
         measured[1],
-        summarise(f"{type(planner).__name__}.decide ({PER_REQUEST_CASE})", planning_ns),
+        planning,
     ]
+
+
+def batch_outcome(ctx: StepContext, choice: Choice) -> StepOutcome:
+    return outcome_for("bench", "x", ctx, choice.gamma)
+
+
+def decide_times(
+    policy: Policy,
+    label: str,
+    ctxs: Sequence[StepContext],
+    warm: int,
+    outcome: Callable[[StepContext, Choice], StepOutcome],
+) -> Measurement:
+    """``policy.decide`` timed on each of ``ctxs`` after the first ``warm``, each step
+    learned from its ``outcome``."""
+    times_ns: list[int] = []
+    for i, ctx in enumerate(ctxs):
+        start = time.perf_counter_ns()
+        choice = policy.decide(ctx)
+        times_ns.append(time.perf_counter_ns() - start)
+        policy.observe(ctx, choice, outcome(ctx, choice))
+        if i == warm:
+            times_ns.clear()
+    return summarise(f"{type(policy).__name__}.decide ({label})", times_ns)
 
 
 class TableRounds:
