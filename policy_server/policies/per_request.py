@@ -120,29 +120,28 @@ def best_plan(
     # Flattened (request, depth - 1) by decreasing gain; stable, so ties keep the order.
     order = np.argsort(-gains, axis=None, kind="stable")
     requests, depths = np.divmod(order, max(top, 1))
-    values = gains.ravel()[order]
-    weights = np.asarray(contexts, dtype=np.float64)[requests]
+    # Row c of ``kept``: a column for S = 0, then the drafts cap c allows (depth ≤ c).
+    kept = np.ones((top + 1, order.size + 1), dtype=bool)
+    np.less(depths, np.arange(top + 1)[:, None], out=kept[:, 1:])
+    # A draft's gain and its request's context as one complex number: a complex sum adds
+    # the two parts apart, so one running sum makes both.
+    drafts = np.zeros(order.size + 1, dtype=np.complex128)
+    drafts.real[1:] = gains.ravel()[order]
+    drafts.imag[1:] = np.asarray(contexts, dtype=np.float64)[requests]
+    # Running sums along each row, a dropped draft adding 0 (which leaves a sum as it is):
+    # each cap's sums over its S largest gains, bit for bit as summed cap by cap. The kept
+    # cells, read row-major, come by cap, then by S (what the tie order needs).
+    sums = np.cumsum(np.where(kept, drafts, 0.0), axis=1)[kept]
+    # Cap c's rows: S = 0..batch·c.
+    sizes = 1 + batch * np.arange(top + 1, dtype=np.intp)
+    cap_of = np.repeat(np.arange(top + 1, dtype=np.intp), sizes)
+    verified = (np.arange(cap_of.size) - (np.cumsum(sizes) - sizes)[cap_of]).astype(np.float64)
     total_context = float(sum(contexts))
-    # Rows by cap, then by verified drafts S = 0.. (what the tie order needs).
-    tokens, verified, attention, caps = [], [], [], []
-    for cap in range(top + 1):
-        kept = depths < cap
-        tokens.append(batch + np.concatenate(([0.0], np.cumsum(values[kept]))))
-        drafts = np.arange(len(tokens[-1]), dtype=np.float64)
-        verified.append(drafts)
-        if total_context > 0:
-            attention.append(np.concatenate(([0.0], np.cumsum(weights[kept]))) / total_context)
-        else:
-            attention.append(drafts / max(batch, 1))
-        caps.append(np.full(len(drafts), cap, dtype=np.intp))
-    cap_of = np.concatenate(caps)
-    goodput = np.concatenate(tokens) / price(
-        cap_of, np.concatenate(verified), np.concatenate(attention)
-    )
+    attention = sums.imag / total_context if total_context > 0 else verified / max(batch, 1)
+    goodput = (batch + sums.real) / price(cap_of, verified, attention)
     row = int(goodput.argmax())
     cap = int(cap_of[row])
-    drafts_kept = row - sum(len(v) for v in verified[:cap])
-    counts = np.bincount(requests[depths < cap][:drafts_kept], minlength=batch)
+    counts = np.bincount(requests[kept[cap, 1:]][: int(verified[row])], minlength=batch)
     return Plan(cap, tuple(counts.tolist()), float(goodput[row]))
 
 

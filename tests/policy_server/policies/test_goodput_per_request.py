@@ -26,14 +26,10 @@ from nightjar_common.types import Choice, RequestSignals, StepContext, StepOutco
 from policy_server.policies import PolicyError
 from policy_server.policies.base import CheckpointedDecide, at_batch_size
 from policy_server.policies.goodput import GoodputModelPolicy
-from policy_server.policies.models import FloatArray, step_features, verify_features
+from policy_server.policies.models import step_features, verify_features
 from policy_server.policies.per_request import (
     MAX_REQUESTS,
-    IntArray,
-    Plan,
     RequestRecord,
-    best_plan,
-    plan_goodput,
     prune,
     shrunk_alpha,
 )
@@ -244,31 +240,6 @@ def test_an_engine_keeps_at_most_max_requests_records_the_newest() -> None:
     records = {str(i): RequestRecord(1.0, 1.0, i) for i in range(MAX_REQUESTS + 100)}
     kept = prune(records, MAX_REQUESTS + 99, idle_steps=10**6)
     assert len(kept) == MAX_REQUESTS and min(int(rid) for rid in kept) == 100
-
-
-def linear_price(batch: int) -> Any:
-    """Step ms of a plan: 5 + 0.3 ms per verified token + 1 ms per draft pass."""
-
-    def price(caps: IntArray, verified: FloatArray, attention: FloatArray) -> FloatArray:
-        ms: FloatArray = 5.0 + 0.3 * (batch + verified) + 1.0 * caps + 0.0 * attention
-        return ms
-
-    return price
-
-
-@pytest.mark.parametrize("alphas", [[0.9, 0.3, 0.6], [0.5, 0.5, 0.5], [0.95, 0.95, 0.1]])
-def test_the_plan_is_the_best_of_every_gamma_per_request(alphas: list[float]) -> None:
-    """Against brute force over every cap and every γ_i ≤ cap."""
-    contexts, top = [100, 300, 200], 3
-    price = linear_price(len(alphas))
-    plan = best_plan(alphas, contexts, top, price)
-    best = max(
-        plan_goodput(Plan(cap, gammas, 0.0), alphas, contexts, price)
-        for cap in range(top + 1)
-        for gammas in itertools.product(range(cap + 1), repeat=len(alphas))
-    )
-    assert plan.goodput == pytest.approx(best)
-    assert plan_goodput(plan, alphas, contexts, price) == pytest.approx(plan.goodput)
 
 
 def test_a_uniform_plans_features_are_the_batch_steps() -> None:
