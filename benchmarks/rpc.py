@@ -41,6 +41,7 @@ from benchmarks.host import free_port, grpc_server, machine
 from benchmarks.report import write_section
 from benchmarks.rpc_echo import ECHO_KINDS, measure_echo
 from benchmarks.rpc_report import (
+    PER_REQUEST_CASE,
     TABLE_REFRESHES,
     TABLES_CASE,
     Measurement,
@@ -48,15 +49,18 @@ from benchmarks.rpc_report import (
     render,
     summarise,
 )
-from nightjar_common.client import ClientConfig, GammaDecision, NightjarClient
-from nightjar_common.types import Choice, RequestSignals, StepContext, StepOutcome
+from nightjar_common.client import (
+    TABLE_REFRESH_STEPS,
+    ClientConfig,
+    GammaDecision,
+    NightjarClient,
+)
+from nightjar_common.types import BinType, Choice, RequestSignals, StepContext, StepOutcome
 from policy_server.policies import DEFAULT_POLICY, Policy, create_policy
 from policy_server.service import DecisionService
 from policy_server.sim.sources import TableSource
 
 SECTION = "bench-rpc"
-# The default policy's per-request mode, on steps whose requests are named.
-PER_REQUEST_CASE = f"{DEFAULT_POLICY}, per_request: requests named"
 # The wire cases ask one decision per step: they measure the round trip and what the
 # sidecar spends on it. Decision tables (nightjar.v1.7, the client's default) take most
 # steps without one; `make bench-load` measures them against the same load.
@@ -195,15 +199,31 @@ class TableRounds:
         self.runs: dict[str, list[Measurement]] = {}
 
     def run_round(self) -> None:
-        for refresh_steps in TABLE_REFRESHES:
-            for m in measure_tables(self.samples, min(2_000, self.samples), refresh_steps):
+        warm = min(2_000, self.samples)
+        walks = [(refresh_steps, False) for refresh_steps in TABLE_REFRESHES]
+        walks.append((TABLE_REFRESH_STEPS, True))  # the per-request mode at the default
+        for refresh_steps, per_request in walks:
+            for m in measure_tables(self.samples, warm, refresh_steps, per_request):
                 self.runs.setdefault(m.case, []).append(m)
 
     def medians(self) -> list[Measurement]:
         return [median_round(measured) for measured in self.runs.values()]
 
 
-def measure_tables(samples: int, warm: int, refresh_steps: int) -> list[Measurement]:
+def table_batch_outcome(ctx: StepContext, decision_id: str, gamma: int) -> StepOutcome:
+    return outcome_for("bench", decision_id, ctx, gamma)
+
+
+def table_request_outcome(ctx: StepContext, decision_id: str, gamma: int) -> StepOutcome:
+    """``request_outcome`` of a table step: every request verified the table's γ (the
+    simulator's tables carry no per-request γ)."""
+    outcome = request_outcome(ctx, Choice(gamma, BinType.EXPLOIT))
+    return dataclasses.replace(outcome, decision_id=decision_id)
+
+
+def measure_tables(
+    samples: int, warm: int, refresh_steps: int, per_request: bool = False
+) -> list[Measurement]:
     """Steps through decision tables in process, with the protocol's own code (the
     simulator's TableSource: TableCache on the client's side, DecisionService.table_step
     on the sidecar's, refreshed every ``refresh_steps`` steps or when the table cannot
@@ -212,9 +232,13 @@ def measure_tables(samples: int, warm: int, refresh_steps: int) -> list[Measurem
     client's lookup, and on the steps that refresh, the sidecar deciding the next table)
     and applying (on those steps, the sidecar checking and applying the ran steps and
     outcomes since the last refresh: learning). Wire encoding is not in it (`make
-    bench-load` has it)."""
+    bench-load` has it). ``per_request``: the default's per-request mode on steps whose
+    requests are named (``with_requests``, with ``request_outcome``'s accepts), so that
+    each refresh also plans the context's own batch size request by request."""
+    step_outcome = table_request_outcome if per_request else table_batch_outcome
     rng = random.Random(1)
-    source = TableSource.named(DEFAULT_POLICY, {"seed": 1}, refresh_steps=refresh_steps)
+    params = {"seed": 1, "per_request": per_request}
+    source = TableSource.named(DEFAULT_POLICY, params, refresh_steps=refresh_steps)
     decide_time = source.service.metrics.decision_latency
     decide_ns: list[int] = []
     apply_ns: list[int] = []
@@ -224,12 +248,14 @@ def measure_tables(samples: int, warm: int, refresh_steps: int) -> list[Measurem
         ctx = StepContext(
             "bench", batch, step_index=i, previous_gamma=previous, context_tokens=400 * batch
         )
+        if per_request:
+            ctx = with_requests(ctx)
         deciding_before = decide_time._sum.get()
         start = time.perf_counter_ns()
         decided = source.decide(ctx, None)  # type: ignore[arg-type]
         gamma, decision_id = decided.gamma, decided.decision_id
         step_ns = time.perf_counter_ns() - start
-        source.report(ctx, decision_id, outcome_for("bench", decision_id, ctx, gamma))
+        source.report(ctx, decision_id, step_outcome(ctx, decision_id, gamma))
         # On a refreshing step, what the sidecar did besides deciding the table (checking
         # and applying the report batch) is applying; the rest of any step is deciding.
         table_ns = int(1e9 * (decide_time._sum.get() - deciding_before))
@@ -240,9 +266,10 @@ def measure_tables(samples: int, warm: int, refresh_steps: int) -> list[Measurem
         if i == warm:
             decide_ns.clear()
             apply_ns.clear()
+    case = f"{TABLES_CASE} of {refresh_steps}" + (f" ({PER_REQUEST_CASE})" if per_request else "")
     return [
-        summarise(f"{TABLES_CASE} of {refresh_steps}: deciding a step", decide_ns),
-        summarise(f"{TABLES_CASE} of {refresh_steps}: applying its report", apply_ns),
+        summarise(f"{case}: deciding a step", decide_ns),
+        summarise(f"{case}: applying its report", apply_ns),
     ]
 
 

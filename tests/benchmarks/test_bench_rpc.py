@@ -25,6 +25,10 @@ def test_in_process_measurement_is_sane() -> None:
             for k in TABLE_REFRESHES
             for what in ("deciding a step", "applying its report")
         ),
+        *(
+            f"decision tables of 32 (goodput, per_request: requests named): {what}"
+            for what in ("deciding a step", "applying its report")
+        ),
     ]
     for m in results[:5]:
         assert isinstance(m, Measurement) and m.samples > 0
@@ -36,11 +40,15 @@ def test_in_process_measurement_is_sane() -> None:
     deciding, applying = results[5], results[6]
     assert 0 < deciding.p50_us < deciding.mean_us < deciding.p99_us
     assert applying.p50_us == 0 < applying.mean_us
-    assert results[-2].mean_us < deciding.mean_us  # refreshed 4 x less often (32 vs 8)
+    every_32, planning = results[-4], results[-2]
+    assert every_32.mean_us < deciding.mean_us  # refreshed 4 x less often (32 vs 8)
+    # A refresh of the per-request mode plans the context's requests besides the table.
+    assert planning.p99_us > every_32.p99_us and planning.mean_us > every_32.mean_us
     # The table cases ran in three rounds; each row is the round with the median mean.
     for m in results[5:]:
         assert len(m.round_means_us) == 3 and m.mean_us == sorted(m.round_means_us)[1]
-    assert "(rounds " in " ".join(table_target(results))
+    target = " ".join(table_target(results))
+    assert "(rounds " in target and "Target (issue 30)" in target
 
 
 def test_report_sections_are_replaced_in_place_and_kept_apart(tmp_path: Path) -> None:
