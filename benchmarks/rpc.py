@@ -210,11 +210,7 @@ class TableRounds:
         return [median_round(measured) for measured in self.runs.values()]
 
 
-def table_batch_outcome(ctx: StepContext, decision_id: str, gamma: int) -> StepOutcome:
-    return outcome_for("bench", decision_id, ctx, gamma)
-
-
-def table_request_outcome(ctx: StepContext, decision_id: str, gamma: int) -> StepOutcome:
+def table_request_outcome(decision_id: str, ctx: StepContext, gamma: int) -> StepOutcome:
     """``request_outcome`` of a table step: every request verified the table's γ (the
     simulator's tables carry no per-request γ)."""
     outcome = request_outcome(ctx, Choice(gamma, BinType.EXPLOIT))
@@ -235,7 +231,9 @@ def measure_tables(
     bench-load` has it). ``per_request``: the default's per-request mode on steps whose
     requests are named (``with_requests``, with ``request_outcome``'s accepts), so that
     each refresh also plans the context's own batch size request by request."""
-    step_outcome = table_request_outcome if per_request else table_batch_outcome
+    # Called as outcome_for is, after its engine (a partial, not a wrapper: the step
+    # instructions `make bench-instructions` counts include the walk's own).
+    step_outcome = table_request_outcome if per_request else functools.partial(outcome_for, "bench")
     rng = random.Random(1)
     params = {"seed": 1, "per_request": per_request}
     source = TableSource.named(DEFAULT_POLICY, params, refresh_steps=refresh_steps)
@@ -255,7 +253,7 @@ def measure_tables(
         decided = source.decide(ctx, None)  # type: ignore[arg-type]
         gamma, decision_id = decided.gamma, decided.decision_id
         step_ns = time.perf_counter_ns() - start
-        source.report(ctx, decision_id, step_outcome(ctx, decision_id, gamma))
+        source.report(ctx, decision_id, step_outcome(decision_id, ctx, gamma))
         # On a refreshing step, what the sidecar did besides deciding the table (checking
         # and applying the report batch) is applying; the rest of any step is deciding.
         table_ns = int(1e9 * (decide_time._sum.get() - deciding_before))
