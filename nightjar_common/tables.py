@@ -67,7 +67,7 @@ class HeldTable:
         index = batch_size - table.first_batch_size
         if not 0 <= index < len(table.gammas):
             return OUT_OF_RANGE
-        if speculation_off != table.speculation_off:
+        if speculation_off != table.speculation_off and not table.any_speculation_state:
             return OTHER_STATE
         return index
 

@@ -156,7 +156,7 @@ class DraftState(enum.StrEnum):
 @dataclass(frozen=True, slots=True)
 class GammaTable:
     """The policy's γ for a range of batch sizes, for steps starting in one speculation
-    state (nightjar.v1.7 GammaTable)."""
+    state or in either (nightjar.v1.7 GammaTable; v1.9 any_speculation_state)."""
 
     table_id: str
     policy_name: str
@@ -176,6 +176,8 @@ class GammaTable:
     # per-request signals, as Decision.
     request_gammas: tuple[tuple[str, int], ...] = ()
     reads_request_signals: bool = False
+    # The entries serve steps in either speculation state (the policy prices no catch-up).
+    any_speculation_state: bool = False
 
     def covers(self, batch_size: int) -> bool:
         return 0 <= batch_size - self.first_batch_size < len(self.gammas)

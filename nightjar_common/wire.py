@@ -208,6 +208,7 @@ def table_to_pb(table: GammaTable) -> pb.GammaTable:
         reason=table.reason.value if table.reason is not None else "",
         request_gammas=[pb.RequestGamma(request_id=r, gamma=g) for r, g in table.request_gammas],
         reads_request_signals=table.reads_request_signals,
+        any_speculation_state=table.any_speculation_state,
     )
     if table.memory_directive.action:
         msg.memory_directive.CopyFrom(directive_to_pb(table.memory_directive))
@@ -233,6 +234,7 @@ def table_from_pb(msg: pb.GammaTable) -> GammaTable:
         reason=BinType(msg.reason) if msg.reason in _TABLE_REASONS else None,
         request_gammas=tuple((r.request_id, r.gamma) for r in msg.request_gammas),
         reads_request_signals=msg.reads_request_signals,
+        any_speculation_state=msg.any_speculation_state,
     )
 
 

@@ -95,6 +95,7 @@ from policy_server.policies.base import (
     at_batch_size,
     feasible_gamma_max,
     file_path_params,
+    prices_speculation_state,
     reads_request_signals,
 )
 from policy_server.state_text import StateText
@@ -465,6 +466,7 @@ class DecisionService:
             reason=_table_reason(choices),
             request_gammas=own.request_gammas,
             reads_request_signals=reads_request_signals(active.policy),
+            any_speculation_state=not prices_speculation_state(active.policy),
         )
 
     def _policy_view(self, reported: StepContext) -> StepContext:

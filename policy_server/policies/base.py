@@ -65,6 +65,14 @@ def reads_request_signals(policy: object) -> bool:
     return bool(getattr(policy, "reads_request_signals", False))
 
 
+def prices_speculation_state(policy: object) -> bool:
+    """Whether ``policy``'s decision for a step may depend on the speculation state the step
+    starts in (its class sets ``prices_speculation_state``; assumed so unless it says
+    not): a decision table then answers steps in its own state only (GammaTable.
+    any_speculation_state)."""
+    return bool(getattr(policy, "prices_speculation_state", True))
+
+
 class LearnedState(Protocol):
     """What the server does with what a policy has learned; every registered policy has
     it (one that learns nothing trivially, fixed._StatelessPolicy).

@@ -29,6 +29,7 @@ from policy_server.policies.base import (
     own_learner,
 )
 from policy_server.policies.rng import SplitMix64
+from policy_server.prefill_cost import PrefillCostTable
 
 E = TypeVar("E")
 L = TypeVar("L")
@@ -190,6 +191,14 @@ class EngineStatePolicy(ParamsPolicy[G], CheckpointedDecide, Generic[G, R, L]):
     and nightjar. Its checkpoints hold all its decide() changes (``checkpoints_decide``)."""
 
     _book: EngineStates[R, L]
+    # c_prefill, the catch-up of turning speculation back on (None: no table given).
+    _prefill_cost: PrefillCostTable | None
+
+    @property
+    def prices_speculation_state(self) -> bool:
+        """The speculation state a step starts in enters a decision only through the
+        catch-up it prices (base.prices_speculation_state): none without a table."""
+        return self._prefill_cost is not None
 
     def _checkpoint_part(self, ctx: StepContext, engine: R) -> Any:
         """A copy of what else of ``engine`` decide(ctx) may change (beyond RNG, γ_prev)."""

@@ -114,6 +114,7 @@ def test_per_request_fields_round_trip() -> None:
         "t-1", "dsde", "v1", 3, (2, 2, 3), (False,) * 3, False, 5, 8, 50.0,
         request_gammas=(("r1", 1), ("r2", 3)),
         reads_request_signals=True,
+        any_speculation_state=True,
     )  # fmt: skip
     assert wire.table_from_pb(wire.table_to_pb(table)) == table
     decision = Decision(2, "d-1", BinType.EXPLOIT, 0.0, "dsde", "v1", request_gammas=(("r1", 1),))

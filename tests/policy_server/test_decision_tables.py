@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import urllib.request
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -176,6 +177,44 @@ def test_steps_of_a_table_decided_before_a_swap_count_as_stale() -> None:
     assert after.table.reason is not None and after.table.reason.value == "fixed"
     assert service.metrics.steps.value(TABLE_STEPS, ("stale",)) == 1
     assert service.metrics.steps.value(REPORTS, ("off", "stale")) == 1
+
+
+@pytest.mark.parametrize("policy", ["goodput", "nightjar"])
+def test_a_table_answers_either_speculation_state_where_the_policy_prices_no_catch_up(
+    policy: str, tmp_path: Path
+) -> None:
+    """v1.9: without a c_prefill table the speculation state a step starts in enters no
+    decision (the tables for either state are the same), so the table says it serves both
+    and a step after γ = 0 runs from it instead of asking again; with one, a table serves
+    its own state only, as does one of a policy that does not say (``ema``)."""
+    c_prefill = tmp_path / "c_prefill.csv"
+    c_prefill.write_text(
+        "lag_tokens,batch_size,c_prefill_ms\n"
+        + "".join(f"{lag},{bs},{lag / 16}\n" for lag in (128, 4096) for bs in (4, 128))
+    )
+
+    def decided(name: str, params: dict[str, Any], previous: int) -> GammaTable:
+        ctx = context(0, 20, previous=previous, max_draft_lag_tokens=512)
+        table = DecisionService(name, params).table_step([], [], ctx).table
+        assert table is not None
+        return table
+
+    free = decided(policy, {"seed": 5}, previous=2)
+    assert free.any_speculation_state and not free.speculation_off
+    assert decided(policy, {"seed": 5}, previous=0).gammas == free.gammas
+    cache = TableCache()
+    cache.install(free, 1)
+    taken = cache.take(context(1, 20, 0), 0.0)  # after a step at γ = 0
+    assert not isinstance(taken, str) and taken.gamma == free.gammas[20 - free.first_batch_size]
+    assert not refresh_due(cache.held, 21, True, 0.0, 8, 1e9)
+    priced = decided(policy, {"seed": 5, "prefill_cost_table": str(c_prefill)}, previous=2)
+    assert not priced.any_speculation_state
+    for table in (priced, decided("ema", {}, previous=2)):
+        assert not table.any_speculation_state
+        cache = TableCache()
+        cache.install(table, 1)
+        assert cache.take(context(1, 20, 0), 0.0) == "speculation_state"
+        assert refresh_due(cache.held, 21, True, 0.0, 8, 1e9)
 
 
 def test_a_table_is_for_one_speculation_state_and_its_exploring_entries_run_once() -> None:

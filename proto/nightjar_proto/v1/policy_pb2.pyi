@@ -149,7 +149,7 @@ class Decision(_message.Message):
     def __init__(self, gamma: _Optional[int] = ..., request_gammas: _Optional[_Iterable[_Union[RequestGamma, _Mapping]]] = ..., decision_id: _Optional[str] = ..., exploration: bool = ..., exploration_probability: _Optional[float] = ..., policy_name: _Optional[str] = ..., policy_version: _Optional[str] = ..., memory_directive: _Optional[_Union[MemoryDirective, _Mapping]] = ..., reason: _Optional[str] = ..., step_index: _Optional[int] = ..., batch_size: _Optional[int] = ..., candidates: _Optional[_Iterable[_Union[Decision, _Mapping]]] = ..., tentative: bool = ..., reads_request_signals: bool = ...) -> None: ...
 
 class GammaTable(_message.Message):
-    __slots__ = ("table_id", "policy_version", "first_batch_size", "gammas", "exploring", "speculation_off", "step_index", "valid_steps", "valid_ms", "memory_directive", "policy_name", "reason", "request_gammas", "reads_request_signals")
+    __slots__ = ("table_id", "policy_version", "first_batch_size", "gammas", "exploring", "speculation_off", "step_index", "valid_steps", "valid_ms", "memory_directive", "policy_name", "reason", "request_gammas", "reads_request_signals", "any_speculation_state")
     TABLE_ID_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     FIRST_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -164,6 +164,7 @@ class GammaTable(_message.Message):
     REASON_FIELD_NUMBER: _ClassVar[int]
     REQUEST_GAMMAS_FIELD_NUMBER: _ClassVar[int]
     READS_REQUEST_SIGNALS_FIELD_NUMBER: _ClassVar[int]
+    ANY_SPECULATION_STATE_FIELD_NUMBER: _ClassVar[int]
     table_id: str
     policy_version: str
     first_batch_size: int
@@ -178,7 +179,8 @@ class GammaTable(_message.Message):
     reason: str
     request_gammas: _containers.RepeatedCompositeFieldContainer[RequestGamma]
     reads_request_signals: bool
-    def __init__(self, table_id: _Optional[str] = ..., policy_version: _Optional[str] = ..., first_batch_size: _Optional[int] = ..., gammas: _Optional[_Iterable[int]] = ..., exploring: _Optional[_Iterable[bool]] = ..., speculation_off: bool = ..., step_index: _Optional[int] = ..., valid_steps: _Optional[int] = ..., valid_ms: _Optional[float] = ..., memory_directive: _Optional[_Union[MemoryDirective, _Mapping]] = ..., policy_name: _Optional[str] = ..., reason: _Optional[str] = ..., request_gammas: _Optional[_Iterable[_Union[RequestGamma, _Mapping]]] = ..., reads_request_signals: bool = ...) -> None: ...
+    any_speculation_state: bool
+    def __init__(self, table_id: _Optional[str] = ..., policy_version: _Optional[str] = ..., first_batch_size: _Optional[int] = ..., gammas: _Optional[_Iterable[int]] = ..., exploring: _Optional[_Iterable[bool]] = ..., speculation_off: bool = ..., step_index: _Optional[int] = ..., valid_steps: _Optional[int] = ..., valid_ms: _Optional[float] = ..., memory_directive: _Optional[_Union[MemoryDirective, _Mapping]] = ..., policy_name: _Optional[str] = ..., reason: _Optional[str] = ..., request_gammas: _Optional[_Iterable[_Union[RequestGamma, _Mapping]]] = ..., reads_request_signals: bool = ..., any_speculation_state: bool = ...) -> None: ...
 
 class RanStep(_message.Message):
     __slots__ = ("decision_id", "context", "gamma")
