@@ -14,7 +14,7 @@ from nightjar_common.tables import ReportBatch, TableCache, refresh_due
 from nightjar_common.types import Choice, RanStep, StepContext, StepOutcome
 from nightjar_common.validation import MAX_BATCHED
 from policy_server.policies import Policy, create_policy
-from policy_server.policies.base import reads_request_signals
+from policy_server.policies.base import feasible_gamma_max, reads_request_signals
 from policy_server.service import DEFAULT_HALF_WIDTH, DecisionService, TableOptions
 from policy_server.sim.engine import Decided, Simulator
 
@@ -130,7 +130,7 @@ class RequestOracleSource:
     per_request = False  # it reads the simulator, not the requests' signals
 
     def decide(self, ctx: StepContext, sim: Simulator) -> Decided:
-        top = ctx.max_gamma if ctx.draft_resident else 0
+        top = feasible_gamma_max(ctx, ctx.max_gamma)
         plan = sim.best_request_plan(top)
         rids = [str(r.rid) for r in sim.pending_decode]
         return Decided(plan.cap, "", tuple(zip(rids, plan.gammas, strict=True)))
@@ -146,7 +146,7 @@ class OracleSource:
     per_request = False
 
     def decide(self, ctx: StepContext, sim: Simulator) -> Decided:
-        top = ctx.max_gamma if ctx.draft_resident else 0
+        top = feasible_gamma_max(ctx, ctx.max_gamma)
         goodputs = sim.expected_goodputs(top)
         return Decided(max(range(top + 1), key=goodputs.__getitem__))
 
