@@ -263,8 +263,8 @@ def table_target(inproc: list[Measurement]) -> list[str]:
             "",
             "Target (issue 30): the per-request mode's work inside that budget — "
             f"{_verdicts(per_request)}: its refreshes also plan the context's own batch "
-            "size request by request (two plan searches: the point estimate's and the "
-            "draw's).",
+            "size request by request (a plan search under the point estimate where that "
+            "size's batch γ exploits).",
         ]
     return lines
 

@@ -74,12 +74,10 @@ from policy_server.policies.models import (
 )
 from policy_server.policies.per_request import (
     IntArray,
-    Plan,
     PlanPricer,
     RequestRecord,
     best_plan,
     observe_requests,
-    plan_goodput,
     prune,
     records_from_json,
     records_to_json,
@@ -581,10 +579,8 @@ class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner])
             for row, gamma in tried.items():
                 chosen[row] = self._trial_choice(trials, rows.octaves[row], gamma)
             planned = self._request_row(ctx, rows, tried)
-            if planned is not None:
-                if sample is None:
-                    sample = self._sample(learner, ctx, top, normals)
-                plan = self._plan_choice(engine, ctx, (point, sample), switch[planned], top)
+            if planned is not None and chosen[planned][0].bin_type is BinType.EXPLOIT:
+                plan = self._plan_choice(engine, ctx, point, switch[planned], top)
                 chosen[planned] = (plan, trials, True)
             return chosen
         octaves = rows.octaves
@@ -608,34 +604,22 @@ class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner])
         self,
         engine: EngineState,
         ctx: StepContext,
-        estimates: tuple[Estimate, Estimate],
+        point: Estimate,
         switch_ms: FloatArray,
         top: int,
     ) -> Choice:
-        """The per-request plan for ``ctx``'s requests, explored as the batch γ is: the
-        draw's plan (each request's α shrunk to the drawn pooled α, the drawn step-time
-        weights) unless the point estimate puts it more than ``explore_loss_cap`` behind
-        its own plan."""
-        point, drawn = estimates
+        """The per-request plan for ``ctx``'s requests under the point estimate, for a row
+        whose batch γ exploits: the plan refines the greedy γ request by request, while
+        exploration stays the batch's (a drawn γ runs as a batch γ), so a decision
+        searches one plan."""
         contexts = [r.context_tokens for r in ctx.requests]
-        size = len(contexts)
-        plans: list[tuple[Plan, list[float], PlanPricer]] = []
-        for estimate in (point, drawn):
-            alphas = self._request_alphas(engine, ctx, estimate.alpha)
-            price = estimate.plan_pricer(size, switch_ms)
-            plans.append((best_plan(alphas, contexts, top, price), alphas, price))
-        (greedy, alphas, price), (sampled, _, _) = plans
-        keep = 1.0 - self._params.explore_loss_cap
-        if sampled != greedy and plan_goodput(sampled, alphas, contexts, price) < (
-            keep * greedy.goodput
-        ):
-            sampled = greedy
-        kind = BinType.EXPLOIT if sampled.gammas == greedy.gammas else BinType.EXPLORE
-        if sampled.uniform:
-            return _choice(sampled.cap, kind)
+        alphas = self._request_alphas(engine, ctx, point.alpha)
+        plan = best_plan(alphas, contexts, top, point.plan_pricer(len(contexts), switch_ms))
+        if plan.uniform:
+            return _choice(plan.cap, BinType.EXPLOIT)
         ids = [r.request_id for r in ctx.requests]
-        gammas = tuple(zip(ids, sampled.gammas, strict=True))
-        return Choice(sampled.cap, kind, request_gammas=gammas)
+        gammas = tuple(zip(ids, plan.gammas, strict=True))
+        return Choice(plan.cap, BinType.EXPLOIT, request_gammas=gammas)
 
     def _request_alphas(self, engine: EngineState, ctx: StepContext, pooled: float) -> list[float]:
         """Each request's α: its own counts shrunk to ``pooled`` (the pooled α itself for a

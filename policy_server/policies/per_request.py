@@ -145,23 +145,6 @@ def best_plan(
     return Plan(cap, tuple(counts.tolist()), float(goodput[row]))
 
 
-def plan_goodput(
-    plan: Plan, alphas: Sequence[float], contexts: Sequence[int], price: PlanPricer
-) -> float:
-    """Predicted goodput (tokens per ms) of ``plan`` under another estimate's α and prices
-    (the point estimate's, for the exploration cap)."""
-    batch = len(alphas)
-    gammas = np.asarray(plan.gammas, dtype=np.intp)
-    depth = np.arange(1, plan.cap + 1)
-    tokens = batch + float((_gains(alphas, plan.cap) * (depth <= gammas[:, None])).sum())
-    verified = float(gammas.sum())
-    total_context = float(sum(contexts))
-    weighted = float(np.dot(np.asarray(contexts, dtype=np.float64), gammas))
-    attention = weighted / total_context if total_context > 0 else verified / max(batch, 1)
-    ms = price(np.array([plan.cap]), np.array([verified]), np.array([attention]))
-    return tokens / float(ms[0])
-
-
 def _gains(alphas: Sequence[float], top: int) -> FloatArray:
     """α_i^k for k = 1..top: what the k-th draft of request i adds (a row per request)."""
     gains: FloatArray = np.asarray(alphas, dtype=np.float64)[:, None] ** np.arange(1, top + 1)

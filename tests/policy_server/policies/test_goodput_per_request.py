@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from nightjar_common.types import Choice, RequestSignals, StepContext, StepOutcome
-from policy_server.policies import PolicyError
+from nightjar_common.types import BinType, Choice, RequestSignals, StepContext, StepOutcome
+from policy_server.policies import PolicyError, goodput
 from policy_server.policies.base import CheckpointedDecide, at_batch_size
 from policy_server.policies.goodput import GoodputModelPolicy
 from policy_server.policies.models import step_features, verify_features
@@ -165,6 +165,35 @@ def test_a_request_that_accepts_little_gets_a_shorter_gamma_in_the_same_batch() 
     low = np.mean([gamma for g in planned for rid, gamma in g.items() if rid.startswith("lo")])
     assert high >= 2.0 and low <= 1.0
     assert all(c.gamma == max(dict(c.request_gammas).values()) for c in chosen if c.request_gammas)
+
+
+def test_a_decision_searches_one_plan_and_explores_as_a_batch_gamma(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The plan is the point estimate's, searched once, for a row whose batch γ exploits;
+    a row that explores (a draw away from the greedy γ, or a trial) runs that batch γ."""
+    policy = per_request()
+    drive(policy, MIXED, 300)
+    searches: list[int] = []
+    search = goodput.best_plan
+
+    def counted(*args: Any) -> Any:
+        searches.append(1)
+        return search(*args)
+
+    monkeypatch.setattr(goodput, "best_plan", counted)
+    rng = random.Random(2)
+    kinds = []
+    for step in range(300, 700):
+        searches.clear()
+        ctx = request_context(batch_of(list(MIXED), step), step)
+        choice = policy.decide(ctx)
+        policy.observe(ctx, choice, outcome(ctx, choice, MIXED, rng))
+        assert len(searches) == (choice.bin_type is BinType.EXPLOIT)
+        if choice.request_gammas:
+            assert choice.bin_type is BinType.EXPLOIT
+        kinds.append((choice.bin_type, bool(choice.request_gammas)))
+    assert (BinType.EXPLORE, False) in kinds and (BinType.EXPLOIT, True) in kinds
 
 
 def test_off_the_engines_request_signals_change_no_decision() -> None:

@@ -1,7 +1,7 @@
 """``best_plan`` (all caps' rows built at once) against what a plan must be: the best of
-every cap and every γ_i ≤ cap by ``plan_goodput``, the largest gains the cap allows, and
-the tie rules (the smaller cap, then the fewer verified drafts); and the rows it prices,
-by cap, then by verified drafts S = 0..B·cap.
+every cap and every γ_i ≤ cap (``goodput_of``, written out plainly), the largest gains
+the cap allows, and the tie rules (the smaller cap, then the fewer verified drafts); and
+the rows it prices, by cap, then by verified drafts S = 0..B·cap.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from policy_server.policies.models import FloatArray
-from policy_server.policies.per_request import IntArray, Plan, PlanPricer, best_plan, plan_goodput
+from policy_server.policies.per_request import IntArray, Plan, PlanPricer, best_plan
 
 
 def linear_price(caps: IntArray, verified: FloatArray, attention: FloatArray) -> FloatArray:
@@ -33,6 +33,19 @@ def constant_price(caps: IntArray, verified: FloatArray, attention: FloatArray) 
 
 
 PRICES: list[PlanPricer] = [linear_price, cap_free_price, constant_price]
+
+
+def goodput_of(plan: Plan, alphas: list[float], contexts: list[int], price: PlanPricer) -> float:
+    """A plan's tokens per ms: B + Σ_i Σ_{k ≤ γ_i} α_i^k over the price of its cap, its
+    verified drafts and its context-weighted γ̄ (γ̄ = S / B when no request has context)."""
+    pairs = list(zip(alphas, plan.gammas, strict=True))
+    tokens = len(alphas) + sum(a**k for a, g in pairs for k in range(1, g + 1))
+    verified = sum(plan.gammas)
+    total = sum(contexts)
+    weighted = sum(c * g for c, g in zip(contexts, plan.gammas, strict=True))
+    attention = weighted / total if total > 0 else verified / max(len(alphas), 1)
+    ms = price(np.array([plan.cap]), np.array([float(verified)]), np.array([attention]))
+    return tokens / float(ms[0])
 
 
 def random_case(rng: random.Random) -> tuple[list[float], list[int], int]:
@@ -55,12 +68,12 @@ def test_the_plan_is_the_best_assignment_and_takes_the_largest_gains(price: Plan
         assert 0 <= plan.cap <= (top if batch else 0)
         assert all(0 <= g <= plan.cap for g in plan.gammas)
         best = max(
-            plan_goodput(Plan(cap, gammas, 0.0), alphas, contexts, price)
+            goodput_of(Plan(cap, gammas, 0.0), alphas, contexts, price)
             for cap in range((top if batch else 0) + 1)
             for gammas in itertools.product(range(cap + 1), repeat=batch)
         )
         assert plan.goodput == pytest.approx(best, rel=1e-12)
-        assert plan_goodput(plan, alphas, contexts, price) == pytest.approx(plan.goodput)
+        assert goodput_of(plan, alphas, contexts, price) == pytest.approx(plan.goodput)
         # Each request's drafts 1..γ_i, and no draft left under the cap gains more than one
         # taken: the plan's S drafts are the S largest gains the cap allows.
         pairs = list(zip(alphas, plan.gammas, strict=True))
