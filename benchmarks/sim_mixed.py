@@ -48,11 +48,9 @@ def jobs(done: Collection[str]) -> list[tuple[str, str]]:
     """(workload, policy) pairs to run per profile and seed: every mixed cell, and the
     homogeneous cells beside them whose policy the matrix did not run (``done``)."""
     mixed = [(name, policy) for name in MIXED for policy in MIXED_POLICIES]
+    bases = dict.fromkeys(base for base, _ in MIXED.values())  # each once, in order
     homogeneous = [
-        (base, policy)
-        for base, _ in MIXED.values()
-        for policy in MIXED_POLICIES
-        if policy not in done
+        (base, policy) for base in bases for policy in MIXED_POLICIES if policy not in done
     ]
     return mixed + homogeneous
 

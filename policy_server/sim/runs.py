@@ -178,8 +178,14 @@ QUICK_POLICIES = [
     "oracle",
 ]
 # Mixed populations (per-sequence γ): a `make bench` workload's arrivals whose requests
-# draw α from a mix of categories (acceptance.MIXES) instead of the bench's one model.
-MIXED = {"step-mix": ("step", "code-writing"), "azure-conv-mix": ("azure-conv", "code-writing")}
+# draw α from a mix of categories (acceptance.MIXES) instead of the bench's one model; the
+# "-wide" ones from the mix whose categories lie further apart.
+MIXED = {
+    "step-mix": ("step", "code-writing"),
+    "azure-conv-mix": ("azure-conv", "code-writing"),
+    "step-mix-wide": ("step", "code-translation"),
+    "azure-conv-mix-wide": ("azure-conv", "code-translation"),
+}
 MIXED_POLICIES = [
     "goodput",
     "goodput-per-request",
