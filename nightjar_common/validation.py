@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from nightjar_common.errors import InvalidArgumentError
-from nightjar_common.types import RanStep, StepContext, StepOutcome
+from nightjar_common.types import RanStep, RequestSignals, StepContext, StepOutcome
 
 # γ is a small number of draft tokens; anything above this is a client bug.
 HARD_GAMMA_LIMIT = 64
@@ -98,23 +98,31 @@ def check_context(ctx: StepContext, limits: Limits) -> None:
         raise InvalidArgumentError(
             f"{len(ctx.requests)} per-request sections, more than {limits.max_requests}"
         )
+    # Every request of every step passes here: no generator or name loop per request.
     for req in ctx.requests:
+        accepts = req.recent_accepts
         if len(req.request_id) > limits.max_engine_id_length:
             raise InvalidArgumentError(
                 f"a request_id is longer than {limits.max_engine_id_length} characters"
             )
-        if len(req.recent_accepts) > limits.max_recent_accepts:
+        if len(accepts) > limits.max_recent_accepts:
             raise InvalidArgumentError(
                 f"request {req.request_id!r}: more than {limits.max_recent_accepts} recent_accepts"
             )
-        if req.context_tokens < 0 or any(a < 0 for a in req.recent_accepts):
+        if req.context_tokens < 0 or (accepts and min(accepts) < 0):
             raise InvalidArgumentError(f"request {req.request_id!r}: negative token counts")
-        for name in ("kl_divergence", "draft_entropy"):
-            value = getattr(req, name)
-            if value is not None and (not math.isfinite(value) or value < 0):
-                raise InvalidArgumentError(
-                    f"request {req.request_id!r}: {name} must be finite and >= 0, got {value}"
-                )
+        if req.kl_divergence is not None or req.draft_entropy is not None:
+            _check_distances(req)
+
+
+def _check_distances(req: RequestSignals) -> None:
+    """A request's KL divergence and draft entropy, where sent: finite and >= 0."""
+    for name in ("kl_divergence", "draft_entropy"):
+        value = getattr(req, name)
+        if value is not None and (not math.isfinite(value) or value < 0):
+            raise InvalidArgumentError(
+                f"request {req.request_id!r}: {name} must be finite and >= 0, got {value}"
+            )
 
 
 def check_outcome(outcome: StepOutcome, limits: Limits) -> None:
@@ -151,7 +159,8 @@ def check_outcome(outcome: StepOutcome, limits: Limits) -> None:
         raise InvalidArgumentError(
             f"{len(outcome.request_accepts)} per-request sections, more than {limits.max_requests}"
         )
-    if any(not 0 <= n <= outcome.gamma for n in outcome.request_accepts):
+    accepts = outcome.request_accepts
+    if accepts and not 0 <= min(accepts) <= max(accepts) <= outcome.gamma:
         raise InvalidArgumentError(
             f"per-request accepted_tokens must be in 0..gamma ({outcome.gamma}): a request "
             "accepts at most the drafts it verified"
@@ -166,7 +175,7 @@ def check_outcome(outcome: StepOutcome, limits: Limits) -> None:
             f"{len(outcome.request_ids)} request ids for {len(outcome.request_accepts)} "
             "per-request accepted counts"
         )
-    if any(len(r) > limits.max_engine_id_length for r in outcome.request_ids):
+    if max(map(len, outcome.request_ids), default=0) > limits.max_engine_id_length:
         raise InvalidArgumentError(
             f"a request_id is longer than {limits.max_engine_id_length} characters"
         )

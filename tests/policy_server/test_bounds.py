@@ -4,6 +4,8 @@ decisions per engine (oldest evicted, counted), per-request sections and message
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from typing import Any
 
 import grpc
@@ -74,6 +76,58 @@ def test_per_request_sections_and_candidates_are_bounded() -> None:
     with pytest.raises(InvalidArgumentError, match="candidate_batch_sizes"):
         service.decide(ctx("e", candidate_batch_sizes=(0,)))
     assert service.state_view().decisions_total == 0
+
+
+@pytest.mark.parametrize(
+    ("request_", "message"),
+    [
+        (RequestSignals("r" * 257), "request_id is longer"),
+        (RequestSignals("r", context_tokens=-1), "negative token counts"),
+        (RequestSignals("r", recent_accepts=(2, -1, 3)), "negative token counts"),
+        (RequestSignals("r", kl_divergence=-0.5), "kl_divergence must be finite"),
+        (RequestSignals("r", draft_entropy=math.inf), "draft_entropy must be finite"),
+        (RequestSignals("r", kl_divergence=0.1, draft_entropy=math.nan), "draft_entropy"),
+    ],
+)
+def test_each_bad_request_section_is_refused_after_good_ones(
+    request_: RequestSignals, message: str
+) -> None:
+    service = DecisionService("static")
+    good = (RequestSignals("a", 10, (0, 3), 0.2, 1.5), RequestSignals("b"))
+    with pytest.raises(InvalidArgumentError, match=message):
+        service.decide(ctx("e", requests=(*good, request_)))
+    assert service.decide(ctx("e", requests=good)).gamma >= 0
+    assert service.state_view().decisions_total == 1
+
+
+@pytest.mark.parametrize(
+    ("accepts", "ids", "message"),
+    [
+        ((1, 3), ("a", "b"), "per-request accepted_tokens must be in 0..gamma"),
+        ((-1, 1), ("a", "b"), "per-request accepted_tokens must be in 0..gamma"),
+        ((1, 1), ("a", "b" * 257), "request_id is longer"),
+    ],
+)
+def test_each_bad_per_request_outcome_is_refused(
+    accepts: tuple[int, ...], ids: tuple[str, ...], message: str
+) -> None:
+    service = DecisionService("static")
+    decision = service.decide(ctx("e"))
+    bad = StepOutcome(
+        decision.decision_id,
+        "e",
+        2,
+        0.01,
+        6,
+        drafted_tokens=4,
+        accepted_tokens=4,
+        request_accepts=accepts,
+        request_ids=ids,
+    )
+    with pytest.raises(InvalidArgumentError, match=message):
+        service.report(bad)
+    good = dataclasses.replace(bad, request_accepts=(2, 2), request_ids=("a", "b"))
+    assert service.report(good)
 
 
 def test_oversized_message_is_refused_by_the_server(make_server: Any) -> None:
