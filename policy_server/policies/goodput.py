@@ -73,11 +73,12 @@ from policy_server.policies.models import (
     verify_features,
 )
 from policy_server.policies.per_request import (
-    IntArray,
     PlanPricer,
+    PlanRows,
     RequestRecord,
     best_plan,
     observe_requests,
+    plan_features,
     prune,
     records_from_json,
     records_to_json,
@@ -281,13 +282,12 @@ class Estimate:
         regression on the plan's verify work, the correction of its cap's cell, floored
         as ``priced`` floors, plus the switch cost of the cap (``switch_ms``, per γ)."""
 
-        def price(caps: IntArray, verified: FloatArray, attention: FloatArray) -> FloatArray:
-            passes = np.maximum(caps, self.min_draft_passes).astype(np.float64)
-            x = verify_features(batch_size, passes, verified, attention, self.context_tokens)
+        def price(rows: PlanRows, attention: FloatArray) -> FloatArray:
+            x = plan_features(rows, self.min_draft_passes, attention, self.context_tokens)
             ms: FloatArray = x @ self.weights
             if self.correct:
-                ms = ms + self._offsets(batch_size)[caps]
-            priced: FloatArray = np.maximum(ms, self.floor_ms) + switch_ms[caps]
+                ms = ms + self._offsets(batch_size)[rows.caps]
+            priced: FloatArray = np.maximum(ms, self.floor_ms) + switch_ms[rows.caps]
             return priced
 
         return price
@@ -408,8 +408,11 @@ class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner])
         labelled = len(outcome.request_ids) == len(outcome.request_accepts)
         ids = outcome.request_ids if labelled else ()
         cap = outcome.gamma
-        planned = dict(choice.request_gammas)
-        verified = tuple(min(planned.get(rid, cap), cap) for rid in ids)
+        if choice.request_gammas:
+            planned = dict(choice.request_gammas)
+            verified = tuple(min(planned.get(rid, cap), cap) for rid in ids)
+        else:  # every request verified the step's γ
+            verified = (cap,) * len(ids)
         records = engine.requests
         touch(records, (r.request_id for r in ctx.requests), step)
         observe_requests(

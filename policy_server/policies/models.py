@@ -106,8 +106,22 @@ def verify_features(
     (γ̄ = Σ context_i·γ_i / Σ context_i).
     With every γ_i = γ a row is step_features(B, γ)'s: the regression needs no new feature,
     only these two sums in place of B·γ and γ."""
+    x = verify_shape(batch_size, draft_passes, verified, prefill_tokens)
+    return with_attention(x, attention_gamma, context_tokens)
+
+
+def verify_shape(
+    batch_size: int, draft_passes: FloatArray, verified: FloatArray, prefill_tokens: int = 0
+) -> FloatArray:
+    """verify_features' rows with the shape columns filled and the attention ones not
+    (with_attention fills them): what does not depend on the requests' contexts."""
     x = np.empty((len(verified), FEATURES))
     _fill_shape(x, batch_size + verified + prefill_tokens, draft_passes, batch_size)
+    return x
+
+
+def with_attention(x: FloatArray, attention_gamma: FloatArray, context_tokens: int) -> FloatArray:
+    """Fill the attention columns of verify_shape's rows ``x`` in place; ``x``."""
     context = context_tokens / CONTEXT_SCALE
     x[:, -2] = context
     x[:, -1] = context * attention_gamma

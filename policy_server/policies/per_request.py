@@ -20,6 +20,7 @@ Pure numpy; nothing of engines or the wire.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -27,15 +28,61 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from policy_server.policies.models import FloatArray
+from policy_server.policies.models import FloatArray, verify_shape, with_attention
 
 # Requests an engine keeps records of, whatever the idle bound: a client cannot make the
 # server hold an unbounded number (as dsde).
 MAX_REQUESTS = 4096
 
 IntArray = npt.NDArray[np.intp]
-# (cap, Σγ_i, γ̄) per row → predicted step ms per row, switch cost included.
-PlanPricer = Callable[[IntArray, FloatArray, FloatArray], FloatArray]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PlanRows:
+    """The rows a plan search prices for ``batch`` requests and caps up to ``top``: cap
+    c = 0..top, each with S = 0..B·c verified drafts, by cap, then S (read-only arrays).
+    Shared by every search of the same batch size and top (``plan_rows``), and by what is
+    cached of their features (``plan_features``)."""
+
+    batch: int
+    top: int
+    caps: IntArray
+    verified: FloatArray
+
+
+# (the rows' caps and Σγ_i, the rows' γ̄) → predicted step ms per row, switch cost included.
+PlanPricer = Callable[[PlanRows, FloatArray], FloatArray]
+
+
+# Searches cached: an engine's batch size moves by a request or two a step, so the sizes
+# around it recur; few, because a size's rows grow as B·top² (its features 14 floats each).
+PLAN_ROWS_CACHED = 32
+
+
+@functools.lru_cache(maxsize=PLAN_ROWS_CACHED)
+def plan_rows(batch: int, top: int) -> PlanRows:
+    sizes = 1 + batch * np.arange(top + 1, dtype=np.intp)
+    caps = np.repeat(np.arange(top + 1, dtype=np.intp), sizes)
+    verified = (np.arange(caps.size) - (np.cumsum(sizes) - sizes)[caps]).astype(np.float64)
+    caps.flags.writeable = verified.flags.writeable = False
+    return PlanRows(batch, top, caps, verified)
+
+
+def plan_features(
+    rows: PlanRows, min_draft_passes: int, attention: FloatArray, context_tokens: int
+) -> FloatArray:
+    """models.verify_features of ``rows`` (bit for bit), the drafter running the cap or
+    ``min_draft_passes``, whichever is more: the shape columns are cached per rows."""
+    shape = _shape_features(rows, min_draft_passes).copy()
+    return with_attention(shape, attention, context_tokens)
+
+
+@functools.lru_cache(maxsize=PLAN_ROWS_CACHED)
+def _shape_features(rows: PlanRows, min_draft_passes: int) -> FloatArray:
+    passes = np.maximum(rows.caps, min_draft_passes).astype(np.float64)
+    shape = verify_shape(rows.batch, passes, rows.verified)
+    shape.flags.writeable = False
+    return shape
 
 
 @dataclasses.dataclass(slots=True)
@@ -132,16 +179,13 @@ def best_plan(
     # each cap's sums over its S largest gains, bit for bit as summed cap by cap. The kept
     # cells, read row-major, come by cap, then by S (what the tie order needs).
     sums = np.cumsum(np.where(kept, drafts, 0.0), axis=1)[kept]
-    # Cap c's rows: S = 0..batch·c.
-    sizes = 1 + batch * np.arange(top + 1, dtype=np.intp)
-    cap_of = np.repeat(np.arange(top + 1, dtype=np.intp), sizes)
-    verified = (np.arange(cap_of.size) - (np.cumsum(sizes) - sizes)[cap_of]).astype(np.float64)
+    rows = plan_rows(batch, top)
     total_context = float(sum(contexts))
-    attention = sums.imag / total_context if total_context > 0 else verified / max(batch, 1)
-    goodput = (batch + sums.real) / price(cap_of, verified, attention)
+    attention = sums.imag / total_context if total_context > 0 else rows.verified / max(batch, 1)
+    goodput = (batch + sums.real) / price(rows, attention)
     row = int(goodput.argmax())
-    cap = int(cap_of[row])
-    counts = np.bincount(requests[kept[cap, 1:]][: int(verified[row])], minlength=batch)
+    cap = int(rows.caps[row])
+    counts = np.bincount(requests[kept[cap, 1:]][: int(rows.verified[row])], minlength=batch)
     return Plan(cap, tuple(counts.tolist()), float(goodput[row]))
 
 

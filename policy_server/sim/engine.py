@@ -26,7 +26,7 @@ import numpy as np
 
 from nightjar_common.types import RequestSignals, StepContext, StepOutcome
 from policy_server.policies.models import FloatArray
-from policy_server.policies.per_request import IntArray, Plan, best_plan
+from policy_server.policies.per_request import Plan, PlanRows, best_plan
 from policy_server.sim.acceptance import Acceptance, accepted_run, expected_tokens
 from policy_server.sim.profile import HardwareProfile, Verification
 from policy_server.sim.workload import RequestSpec
@@ -454,12 +454,12 @@ class Simulator:
         context, catch_up = self._pending_work()
         batch, step_seconds = len(decode), self.profile.step_seconds
 
-        def price(caps: IntArray, verified: FloatArray, attention: FloatArray) -> FloatArray:
-            rows = zip(caps.tolist(), verified.tolist(), attention.tolist(), strict=True)
+        def price(rows: PlanRows, attention: FloatArray) -> FloatArray:
+            each = zip(rows.caps.tolist(), rows.verified.tolist(), attention.tolist(), strict=True)
             return np.array(
                 [
                     1000.0 * step_seconds(batch, cap, 0, context, catch_up, Verification(int(v), a))
-                    for cap, v, a in rows
+                    for cap, v, a in each
                 ]
             )
 

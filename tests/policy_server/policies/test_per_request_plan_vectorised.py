@@ -12,24 +12,32 @@ import random
 import numpy as np
 import pytest
 
-from policy_server.policies.models import FloatArray
-from policy_server.policies.per_request import IntArray, Plan, PlanPricer, best_plan
+from policy_server.policies.models import FloatArray, verify_features
+from policy_server.policies.per_request import (
+    IntArray,
+    Plan,
+    PlanPricer,
+    PlanRows,
+    best_plan,
+    plan_features,
+    plan_rows,
+)
 
 
-def linear_price(caps: IntArray, verified: FloatArray, attention: FloatArray) -> FloatArray:
-    ms: FloatArray = 1.0 + 0.2 * caps + 0.15 * verified + 0.4 * attention
+def linear_price(rows: PlanRows, attention: FloatArray) -> FloatArray:
+    ms: FloatArray = 1.0 + 0.2 * rows.caps + 0.15 * rows.verified + 0.4 * attention
     return ms
 
 
-def cap_free_price(caps: IntArray, verified: FloatArray, attention: FloatArray) -> FloatArray:
+def cap_free_price(rows: PlanRows, attention: FloatArray) -> FloatArray:
     """Blind to the cap, so the caps above a plan's largest γ_i tie with it exactly."""
-    ms: FloatArray = 2.0 + 0.3 * verified + 0.0 * caps + 0.0 * attention
+    ms: FloatArray = 2.0 + 0.3 * rows.verified + 0.0 * rows.caps + 0.0 * attention
     return ms
 
 
-def constant_price(caps: IntArray, verified: FloatArray, attention: FloatArray) -> FloatArray:
+def constant_price(rows: PlanRows, attention: FloatArray) -> FloatArray:
     """Every plan costs the same: a draft that gains nothing ties with not verifying it."""
-    return np.full(len(caps), 3.0)
+    return np.full(len(rows.caps), 3.0)
 
 
 PRICES: list[PlanPricer] = [linear_price, cap_free_price, constant_price]
@@ -44,7 +52,8 @@ def goodput_of(plan: Plan, alphas: list[float], contexts: list[int], price: Plan
     total = sum(contexts)
     weighted = sum(c * g for c, g in zip(contexts, plan.gammas, strict=True))
     attention = weighted / total if total > 0 else verified / max(len(alphas), 1)
-    ms = price(np.array([plan.cap]), np.array([float(verified)]), np.array([attention]))
+    row = PlanRows(len(alphas), plan.cap, np.array([plan.cap]), np.array([float(verified)]))
+    ms = price(row, np.array([attention]))
     return tokens / float(ms[0])
 
 
@@ -110,9 +119,9 @@ def test_the_rows_priced_are_by_cap_then_by_verified_drafts(contexts: list[int])
     batch = len(alphas)
     seen: list[tuple[IntArray, FloatArray, FloatArray]] = []
 
-    def price(caps: IntArray, verified: FloatArray, attention: FloatArray) -> FloatArray:
-        seen.append((caps.copy(), verified.copy(), attention.copy()))
-        return linear_price(caps, verified, attention)
+    def price(rows: PlanRows, attention: FloatArray) -> FloatArray:
+        seen.append((rows.caps.copy(), rows.verified.copy(), attention.copy()))
+        return linear_price(rows, attention)
 
     best_plan(alphas, contexts, top, price)
     [(caps, verified, attention)] = seen
@@ -125,3 +134,20 @@ def test_the_rows_priced_are_by_cap_then_by_verified_drafts(contexts: list[int])
     ends = np.cumsum(sizes) - 1
     assert attention[ends] == pytest.approx(np.arange(top + 1))
     assert np.all(attention[np.cumsum(sizes) - np.array(sizes)] == 0.0)
+
+
+@pytest.mark.parametrize(("batch", "top", "min_passes"), [(1, 1, 0), (7, 4, 0), (32, 4, 2)])
+def test_plan_features_are_verify_features_bit_for_bit(
+    batch: int, top: int, min_passes: int
+) -> None:
+    """The rows' shape columns are cached and shared: each search's attention and context
+    fill a copy, never the cache."""
+    rows = plan_rows(batch, top)
+    assert plan_rows(batch, top) is rows and not rows.caps.flags.writeable
+    rng = np.random.default_rng(batch)
+    for context in (0, 400 * batch, 9000 * batch):
+        attention = rng.uniform(0.0, top, rows.caps.size)
+        passes = np.maximum(rows.caps, min_passes).astype(np.float64)
+        expected = verify_features(batch, passes, rows.verified, attention, context)
+        got = plan_features(rows, min_passes, attention, context)
+        assert got.tobytes() == expected.tobytes()
