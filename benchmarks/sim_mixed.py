@@ -198,11 +198,15 @@ def ceiling(cells: Cells, profiles: Sequence[str]) -> list[str]:
 
 def _rows(profiles: Sequence[str]) -> Iterator[tuple[str, str, bool]]:
     """(profile, workload, whether its population is mixed) of every row of the
-    comparison tables: each homogeneous workload before its mixed one."""
+    comparison tables: each homogeneous workload once, before the first mixed one that
+    replays its arrivals."""
     for profile in profiles:
+        shown: set[str] = set()
         for mixed, (base, _) in MIXED.items():
-            for workload in (base, mixed):
-                yield profile, workload, workload == mixed
+            if base not in shown:
+                shown.add(base)
+                yield profile, base, False
+            yield profile, mixed, True
 
 
 def _judged(mine: Sequence[Cell], theirs: Sequence[Cell], mixed: bool) -> str:
