@@ -421,7 +421,7 @@ class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner])
             self._acceptance_decay,
             step,
         )
-        engine.requests = prune(records, step, self._params.request_idle_steps)
+        prune(records, step, self._params.request_idle_steps)
         return verified
 
     def _step_features(self, ctx: StepContext, choice: Choice, outcome: StepOutcome) -> FloatArray:

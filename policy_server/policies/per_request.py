@@ -126,34 +126,41 @@ def observe_requests(
 ) -> None:
     """Add (request id, accepted, γ it verified) outcomes: k successes, one failure when
     k < γ (the truncated geometric's MLE, as the pooled model counts), forgotten by
-    ``decay`` per observation of that request."""
+    ``decay`` per observation of that request. Each record observed moves to the end:
+    ``records`` stay in the order last seen (what ``prune`` relies on)."""
     for request_id, accepted, gamma in outcomes:
-        record = records.get(request_id)
+        record = records.pop(request_id, None)
         if record is None:
-            record = records[request_id] = RequestRecord(0.0, 0.0, step)
+            record = RequestRecord(0.0, 0.0, step)
         record.successes = decay * record.successes + accepted
         record.failures = decay * record.failures + (1.0 if accepted < gamma else 0.0)
         record.last_seen = step
+        records[request_id] = record
 
 
-def touch(records: Mapping[str, RequestRecord], request_ids: Iterable[str], step: int) -> None:
-    """Mark requests of a step as seen (one that verified no draft is still running)."""
+def touch(records: dict[str, RequestRecord], request_ids: Iterable[str], step: int) -> None:
+    """Mark requests of a step as seen (one that verified no draft is still running),
+    moved to the end as ``observe_requests`` moves them."""
     for request_id in request_ids:
-        record = records.get(request_id)
+        record = records.pop(request_id, None)
         if record is not None:
             record.last_seen = step
+            records[request_id] = record
 
 
-def prune(
-    records: dict[str, RequestRecord], step: int, idle_steps: int
-) -> dict[str, RequestRecord]:
-    """The records seen in the last ``idle_steps`` steps (finished requests leave), at most
-    MAX_REQUESTS of them, the most recently seen."""
-    kept = {rid: r for rid, r in records.items() if step - r.last_seen <= idle_steps}
-    if len(kept) > MAX_REQUESTS:
-        newest = sorted(kept.items(), key=lambda item: item[1].last_seen)[-MAX_REQUESTS:]
-        kept = dict(newest)
-    return kept
+def prune(records: dict[str, RequestRecord], step: int, idle_steps: int) -> None:
+    """Drop, in place, the records not seen in the last ``idle_steps`` steps (finished
+    requests leave), and the least recently seen beyond MAX_REQUESTS. Records are in the
+    order last seen, so those are the first ones: a step's pruning costs what it drops,
+    not what the engine holds."""
+    dropped: list[str] = []
+    excess = len(records) - MAX_REQUESTS
+    for request_id, record in records.items():
+        if len(dropped) >= excess and step - record.last_seen <= idle_steps:
+            break
+        dropped.append(request_id)
+    for request_id in dropped:
+        del records[request_id]
 
 
 def best_plan(
@@ -200,8 +207,9 @@ def records_to_json(records: Mapping[str, RequestRecord]) -> dict[str, list[floa
 
 
 def records_from_json(data: Any, observed_steps: int) -> dict[str, RequestRecord]:
-    """Records of a state, checked: counts finite and >= 0, seen no later than now."""
-    records: dict[str, RequestRecord] = {}
+    """Records of a state, checked: counts finite and >= 0, seen no later than now; in
+    the order last seen (``prune``'s)."""
+    records: list[tuple[str, RequestRecord]] = []
     for rid, (successes, failures, last_seen) in list(dict(data).items())[:MAX_REQUESTS]:
         record = RequestRecord(float(successes), float(failures), int(last_seen))
         counts = (record.successes, record.failures)
@@ -209,5 +217,5 @@ def records_from_json(data: Any, observed_steps: int) -> dict[str, RequestRecord
             raise ValueError("request counts must be finite and >= 0")
         if not 0 <= record.last_seen <= observed_steps:
             raise ValueError(f"a request's last step must be in 0..{observed_steps}")
-        records[str(rid)] = record
-    return records
+        records.append((str(rid), record))
+    return dict(sorted(records, key=lambda item: item[1].last_seen))

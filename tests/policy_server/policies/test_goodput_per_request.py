@@ -31,7 +31,9 @@ from policy_server.policies.per_request import (
     MAX_REQUESTS,
     RequestRecord,
     prune,
+    records_from_json,
     shrunk_alpha,
+    touch,
 )
 
 GAMMA_MAX = 4
@@ -267,8 +269,23 @@ def test_requests_no_longer_seen_are_forgotten() -> None:
 
 def test_an_engine_keeps_at_most_max_requests_records_the_newest() -> None:
     records = {str(i): RequestRecord(1.0, 1.0, i) for i in range(MAX_REQUESTS + 100)}
-    kept = prune(records, MAX_REQUESTS + 99, idle_steps=10**6)
-    assert len(kept) == MAX_REQUESTS and min(int(rid) for rid in kept) == 100
+    prune(records, MAX_REQUESTS + 99, idle_steps=10**6)
+    assert len(records) == MAX_REQUESTS and min(int(rid) for rid in records) == 100
+
+
+def test_loaded_records_are_pruned_by_when_they_were_last_seen() -> None:
+    """A state may list its records in any order; pruning, which drops from the front of
+    the order last seen, still drops exactly the idle ones."""
+    listed = {
+        "late": [1.0, 0.0, 90],
+        "back": [1.0, 0.0, 5],
+        "recent": [1.0, 0.0, 60],
+        "gone": [1.0, 0.0, 20],
+    }
+    records = records_from_json(listed, observed_steps=100)
+    touch(records, ["back"], 100)  # seen again: no longer idle
+    prune(records, 100, idle_steps=50)
+    assert list(records) == ["recent", "late", "back"]
 
 
 def test_a_uniform_plans_features_are_the_batch_steps() -> None:
