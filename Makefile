@@ -13,7 +13,7 @@ APT_PACKAGES := prometheus
 APT_STAMP := $(VENV)/.apt-installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: help install install-vllm install-apt demo test lint proto check-proto k8s dashboard dashboard-screenshot bench bench-quick bench-traces bench-tables bench-rpc bench-instructions bench-vllm bench-vllm-mixed bench-memory bench-memory-gpu bench-load soak fuzz chaos reliability-report reliability-durable reliability-security bounds-check clean
+.PHONY: help install install-vllm install-apt demo test lint proto check-proto k8s dashboard dashboard-screenshot bench bench-quick bench-sim-paired bench-traces bench-tables bench-rpc bench-instructions bench-vllm bench-vllm-mixed bench-memory bench-memory-gpu bench-load soak fuzz chaos reliability-report reliability-durable reliability-security bounds-check clean
 
 help:
 	@echo "make demo       start the sidecar and drive it with a synthetic engine loop"
@@ -25,6 +25,7 @@ help:
 	@echo "make dashboard-screenshot  drive a sidecar under a real Prometheus, draw docs/img/dashboard.png"
 	@echo "make bench      policies x workloads x profiles in the serving simulator -> docs/BENCHMARKS.md"
 	@echo "make bench-quick  the same, reduced (< 2 min)"
+	@echo "make bench-sim-paired  the per-sequence mode against the default, seed by seed (PAIRED_SEEDS=10) -> docs/BENCHMARKS.md"
 	@echo "make bench-traces  the same policies on two traces they were not tuned on (Azure code, Mooncake) -> docs/BENCHMARKS.md"
 	@echo "make bench-tables  goodput per step against decision tables (every 8 / 32 steps) in the simulator -> docs/BENCHMARKS.md"
 	@echo "make bench-rpc  measure decide cost and RPC round trips -> docs/BENCHMARKS.md"
@@ -109,6 +110,11 @@ bench: $(STAMP)
 
 bench-quick: $(STAMP)
 	$(PY) -m benchmarks.sim_matrix --quick --out docs/BENCHMARKS.md
+
+# The per-sequence mode against the default on the mixed-population cells, seed by seed.
+PAIRED_SEEDS ?= 10
+bench-sim-paired: $(STAMP)
+	$(PY) -m benchmarks.sim_paired --out docs/BENCHMARKS.md --seeds $(PAIRED_SEEDS)
 
 bench-traces: $(STAMP)
 	$(PY) -m benchmarks.sim_traces --out docs/BENCHMARKS.md

@@ -133,7 +133,7 @@ def against_batch(cells: Cells, profiles: Sequence[str], policy: str) -> list[st
         "| tok/s / best | TPOT / best |",
         "|---|---|---:|---:|---|---:|---:|",
     ]
-    for profile, workload, _ in _rows(profiles):
+    for profile, workload, _ in comparison_rows(profiles):
         mine = cells[(profile, workload, policy)]
         default = cells[(profile, workload, DEFAULT)]
         best = min(rivals, key=lambda p: _mean(cells[(profile, workload, p)], "mean_tpot_ms"))
@@ -162,7 +162,7 @@ def against_default(cells: Cells, profiles: Sequence[str]) -> list[str]:
         "| mean TPOT ratio | target |",
         "|---|---|---:|---:|---:|---:|---:|---|",
     ]
-    for profile, workload, mixed in _rows(profiles):
+    for profile, workload, mixed in comparison_rows(profiles):
         mine, default = cells[(profile, workload, MODE)], cells[(profile, workload, DEFAULT)]
         lines.append(f"| {profile} | `{workload}` | {_judged(mine, default, mixed)} |")
     return [*lines, ""]
@@ -188,7 +188,7 @@ def ceiling(cells: Cells, profiles: Sequence[str]) -> list[str]:
         "| mean TPOT ratio | target |",
         "|---|---|---:|---:|---:|---:|---:|---:|---|",
     ]
-    for profile, workload, mixed in _rows(profiles):
+    for profile, workload, mixed in comparison_rows(profiles):
         mine, theirs = (cells[(profile, workload, p)] for p in (per_request, batch))
         gains = [-100 * c.regret_tokens / max(c.generated_tokens, 1) for c in mine]
         gain = f"{statistics.fmean(gains):+.2f} % ({min(gains):+.2f}–{max(gains):+.2f})"
@@ -196,7 +196,7 @@ def ceiling(cells: Cells, profiles: Sequence[str]) -> list[str]:
     return [*lines, ""]
 
 
-def _rows(profiles: Sequence[str]) -> Iterator[tuple[str, str, bool]]:
+def comparison_rows(profiles: Sequence[str]) -> Iterator[tuple[str, str, bool]]:
     """(profile, workload, whether its population is mixed) of every row of the
     comparison tables: each homogeneous workload once, before the first mixed one that
     replays its arrivals."""

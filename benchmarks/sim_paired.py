@@ -1,0 +1,229 @@
+"""`make bench-sim-paired`: the per-sequence mode against the per-batch default, seed by
+seed, over more seeds than `make bench` runs.
+
+The mixed-population section (benchmarks/sim_mixed.py) judges `goodput-per-request`
+against `goodput` by the ratio of their means over three seeds and the default's own
+spread over them; the arrivals and each request's α are the same for both policies in a
+seed, so the seeds' ratios are paired, and a mode that is a little faster in every seed
+is lost in a spread of 4–22 % that the two policies share. This runs the two policies on
+the section's cells (each homogeneous workload and the mixed ones that replay its
+arrivals) for seeds 1..N and reports, per cell and figure, the geometric mean of the
+seeds' ratios with its 95 % Student-t interval, and how many seeds the mode was lower in
+(with the exact two-sided sign test). The runs are spread over worker processes; each is
+the matrix's own `simulate` and deterministic, so the figures do not depend on how many.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import datetime
+import functools
+import math
+import os
+import statistics
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import nightjar_data
+
+from benchmarks.report import write_section
+from benchmarks.sim_mixed import DEFAULT, MODE, Cells, comparison_rows
+from policy_server.sim.profile import HardwareProfile, builtin_profiles
+from policy_server.sim.runs import (
+    DATA_HELP,
+    GAMMA_MAX,
+    BenchConfig,
+    Cell,
+    ProfileAssets,
+    mixed_workloads,
+    simulate,
+    summarise,
+    workloads,
+)
+from policy_server.sim.workload import RequestSpec
+
+SECTION = "bench-sim-paired"
+SEEDS = 10
+# (field of a Cell, its name in the table); e2e first: what the mode's target judges.
+FIGURES = (("mean_latency", "mean e2e"), ("mean_tpot_ms", "mean TPOT"), ("throughput", "tok/s"))
+CONFIDENCE = 0.95
+
+# What each worker process simulates with, set once per process (``_start_worker``).
+_profiles: dict[str, HardwareProfile] = {}
+_arrivals: dict[int, dict[str, list[RequestSpec]]] = {}
+_config: BenchConfig | None = None
+
+
+@functools.cache
+def t_quantile(p: float, df: int) -> float:
+    """The ``p`` quantile (p in [0.5, 1)) of Student's t with ``df`` degrees of freedom:
+    bisection on its CDF, the density integrated by Simpson's rule (no SciPy here)."""
+    scale = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
+
+    def cdf(x: float, steps: int = 2000) -> float:
+        h = x / steps
+        density = [
+            scale * float((1 + (i * h) ** 2 / df) ** (-(df + 1) / 2)) for i in range(steps + 1)
+        ]
+        odd, even = sum(density[1:-1:2]), sum(density[2:-1:2])
+        return 0.5 + h / 3 * (density[0] + 4 * odd + 2 * even + density[-1])
+
+    low, high = 0.0, 1000.0
+    for _ in range(60):
+        middle = (low + high) / 2
+        low, high = (middle, high) if cdf(middle) < p else (low, middle)
+    return (low + high) / 2
+
+
+def sign_test(lower: int, higher: int) -> float:
+    """Exact two-sided p-value of ``lower`` against ``higher`` seeds (ties left out)."""
+    n = lower + higher
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, k) for k in range(min(lower, higher) + 1)) / 2.0**n
+    return min(1.0, 2 * tail)
+
+
+@dataclasses.dataclass(frozen=True)
+class PairedRatio:
+    """One figure of ``mine`` over ``theirs``, seed by seed: the geometric mean of the
+    seeds' ratios with its interval, and the seeds in which ``mine`` was lower / higher."""
+
+    centre: float
+    low: float
+    high: float
+    lower: int
+    higher: int
+    seeds: int
+
+    @classmethod
+    def of(cls, mine: Sequence[Cell], theirs: Sequence[Cell], field: str) -> PairedRatio:
+        ratios = [getattr(m, field) / getattr(t, field) for m, t in zip(mine, theirs, strict=True)]
+        logs = [math.log(r) for r in ratios]
+        centre = statistics.fmean(logs)
+        half = 0.0
+        if len(logs) > 1:
+            error = statistics.stdev(logs) / math.sqrt(len(logs))
+            half = t_quantile(0.5 + CONFIDENCE / 2, len(logs) - 1) * error
+        return cls(
+            math.exp(centre),
+            math.exp(centre - half),
+            math.exp(centre + half),
+            sum(r < 1 for r in ratios),
+            sum(r > 1 for r in ratios),
+            len(ratios),
+        )
+
+    @property
+    def separation(self) -> str:
+        """ "lower" or "higher" where the interval lies below or above 1, else "not
+        separated"."""
+        return "lower" if self.high < 1 else "higher" if self.low > 1 else "not separated"
+
+    def cells(self) -> str:
+        """Two table cells: "0.985 [0.977, 0.993] | 9/10, p 0.021"."""
+        p = sign_test(self.lower, self.higher)
+        return (
+            f"{self.centre:.3f} [{self.low:.3f}, {self.high:.3f}] "
+            f"| {self.lower}/{self.seeds}, p {p:.2g}"
+        )
+
+
+def render(cells: Cells, profiles: Sequence[str], seeds: Sequence[int], command: str) -> str:
+    heads = " | ".join(f"{name} ratio [95 % CI] | seeds lower" for _, name in FIGURES)
+    lines = [
+        "## Serving simulator: the per-sequence mode against the default, seed by seed "
+        "(`make bench-sim-paired`)",
+        "",
+        f"Simulated {datetime.date.today().isoformat()} by `{command}` "
+        f"(`benchmarks/sim_paired.py`), seeds {seeds[0]}–{seeds[-1]}, Γmax = {GAMMA_MAX}, "
+        "the profiles, workloads and populations of the mixed-population section above "
+        f"(`chat-sps` for the homogeneous rows). `{MODE}` against `{DEFAULT}` on the same "
+        "arrivals and per-request α in each seed: per figure, the geometric mean of the "
+        f"seeds' ratios (`{MODE}` over `{DEFAULT}`; below 1 is lower) with its "
+        f"{CONFIDENCE:.0%} Student-t interval, and the seeds in which `{MODE}` was lower "
+        "with the exact two-sided sign test's p. `mean e2e` says whether the interval of "
+        "the e2e ratio lies below 1 (lower), above it (higher), or holds it. Not the "
+        "target's yardstick (the mixed-population section's, against the default's seed "
+        "spread): the paired comparison it could be judged by instead.",
+        "",
+        f"| profile | workload | {heads} | mean e2e |",
+        "|---|---|" + "---:|---:|" * len(FIGURES) + "---|",
+    ]
+    for profile, workload, _ in comparison_rows(profiles):
+        mine, theirs = cells[(profile, workload, MODE)], cells[(profile, workload, DEFAULT)]
+        ratios = [PairedRatio.of(mine, theirs, field) for field, _ in FIGURES]
+        figures = " | ".join(ratio.cells() for ratio in ratios)
+        lines.append(f"| {profile} | `{workload}` | {figures} | {ratios[0].separation} |")
+    return "\n".join([*lines, ""])
+
+
+def _start_worker(
+    profiles: dict[str, HardwareProfile],
+    arrivals: dict[int, dict[str, list[RequestSpec]]],
+    config: BenchConfig,
+) -> None:
+    global _config
+    _profiles.update(profiles)
+    _arrivals.update(arrivals)
+    _config = config
+
+
+def _run(job: tuple[str, str, str, int]) -> Cell:
+    profile, workload, policy, seed = job
+    assert _config is not None, "a worker simulates after _start_worker"
+    result = simulate(
+        _profiles[profile], _arrivals[seed][workload], policy, _config, seed, workload
+    )
+    return summarise(profile, workload, policy, result)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bench-sim-paired", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("docs/BENCHMARKS.md"))
+    parser.add_argument("--data", type=Path, default=nightjar_data.ROOT, help=DATA_HELP)
+    parser.add_argument("--seeds", type=int, default=SEEDS, help="seeds 1..N (default 10)")
+    parser.add_argument(
+        "--workers", type=int, default=os.cpu_count() or 1, help="processes (default: cores)"
+    )
+    args = parser.parse_args(argv)
+    if args.seeds < 2:
+        parser.error("--seeds must be at least 2 (an interval needs two)")
+    seeds = list(range(1, args.seeds + 1))
+    profiles = builtin_profiles(args.data / "calibration")
+    arrivals = {}
+    for seed in seeds:
+        homogeneous = workloads(args.data, seed, quick=False)
+        arrivals[seed] = {**homogeneous, **mixed_workloads(homogeneous)}
+    jobs = [
+        (profile, workload, policy, seed)
+        for profile, workload, _ in comparison_rows(list(profiles))
+        for policy in (DEFAULT, MODE)
+        for seed in seeds
+    ]
+    # Imported here, like matplotlib: the simulator works without the `sim` extra.
+    from tqdm import tqdm
+
+    cells: Cells = {}
+    with tempfile.TemporaryDirectory(prefix="nightjar-bench-") as scratch:
+        assets = {
+            name: ProfileAssets.build(profile, Path(scratch)) for name, profile in profiles.items()
+        }
+        config = BenchConfig(args.data, seeds, False, assets=assets)
+        with concurrent.futures.ProcessPoolExecutor(
+            args.workers, initializer=_start_worker, initargs=(profiles, arrivals, config)
+        ) as pool:
+            for cell in tqdm(pool.map(_run, jobs), total=len(jobs), unit="run"):
+                cells.setdefault((cell.profile, cell.workload, cell.policy), []).append(cell)
+    command = "make bench-sim-paired" + (
+        f" PAIRED_SEEDS={args.seeds}" if args.seeds != SEEDS else ""
+    )
+    write_section(args.out, SECTION, render(cells, list(profiles), seeds, command))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
