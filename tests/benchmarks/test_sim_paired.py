@@ -1,0 +1,61 @@
+"""`make bench-sim-paired`'s statistics and report (the runs are the matrix's `simulate`,
+tested with `make bench`'s)."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import sim_paired
+from benchmarks.sim_mixed import DEFAULT, MODE, comparison_rows
+from benchmarks.sim_paired import PairedRatio, render, sign_test, t_quantile
+from policy_server.sim.runs import MIXED, Cell
+
+
+@pytest.mark.parametrize(
+    ("df", "quantile"),
+    # Student's t, 97.5 % (any table of the distribution, to the digits printed).
+    [(1, 12.706), (2, 4.303), (4, 2.776), (9, 2.262), (29, 2.045), (120, 1.980)],
+)
+def test_t_quantiles_are_the_tables(df: int, quantile: float) -> None:
+    assert t_quantile(0.975, df) == pytest.approx(quantile, abs=0.001)
+
+
+@pytest.mark.parametrize(
+    ("lower", "higher", "p"),
+    [(10, 0, 2 / 1024), (9, 1, 22 / 1024), (1, 9, 22 / 1024), (5, 5, 1.0), (0, 0, 1.0)],
+)
+def test_the_sign_test_is_the_binomial_tail(lower: int, higher: int, p: float) -> None:
+    assert sign_test(lower, higher) == pytest.approx(p)
+
+
+def cells_of(policy: str, figures: list[float]) -> list[Cell]:
+    return [Cell("p", "w", policy, 100.0, value, 1.0, 30.0) for value in figures]
+
+
+def test_a_figure_lower_in_every_seed_is_separated_and_one_that_straddles_is_not() -> None:
+    default = cells_of(DEFAULT, [10.0, 20.0, 15.0, 12.0])
+    lower = PairedRatio.of(cells_of(MODE, [9.8, 19.7, 14.8, 11.9]), default, "mean_latency")
+    assert lower.lower == 4 and lower.high < 1 and lower.separation == "lower"
+    assert lower.low < lower.centre < lower.high
+    mixed = PairedRatio.of(cells_of(MODE, [9.0, 21.0, 14.0, 13.0]), default, "mean_latency")
+    assert (mixed.lower, mixed.higher) == (2, 2) and mixed.separation == "not separated"
+    higher = PairedRatio.of(cells_of(MODE, [10.5, 21.0, 15.6, 12.5]), default, "mean_latency")
+    assert higher.separation == "higher"
+
+
+def test_the_report_has_a_row_per_comparison_cell_with_the_seed_counts() -> None:
+    cells = {}
+    for profile, workload, _ in comparison_rows(["p"]):
+        for policy, scale in ((DEFAULT, 1.0), (MODE, 0.99)):
+            cells[(profile, workload, policy)] = [
+                Cell(profile, workload, policy, 100.0, scale * (10 + seed), 1.0, 30.0)
+                for seed in range(3)
+            ]
+    text = render(cells, ["p"], [1, 2, 3], "make bench-sim-paired")
+    rows = [line for line in text.splitlines() if line.startswith("| p |")]
+    bases = {base for base, _ in MIXED.values()}
+    assert len(rows) == len(MIXED) + len(bases)
+    # Every seed 1 % lower on e2e, level on TPOT and tok/s.
+    assert all("0.990 [0.990, 0.990] | 3/3, p 0.25" in row for row in rows)
+    assert all(row.endswith("| lower |") for row in rows)
+    assert "seeds 1–3" in text and sim_paired.MODE in text
