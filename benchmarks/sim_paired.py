@@ -5,7 +5,7 @@ The mixed-population section (benchmarks/sim_mixed.py) judges `goodput-per-reque
 against `goodput` by the ratio of their means over three seeds and the default's own
 spread over them; the arrivals and each request's α are the same for both policies in a
 seed, so the seeds' ratios are paired, and a mode that is a little faster in every seed
-is lost in a spread of 4–22 % that the two policies share. This runs the two policies on
+is lost in the seed spread the two policies share. This runs the two policies on
 the section's cells (each homogeneous workload and the mixed ones that replay its
 arrivals) for seeds 1..N and reports, per cell and figure, the geometric mean of the
 seeds' ratios with its 95 % Student-t interval, and how many seeds the mode was lower in
