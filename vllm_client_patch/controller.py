@@ -582,6 +582,7 @@ class GammaController:
                 gammas=dict(self._gammas),
                 prefetch_misses=client.prefetch_misses,
                 new_hook_seconds=hook,
+                truncated=dict(self._truncated),
             )
         )
 

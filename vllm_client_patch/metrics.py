@@ -157,6 +157,8 @@ class Totals:
     prefetch_misses: int
     # Hook times of the steps since the previous flush, seconds.
     new_hook_seconds: Iterable[float] = ()
+    # Drafts cut to their request's γ: "requests" and "tokens" (controller.truncated).
+    truncated: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
 
 class PluginMetrics:
@@ -195,6 +197,20 @@ class PluginMetrics:
             "Prefetched decisions not usable (the batch changed): asked again.",
             registry=None,
         )
+        # Per-request γ (a policy that decides per request): what the scheduler cut.
+        self.truncated = {
+            "requests": Counter(
+                "nightjar_plugin_truncated_requests",
+                "Requests whose drafts were cut to their own γ below the step's (counted "
+                "per step).",
+                registry=None,
+            ),
+            "tokens": Counter(
+                "nightjar_plugin_truncated_drafts",
+                "Draft tokens cut to their request's γ before verification.",
+                registry=None,
+            ),
+        }
         self.decisions = {source: decisions.labels(source) for source in SOURCES}
         self._fallbacks = fallbacks
         self.fallbacks = {reason: fallbacks.labels(reason) for reason in FALLBACK_REASONS}
@@ -218,6 +234,8 @@ class PluginMetrics:
             for _ in range(count - before.gammas.get(gamma, 0)):
                 self.gamma.observe(gamma)
         _add(self.prefetch_misses, totals.prefetch_misses - before.prefetch_misses)
+        for kind, count in totals.truncated.items():
+            _add(self.truncated.get(kind), count - before.truncated.get(kind, 0))
         for seconds in totals.new_hook_seconds:
             self.hook_seconds.observe(seconds)
         self._exported = dataclasses.replace(totals, new_hook_seconds=())

@@ -136,6 +136,8 @@ def test_plugin_metrics_are_exported_off_the_step_loop(
     controller.end_step(VerifiedStep(3, 2, 3))
     assert controller.decide(EngineView(1, 0, 9, 10, 3, draft_resident=False)) == 0
     controller.end_step(VerifiedStep(1, 0, 1))
+    controller.truncated(2, 5)  # the scheduler cut two requests' drafts, five tokens
+    controller.truncated(1, 1)
     # Nothing reaches the files from the step loop itself...
     assert sample(collected(tmp_path), "nightjar_plugin_gamma_count") == 0
     controller.export_metrics()
@@ -153,6 +155,8 @@ def test_plugin_metrics_are_exported_off_the_step_loop(
     assert sample(values, "nightjar_plugin_gamma_count") == 3
     assert sample(values, "nightjar_plugin_gamma_sum") == 4  # γ 3, 1, 0
     assert sample(values, "nightjar_plugin_gamma_bucket", le="1.0") == 2
+    assert sample(values, "nightjar_plugin_truncated_requests_total") == 3
+    assert sample(values, "nightjar_plugin_truncated_drafts_total") == 6
     assert sample(values, "nightjar_plugin_hook_seconds_count") == 3
     assert 0 < sample(values, "nightjar_plugin_hook_seconds_sum") < 1
 
