@@ -6,7 +6,10 @@ project is measured on, the same walk timed 11 and 17 µs a step a minute apart,
 most changes to the decision path are worth. The walk is `make bench-rpc`'s table case
 (`benchmarks/rpc.py` measure_tables: a batch that moves by a request or two a step, a
 table refreshed every 32 steps or when the batch nears its edge): the client's lookup,
-the sidecar deciding each table and learning from the reported steps. It runs under
+the sidecar deciding each table and learning from the reported steps; and the same walk
+with the default's per-request mode, every request named (`make bench-rpc`'s
+per-request row: each refresh also plans the context's own batch size request by
+request). It runs under
 callgrind for two lengths; the difference over the steps between them is what a steady
 step costs (start-up, imports and the warm-up are common to both).
 
@@ -32,16 +35,19 @@ from benchmarks.host import machine
 from benchmarks.report import write_section
 from benchmarks.rpc import measure_tables
 from benchmarks.rpc_report import TABLE_REFRESHES
+from nightjar_common.client import TABLE_REFRESH_STEPS
 
 SECTION = "bench-instructions"
 WARM_STEPS = 2_000
 # The two walk lengths: both past the warm-up and the engine's first learning.
 SHORT, LONG = 3_000, 5_000
+# The per-request walk's row (the client's default refresh period).
+PER_REQUEST_ROW = ", the per-request mode (every request named)"
 
 
-def walk(steps: int, refresh_steps: int) -> None:
+def walk(steps: int, refresh_steps: int, per_request: bool = False) -> None:
     """The table walk of ``steps`` steps (what each callgrind run executes)."""
-    measure_tables(steps, WARM_STEPS, refresh_steps)
+    measure_tables(steps, WARM_STEPS, refresh_steps, per_request)
 
 
 def collected(log: str) -> int:
@@ -52,7 +58,7 @@ def collected(log: str) -> int:
     return int(match.group(1))
 
 
-def count(steps: int, refresh_steps: int) -> int:
+def count(steps: int, refresh_steps: int, per_request: bool = False) -> int:
     """Instructions of a whole process that walks ``steps`` steps, under callgrind (address
     randomisation off and a fixed hash seed, so that a run repeats its count)."""
     with tempfile.TemporaryDirectory() as scratch:
@@ -67,6 +73,7 @@ def count(steps: int, refresh_steps: int) -> int:
             str(steps),
             "--refreshes",
             str(refresh_steps),
+            *(["--per-request"] if per_request else []),
         ]
         if shutil.which("setarch"):
             command = ["setarch", "-R", *command]
@@ -82,7 +89,7 @@ def per_step(short: int, long: int, steps: int) -> float:
     return (long - short) / steps
 
 
-def render(rows: Sequence[tuple[int, float]], version: str) -> str:
+def render(rows: Sequence[tuple[int, bool, float]], version: str) -> str:
     lines = [
         "## Instructions per engine step through decision tables (`make bench-instructions`)",
         "",
@@ -97,7 +104,10 @@ def render(rows: Sequence[tuple[int, float]], version: str) -> str:
         "| table refreshed every | instructions per step |",
         "|---:|---:|",
     ]
-    lines += [f"| {refresh} steps | {value:,.0f} |" for refresh, value in rows]
+    lines += [
+        f"| {refresh} steps{PER_REQUEST_ROW if per_request else ''} | {value:,.0f} |"
+        for refresh, per_request, value in rows
+    ]
     return "\n".join(lines)
 
 
@@ -108,9 +118,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--refreshes", type=int, nargs="+", default=list(TABLE_REFRESHES), metavar="STEPS"
     )
     parser.add_argument("--walk", type=int, help=argparse.SUPPRESS)  # the counted process
+    parser.add_argument("--per-request", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.walk is not None:
-        walk(args.walk, args.refreshes[0])
+        walk(args.walk, args.refreshes[0], args.per_request)
         return 0
     if shutil.which("valgrind") is None:
         parser.error("valgrind is not installed (Debian: apt-get install valgrind)")
@@ -118,10 +129,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         ["valgrind", "--version"], capture_output=True, text=True, check=True
     ).stdout.strip()
     rows = []
-    for refresh in args.refreshes:
-        print(f"refresh every {refresh} steps ...", file=sys.stderr)
-        short, long = count(SHORT, refresh), count(LONG, refresh)
-        rows.append((refresh, per_step(short, long, LONG - SHORT)))
+    walks = [(refresh, False) for refresh in args.refreshes] + [(TABLE_REFRESH_STEPS, True)]
+    for refresh, per_request in walks:
+        print(f"refresh every {refresh} steps, per_request {per_request} ...", file=sys.stderr)
+        short, long = count(SHORT, refresh, per_request), count(LONG, refresh, per_request)
+        rows.append((refresh, per_request, per_step(short, long, LONG - SHORT)))
     write_section(args.out, SECTION, render(rows, version))
     print(render(rows, version))
     return 0

@@ -3,8 +3,11 @@ minutes: the target runs it)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
+from benchmarks import step_instructions
 from benchmarks.step_instructions import collected, main, per_step, render
 
 CALLGRIND_LOG = """==24001== Events    : Ir
@@ -27,10 +30,27 @@ def test_a_step_is_the_longer_walks_extra_count_over_its_extra_steps() -> None:
 
 
 def test_the_report_names_its_target_and_every_period() -> None:
-    text = render([(8, 412_345.6), (32, 187_654.3)], "valgrind-3.19.0")
-    assert "`make bench-instructions`" in text and "valgrind-3.19.0" in text
+    text = render([(8, False, 412_345.6), (32, False, 187_654.3), (32, True, 501_000.0)], "v")
+    assert "`make bench-instructions`" in text and "v's callgrind" in text
     assert "| 8 steps | 412,346 |" in text and "| 32 steps | 187,654 |" in text
+    assert "| 32 steps, the per-request mode (every request named) | 501,000 |" in text
 
 
 def test_the_counted_process_walks_the_table_case() -> None:
     assert main(["--walk", "300", "--refreshes", "32"]) == 0
+
+
+def test_the_counted_process_walks_the_per_request_case_with_requests_named(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    walked = []
+    real = step_instructions.measure_tables
+
+    def measure(samples: int, warm: int, refresh: int, per_request: bool = False) -> Any:
+        walked.append(per_request)
+        return real(samples, warm, refresh, per_request)
+
+    monkeypatch.setattr(step_instructions, "measure_tables", measure)
+    assert main(["--walk", "300", "--refreshes", "32", "--per-request"]) == 0
+    assert main(["--walk", "300", "--refreshes", "32"]) == 0
+    assert walked == [True, False]
