@@ -414,13 +414,14 @@ class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner])
         else:  # every request verified the step's γ
             verified = (cap,) * len(ids)
         records = engine.requests
-        touch(records, (r.request_id for r in ctx.requests), step)
         observe_requests(
             records,
             zip(ids, outcome.request_accepts, verified, strict=True),
             self._acceptance_decay,
             step,
         )
+        # After the outcome: the requests it labelled are seen already, not moved twice.
+        touch(records, (r.request_id for r in ctx.requests), step)
         prune(records, step, self._params.request_idle_steps)
         return verified
 

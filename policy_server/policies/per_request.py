@@ -140,10 +140,12 @@ def observe_requests(
 
 def touch(records: dict[str, RequestRecord], request_ids: Iterable[str], step: int) -> None:
     """Mark requests of a step as seen (one that verified no draft is still running),
-    moved to the end as ``observe_requests`` moves them."""
+    moved to the end as ``observe_requests`` moves them; one seen at ``step`` already (its
+    outcome observed) stays where it is."""
     for request_id in request_ids:
-        record = records.pop(request_id, None)
-        if record is not None:
+        record = records.get(request_id)
+        if record is not None and record.last_seen != step:
+            del records[request_id]
             record.last_seen = step
             records[request_id] = record
 
