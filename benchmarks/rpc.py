@@ -43,8 +43,8 @@ from benchmarks.rpc_echo import ECHO_KINDS, measure_echo
 from benchmarks.rpc_report import (
     PER_REQUEST_CASE,
     TABLE_REFRESHES,
-    TABLES_CASE,
     Measurement,
+    TableWalk,
     median_round,
     render,
     summarise,
@@ -200,10 +200,14 @@ class TableRounds:
 
     def run_round(self) -> None:
         warm = min(2_000, self.samples)
-        walks = [(refresh_steps, False) for refresh_steps in TABLE_REFRESHES]
-        walks.append((TABLE_REFRESH_STEPS, True))  # the per-request mode at the default
-        for refresh_steps, per_request in walks:
-            for m in measure_tables(self.samples, warm, refresh_steps, per_request):
+        walks = [(refresh_steps, TableWalk.BATCH) for refresh_steps in TABLE_REFRESHES]
+        # The per-request mode at the default period, and its walk with the mode off.
+        walks += [
+            (TABLE_REFRESH_STEPS, TableWalk.NAMED),
+            (TABLE_REFRESH_STEPS, TableWalk.PER_REQUEST),
+        ]
+        for refresh_steps, walk in walks:
+            for m in measure_tables(self.samples, warm, refresh_steps, walk):
                 self.runs.setdefault(m.case, []).append(m)
 
     def medians(self) -> list[Measurement]:
@@ -218,7 +222,7 @@ def table_request_outcome(decision_id: str, ctx: StepContext, gamma: int) -> Ste
 
 
 def measure_tables(
-    samples: int, warm: int, refresh_steps: int, per_request: bool = False
+    samples: int, warm: int, refresh_steps: int, walk: TableWalk = TableWalk.BATCH
 ) -> list[Measurement]:
     """Steps through decision tables in process, with the protocol's own code (the
     simulator's TableSource: TableCache on the client's side, DecisionService.table_step
@@ -228,14 +232,16 @@ def measure_tables(
     client's lookup, and on the steps that refresh, the sidecar deciding the next table)
     and applying (on those steps, the sidecar checking and applying the ran steps and
     outcomes since the last refresh: learning). Wire encoding is not in it (`make
-    bench-load` has it). ``per_request``: the default's per-request mode on steps whose
-    requests are named (``with_requests``, with ``request_outcome``'s accepts), so that
-    each refresh also plans the context's own batch size request by request."""
+    bench-load` has it). ``walk``: NAMED steps name their requests (``with_requests``,
+    with ``request_outcome``'s accepts); PER_REQUEST decides those with the default's
+    per-request mode, so that each refresh also plans the context's own batch size
+    request by request."""
+    named = walk is not TableWalk.BATCH
     # Called as outcome_for is, after its engine (a partial, not a wrapper: the step
     # instructions `make bench-instructions` counts include the walk's own).
-    step_outcome = table_request_outcome if per_request else functools.partial(outcome_for, "bench")
+    step_outcome = table_request_outcome if named else functools.partial(outcome_for, "bench")
     rng = random.Random(1)
-    params = {"seed": 1, "per_request": per_request}
+    params = {"seed": 1, "per_request": walk is TableWalk.PER_REQUEST}
     source = TableSource.named(DEFAULT_POLICY, params, refresh_steps=refresh_steps)
     decide_time = source.service.metrics.decision_latency
     decide_ns: list[int] = []
@@ -246,7 +252,7 @@ def measure_tables(
         ctx = StepContext(
             "bench", batch, step_index=i, previous_gamma=previous, context_tokens=400 * batch
         )
-        if per_request:
+        if named:
             ctx = with_requests(ctx)
         deciding_before = decide_time._sum.get()
         start = time.perf_counter_ns()
@@ -264,7 +270,7 @@ def measure_tables(
         if i == warm:
             decide_ns.clear()
             apply_ns.clear()
-    case = f"{TABLES_CASE} of {refresh_steps}" + (f" ({PER_REQUEST_CASE})" if per_request else "")
+    case = walk.case(refresh_steps)
     return [
         summarise(f"{case}: deciding a step", decide_ns),
         summarise(f"{case}: applying its report", apply_ns),

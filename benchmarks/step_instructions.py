@@ -9,9 +9,10 @@ table refreshed every 32 steps or when the batch nears its edge): the client's l
 the sidecar deciding each table and learning from the reported steps; and the same walk
 with the default's per-request mode, every request named (`make bench-rpc`'s
 per-request row: each refresh also plans the context's own batch size request by
-request). It runs under
-callgrind for two lengths; the difference over the steps between them is what a steady
-step costs (start-up, imports and the warm-up are common to both).
+request), beside that walk with the mode off: the two differ by the mode's own work
+alone (naming the requests and making their outcomes is the walk's, counted in both).
+Each runs under callgrind for two lengths; the difference over the steps between them is
+what a steady step costs (start-up, imports and the warm-up are common to both).
 
 Needs valgrind (Debian: `apt-get install valgrind`; the target installs it).
 """
@@ -34,20 +35,24 @@ import numpy as np
 from benchmarks.host import machine
 from benchmarks.report import write_section
 from benchmarks.rpc import measure_tables
-from benchmarks.rpc_report import TABLE_REFRESHES
+from benchmarks.rpc_report import TABLE_REFRESHES, TableWalk
 from nightjar_common.client import TABLE_REFRESH_STEPS
 
 SECTION = "bench-instructions"
 WARM_STEPS = 2_000
 # The two walk lengths: both past the warm-up and the engine's first learning.
 SHORT, LONG = 3_000, 5_000
-# The per-request walk's row (the client's default refresh period).
-PER_REQUEST_ROW = ", the per-request mode (every request named)"
+# What a walk's row adds to its period (the named walks run at the client's default).
+ROW_NAMES = {
+    TableWalk.BATCH: "",
+    TableWalk.NAMED: ", every request named, the per-request mode off",
+    TableWalk.PER_REQUEST: ", every request named, the per-request mode (the same walk)",
+}
 
 
-def walk(steps: int, refresh_steps: int, per_request: bool = False) -> None:
+def walk(steps: int, refresh_steps: int, kind: TableWalk = TableWalk.BATCH) -> None:
     """The table walk of ``steps`` steps (what each callgrind run executes)."""
-    measure_tables(steps, WARM_STEPS, refresh_steps, per_request)
+    measure_tables(steps, WARM_STEPS, refresh_steps, kind)
 
 
 def collected(log: str) -> int:
@@ -58,7 +63,7 @@ def collected(log: str) -> int:
     return int(match.group(1))
 
 
-def count(steps: int, refresh_steps: int, per_request: bool = False) -> int:
+def count(steps: int, refresh_steps: int, kind: TableWalk = TableWalk.BATCH) -> int:
     """Instructions of a whole process that walks ``steps`` steps, under callgrind (address
     randomisation off and a fixed hash seed, so that a run repeats its count)."""
     with tempfile.TemporaryDirectory() as scratch:
@@ -73,7 +78,8 @@ def count(steps: int, refresh_steps: int, per_request: bool = False) -> int:
             str(steps),
             "--refreshes",
             str(refresh_steps),
-            *(["--per-request"] if per_request else []),
+            "--kind",
+            kind.name,
         ]
         if shutil.which("setarch"):
             command = ["setarch", "-R", *command]
@@ -89,7 +95,7 @@ def per_step(short: int, long: int, steps: int) -> float:
     return (long - short) / steps
 
 
-def render(rows: Sequence[tuple[int, bool, float]], version: str) -> str:
+def render(rows: Sequence[tuple[int, TableWalk, float]], version: str) -> str:
     lines = [
         "## Instructions per engine step through decision tables (`make bench-instructions`)",
         "",
@@ -105,9 +111,17 @@ def render(rows: Sequence[tuple[int, bool, float]], version: str) -> str:
         "|---:|---:|",
     ]
     lines += [
-        f"| {refresh} steps{PER_REQUEST_ROW if per_request else ''} | {value:,.0f} |"
-        for refresh, per_request, value in rows
+        f"| {refresh} steps{ROW_NAMES[kind]} | {value:,.0f} |" for refresh, kind, value in rows
     ]
+    by_kind = {kind: value for _, kind, value in rows}
+    if TableWalk.NAMED in by_kind and TableWalk.PER_REQUEST in by_kind:
+        own = by_kind[TableWalk.PER_REQUEST] - by_kind[TableWalk.NAMED]
+        lines += [
+            "",
+            f"The per-request mode's own work: {own:,.0f} instructions a step (its row less "
+            "the same walk's with the mode off: naming the requests and making their "
+            "outcomes is the walk's own, in both).",
+        ]
     return "\n".join(lines)
 
 
@@ -118,10 +132,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--refreshes", type=int, nargs="+", default=list(TABLE_REFRESHES), metavar="STEPS"
     )
     parser.add_argument("--walk", type=int, help=argparse.SUPPRESS)  # the counted process
-    parser.add_argument("--per-request", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--kind", choices=[k.name for k in TableWalk], default="BATCH", help=argparse.SUPPRESS
+    )
     args = parser.parse_args(argv)
     if args.walk is not None:
-        walk(args.walk, args.refreshes[0], args.per_request)
+        walk(args.walk, args.refreshes[0], TableWalk[args.kind])
         return 0
     if shutil.which("valgrind") is None:
         parser.error("valgrind is not installed (Debian: apt-get install valgrind)")
@@ -129,11 +145,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         ["valgrind", "--version"], capture_output=True, text=True, check=True
     ).stdout.strip()
     rows = []
-    walks = [(refresh, False) for refresh in args.refreshes] + [(TABLE_REFRESH_STEPS, True)]
-    for refresh, per_request in walks:
-        print(f"refresh every {refresh} steps, per_request {per_request} ...", file=sys.stderr)
-        short, long = count(SHORT, refresh, per_request), count(LONG, refresh, per_request)
-        rows.append((refresh, per_request, per_step(short, long, LONG - SHORT)))
+    walks = [(refresh, TableWalk.BATCH) for refresh in args.refreshes]
+    walks += [(TABLE_REFRESH_STEPS, TableWalk.NAMED), (TABLE_REFRESH_STEPS, TableWalk.PER_REQUEST)]
+    for refresh, kind in walks:
+        print(f"refresh every {refresh} steps, {kind.name} walk ...", file=sys.stderr)
+        short, long = count(SHORT, refresh, kind), count(LONG, refresh, kind)
+        rows.append((refresh, kind, per_step(short, long, LONG - SHORT)))
     write_section(args.out, SECTION, render(rows, version))
     print(render(rows, version))
     return 0

@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from benchmarks.report import markers, write_section
-from benchmarks.rpc import TableRounds, measure_in_process
-from benchmarks.rpc_report import TABLE_REFRESHES, Measurement, table_target
+from benchmarks.rpc import TableRounds, measure_in_process, measure_tables
+from benchmarks.rpc_report import (
+    TABLE_REFRESHES,
+    Measurement,
+    TableWalk,
+    own_work_us,
+    table_target,
+)
+from policy_server.policies import goodput
 
 
 def test_in_process_measurement_is_sane() -> None:
@@ -26,7 +36,8 @@ def test_in_process_measurement_is_sane() -> None:
             for what in ("deciding a step", "applying its report")
         ),
         *(
-            f"decision tables of 32 (goodput, per_request: requests named): {what}"
+            f"decision tables of 32 (goodput, {walk}requests named): {what}"
+            for walk in ("", "per_request: ")
             for what in ("deciding a step", "applying its report")
         ),
     ]
@@ -40,7 +51,7 @@ def test_in_process_measurement_is_sane() -> None:
     deciding, applying = results[5], results[6]
     assert 0 < deciding.p50_us < deciding.mean_us < deciding.p99_us
     assert applying.p50_us == 0 < applying.mean_us
-    every_32, planning = results[-4], results[-2]
+    every_32, planning = results[-6], results[-2]
     assert every_32.mean_us < deciding.mean_us  # refreshed 4 x less often (32 vs 8)
     # A refresh of the per-request mode plans the context's requests besides the table.
     assert planning.p99_us > every_32.p99_us and planning.mean_us > every_32.mean_us
@@ -49,6 +60,10 @@ def test_in_process_measurement_is_sane() -> None:
         assert len(m.round_means_us) == 3 and m.mean_us == sorted(m.round_means_us)[1]
     target = " ".join(table_target(results))
     assert "(rounds " in target and "Target (issue 30)" in target
+    assert "the mode's own work, the difference: " in target
+    # The issue-31 verdict is the batch walks' alone.
+    issue_31 = target.split("Target (issue 30)")[0]
+    assert "requests named" not in issue_31
 
 
 def test_report_sections_are_replaced_in_place_and_kept_apart(tmp_path: Path) -> None:
@@ -85,3 +100,31 @@ def test_the_hook_is_measured_against_a_real_sidecar() -> None:
     evicted, floor = hook[1], hook[2]
     assert f"costs {evicted.p50_us:.0f} / {evicted.p99_us:.0f} µs p50 / p99" in text
     assert f"floor of {floor.p50_us:.0f} / {floor.p99_us:.0f} µs" in text
+
+
+def test_the_modes_own_work_is_the_median_of_the_rounds_differences() -> None:
+    def case(means: tuple[float, ...]) -> Measurement:
+        return Measurement("x", 1, 1.0, 2.0, mean_us=sorted(means)[1], round_means_us=means)
+
+    # Paired by round: a slow round slows both walks, and drops out of the differences.
+    mode, baseline = case((24.0, 40.0, 25.0)), case((15.0, 31.0, 17.0))
+    assert own_work_us(mode, baseline) == 9.0
+    # Without rounds to pair, the difference of the means.
+    assert own_work_us(Measurement("x", 1, 1.0, 2.0, mean_us=20.0), baseline) == 3.0
+
+
+def test_the_named_walk_is_the_per_request_walk_with_the_mode_off(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    searches: list[int] = []
+    real = goodput.best_plan
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        searches.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(goodput, "best_plan", counted)
+    measure_tables(300, 100, 32, TableWalk.NAMED)
+    assert not searches
+    measure_tables(300, 100, 32, TableWalk.PER_REQUEST)
+    assert searches

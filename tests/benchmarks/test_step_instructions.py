@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 
 from benchmarks import step_instructions
+from benchmarks.rpc_report import TableWalk
 from benchmarks.step_instructions import collected, main, per_step, render
 
 CALLGRIND_LOG = """==24001== Events    : Ir
@@ -30,27 +31,40 @@ def test_a_step_is_the_longer_walks_extra_count_over_its_extra_steps() -> None:
 
 
 def test_the_report_names_its_target_and_every_period() -> None:
-    text = render([(8, False, 412_345.6), (32, False, 187_654.3), (32, True, 501_000.0)], "v")
+    rows = [
+        (8, TableWalk.BATCH, 412_345.6),
+        (32, TableWalk.BATCH, 187_654.3),
+        (32, TableWalk.NAMED, 320_000.4),
+        (32, TableWalk.PER_REQUEST, 501_000.0),
+    ]
+    text = render(rows, "v")
     assert "`make bench-instructions`" in text and "v's callgrind" in text
     assert "| 8 steps | 412,346 |" in text and "| 32 steps | 187,654 |" in text
-    assert "| 32 steps, the per-request mode (every request named) | 501,000 |" in text
+    assert "| 32 steps, every request named, the per-request mode off | 320,000 |" in text
+    assert (
+        "| 32 steps, every request named, the per-request mode (the same walk) | 501,000 |" in text
+    )
+    # The mode's own work: its row less the same walk's with the mode off.
+    assert "own work: 181,000 instructions a step" in text
+    assert "own work" not in render(rows[:2], "v")
 
 
 def test_the_counted_process_walks_the_table_case() -> None:
     assert main(["--walk", "300", "--refreshes", "32"]) == 0
 
 
-def test_the_counted_process_walks_the_per_request_case_with_requests_named(
+def test_the_counted_process_walks_the_kind_of_walk_it_is_told(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     walked = []
     real = step_instructions.measure_tables
 
-    def measure(samples: int, warm: int, refresh: int, per_request: bool = False) -> Any:
-        walked.append(per_request)
-        return real(samples, warm, refresh, per_request)
+    def measure(samples: int, warm: int, refresh: int, kind: TableWalk) -> Any:
+        walked.append(kind)
+        return real(samples, warm, refresh, kind)
 
     monkeypatch.setattr(step_instructions, "measure_tables", measure)
-    assert main(["--walk", "300", "--refreshes", "32", "--per-request"]) == 0
+    for kind in ("PER_REQUEST", "NAMED"):
+        assert main(["--walk", "300", "--refreshes", "32", "--kind", kind]) == 0
     assert main(["--walk", "300", "--refreshes", "32"]) == 0
-    assert walked == [True, False]
+    assert walked == [TableWalk.PER_REQUEST, TableWalk.NAMED, TableWalk.BATCH]
