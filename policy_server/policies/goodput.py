@@ -370,7 +370,9 @@ class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner])
     def observe(self, ctx: StepContext, choice: Choice, outcome: StepOutcome) -> None:
         engine = self._book.engine(ctx)
         learner = self._book.learner(engine.learner_id)
-        verified = self._observe_requests(engine, ctx, choice, outcome)
+        # A per-request plan's γ_i by request id (empty for a batch γ): read by both below.
+        planned = dict(choice.request_gammas)
+        verified = self._observe_requests(engine, ctx, planned, outcome)
         learner.acceptance.observe(
             outcome.gamma,
             outcome.drafted_tokens,
@@ -378,7 +380,7 @@ class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner])
             outcome.request_accepts,
             verified,
         )
-        x = self._step_features(ctx, choice, outcome)
+        x = self._step_features(ctx, choice, planned, outcome)
         milliseconds = 1000.0 * outcome.step_seconds
         learner.step_time.observe(x, milliseconds)
         # Kept while the correction is off too (a few adds into a bounded block per batch
@@ -396,7 +398,11 @@ class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner])
             engine.previous_gamma = outcome.gamma
 
     def _observe_requests(
-        self, engine: EngineState, ctx: StepContext, choice: Choice, outcome: StepOutcome
+        self,
+        engine: EngineState,
+        ctx: StepContext,
+        planned: Mapping[str, int],
+        outcome: StepOutcome,
     ) -> tuple[int, ...]:
         """Per-sequence mode: add the step's labelled accepts to the requests' records and
         forget idle requests; the γ each accept verified (() when off or unlabelled: the
@@ -408,8 +414,7 @@ class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner])
         labelled = len(outcome.request_ids) == len(outcome.request_accepts)
         ids = outcome.request_ids if labelled else ()
         cap = outcome.gamma
-        if choice.request_gammas:
-            planned = dict(choice.request_gammas)
+        if planned:
             verified = tuple(min(planned.get(rid, cap), cap) for rid in ids)
         else:  # every request verified the step's γ
             verified = (cap,) * len(ids)
@@ -425,10 +430,17 @@ class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner])
         prune(records, step, self._params.request_idle_steps)
         return verified
 
-    def _step_features(self, ctx: StepContext, choice: Choice, outcome: StepOutcome) -> FloatArray:
+    def _step_features(
+        self,
+        ctx: StepContext,
+        choice: Choice,
+        planned: Mapping[str, int],
+        outcome: StepOutcome,
+    ) -> FloatArray:
         """The regression row of the step: the batch one, or, where the requests verified
-        their own γ_i (a per-request plan that ran), the row of that verify work."""
-        if not choice.request_gammas or outcome.gamma != choice.gamma:
+        their own γ_i (``planned``: a per-request plan that ran), the row of that verify
+        work."""
+        if not planned or outcome.gamma != choice.gamma:
             return step_features(
                 ctx.batch_size,
                 outcome.gamma,
@@ -437,7 +449,6 @@ class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner])
                 outcome.drafted_gamma,
                 ctx.min_draft_passes,
             )
-        planned = dict(choice.request_gammas)
         gammas = [planned.get(r.request_id, choice.gamma) for r in ctx.requests]
         # Requests the context did not name verified the cap (the engine's default).
         verified = sum(gammas) + choice.gamma * max(0, ctx.batch_size - len(gammas))
