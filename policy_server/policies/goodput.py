@@ -370,8 +370,9 @@ class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner])
     def observe(self, ctx: StepContext, choice: Choice, outcome: StepOutcome) -> None:
         engine = self._book.engine(ctx)
         learner = self._book.learner(engine.learner_id)
-        # A per-request plan's γ_i by request id (empty for a batch γ): read by both below.
-        planned = dict(choice.request_gammas)
+        # A per-request plan's γ_i by request id, read by both below (a batch γ's step,
+        # nearly every one, builds no dict).
+        planned: Mapping[str, int] = dict(choice.request_gammas) if choice.request_gammas else {}
         verified = self._observe_requests(engine, ctx, planned, outcome)
         learner.acceptance.observe(
             outcome.gamma,
