@@ -289,9 +289,8 @@ def table_target(inproc: list[Measurement]) -> list[str]:
         mode, baseline = per_request[0], named[0]
         lines[-1] += (
             f" The same walk with the mode off: {baseline.mean_us:.1f} µs "
-            f"{met(baseline.mean_us <= TARGET_AMORTISED_US)} (its steps carry two "
-            "populations' accepts, so the batch γ is contested and tried more often than on "
-            "the batch walk); the mode's own work, the difference: "
+            f"{met(baseline.mean_us <= TARGET_AMORTISED_US)} (its steps name their requests "
+            "and carry two populations' accepts); the mode's own work, the difference: "
             f"{own_work_us(mode, baseline):.1f} µs a step (the median of the rounds' "
             "differences)."
         )
@@ -300,7 +299,8 @@ def table_target(inproc: list[Measurement]) -> list[str]:
 
 def own_work_us(mode: Measurement, baseline: Measurement) -> float:
     """What the mode adds to the same walk's mean, per step: the median of the rounds'
-    differences (a round runs both, minutes apart at most), else of the medians."""
+    differences (a round runs both, minutes apart at most), else the difference of the
+    two means."""
     if len(mode.round_means_us) == len(baseline.round_means_us) > 0:
         pairs = zip(mode.round_means_us, baseline.round_means_us, strict=True)
         return statistics.median(m - b for m, b in pairs)
