@@ -74,8 +74,10 @@ class LiveSource(ClientSource):
         self._gammas[outcome.gamma] += 1
         if self._now >= self._next_s:
             self._next_s += self.every_s
-            decision = self.last.decision if self.last else None
-            how = f"{decision.bin_type.value:<11}" if decision else "fallback   "
+            # From a held table (the client's default) or a round trip alike; None: the
+            # client fell back.
+            kind = self.last.bin_type if self.last else None
+            how = f"{kind.value if kind else 'fallback':<11}"
             spread = " ".join(f"{n:>5}" for n in self._gammas)
             rate = self._tokens / max(self._now, 1e-9)
             self.say(

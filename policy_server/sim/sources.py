@@ -115,8 +115,7 @@ class ClientSource:
 
     def decide(self, ctx: StepContext, sim: Simulator) -> Decided:
         decision = self.last = self.client.decide(ctx)
-        answered = decision.decision.request_gammas if decision.decision else ()
-        return Decided(decision.gamma, decision.decision_id or "", answered)
+        return Decided(decision.gamma, decision.decision_id or "", decision.request_gammas)
 
     def report(self, ctx: StepContext, decision_id: str, outcome: StepOutcome) -> None:
         if decision_id:
