@@ -42,15 +42,14 @@ from benchmarks.report import write_section
 from benchmarks.rpc_echo import ECHO_KINDS, measure_echo
 from benchmarks.rpc_report import (
     PER_REQUEST_CASE,
-    TABLE_REFRESHES,
     Measurement,
     TableWalk,
     median_round,
     render,
     summarise,
+    table_walks,
 )
 from nightjar_common.client import (
-    TABLE_REFRESH_STEPS,
     ClientConfig,
     GammaDecision,
     NightjarClient,
@@ -200,13 +199,7 @@ class TableRounds:
 
     def run_round(self) -> None:
         warm = min(2_000, self.samples)
-        walks = [(refresh_steps, TableWalk.BATCH) for refresh_steps in TABLE_REFRESHES]
-        # The per-request mode at the default period, and its walk with the mode off.
-        walks += [
-            (TABLE_REFRESH_STEPS, TableWalk.NAMED),
-            (TABLE_REFRESH_STEPS, TableWalk.PER_REQUEST),
-        ]
-        for refresh_steps, walk in walks:
+        for refresh_steps, walk in table_walks():
             for m in measure_tables(self.samples, warm, refresh_steps, walk):
                 self.runs.setdefault(m.case, []).append(m)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import statistics
+from collections.abc import Sequence
 from typing import Any
 
 from benchmarks.report import met, percentile
@@ -253,6 +254,15 @@ class TableWalk(enum.Enum):
 
 # Refresh periods measured (steps per table); the client's default is one of them.
 TABLE_REFRESHES = (8, 16, 32)
+
+
+def table_walks(refreshes: Sequence[int] = TABLE_REFRESHES) -> list[tuple[int, TableWalk]]:
+    """The table walks measured, by refresh period: the batch walk at each of
+    ``refreshes``, then at the client's default the per-request walk with the mode off
+    and on (their difference is the mode's own work)."""
+    batch = [(refresh, TableWalk.BATCH) for refresh in refreshes]
+    named = [(TABLE_REFRESH_STEPS, kind) for kind in (TableWalk.NAMED, TableWalk.PER_REQUEST)]
+    return batch + named
 
 
 def table_target(inproc: list[Measurement]) -> list[str]:

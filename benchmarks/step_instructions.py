@@ -35,8 +35,7 @@ import numpy as np
 from benchmarks.host import machine
 from benchmarks.report import write_section
 from benchmarks.rpc import measure_tables
-from benchmarks.rpc_report import TABLE_REFRESHES, TableWalk
-from nightjar_common.client import TABLE_REFRESH_STEPS
+from benchmarks.rpc_report import TABLE_REFRESHES, TableWalk, table_walks
 
 SECTION = "bench-instructions"
 WARM_STEPS = 2_000
@@ -145,9 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ["valgrind", "--version"], capture_output=True, text=True, check=True
     ).stdout.strip()
     rows = []
-    walks = [(refresh, TableWalk.BATCH) for refresh in args.refreshes]
-    walks += [(TABLE_REFRESH_STEPS, TableWalk.NAMED), (TABLE_REFRESH_STEPS, TableWalk.PER_REQUEST)]
-    for refresh, kind in walks:
+    for refresh, kind in table_walks(args.refreshes):
         print(f"refresh every {refresh} steps, {kind.name} walk ...", file=sys.stderr)
         short, long = count(SHORT, refresh, kind), count(LONG, refresh, kind)
         rows.append((refresh, kind, per_step(short, long, LONG - SHORT)))
