@@ -128,7 +128,10 @@ def test_a_stalled_sidecar_leaves_the_held_table_until_it_expires(make_server) -
     (64 steps, 1 s), then each step waits at most the deadline and falls back — for the
     one table request in flight, not a new request each (they would pile up)."""
     server = make_server()
-    client = make_client(server.target, deadline_s=0.005, connect_timeout_s=5)
+    # No refresh by age: one sent just before the stop could be answered just before it.
+    client = make_client(
+        server.target, deadline_s=0.005, connect_timeout_s=5, table_refresh_ms=60_000.0
+    )
     try:
         assert wait_until(lambda: step(client, 0).source == "sidecar")
         asked = client.stats.miss_requests
@@ -146,6 +149,28 @@ def test_a_stalled_sidecar_leaves_the_held_table_until_it_expires(make_server) -
         assert client.stats.fallbacks["deadline"] >= 80 - 64
         assert client.stats.miss_requests - asked == 1
         assert wait_until(lambda: step(client, 200).source == "sidecar")
+    finally:
+        client.close()
+
+
+def test_a_miss_answered_late_is_the_only_table_request_in_flight(make_server) -> None:
+    """Steps after a miss whose table is late wait for that table; none asks for a refresh
+    behind it (it would only queue at a sidecar that is behind already)."""
+    server = make_server()
+    client = make_client(
+        server.target, deadline_s=0.005, connect_timeout_s=5, table_refresh_ms=60_000.0
+    )
+    try:
+        assert wait_until(lambda: client.connected)
+        server.proc.send_signal(signal.SIGSTOP)
+        try:
+            late = [step(client, i) for i in range(3)]
+        finally:
+            server.proc.send_signal(signal.SIGCONT)
+        assert {d.source for d in late} == {"fallback"}
+        assert wait_until(lambda: step(client, 3).source == "sidecar")
+        assert client.stats.miss_requests == 1
+        assert client.stats.refresh_requests == 0
     finally:
         client.close()
 
