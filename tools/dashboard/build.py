@@ -200,7 +200,6 @@ def gamma_row() -> list[timeseries.Panel | bargauge.Panel]:
                 (summed("rate", "nightjar_decisions_total", SIDECAR, "bin_type"), "{{bin_type}}")
             ),
             unit="ops",
-            width=12,
             stacked=True,
         ),
         graph(
@@ -211,7 +210,17 @@ def gamma_row() -> list[timeseries.Panel | bargauge.Panel]:
                 (mean("nightjar_gamma_chosen", SIDECAR), "chosen (sidecar)"),
                 (mean("nightjar_plugin_gamma", ENGINE, "instance"), "run {{instance}}"),
             ),
-            width=12,
+        ),
+        graph(
+            "Drafts cut to a request's γ (engine)",
+            "Per-sequence γ (goodput with per_request on, dsde): draft tokens the engines' "
+            "schedulers cut to their request's own γ below the step's, and the requests "
+            "cut, per second. None under a batch-γ policy.",
+            targets(
+                (summed("rate", "nightjar_plugin_truncated_drafts_total", ENGINE), "tokens"),
+                (summed("rate", "nightjar_plugin_truncated_requests_total", ENGINE), "requests"),
+            ),
+            unit="ops",
         ),
     ]
 
