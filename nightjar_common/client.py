@@ -223,9 +223,10 @@ class ClientStats:
     tables: int = 0
     table_misses: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     # Table requests sent by steps that missed: one in flight at a time, later misses
-    # wait for it (and no refresh is asked for meanwhile).
+    # wait for it.
     miss_requests: int = 0
-    # Table requests sent ahead of need: the held table due for a refresh, or outlived.
+    # Table requests sent ahead of need: the held table due for a refresh, or outlived
+    # (one may follow a miss's unanswered request: the next step's, behind it).
     refresh_requests: int = 0
 
     @property
@@ -841,9 +842,8 @@ class NightjarClient:
         The sender thread gathers the reports, builds and sends the request (the engine's
         thread, which waits for the answer anyway, only hands it the step); the reply's
         callback installs the table before this thread wakes."""
-        outstanding = self._unanswered_miss()
-        if outstanding is not None:
-            return self._wait_for_outstanding(ctx, outstanding)
+        if self._miss_request is not None and not self._miss_request.done:
+            return self._wait_for_outstanding(ctx, self._miss_request)
         if self._live_transport() is None:  # (a fresh client's first waits for one)
             return self._fall_back(ctx, "disconnected")
         reply_to = self._miss_request = PendingReply()
@@ -899,16 +899,8 @@ class NightjarClient:
             config.table_refresh_ms,
         ):
             return
-        if self._unanswered_miss() is not None:
-            return
         self._hand_over(step)
         self._refresh_wanted.set()
-
-    def _unanswered_miss(self) -> PendingReply | None:
-        """A missed step's table request still unanswered: its table, decided for that
-        step, serves the next ones too, so a refresh would only queue behind it."""
-        miss = self._miss_request
-        return miss if miss is not None and not miss.done else None
 
     def _hand_over(self, step: AheadStep) -> None:
         """Give the sender thread the step to refresh the table for; a refresh is now
@@ -969,13 +961,11 @@ class NightjarClient:
 
     def _outlived_table(self) -> AheadStep | None:
         """The step the engine will ask for next, if the held table has served, aged past
-        the refresh period since, and no table request is under way (a new table is not used
+        the refresh period since, and no refresh is under way (a new table is not used
         until that step: at most one such refresh per long step, none while an engine
         idles on an unused table)."""
         held, step = self._tables.held, self._next_step
         if self._refreshing or held is None or held.started is None or step is None:
-            return None
-        if self._unanswered_miss() is not None:
             return None
         if held.age_ms(time.monotonic()) < self.config.table_refresh_ms:
             return None
