@@ -157,26 +157,6 @@ def test_a_stalled_sidecar_leaves_the_held_table_until_it_expires(make_server) -
     pytest.fail("each stall overlapped a reply the sidecar had sent before it")
 
 
-def test_a_miss_answered_late_is_the_only_table_request_in_flight(make_server) -> None:
-    """Steps after a miss whose table is late wait for that table; none asks for a refresh
-    behind it (it would only queue at a sidecar that is behind already)."""
-    server = make_server()
-    client = make_client(server.target, deadline_s=0.005, connect_timeout_s=5)
-    try:
-        assert wait_until(lambda: client.connected)
-        server.proc.send_signal(signal.SIGSTOP)
-        try:
-            late = [step(client, i) for i in range(3)]
-        finally:
-            server.proc.send_signal(signal.SIGCONT)
-        assert {d.source for d in late} == {"fallback"}
-        assert wait_until(lambda: step(client, 3).source == "sidecar")
-        assert client.stats.miss_requests == 1
-        assert client.stats.refresh_requests == 0
-    finally:
-        client.close()
-
-
 def test_a_miss_answered_late_leaves_one_refresh_behind_it(make_server) -> None:
     """Steps after a miss whose table is late wait for that table and ask once for the
     next step's table behind it, not once each (under overload the second table lowers
