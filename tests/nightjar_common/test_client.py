@@ -138,8 +138,8 @@ def test_a_stalled_sidecar_leaves_the_held_table_until_it_expires(make_server) -
                 stalled = [step(client, 1 + i) for i in range(80)]
             finally:
                 server.proc.send_signal(signal.SIGCONT)
-            # A table that came during the stall was sent before it (its reply read late
-            # on a busy host): nothing was stalled then, so stall another sidecar.
+            # A table that came during the stall was sent before it (the refresh behind a
+            # first miss answered late, read late on a busy host): stall another sidecar.
             if client.stats.tables != tables:
                 continue
             sources = [d.source for d in stalled]
