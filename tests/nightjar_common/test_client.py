@@ -42,6 +42,16 @@ def step(client: NightjarClient, index: int, batch_size: int = 2) -> GammaDecisi
     return decision
 
 
+def steps_while_stopped(server: Any, client: NightjarClient, indices: range) -> list[GammaDecision]:
+    """The steps of ``indices`` run while the sidecar process is stopped (SIGSTOP), which
+    then resumes."""
+    server.proc.send_signal(signal.SIGSTOP)
+    try:
+        return [step(client, index) for index in indices]
+    finally:
+        server.proc.send_signal(signal.SIGCONT)
+
+
 def wait_until(predicate: Any, timeout: float = 10.0) -> bool:
     end = time.monotonic() + timeout
     while time.monotonic() < end:
@@ -110,11 +120,7 @@ def test_a_stalled_sidecar_costs_at_most_the_deadline(make_server) -> None:
     try:
         assert step(client, 0).source in ("sidecar", "fallback")
         missed_before = client.stats.fallbacks["deadline"]  # a busy host may miss one here
-        server.proc.send_signal(signal.SIGSTOP)
-        try:
-            stalled = [step(client, 1 + i) for i in range(10)]
-        finally:
-            server.proc.send_signal(signal.SIGCONT)
+        stalled = steps_while_stopped(server, client, range(1, 11))
         assert {d.source for d in stalled} == {"fallback"}
         assert client.stats.fallbacks["deadline"] - missed_before == 10
         assert wait_until(lambda: step(client, 100).source == "sidecar")
@@ -133,11 +139,7 @@ def test_a_stalled_sidecar_leaves_the_held_table_until_it_expires(make_server) -
         try:
             assert wait_until(lambda c=client: step(c, 0).source == "sidecar")
             asked, tables = client.stats.miss_requests, client.stats.tables
-            server.proc.send_signal(signal.SIGSTOP)
-            try:
-                stalled = [step(client, 1 + i) for i in range(80)]
-            finally:
-                server.proc.send_signal(signal.SIGCONT)
+            stalled = steps_while_stopped(server, client, range(1, 81))
             # A table that came during the stall was sent before it (the refresh behind a
             # first miss answered late, read late on a busy host): stall another sidecar.
             if client.stats.tables != tables:
@@ -167,11 +169,7 @@ def test_a_miss_answered_late_leaves_one_refresh_behind_it(make_server) -> None:
     )
     try:
         assert wait_until(lambda: client.connected)
-        server.proc.send_signal(signal.SIGSTOP)
-        try:
-            late = [step(client, i) for i in range(5)]
-        finally:
-            server.proc.send_signal(signal.SIGCONT)
+        late = steps_while_stopped(server, client, range(5))
         assert {d.source for d in late} == {"fallback"}
         assert wait_until(lambda: step(client, 5).source == "sidecar")
         assert client.stats.miss_requests == 1
