@@ -51,6 +51,7 @@ from benchmarks.serve_load import (
 from benchmarks.vllm_serve_report import Pass, PassResult, PluginCounts, render
 from policy_server.policies import REGISTRY, PolicyError, create_policy
 from tests.rigs.tiny_models import Recipe, build
+from tests.rigs.vllm_engine import api_server_command
 
 SECTION = "bench-vllm"
 GAMMA_MAX = 3
@@ -336,31 +337,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     # No prefix caching: every pass sends the same prompts, so with it each pass after the
     # first to see a phase's prompts skips part of their prefill (a third of all prompt
     # tokens by the end of a run), and the order of the passes decided the ranking.
-    server = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(pair.target),
-        "--served-model-name",
-        MODEL_NAME,
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(args.port),
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "1024",
-        "--enforce-eager",
-        "--max-num-seqs",
-        "64",
-        "--no-enable-prefix-caching",
-        "--seed",
-        "0",
-        "--speculative-config",
-        json.dumps(spec),
-    ]
+    server = api_server_command(
+        pair.target,
+        args.port,
+        spec,
+        served_model_name=MODEL_NAME,
+        max_model_len=1024,
+        max_num_seqs=64,
+        extra_flags=["--no-enable-prefix-caching"],
+    )
     passes = plan(args.policies, args.warm, args.repetitions)
     runs: list[PassResult] = []
     print(f"bench-vllm: logs and results in {work}", file=sys.stderr)

@@ -5,9 +5,9 @@ What is real: the agent (memory_agent/agent.py) and its gRPC service, vLLM's own
 torch KV buffer seen through per-layer views, block-table rows, and a torch draft module
 whose weights are really offloaded, reloaded and verified. What stands in for the engine:
 a thread that reaches a step boundary every few milliseconds, and two requests that hold
-KV blocks (so compactions have live blocks to move or to refuse). The model runner is a
-namespace with the attributes RunnerMemory reads, as
-tests/memory_agent/test_memory_agent.py builds it.
+KV blocks (so compactions have live blocks to move or to refuse). The KV cache manager and
+the model runner are namespaces with the attributes the agent's halves read, built by
+tests/rigs/engine_stand_ins.py as for tests/memory_agent/test_memory_agent.py.
 
     python -m benchmarks.fuzz.memory_host --uds SOCKET [--admin-token-file FILE]
 """
@@ -20,6 +20,8 @@ import threading
 from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
+
+from tests.rigs.engine_stand_ins import kv_cache_manager, model_runner
 
 LAYERS, BLOCKS, HEADS, TOKENS, WIDTH = 2, 64, 2, 4, 8
 STEP_INTERVAL_S = 0.002
@@ -40,33 +42,14 @@ class HostedAgent:
         torch.manual_seed(0)
         self.pool = BlockPool(BLOCKS, enable_caching=True, hash_block_size=TOKENS)
         tables: dict[str, list[Any]] = {}
-        manager = SimpleNamespace(req_to_blocks=tables, block_size=TOKENS)
-        kv_manager = SimpleNamespace(
-            block_pool=self.pool, coordinator=SimpleNamespace(single_type_managers=(manager,))
-        )
+        kv_manager = kv_cache_manager(self.pool, tables, TOKENS)
         page = HEADS * TOKENS * WIDTH
         buffer = torch.randn(LAYERS * BLOCKS * page)
         views = buffer.view(LAYERS, BLOCKS, HEADS, TOKENS, WIDTH)
         draft = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Linear(64, 8))
         rows = np.zeros((4, BLOCKS), dtype=np.int32)
-        runner = SimpleNamespace(
-            model=torch.nn.Linear(8, 8),
-            drafter=SimpleNamespace(model=draft),
-            kv_caches=[views[layer] for layer in range(LAYERS)],
-            kv_cache_config=SimpleNamespace(
-                num_blocks=BLOCKS,
-                kv_cache_groups=[SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=TOKENS))],
-            ),
-            input_batch=SimpleNamespace(
-                block_table=SimpleNamespace(
-                    block_tables=[
-                        SimpleNamespace(block_size=TOKENS, block_table=SimpleNamespace(np=rows))
-                    ]
-                )
-            ),
-            requests={},
-            device=torch.device("cpu"),
-        )
+        kv_caches = [views[layer] for layer in range(LAYERS)]
+        runner = model_runner(draft, kv_caches, BLOCKS, TOKENS, rows)
         self.memory = RunnerMemory(runner)
         self.agent = MemoryAgent(BLOCKS, -(-self.memory.draft_bytes // 6), self.memory.draft_bytes)
         self.elastic = ElasticBlockPool(kv_manager, self.agent.kv_blocks)

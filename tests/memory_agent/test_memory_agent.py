@@ -32,6 +32,7 @@ from memory_agent.agent import Action, MemoryAgent, Order  # noqa: E402
 from memory_agent.draft_weights import DraftWeights  # noqa: E402
 from memory_agent.kv_buffers import kv_buffers  # noqa: E402
 from nightjar_common.errors import FailedPreconditionError, InvalidArgumentError  # noqa: E402
+from tests.rigs.engine_stand_ins import kv_cache_manager, model_runner  # noqa: E402
 from vllm_client_patch.kv_pool import ElasticBlockPool  # noqa: E402
 from vllm_client_patch.worker_memory import RunnerMemory  # noqa: E402
 
@@ -49,35 +50,14 @@ class Engine:
         torch.manual_seed(0)
         self.pool = BlockPool(BLOCKS, enable_caching=True, hash_block_size=TOKENS)
         self.tables: dict[str, list[Any]] = {}
-        manager = SimpleNamespace(req_to_blocks=self.tables, block_size=TOKENS)
-        kv_manager = SimpleNamespace(
-            block_pool=self.pool, coordinator=SimpleNamespace(single_type_managers=(manager,))
-        )
+        kv_manager = kv_cache_manager(self.pool, self.tables, TOKENS)
         self.buffer = torch.randn(LAYERS * BLOCKS * PAGE)
         views = self.buffer.view(LAYERS, BLOCKS, HEADS, TOKENS, WIDTH)
         self.draft = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Linear(64, 8))
         self.draft = self.draft.to(draft_dtype)
         self.rows = np.zeros((8, BLOCKS), dtype=np.int32)
-        self.runner = SimpleNamespace(
-            model=torch.nn.Linear(8, 8),
-            drafter=SimpleNamespace(model=self.draft),
-            kv_caches=[views[layer] for layer in range(LAYERS)],
-            kv_cache_config=SimpleNamespace(
-                num_blocks=BLOCKS,
-                kv_cache_groups=[SimpleNamespace(kv_cache_spec=SimpleNamespace(block_size=TOKENS))],
-            ),
-            input_batch=SimpleNamespace(
-                block_table=SimpleNamespace(
-                    block_tables=[
-                        SimpleNamespace(
-                            block_size=TOKENS, block_table=SimpleNamespace(np=self.rows)
-                        )
-                    ]
-                )
-            ),
-            requests={},
-            device=torch.device("cpu"),
-        )
+        kv_caches = [views[layer] for layer in range(LAYERS)]
+        self.runner = model_runner(self.draft, kv_caches, BLOCKS, TOKENS, self.rows)
         evicted = None
         if homed:
             evicted = DraftWeights(self.draft, shared_with=self.runner.model)

@@ -14,7 +14,7 @@ from grpc_health.v1 import health_pb2
 from nightjar_proto.v1 import admin_pb2
 
 from nightjar_common import tls
-from tests.policy_server.test_security import health, tcp_port
+from tests.policy_server.test_security import health, mutual_tls_server, tcp_port
 from tests.vllm_client_patch.test_plugin_controller import view, wait_for
 from vllm_client_patch.config import PluginConfig, PluginConfigError
 from vllm_client_patch.controller import GammaController, VerifiedStep
@@ -47,22 +47,10 @@ def engine_ids(server: Any) -> set[str]:
 
 
 def test_plugin_decides_over_mutual_tls_and_falls_back_when_refused(make_server, pki) -> None:
-    ca, srv, client, intruder = pki["ca"], pki["server"], pki["client"], pki["intruder"]
-    server = make_server(
-        "--port",
-        "0",
-        "--tls-cert",
-        str(srv.cert),
-        "--tls-key",
-        str(srv.key),
-        "--tls-client-ca",
-        str(ca.files.cert),
-        "--policy",
-        "static",
-        "--params",
-        '{"gamma": 2}',
+    ca, client, intruder = pki["ca"], pki["client"], pki["intruder"]
+    server, target = mutual_tls_server(
+        make_server, pki, "--policy", "static", "--params", '{"gamma": 2}'
     )
-    target = f"localhost:{tcp_port(server)}"
     env = tls_env(target, ca, client.cert, client.key) | {
         "NIGHTJAR_ENGINE_ID": "tls-engine",
         "NIGHTJAR_DEADLINE_MS": "200",

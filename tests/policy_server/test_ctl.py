@@ -29,6 +29,16 @@ def ctl(server: Any, *args: str, token: bool = True) -> subprocess.CompletedProc
     return subprocess.run([*base, *args], capture_output=True, text=True, timeout=60)
 
 
+def ctl_replay(log: Path, out: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """`nightjarctl replay LOG ARGS… --out OUT`: offline, no sidecar."""
+    return subprocess.run(
+        [sys.executable, "-m", "policy_server.ctl", "replay", str(log), *args, "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
 def test_operator_session(make_server, tmp_path: Path) -> None:
     server = make_server("--decision-log", str(tmp_path / "log" / "decisions.jsonl"))
     assert ctl(server, "health").stdout.strip() == "SERVING"
@@ -84,20 +94,7 @@ def test_operator_session(make_server, tmp_path: Path) -> None:
     # Offline replay of the decision log rebuilds what the server had learned.
     server.terminate()
     out = tmp_path / "warm.json"
-    replayed = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "policy_server.ctl",
-            "replay",
-            str(tmp_path / "log" / "decisions.jsonl"),
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    replayed = ctl_replay(tmp_path / "log" / "decisions.jsonl", out)
     assert replayed.returncode == 0, replayed.stderr
     assert "12 decisions, 12 with outcomes" in replayed.stdout
     assert json.loads(out.read_text())["policy"]["state"]["learners"] == state["state"]["learners"]

@@ -13,6 +13,7 @@ from nightjar_common.types import StepContext, StepOutcome
 from policy_server.decision_log import DecisionLog, log_files, read_records
 from policy_server.metrics import Metrics
 from policy_server.service import DecisionService
+from tests.policy_server.test_ctl import ctl_replay
 
 
 def test_rotation_keeps_order_sizes_and_the_newest_backups(tmp_path: Path) -> None:
@@ -68,22 +69,7 @@ def test_nightjarctl_replay_reads_the_rotated_files(tmp_path: Path) -> None:
     decision_log.close()
     assert len(log_files(path)) > 3
     out = tmp_path / "warm.json"
-    replayed = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "policy_server.ctl",
-            "replay",
-            str(path),
-            "--policy",
-            "nightjar",
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    replayed = ctl_replay(path, out, "--policy", "nightjar")
     assert replayed.returncode == 0, replayed.stderr
     assert "60 decisions, 60 with outcomes" in replayed.stdout
     rebuilt = json.loads(out.read_text())["policy"]["state"]["learners"]

@@ -9,7 +9,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -286,55 +285,20 @@ def vllm_server(models: Any, make_server: Any, tmp_path: Path) -> Iterator[dict[
     """One `python -m vllm.entrypoints.openai.api_server` with the plugin, beside a
     sidecar, in vLLM's default layout: the engine core in a process of its own."""
     from benchmarks.vllm_serve import process, wait_healthy
-    from tests.rigs.vllm_engine import CPU_ENV, GAMMA_MAX
+    from tests.rigs.vllm_engine import api_server_command, draft_model_config, engine_env
 
     sidecar = make_server()
     port = free_port()
-    spec = {
-        "method": "draft_model",
-        "model": str(models.draft),
-        "num_speculative_tokens": GAMMA_MAX,
-        "num_speculative_tokens_per_batch_size": [[1, 1024, GAMMA_MAX]],
-    }
     env = {
         k: v
         for k, v in os.environ.items()
         if not k.startswith("NIGHTJAR_") and k != "PROMETHEUS_MULTIPROC_DIR"
     }
-    env.update(CPU_ENV)
-    env.update(
-        VLLM_ENABLE_V1_MULTIPROCESSING="1",
-        NIGHTJAR_SIDECAR=sidecar.target,
-        NIGHTJAR_ENGINE_ID="served",
-        # Generous: these tests read the exposition, and a busy 2-core CI machine (engine,
-        # API server, sidecar, Prometheus) pushed a 50 ms round trip past its deadline.
-        NIGHTJAR_DEADLINE_MS="500",
-    )
+    # A generous deadline: these tests read the exposition, and a busy 2-core CI machine
+    # (engine, API server, sidecar, Prometheus) pushed a 50 ms round trip past its deadline.
+    env.update(engine_env(sidecar, "served", deadline_ms=500), VLLM_ENABLE_V1_MULTIPROCESSING="1")
     log = tmp_path / "vllm.log"
-    command = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(models.target),
-        "--served-model-name",
-        "tiny",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "512",
-        "--enforce-eager",
-        "--max-num-seqs",
-        "8",
-        "--seed",
-        "0",
-        "--speculative-config",
-        json.dumps(spec),
-    ]
+    command = api_server_command(models.target, port, draft_model_config(models.draft))
     base = f"http://127.0.0.1:{port}"
     with process(command, log, env) as proc:
         try:

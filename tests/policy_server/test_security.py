@@ -53,6 +53,23 @@ def listening_addresses(port: int) -> set[str]:
     return found
 
 
+def mutual_tls_server(make_server: Any, pki: dict[str, Any], *extra: str) -> tuple[Any, str]:
+    """A sidecar on a TCP port with the PKI's server certificate that admits only clients
+    with a certificate of its CA (`extra`: more flags), and its target."""
+    server = make_server(
+        "--port",
+        "0",
+        "--tls-cert",
+        str(pki["server"].cert),
+        "--tls-key",
+        str(pki["server"].key),
+        "--tls-client-ca",
+        str(pki["ca"].files.cert),
+        *extra,
+    )
+    return server, f"localhost:{tcp_port(server)}"
+
+
 def health(channel: grpc.Channel) -> int:
     reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
     return int(reply.status)
@@ -73,19 +90,9 @@ def test_tcp_port_is_loopback_only_unless_widened(make_server) -> None:
 
 
 def test_mutual_tls_admits_only_clients_with_a_certificate_of_the_ca(make_server, pki) -> None:
-    ca, srv, client, intruder = pki["ca"], pki["server"], pki["client"], pki["intruder"]
-    server = make_server(
-        "--port",
-        "0",
-        "--tls-cert",
-        str(srv.cert),
-        "--tls-key",
-        str(srv.key),
-        "--tls-client-ca",
-        str(ca.files.cert),
-    )
+    ca, client, intruder = pki["ca"], pki["client"], pki["intruder"]
+    server, target = mutual_tls_server(make_server, pki)
     assert "(TCP with mutual TLS)" in server.log()
-    target = f"localhost:{tcp_port(server)}"
     trusted = tls.ClientTls(str(ca.files.cert), str(client.cert), str(client.key))
     with tls.open_channel(target, trusted) as channel:
         assert health(channel) == health_pb2.HealthCheckResponse.SERVING

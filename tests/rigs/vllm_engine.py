@@ -7,15 +7,20 @@ get their own), generating greedily and writing token ids and spec-decode counte
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tests.rigs.sidecar import ServerProcess
 
 # The fastest stable vLLM-on-CPU settings on a 2-core machine (vLLM's CPU backend variables).
 CPU_ENV = {
@@ -38,17 +43,109 @@ PROMPTS = [
 ]
 
 
-def speculative_config(method: str, draft: Path | None) -> dict[str, Any] | None:
-    if method == "none":
-        return None
+def _dynamic_schedule() -> dict[str, Any]:
     # The dynamic-SD schedule turns on vLLM's per-step K path; it is also the fallback table.
-    common = {
+    return {
         "num_speculative_tokens": GAMMA_MAX,
         "num_speculative_tokens_per_batch_size": [[1, 1024, GAMMA_MAX]],
     }
+
+
+def draft_model_config(draft: Path | str) -> dict[str, Any]:
+    """vLLM's speculative config of `draft` as the draft model, Γmax GAMMA_MAX: what the
+    offline engines and the OpenAI servers of the tests and tools speculate with."""
+    return {"method": "draft_model", "model": str(draft), **_dynamic_schedule()}
+
+
+def speculative_config(method: str, draft: Path | None) -> dict[str, Any] | None:
+    if method == "none":
+        return None
     if method == "draft_model":
-        return {"method": "draft_model", "model": str(draft), **common}
-    return {"method": "ngram", "prompt_lookup_min": 1, "prompt_lookup_max": 3, **common}
+        return draft_model_config(str(draft))
+    return {
+        "method": "ngram",
+        "prompt_lookup_min": 1,
+        "prompt_lookup_max": 3,
+        **_dynamic_schedule(),
+    }
+
+
+def engine_env(
+    sidecar: ServerProcess, engine_id: str, deadline_ms: int, memory_socket: Path | None = None
+) -> dict[str, str]:
+    """The environment of a CPU engine whose plugin `sidecar` steers: CPU_ENV and the
+    plugin's settings; with `memory_socket`, the memory agent on, serving there and
+    checking the sidecar's admin token."""
+    env = {
+        **CPU_ENV,
+        "NIGHTJAR_SIDECAR": sidecar.target,
+        "NIGHTJAR_ENGINE_ID": engine_id,
+        "NIGHTJAR_DEADLINE_MS": str(deadline_ms),
+    }
+    if memory_socket is not None:
+        env |= {
+            "NIGHTJAR_MEMORY_AGENT": "1",
+            "NIGHTJAR_MEMORY_SOCKET": str(memory_socket),
+            "NIGHTJAR_ADMIN_TOKEN_FILE": str(sidecar.token_file),
+        }
+    return env
+
+
+@contextlib.contextmanager
+def engine_environ(
+    sidecar: ServerProcess, engine_id: str, deadline_ms: int, **extra: str
+) -> Iterator[Path]:
+    """os.environ for an engine in this process (vLLM and the plugin read their settings
+    from it): engine_env with the memory agent on, and `extra`. Yields the agent's socket
+    path; os.environ is as it was again after."""
+    saved = dict(os.environ)
+    socket = Path(tempfile.mkdtemp(prefix="nj-")) / "memory.sock"
+    os.environ.update(engine_env(sidecar, engine_id, deadline_ms, socket), **extra)
+    try:
+        yield socket
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def api_server_command(
+    target: Path,
+    port: int,
+    speculative: dict[str, Any],
+    *,
+    served_model_name: str = "tiny",
+    max_model_len: int = 512,
+    max_num_seqs: int = 8,
+    extra_flags: Sequence[str] = (),
+) -> list[str]:
+    """`python -m vllm.entrypoints.openai.api_server` serving `target` on 127.0.0.1:`port`
+    with `speculative` as its speculative config. The defaults are make_llm's settings, so
+    that a served engine runs as the offline ones do; `extra_flags` go before the config."""
+    return [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(target),
+        "--served-model-name",
+        served_model_name,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        str(max_model_len),
+        "--enforce-eager",
+        "--max-num-seqs",
+        str(max_num_seqs),
+        "--seed",
+        "0",
+        *extra_flags,
+        "--speculative-config",
+        json.dumps(speculative),
+    ]
 
 
 def make_llm(

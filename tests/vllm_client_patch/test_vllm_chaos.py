@@ -17,7 +17,6 @@ import json
 import os
 import random
 import signal
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -33,7 +32,7 @@ from nightjar_proto.v1 import admin_pb2, memory_pb2, memory_pb2_grpc
 
 from policy_server import snapshot
 from tests.rigs.sidecar import ADMIN_TOKEN
-from tests.rigs.vllm_engine import CPU_ENV, GAMMA_MAX, PROMPTS, make_llm, run_engine
+from tests.rigs.vllm_engine import GAMMA_MAX, PROMPTS, engine_environ, make_llm, run_engine
 
 pytestmark = pytest.mark.slow
 ENGINE = "chaos-engine"
@@ -70,25 +69,13 @@ def sidecar(make_server_module: Any) -> Any:
 
 @pytest.fixture(scope="module")
 def engine(models: Any, sidecar: Any) -> Iterator[Any]:
-    saved = dict(os.environ)
-    socket = Path(tempfile.mkdtemp(prefix="nj-")) / "memory.sock"
-    os.environ.update(CPU_ENV)
-    os.environ.update(
-        NIGHTJAR_SIDECAR=sidecar.target,
-        NIGHTJAR_ENGINE_ID=ENGINE,
-        NIGHTJAR_DEADLINE_MS=str(DEADLINE_MS),
-        NIGHTJAR_MEMORY_AGENT="1",
-        NIGHTJAR_MEMORY_SOCKET=str(socket),
-        NIGHTJAR_ADMIN_TOKEN_FILE=str(sidecar.token_file),
-    )
     try:
-        llm = make_llm(models.target, "draft_model", models.draft)
-        llm.memory_socket = socket
-        yield llm
-        llm.llm_engine.engine_core.shutdown()
+        with engine_environ(sidecar, ENGINE, DEADLINE_MS) as socket:
+            llm = make_llm(models.target, "draft_model", models.draft)
+            llm.memory_socket = socket
+            yield llm
+            llm.llm_engine.engine_core.shutdown()
     finally:
-        os.environ.clear()
-        os.environ.update(saved)
         _write_results()
 
 

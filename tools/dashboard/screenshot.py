@@ -275,54 +275,18 @@ def vllm_engine(workdir: Path, sidecar: Any) -> Iterator[tuple[str, Path]]:
     from benchmarks.vllm_serve import process, wait_healthy
     from tests.rigs.sidecar import free_port
     from tests.rigs.tiny_models import Recipe, build
-    from tests.rigs.vllm_engine import CPU_ENV
-    from tests.rigs.vllm_engine import GAMMA_MAX as ENGINE_GAMMA_MAX
+    from tests.rigs.vllm_engine import api_server_command, draft_model_config, engine_env
 
     models = build(workdir / "models", Recipe(noise=0.05))
     port, socket = free_port(), Path(tempfile.mkdtemp(prefix="nj-")) / "memory.sock"
-    spec = {
-        "method": "draft_model",
-        "model": str(models.draft),
-        "num_speculative_tokens": ENGINE_GAMMA_MAX,
-        "num_speculative_tokens_per_batch_size": [[1, 1024, ENGINE_GAMMA_MAX]],
-    }
     env = {k: v for k, v in os.environ.items() if not k.startswith("NIGHTJAR_")}
-    env.update(CPU_ENV)
-    env.update(
-        VLLM_ENABLE_V1_MULTIPROCESSING="1",
-        NIGHTJAR_SIDECAR=sidecar.target,
-        NIGHTJAR_ENGINE_ID="vllm-0",
-        NIGHTJAR_DEADLINE_MS="50",
-        NIGHTJAR_MEMORY_AGENT="1",
-        NIGHTJAR_MEMORY_SOCKET=str(socket),
-        NIGHTJAR_ADMIN_TOKEN_FILE=str(sidecar.token_file),
+    env.update(engine_env(sidecar, "vllm-0", 50, socket), VLLM_ENABLE_V1_MULTIPROCESSING="1")
+    command = api_server_command(
+        models.target,
+        port,
+        draft_model_config(models.draft),
+        extra_flags=["--distributed-executor-backend", "uni"],
     )
-    command = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(models.target),
-        "--served-model-name",
-        "tiny",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--dtype",
-        "float32",
-        "--max-model-len",
-        "512",
-        "--enforce-eager",
-        "--max-num-seqs",
-        "8",
-        "--seed",
-        "0",
-        "--distributed-executor-backend",
-        "uni",
-        "--speculative-config",
-        json.dumps(spec),
-    ]
     base = f"http://127.0.0.1:{port}"
     with process(command, workdir / "vllm.log", env) as proc:
         wait_healthy(base, proc, 600)
