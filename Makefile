@@ -25,7 +25,7 @@ help:
 	@echo "make dashboard-screenshot  drive a sidecar under a real Prometheus, draw docs/img/dashboard.png"
 	@echo "make bench      policies x workloads x profiles in the serving simulator -> docs/BENCHMARKS.md"
 	@echo "make bench-quick  the same, reduced (< 2 min)"
-	@echo "make bench-sim-paired  the per-sequence mode against the default, seed by seed (PAIRED_SEEDS=10) -> docs/BENCHMARKS.md"
+	@echo "make bench-sim-paired  the per-sequence mode against the default, and its ceiling, seed by seed (PAIRED_SEEDS=10) -> docs/BENCHMARKS.md"
 	@echo "make bench-traces  the same policies on two traces they were not tuned on (Azure code, Mooncake) -> docs/BENCHMARKS.md"
 	@echo "make bench-tables  goodput per step against decision tables (every 8 / 32 steps) in the simulator -> docs/BENCHMARKS.md"
 	@echo "make bench-rpc  measure decide cost and RPC round trips -> docs/BENCHMARKS.md"

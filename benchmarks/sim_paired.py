@@ -1,5 +1,7 @@
-"""`make bench-sim-paired`: the per-sequence mode against the per-batch default, seed by
-seed, over more seeds than `make bench` runs.
+"""`make bench-sim-paired`: per-request γ against batch γ, seed by seed.
+
+The per-sequence mode against the per-batch default, and its ceiling against the batch-γ
+oracle, over more seeds than `make bench` runs.
 
 The mixed-population section (benchmarks/sim_mixed.py) judges `goodput-per-request`
 against `goodput` by the ratio of their means over three seeds and the default's own
@@ -9,8 +11,11 @@ is lost in the seed spread the two policies share. This runs the two policies on
 the section's cells (each homogeneous workload and the mixed ones that replay its
 arrivals) for seeds 1..N and reports, per cell and figure, the geometric mean of the
 seeds' ratios with its 95 % Student-t interval, and how many seeds the mode was lower in
-(with the exact two-sided sign test). The runs are spread over worker processes; each is
-the matrix's own `simulate` and deterministic, so the figures do not depend on how many.
+(with the exact two-sided sign test). The same for the ceiling (`oracle-per-request`,
+each step's best plan from every request's true α, against `oracle`, the step's best batch
+γ): where it does not separate, no per-request policy that maximises a step's goodput
+would. The runs are spread over worker processes; each is the matrix's own `simulate` and
+deterministic, so the figures do not depend on how many.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from pathlib import Path
 import nightjar_data
 
 from benchmarks.report import write_section
-from benchmarks.sim_mixed import DEFAULT, MODE, Cells, comparison_rows
+from benchmarks.sim_mixed import DEFAULT, MODE, ORACLES, Cells, comparison_rows
 from policy_server.sim.profile import HardwareProfile, builtin_profiles
 from policy_server.sim.runs import (
     DATA_HELP,
@@ -50,6 +55,37 @@ SEEDS = 10
 # (field of a Cell, its name in the table); e2e first: what the mode's target judges.
 FIGURES = (("mean_latency", "mean e2e"), ("mean_tpot_ms", "mean TPOT"), ("throughput", "tok/s"))
 CONFIDENCE = 0.95
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """``mine`` against ``theirs`` on the same arrivals and per-request α, seed by seed."""
+
+    mine: str
+    theirs: str
+    # The table's heading, and what it is run for.
+    title: str
+    purpose: str
+
+
+COMPARISONS = (
+    Comparison(
+        MODE,
+        DEFAULT,
+        "The per-sequence mode against the default",
+        "The paired comparison the mode's target could be judged by instead of the "
+        "mixed-population section's (against the default's seed spread).",
+    ),
+    Comparison(
+        ORACLES[1],
+        ORACLES[0],
+        "The ceiling: per-request γ against batch γ, both from the true α",
+        f"`{ORACLES[1]}` runs each step's best plan (cap and γ_i) from every request's true "
+        f"α, `{ORACLES[0]}` the step's best batch γ; both maximise the step's expected "
+        "goodput and neither looks further ahead. Where it does not separate, no "
+        "per-request policy that maximises a step's goodput (the mode's design) would.",
+    ),
+)
 
 # What each worker process simulates with, set once per process (``_start_worker``).
 _profiles: dict[str, HardwareProfile] = {}
@@ -135,30 +171,42 @@ class PairedRatio:
 def render(cells: Cells, profiles: Sequence[str], seeds: Sequence[int], command: str) -> str:
     heads = " | ".join(f"{name} ratio [95 % CI] | seeds lower" for _, name in FIGURES)
     lines = [
-        "## Serving simulator: the per-sequence mode against the default, seed by seed "
+        "## Serving simulator: per-request γ against batch γ, seed by seed "
         "(`make bench-sim-paired`)",
         "",
         f"Simulated {datetime.date.today().isoformat()} by `{command}` "
         f"(`benchmarks/sim_paired.py`), seeds {seeds[0]}–{seeds[-1]}, Γmax = {GAMMA_MAX}, "
         "the profiles, workloads and populations of the mixed-population section above "
-        f"(`chat-sps` for the homogeneous rows). `{MODE}` against `{DEFAULT}` on the same "
-        "arrivals and per-request α in each seed: per figure, the geometric mean of the "
-        f"seeds' ratios (`{MODE}` over `{DEFAULT}`; below 1 is lower) with its "
-        f"{CONFIDENCE:.0%} Student-t interval, and the seeds in which `{MODE}` was lower "
-        "with the exact two-sided sign test's p. `mean e2e` says whether the interval of "
-        "the e2e ratio lies below 1 (lower), above it (higher), or holds it. Not the "
-        "target's yardstick (the mixed-population section's, against the default's seed "
-        "spread): the paired comparison it could be judged by instead.",
+        "(`chat-sps` for the homogeneous rows). Each table runs a per-request policy "
+        "against a batch-γ one on the same arrivals and per-request α in each seed: per "
+        "figure, the geometric mean of the seeds' ratios (the first policy's over the "
+        f"second's; below 1 is lower) with its {CONFIDENCE:.0%} Student-t interval, and "
+        "the seeds in which the first was lower with the exact two-sided sign test's p. "
+        "`mean e2e` says whether the interval of the e2e ratio lies below 1 (lower), above "
+        "it (higher), or holds it.",
         "",
-        f"| profile | workload | {heads} | mean e2e |",
-        "|---|---|" + "---:|---:|" * len(FIGURES) + "---|",
     ]
-    for profile, workload, _ in comparison_rows(profiles):
-        mine, theirs = cells[(profile, workload, MODE)], cells[(profile, workload, DEFAULT)]
-        ratios = [PairedRatio.of(mine, theirs, field) for field, _ in FIGURES]
-        figures = " | ".join(ratio.cells() for ratio in ratios)
-        lines.append(f"| {profile} | `{workload}` | {figures} | {ratios[0].separation} |")
-    return "\n".join([*lines, ""])
+    for comparison in COMPARISONS:
+        mine, theirs = comparison.mine, comparison.theirs
+        lines += [
+            f"### {comparison.title}: `{mine}` against `{theirs}`",
+            "",
+            comparison.purpose,
+            "",
+            f"| profile | workload | {heads} | mean e2e |",
+            "|---|---|" + "---:|---:|" * len(FIGURES) + "---|",
+        ]
+        for profile, workload, _ in comparison_rows(profiles):
+            ratios = [
+                PairedRatio.of(
+                    cells[(profile, workload, mine)], cells[(profile, workload, theirs)], field
+                )
+                for field, _ in FIGURES
+            ]
+            figures = " | ".join(ratio.cells() for ratio in ratios)
+            lines.append(f"| {profile} | `{workload}` | {figures} | {ratios[0].separation} |")
+        lines.append("")
+    return "\n".join(lines)
 
 
 def _start_worker(
@@ -201,7 +249,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     jobs = [
         (profile, workload, policy, seed)
         for profile, workload, _ in comparison_rows(list(profiles))
-        for policy in (DEFAULT, MODE)
+        for comparison in COMPARISONS
+        for policy in (comparison.theirs, comparison.mine)
         for seed in seeds
     ]
     # Imported here, like matplotlib: the simulator works without the `sim` extra.

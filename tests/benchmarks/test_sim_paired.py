@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks import sim_paired
 from benchmarks.sim_mixed import DEFAULT, MODE, comparison_rows
-from benchmarks.sim_paired import PairedRatio, render, sign_test, t_quantile
+from benchmarks.sim_paired import COMPARISONS, PairedRatio, render, sign_test, t_quantile
 from policy_server.sim.runs import MIXED, Cell
 
 
@@ -43,19 +42,30 @@ def test_a_figure_lower_in_every_seed_is_separated_and_one_that_straddles_is_not
     assert higher.separation == "higher"
 
 
-def test_the_report_has_a_row_per_comparison_cell_with_the_seed_counts() -> None:
+def test_the_report_has_a_table_per_comparison_with_a_row_per_cell() -> None:
     cells = {}
     for profile, workload, _ in comparison_rows(["p"]):
-        for policy, scale in ((DEFAULT, 1.0), (MODE, 0.99)):
-            cells[(profile, workload, policy)] = [
-                Cell(profile, workload, policy, 100.0, scale * (10 + seed), 1.0, 30.0)
-                for seed in range(3)
-            ]
+        for comparison in COMPARISONS:
+            # Every seed of the first policy 1 % lower on e2e than the second's, level on TPOT
+            # and tok/s; the ceiling's pair 2 % higher.
+            scale = 0.99 if comparison.mine == MODE else 1.02
+            for policy, factor in ((comparison.theirs, 1.0), (comparison.mine, scale)):
+                cells[(profile, workload, policy)] = [
+                    Cell(profile, workload, policy, 100.0, factor * (10 + seed), 1.0, 30.0)
+                    for seed in range(3)
+                ]
     text = render(cells, ["p"], [1, 2, 3], "make bench-sim-paired")
-    rows = [line for line in text.splitlines() if line.startswith("| p |")]
+    tables = text.split("\n### ")[1:]
+    assert len(tables) == len(COMPARISONS)
     bases = {base for base, _ in MIXED.values()}
-    assert len(rows) == len(MIXED) + len(bases)
-    # Every seed 1 % lower on e2e, level on TPOT and tok/s.
-    assert all("0.990 [0.990, 0.990] | 3/3, p 0.25" in row for row in rows)
-    assert all(row.endswith("| lower |") for row in rows)
-    assert "seeds 1–3" in text and sim_paired.MODE in text
+    for table, comparison in zip(tables, COMPARISONS, strict=True):
+        assert f"`{comparison.mine}` against `{comparison.theirs}`" in table
+        rows = [line for line in table.splitlines() if line.startswith("| p |")]
+        assert len(rows) == len(MIXED) + len(bases)
+        if comparison.mine == MODE:
+            assert all("0.990 [0.990, 0.990] | 3/3, p 0.25" in row for row in rows)
+            assert all(row.endswith("| lower |") for row in rows)
+        else:
+            assert all("1.020 [1.020, 1.020] | 0/3, p 0.25" in row for row in rows)
+            assert all(row.endswith("| higher |") for row in rows)
+    assert "seeds 1–3" in text
