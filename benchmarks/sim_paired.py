@@ -189,7 +189,7 @@ def render(cells: Cells, profiles: Sequence[str], seeds: Sequence[int], command:
     for comparison in COMPARISONS:
         mine, theirs = comparison.mine, comparison.theirs
         lines += [
-            f"### {comparison.title}: `{mine}` against `{theirs}`",
+            f"### {comparison.title} (`{mine}` against `{theirs}`)",
             "",
             comparison.purpose,
             "",
