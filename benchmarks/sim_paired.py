@@ -209,6 +209,22 @@ def render(cells: Cells, profiles: Sequence[str], seeds: Sequence[int], command:
     return "\n".join(lines)
 
 
+def paired_jobs(
+    profiles: Sequence[str],
+    seeds: Sequence[int],
+    comparisons: Sequence[Comparison] = COMPARISONS,
+) -> list[tuple[str, str, str, int]]:
+    """(profile, workload, policy, seed) of every run the comparisons need: each policy
+    once per cell and seed, however many comparisons it is in."""
+    policies = dict.fromkeys(p for c in comparisons for p in (c.theirs, c.mine))
+    return [
+        (profile, workload, policy, seed)
+        for profile, workload, _ in comparison_rows(profiles)
+        for policy in policies
+        for seed in seeds
+    ]
+
+
 def _start_worker(
     profiles: dict[str, HardwareProfile],
     arrivals: dict[int, dict[str, list[RequestSpec]]],
@@ -246,13 +262,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for seed in seeds:
         homogeneous = workloads(args.data, seed, quick=False)
         arrivals[seed] = {**homogeneous, **mixed_workloads(homogeneous)}
-    jobs = [
-        (profile, workload, policy, seed)
-        for profile, workload, _ in comparison_rows(list(profiles))
-        for comparison in COMPARISONS
-        for policy in (comparison.theirs, comparison.mine)
-        for seed in seeds
-    ]
+    jobs = paired_jobs(list(profiles), seeds)
     # Imported here, like matplotlib: the simulator works without the `sim` extra.
     from tqdm import tqdm
 

@@ -6,7 +6,15 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.sim_mixed import DEFAULT, MODE, comparison_rows
-from benchmarks.sim_paired import COMPARISONS, PairedRatio, render, sign_test, t_quantile
+from benchmarks.sim_paired import (
+    COMPARISONS,
+    Comparison,
+    PairedRatio,
+    paired_jobs,
+    render,
+    sign_test,
+    t_quantile,
+)
 from policy_server.sim.runs import MIXED, Cell
 
 
@@ -69,3 +77,12 @@ def test_the_report_has_a_table_per_comparison_with_a_row_per_cell() -> None:
             assert all("1.020 [1.020, 1.020] | 0/3, p 0.25" in row for row in rows)
             assert all(row.endswith("| higher |") for row in rows)
     assert "seeds 1–3" in text
+
+
+def test_a_policy_in_two_comparisons_runs_once_per_cell_and_seed() -> None:
+    comparisons = [Comparison("a", "base", "", ""), Comparison("b", "base", "", "")]
+    jobs = paired_jobs(["p", "q"], [1, 2], comparisons)
+    assert len(jobs) == len(set(jobs))
+    cells = len(list(comparison_rows(["p", "q"])))
+    assert len(jobs) == cells * 3 * 2
+    assert {policy for _, _, policy, _ in jobs} == {"a", "b", "base"}
