@@ -22,6 +22,8 @@ from collections.abc import Sequence
 from policy_server.policies.models import expected_tokens
 
 __all__ = [
+    "EASY",
+    "HARD",
     "MIXES",
     "WORKLOADS",
     "Acceptance",
@@ -137,6 +139,12 @@ def _category(name: str, length: float, gamma: int, source: str) -> AcceptanceMo
     return AcceptanceModel(name, alpha_for_acceptance_length(length, gamma), source=source)
 
 
+# The drift workload's two populations (sim/runs.py, DRIFT_PHASES): one a draft predicts
+# well (α = 0.8, e.g. code edits, EAGLE-class drafts) and one it predicts badly (α = 0.3).
+# The project's own pair, not published rows.
+EASY = AcceptanceModel("easy", 0.8, source="drift workload, first half")
+HARD = AcceptanceModel("hard", 0.3, source="drift workload, second half")
+
 # Spec-Bench's leaderboard publishes per-category speed-ups only (its acceptance length is
 # overall); the rows of published_spec_decode_numbers.csv with per-category acceptance are:
 MIXES = {
@@ -158,4 +166,7 @@ MIXES = {
             (0.5, _category("translation", 1 + 4 * 0.41, 4, "llama.cpp PR #22673, 0.41")),
         ),
     ),
+    # Both of the drift workload's populations at once: the widest spread of α the
+    # benchmark runs (the published mixes above differ by 0.19 and 0.25).
+    "easy-hard": AcceptanceMix("easy-hard", ((0.5, EASY), (0.5, HARD))),
 }

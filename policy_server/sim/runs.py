@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING
 
 from policy_server.policies.dsd import fit_latency
 from policy_server.sim.acceptance import (
+    EASY,
+    HARD,
     MIXES,
     WORKLOADS,
     Acceptance,
@@ -179,12 +181,15 @@ QUICK_POLICIES = [
 ]
 # Mixed populations (per-sequence γ): a `make bench` workload's arrivals whose requests
 # draw α from a mix of categories (acceptance.MIXES) instead of the bench's one model; the
-# "-wide" ones from the mix whose categories lie further apart.
+# "-wide" ones from the published mix whose categories lie further apart, the "-easy-hard"
+# ones from the drift workload's two populations (α 0.8 and 0.3) at once.
 MIXED = {
     "step-mix": ("step", "code-writing"),
     "azure-conv-mix": ("azure-conv", "code-writing"),
     "step-mix-wide": ("step", "code-translation"),
     "azure-conv-mix-wide": ("azure-conv", "code-translation"),
+    "step-easy-hard": ("step", "easy-hard"),
+    "azure-conv-easy-hard": ("azure-conv", "easy-hard"),
 }
 MIXED_POLICIES = [
     "goodput",
@@ -256,14 +261,11 @@ class BenchConfig:
         )
 
 
-# The drift workload: the request mix changes half-way from one a draft predicts well
-# (α = 0.8, e.g. code edits, EAGLE-class drafts) to one it predicts badly (α = 0.3).
+# The drift workload: the request mix changes half-way from one a draft predicts well to
+# one it predicts badly (acceptance.EASY, acceptance.HARD).
 DRIFT_SECONDS = 240.0
 DRIFT_QPS = 3.0
-DRIFT_PHASES = (
-    AcceptanceModel("easy", 0.8, source="drift workload, first half"),
-    AcceptanceModel("hard", 0.3, source="drift workload, second half"),
-)
+DRIFT_PHASES = (EASY, HARD)
 # The long workload: the first 30 minutes of the Azure conv trace at 4 req/s.
 LONG_SECONDS = 1800.0
 
