@@ -181,8 +181,9 @@ def ceiling(cells: Cells, profiles: Sequence[str]) -> list[str]:
         f"in the targets' table below (of the means; in parentheses the seeds' own); spread: "
         f"`{batch}`'s over the seeds; goodput gain: expected tokens per step time over "
         f"`{batch}`'s (minus the regret, seeds' range). Target: the mode's, for "
-        f"`{per_request}` over `{batch}`: where the ceiling misses it, no per-request "
-        "policy that maximises the step's goodput meets it.",
+        f"`{per_request}` over `{batch}`. The ceiling bounds a plan's expected step goodput, "
+        "not the latency it buys: where requests queue, a learned plan can land on either "
+        "side of it.",
         "",
         "| profile | workload | goodput gain | tok/s ratio | spread | mean e2e ratio | spread "
         "| mean TPOT ratio | target |",

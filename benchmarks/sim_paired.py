@@ -13,9 +13,9 @@ arrivals) for seeds 1..N and reports, per cell and figure, the geometric mean of
 seeds' ratios with its 95 % Student-t interval, and how many seeds the mode was lower in
 (with the exact two-sided sign test). The same for the ceiling (`oracle-per-request`,
 each step's best plan from every request's true α, against `oracle`, the step's best batch
-γ): where it does not separate, no per-request policy that maximises a step's goodput
-would. The runs are spread over worker processes; each is the matrix's own `simulate` and
-deterministic, so the figures do not depend on how many.
+γ): what per-request γ buys at best in step goodput, which bounds the step's goodput a
+learned plan gets, not its latency. The runs are spread over worker processes; each is
+the matrix's own `simulate` and deterministic, so the figures do not depend on how many.
 """
 
 from __future__ import annotations
@@ -82,8 +82,9 @@ COMPARISONS = (
         "The ceiling: per-request γ against batch γ, both from the true α",
         f"`{ORACLES[1]}` runs each step's best plan (cap and γ_i) from every request's true "
         f"α, `{ORACLES[0]}` the step's best batch γ; both maximise the step's expected "
-        "goodput and neither looks further ahead. Where it does not separate, no "
-        "per-request policy that maximises a step's goodput (the mode's design) would.",
+        "goodput and neither looks further ahead: the mode's design with nothing to "
+        "learn. It bounds the step goodput a learned plan gets, not its latency: where "
+        "requests queue, the mode can land on either side of it.",
     ),
 )
 
