@@ -66,9 +66,7 @@ def published_runner_memory() -> RunnerMemory | None:
 def install_worker_hooks() -> None:
     """Patch vLLM's workers and model runner (idempotent; CPUModelRunner inherits the
     runner's methods, CPUWorker sizes its KV cache its own way)."""
-    from vllm.v1.worker.cpu_worker import CPUWorker
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-    from vllm.v1.worker.gpu_worker import Worker
 
     if getattr(GPUModelRunner.execute_model, "__nightjar__", False):
         return
@@ -98,7 +96,7 @@ def install_worker_hooks() -> None:
             log.exception("nightjar memory: agent off: cannot manage this engine's memory")
         return result
 
-    for worker_class in (Worker, CPUWorker):
+    for worker_class in _worker_classes():
         _size_for_draft(worker_class)
 
     def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
@@ -112,6 +110,20 @@ def install_worker_hooks() -> None:
         patched.__nightjar__ = True
     GPUModelRunner.initialize_kv_cache = initialize_kv_cache
     GPUModelRunner.execute_model = execute_model
+
+
+def _worker_classes() -> tuple[type, ...]:
+    """The worker classes of this platform. vLLM's CPU worker module replaces torch's CUDA
+    streams, events and memory queries with CPU stand-ins when imported (its
+    ``cpu/shm.py``): it is imported on a CPU platform only, or it would break a GPU engine."""
+    from vllm.platforms import current_platform
+    from vllm.v1.worker.gpu_worker import Worker
+
+    if not current_platform.is_cpu():
+        return (Worker,)
+    from vllm.v1.worker.cpu_worker import CPUWorker
+
+    return (Worker, CPUWorker)
 
 
 @contextlib.contextmanager
@@ -175,7 +187,9 @@ def _size_for_draft(worker_class: type) -> None:
     """vLLM sizes the KV buffer from the memory its worker reports: report the draft's
     share too, so the buffer can take the draft's weights in its top blocks (draft slot)
     or the draft's memory under them (virtual memory)."""
-    determine = worker_class.determine_available_memory  # type: ignore[attr-defined]
+    determine = vars(worker_class).get("determine_available_memory")
+    if determine is None or getattr(determine, "__nightjar__", False):
+        return  # inherited (its base is patched) or patched already
 
     def determine_available_memory(self: Any) -> int:
         available: int = determine(self)
@@ -204,6 +218,7 @@ def _size_for_draft(worker_class: type) -> None:
         )
         return available + extra
 
+    determine_available_memory.__nightjar__ = True  # type: ignore[attr-defined]
     worker_class.determine_available_memory = determine_available_memory  # type: ignore[attr-defined]
 
 
