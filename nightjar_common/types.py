@@ -26,6 +26,19 @@ class BinType(enum.StrEnum):
     FORCED = "forced"
 
 
+@dataclass(frozen=True, slots=True)
+class EngineRuntime:
+    """How an engine runs speculation (StepContext.runtime): shown to operators; what it
+    means for the step time reaches the policy as ``min_draft_passes``."""
+
+    engine_version: str = ""
+    # vLLM's model runner, "v1" or "v2".
+    model_runner: str = ""
+    async_scheduling: bool = False
+    # The speculative method: draft_model, eagle, eagle3, mtp, ngram, ...
+    method: str = ""
+
+
 @dataclass(slots=True)
 class RequestSignals:
     request_id: str
@@ -60,8 +73,11 @@ class StepContext:
     # the server decides each candidate on a context with its batch size and none.
     candidate_batch_sizes: tuple[int, ...] = ()
     ran_decision_id: str = ""
-    # Draft passes the engine runs in a step even at γ = 0 (vLLM's model drafters: 1).
+    # Draft passes the engine runs in a step whatever γ is (vLLM's model drafters: 1; the
+    # V2 runner's draft model drafts Γmax always).
     min_draft_passes: int = 0
+    # How the engine runs speculation; None = not said.
+    runtime: EngineRuntime | None = None
 
 
 @dataclass(slots=True)

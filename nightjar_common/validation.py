@@ -80,6 +80,12 @@ def check_context(ctx: StepContext, limits: Limits) -> None:
             f"min_draft_passes must be in 0..{ctx.max_gamma or HARD_GAMMA_LIMIT} (max_gamma, "
             f"or {HARD_GAMMA_LIMIT} when unset), got {ctx.min_draft_passes}"
         )
+    if ctx.runtime is not None:
+        for name in ("engine_version", "model_runner", "method"):
+            if len(getattr(ctx.runtime, name)) > limits.max_engine_id_length:
+                raise InvalidArgumentError(
+                    f"runtime.{name} is longer than {limits.max_engine_id_length} characters"
+                )
     if len(ctx.candidate_batch_sizes) > MAX_CANDIDATES:
         raise InvalidArgumentError(
             f"candidate_batch_sizes has {len(ctx.candidate_batch_sizes)} entries, more than "

@@ -11,6 +11,7 @@ from nightjar_common.errors import InvalidArgumentError
 from nightjar_common.types import (
     BinType,
     Decision,
+    EngineRuntime,
     GammaTable,
     MemoryDirective,
     RanStep,
@@ -46,6 +47,7 @@ def context_from_pb(msg: pb.StepContext) -> StepContext:
         candidate_batch_sizes=tuple(msg.candidate_batch_sizes),
         ran_decision_id=msg.ran_decision_id,
         min_draft_passes=msg.min_draft_passes,
+        runtime=runtime_from_pb(msg.runtime) if msg.HasField("runtime") else None,
         requests=tuple(
             RequestSignals(
                 request_id=r.request_id,
@@ -56,6 +58,24 @@ def context_from_pb(msg: pb.StepContext) -> StepContext:
             )
             for r in msg.requests
         ),
+    )
+
+
+def runtime_from_pb(msg: pb.EngineRuntime) -> EngineRuntime:
+    return EngineRuntime(
+        engine_version=msg.engine_version,
+        model_runner=msg.model_runner,
+        async_scheduling=msg.async_scheduling,
+        method=msg.method,
+    )
+
+
+def runtime_to_pb(runtime: EngineRuntime) -> pb.EngineRuntime:
+    return pb.EngineRuntime(
+        engine_version=runtime.engine_version,
+        model_runner=runtime.model_runner,
+        async_scheduling=runtime.async_scheduling,
+        method=runtime.method,
     )
 
 
@@ -78,6 +98,8 @@ def context_to_pb(ctx: StepContext) -> pb.StepContext:
     )
     if ctx.previous_gamma is not None:
         msg.previous_gamma = ctx.previous_gamma
+    if ctx.runtime is not None:
+        msg.runtime.CopyFrom(runtime_to_pb(ctx.runtime))
     for r in ctx.requests:
         req = msg.requests.add(
             request_id=r.request_id,

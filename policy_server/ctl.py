@@ -285,6 +285,7 @@ def _state(args: argparse.Namespace, channel: grpc.Channel) -> int:
         timeout=args.timeout,
     )
     state = json.loads(reply.state_json)
+    runtimes = json.loads(reply.engines_json or "{}")
     if args.json:
         document = {
             "policy": reply.policy_name,
@@ -294,6 +295,7 @@ def _state(args: argparse.Namespace, channel: grpc.Channel) -> int:
             "reports_total": reply.reports_total,
             "engines": list(reply.engine_ids),
             "last_snapshot_unix": reply.last_snapshot_unix,
+            "runtimes": runtimes,
             "state": state,
         }
         print(json.dumps(document, indent=2, sort_keys=True))
@@ -302,6 +304,12 @@ def _state(args: argparse.Namespace, channel: grpc.Channel) -> int:
     print(f"params   {reply.params_json}")
     print(f"served   {reply.decisions_total} decisions, {reply.reports_total} reports")
     print(f"engines  {', '.join(reply.engine_ids) or '-'}")
+    for engine_id, runtime in sorted(runtimes.items()):
+        print(
+            f"  {engine_id}: vLLM {runtime['engine_version']}, {runtime['model_runner']} "
+            f"runner, {'async' if runtime['async_scheduling'] else 'sync'} scheduling, "
+            f"{runtime['method']}, drafter passes ≥ {runtime['min_draft_passes']} a step"
+        )
     summary = state.get("summary")
     if isinstance(summary, dict):
         print(f"summary  {summary.get('engines_total')} engines: {summary.get('note')}")

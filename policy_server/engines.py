@@ -17,8 +17,9 @@ import dataclasses
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
-from nightjar_common.types import Choice, MemoryDirective, StepContext
+from nightjar_common.types import Choice, EngineRuntime, MemoryDirective, StepContext
 
 # Eviction kinds, as counted in nightjar_evictions_total{kind}.
 ENGINE = "engine"
@@ -118,6 +119,18 @@ class EngineShard:
     directive: MemoryDirective = dataclasses.field(default_factory=MemoryDirective)
     # perf_counter of the engine's last request (the nightjar_engines gauge).
     last_seen: float = 0.0
+    # How the engine runs speculation, as its last context said (GetState's engines_json).
+    runtime: EngineRuntime | None = None
+    min_draft_passes: int = 0
+
+    def saw(self, ctx: StepContext) -> None:
+        if ctx.runtime is not None:
+            self.runtime, self.min_draft_passes = ctx.runtime, ctx.min_draft_passes
+
+    def runtime_view(self) -> dict[str, Any] | None:
+        if self.runtime is None:
+            return None
+        return {**dataclasses.asdict(self.runtime), "min_draft_passes": self.min_draft_passes}
 
 
 class EngineTable:

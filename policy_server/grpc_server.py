@@ -352,6 +352,7 @@ class AdminServicer(_Servicer, admin_pb2_grpc.AdminServiceServicer):  # type: ig
             engine_ids=view.engine_ids,
             last_snapshot_unix=view.last_snapshot_unix,
             memory_json=json.dumps(view.memory, sort_keys=True),
+            engines_json=json.dumps(view.engines, sort_keys=True),
         )
 
     def _holds_token(self, context: grpc.ServicerContext) -> bool:

@@ -175,6 +175,8 @@ class StateView:
     memory: dict[str, Any] = dataclasses.field(default_factory=dict)
     # Engines the sidecar holds; engine_ids may show fewer (a summary, state_view).
     engines_total: int = 0
+    # How each engine shown runs speculation (EngineShard.runtime_view).
+    engines: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def state(self) -> dict[str, Any]:
@@ -283,6 +285,7 @@ class DecisionService:
         if ctx is None:
             return None
         shard, evicted = self.engines.shard(ctx.engine_id)
+        shard.saw(ctx)
         self._forget(evicted)
         self._forget_learners(self.engines.use_learner_key(ctx.learner_key))
         with shard.lock, self._learner_part(ctx.engine_id, ctx.learner_key):
@@ -325,6 +328,7 @@ class DecisionService:
         shard, evicted = self.engines.shard(engine_id)
         self._forget(evicted)
         if ctx is not None:
+            shard.saw(ctx)
             self._forget_learners(self.engines.use_learner_key(ctx.learner_key))
         # Each step's outcome right after the step (the order they happened in, and the
         # pending-decision bound holds however long the batch), older outcomes first.
@@ -774,7 +778,17 @@ class DecisionService:
             last_snapshot_unix=self.last_snapshot_unix,
             memory={"params": dataclasses.asdict(self.memory.params), "engines": read.memory},
             engines_total=len(all_ids),
+            engines=self._runtimes(shown if not engine_id else [engine_id]),
         )
+
+    def _runtimes(self, engine_ids: Sequence[str]) -> dict[str, Any]:
+        views = {}
+        for engine_id in engine_ids:
+            shard = self.engines.get(engine_id)
+            view = shard.runtime_view() if shard is not None else None
+            if view is not None:
+                views[engine_id] = view
+        return views
 
     def _read_state(
         self, engine_ids: Sequence[str], whole: bool, allow_nan: bool, memory: bool = True

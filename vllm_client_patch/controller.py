@@ -51,7 +51,13 @@ from nightjar_common.client import (
 )
 from nightjar_common.fallback import DEFAULT_SCHEDULE
 from nightjar_common.tables import LazyStep, TableStep
-from nightjar_common.types import MemoryDirective, RequestSignals, StepContext, StepOutcome
+from nightjar_common.types import (
+    EngineRuntime,
+    MemoryDirective,
+    RequestSignals,
+    StepContext,
+    StepOutcome,
+)
 from nightjar_common.validation import MAX_CANDIDATES
 from vllm_client_patch.config import PluginConfig
 from vllm_client_patch.metrics import PluginMetrics, Totals
@@ -181,9 +187,12 @@ class GammaController:
         fallback_table: tuple[tuple[int, int, int], ...] | None = None,
         client_factory: Callable[[ClientConfig], NightjarClient] = NightjarClient,
         metrics: PluginMetrics | None = None,
+        runtime: EngineRuntime | None = None,
     ) -> None:
-        """``metrics``: exported from the telemetry thread once a second when given."""
+        """``metrics``: exported from the telemetry thread once a second when given.
+        ``runtime``: how the engine runs speculation, sent with every context."""
         self.config = config
+        self.runtime = runtime
         self.metrics = metrics
         client_config = ClientConfig(
             target=config.sidecar,
@@ -275,6 +284,7 @@ class GammaController:
             context_tokens=view.context_tokens,
             candidate_batch_sizes=candidates,
             min_draft_passes=min(view.min_draft_passes, view.max_gamma),
+            runtime=self.runtime,
             requests=requests,
         )
 

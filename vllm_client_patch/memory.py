@@ -29,7 +29,7 @@ from memory_agent.elastic_draft import ElasticDraft
 from memory_agent.metrics import AgentMetrics
 from memory_agent.orders import Action, Order, WorkerOrder
 from memory_agent.vmm import ElasticMemory
-from nightjar_common.types import MemoryDirective
+from nightjar_common.types import EngineRuntime, MemoryDirective
 from vllm_client_patch import kv_vmm
 from vllm_client_patch.config import PluginConfig
 from vllm_client_patch.kv_pool import ElasticBlockPool
@@ -283,8 +283,18 @@ class SchedulerMemory:
             self.server = serve(agent, config.memory_socket, token, config.memory_socket_mode)
 
     @classmethod
-    def create(cls, config: PluginConfig, kv_cache_manager: Any) -> SchedulerMemory | None:
+    def create(
+        cls, config: PluginConfig, kv_cache_manager: Any, runtime: EngineRuntime
+    ) -> SchedulerMemory | None:
         if not config.memory_agent:
+            return None
+        if runtime.model_runner == "v2":
+            log.warning(
+                "nightjar memory: agent off: vLLM's V2 model runner (its CUDA default since "
+                "0.33) is not wired to the memory agent (draft offload/reload, KV growth and "
+                "compaction); start the engine with VLLM_USE_V2_MODEL_RUNNER=0 to run it. "
+                "γ per step and per request work on both runners"
+            )
             return None
         agent = published_agent()
         if agent is None:

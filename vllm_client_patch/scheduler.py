@@ -44,6 +44,7 @@ from vllm_client_patch.controller import EngineView, GammaController, HookTime, 
 from vllm_client_patch.memory import ORDER_ATTR, SchedulerMemory
 from vllm_client_patch.metrics import PluginMetrics
 from vllm_client_patch.release import SUPPORTED, vllm_release
+from vllm_client_patch.runtime import describe
 
 log = logging.getLogger(__name__)
 
@@ -170,16 +171,19 @@ def verified_step(
 
 
 def cut_drafts(requests: Mapping[str, Any], limits: Mapping[str, int]) -> tuple[int, int]:
-    """Cut each named request's proposed drafts (``spec_token_ids``) to its limit; the
-    requests and drafts cut. Fewer drafts verify the same tokens: lossless."""
+    """Cut each named request's drafts or draft slots (``spec_token_ids``) to its limit;
+    the requests and drafts cut. Fewer drafts verify the same tokens: lossless. A new list
+    each time: vLLM's async scheduler gives every request the same placeholder list."""
     cut_requests = cut_tokens = 0
     for request_id, limit in limits.items():
         request = requests.get(request_id)
-        drafts = request.spec_token_ids if request is not None else None
+        if request is None:
+            continue
+        drafts = request.spec_token_ids
         if drafts and len(drafts) > limit:
             cut_requests += 1
             cut_tokens += len(drafts) - limit
-            del drafts[limit:]
+            request.spec_token_ids = drafts[:limit]
     return cut_requests, cut_tokens
 
 
@@ -190,11 +194,13 @@ class _NightjarMixin:
     _memory: SchedulerMemory | None = None
     # Per-request γ below the step's, by request id: applied where the drafts arrive.
     _draft_limits: Mapping[str, int] = {}
-    # vLLM's model drafters (draft model, EAGLE: those with a KV cache of their own) run
-    # their first pass at γ = 0 too, to keep that cache in step (SpecDecodeBaseProposer.
-    # propose), so a γ = 0 step costs what a γ = 1 draft does (docs/POLICIES.md, "Step time
-    # is one smooth function").
-    _drafts_at_gamma_zero: int = 0
+    # Draft passes a step runs whatever its γ (runtime.py): vLLM's model drafters run
+    # their first pass at γ = 0 too, the V2 runner's draft model drafts Γmax always
+    # (docs/POLICIES.md, "Step time is one smooth function").
+    _min_draft_passes: int = 0
+    # Whether the next step's draft slots are set here, before the drafts exist (vLLM's
+    # async scheduling): per-request γ then shortens the slots themselves.
+    _slots_before_drafts: bool = False
     # Whether a request aborted during a step may still be in self.requests at its update
     # (a KV or encoder-cache connector delays freeing it): verified_step then reads statuses.
     _finished_kept: bool = False
@@ -231,6 +237,18 @@ class _NightjarMixin:
                     self._memory.offer(directive)
             scheduler_output.num_spec_tokens_to_schedule = gamma
         super()._update_after_schedule(scheduler_output)  # type: ignore[misc]
+        if self._slots_before_drafts and self._draft_limits and self._nightjar is not None:
+            # vLLM's async scheduler just gave every request the step's γ draft slots (one
+            # shared placeholder list): a request with a smaller γ verifies fewer.
+            self._nightjar.truncated(*cut_drafts(self.requests, self._draft_limits))
+
+    def update_draft_token_ids(self: Any, draft_token_ids: Any) -> None:
+        """Synchronous engines: the drafts arrive here, after the step; cut each to its
+        request's γ before the next step schedules them."""
+        super().update_draft_token_ids(draft_token_ids)  # type: ignore[misc]
+        limits, self._draft_limits = self._draft_limits, {}
+        if limits and self._nightjar is not None:
+            self._nightjar.truncated(*cut_drafts(self.requests, limits))
 
     def update_from_output(
         self: Any, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
@@ -280,20 +298,32 @@ class _NightjarMixin:
                 "speculative_config.num_speculative_tokens_per_batch_size set"
             )
             return
-        self._drafts_at_gamma_zero = 1 if spec.uses_draft_kv_cache() else 0
+        speculation = describe(self.vllm_config)
+        self._min_draft_passes = speculation.min_draft_passes
+        self._slots_before_drafts = isinstance(self, AsyncScheduler)
         connectors = (getattr(self, name, None) for name in ("connector", "ec_connector"))
         self._finished_kept = any(c is not None for c in connectors)
         self._nightjar = GammaController(
-            config, tuple(tuple(row) for row in table), metrics=PluginMetrics.create()
+            config,
+            tuple(tuple(row) for row in table),
+            metrics=PluginMetrics.create(),
+            runtime=speculation.runtime,
         )
-        self._memory = SchedulerMemory.create(config, self.kv_cache_manager)
+        self._memory = SchedulerMemory.create(config, self.kv_cache_manager, speculation.runtime)
+        runtime = speculation.runtime
         log.info(
-            "nightjar: γ per step from %s (engine %s, learner key %r, Γmax %d, deadline %.1f ms)",
+            "nightjar: γ per step from %s (engine %s, learner key %r, Γmax %d, deadline %.1f "
+            "ms; vLLM %s, %s runner, %s scheduling, %s: %d draft passes a step at least)",
             config.sidecar,
             config.engine_id,
             config.learner_key,
             self.num_spec_tokens,
             config.deadline_ms,
+            runtime.engine_version,
+            runtime.model_runner,
+            "async" if runtime.async_scheduling else "sync",
+            runtime.method,
+            speculation.min_draft_passes,
         )
 
     def _engine_view(self: Any, shape: BatchShape) -> EngineView:
@@ -311,7 +341,7 @@ class _NightjarMixin:
             max_gamma=self.num_spec_tokens,
             draft_resident=resident,
             # An offloaded drafter does not run at all (memory.guard_drafter).
-            min_draft_passes=self._drafts_at_gamma_zero if resident else 0,
+            min_draft_passes=self._min_draft_passes if resident else 0,
             request_ids=shape.request_ids,
         )
 
@@ -321,15 +351,10 @@ class NightjarScheduler(_NightjarMixin, Scheduler):  # type: ignore[misc]
     per-request policy's γ per request: the drafter runs to the step's γ, then each
     request's drafts are cut to its own before the next step schedules them."""
 
-    def update_draft_token_ids(self, draft_token_ids: Any) -> None:
-        super().update_draft_token_ids(draft_token_ids)
-        limits, self._draft_limits = self._draft_limits, {}
-        if limits and self._nightjar is not None:
-            self._nightjar.truncated(*cut_drafts(self.requests, limits))
-
 
 class NightjarAsyncScheduler(_NightjarMixin, AsyncScheduler):  # type: ignore[misc]
-    """vLLM's async scheduler with γ from the sidecar. Step k+1 is scheduled before step
-    k's update, so several decisions can be pending; the controller keeps them in order.
-    A per-request policy's γ applies as the batch's cap only: the next step's draft slots
-    are scheduled before the drafts arrive, so cutting them would save nothing."""
+    """vLLM's async scheduler (its GPU default) with γ from the sidecar. Step k+1 is
+    scheduled before step k's update, so several decisions can be pending; the controller
+    keeps them in order. The drafts stay on the device (vLLM never hands them to the
+    scheduler): a per-request policy's γ shortens each request's draft slots instead, set
+    as the step is scheduled, so the next step verifies only that many of the drafts."""

@@ -173,7 +173,33 @@ def _v2_runner() -> dict[str, Any]:
     except Exception as exc:
         return _verdict(False, f"cannot import the V2 runner: {exc}")
     untouched = not any(_marked(v) for v in vars(V2Runner).values())
-    return _verdict(untouched, "importable, unpatched" if untouched else "patched")
+    in_full = _drafts_in_full()
+    return _verdict(
+        untouched and in_full,
+        {"unpatched": untouched, "draft_model_drafts_gamma_max_whatever_gamma": in_full},
+    )
+
+
+def _drafts_in_full() -> bool:
+    """The V2 draft-model speculator's propose() takes the step's γ and never reads it:
+    it drafts Γmax tokens (what runtime.py charges the step for)."""
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm.v1.worker.gpu.spec_decode.standalone_ar.speculator")
+    assert spec is not None and spec.origin is not None
+    with open(spec.origin, encoding="utf-8") as source:
+        tree = ast.parse(source.read())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and node.name == "StandaloneARSpeculator":
+            for method in node.body:
+                if isinstance(method, ast.FunctionDef) and method.name == "propose":
+                    names = {a.arg for a in (*method.args.args, *method.args.kwonlyargs)}
+                    read = {n.id for n in ast.walk(method) if isinstance(n, ast.Name)}
+                    return (
+                        "num_speculative_tokens" in names and "num_speculative_tokens" not in read
+                    )
+    return False
 
 
 def _verdict(ok: bool, detail: Any) -> dict[str, Any]:

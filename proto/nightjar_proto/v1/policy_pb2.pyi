@@ -21,7 +21,7 @@ class RequestSignals(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., context_tokens: _Optional[int] = ..., recent_accepts: _Optional[_Iterable[int]] = ..., kl_divergence: _Optional[float] = ..., draft_entropy: _Optional[float] = ...) -> None: ...
 
 class StepContext(_message.Message):
-    __slots__ = ("engine_id", "step_index", "batch_size", "num_waiting", "free_kv_blocks", "total_kv_blocks", "max_draft_lag_tokens", "draft_resident", "previous_gamma", "max_gamma", "learner_key", "requests", "context_tokens", "candidate_batch_sizes", "ran_decision_id", "min_draft_passes")
+    __slots__ = ("engine_id", "step_index", "batch_size", "num_waiting", "free_kv_blocks", "total_kv_blocks", "max_draft_lag_tokens", "draft_resident", "previous_gamma", "max_gamma", "learner_key", "requests", "context_tokens", "candidate_batch_sizes", "ran_decision_id", "min_draft_passes", "runtime")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_INDEX_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,7 @@ class StepContext(_message.Message):
     CANDIDATE_BATCH_SIZES_FIELD_NUMBER: _ClassVar[int]
     RAN_DECISION_ID_FIELD_NUMBER: _ClassVar[int]
     MIN_DRAFT_PASSES_FIELD_NUMBER: _ClassVar[int]
+    RUNTIME_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
     step_index: int
     batch_size: int
@@ -54,7 +55,20 @@ class StepContext(_message.Message):
     candidate_batch_sizes: _containers.RepeatedScalarFieldContainer[int]
     ran_decision_id: str
     min_draft_passes: int
-    def __init__(self, engine_id: _Optional[str] = ..., step_index: _Optional[int] = ..., batch_size: _Optional[int] = ..., num_waiting: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., max_draft_lag_tokens: _Optional[int] = ..., draft_resident: bool = ..., previous_gamma: _Optional[int] = ..., max_gamma: _Optional[int] = ..., learner_key: _Optional[str] = ..., requests: _Optional[_Iterable[_Union[RequestSignals, _Mapping]]] = ..., context_tokens: _Optional[int] = ..., candidate_batch_sizes: _Optional[_Iterable[int]] = ..., ran_decision_id: _Optional[str] = ..., min_draft_passes: _Optional[int] = ...) -> None: ...
+    runtime: EngineRuntime
+    def __init__(self, engine_id: _Optional[str] = ..., step_index: _Optional[int] = ..., batch_size: _Optional[int] = ..., num_waiting: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., max_draft_lag_tokens: _Optional[int] = ..., draft_resident: bool = ..., previous_gamma: _Optional[int] = ..., max_gamma: _Optional[int] = ..., learner_key: _Optional[str] = ..., requests: _Optional[_Iterable[_Union[RequestSignals, _Mapping]]] = ..., context_tokens: _Optional[int] = ..., candidate_batch_sizes: _Optional[_Iterable[int]] = ..., ran_decision_id: _Optional[str] = ..., min_draft_passes: _Optional[int] = ..., runtime: _Optional[_Union[EngineRuntime, _Mapping]] = ...) -> None: ...
+
+class EngineRuntime(_message.Message):
+    __slots__ = ("engine_version", "model_runner", "async_scheduling", "method")
+    ENGINE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_RUNNER_FIELD_NUMBER: _ClassVar[int]
+    ASYNC_SCHEDULING_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    engine_version: str
+    model_runner: str
+    async_scheduling: bool
+    method: str
+    def __init__(self, engine_version: _Optional[str] = ..., model_runner: _Optional[str] = ..., async_scheduling: bool = ..., method: _Optional[str] = ...) -> None: ...
 
 class StepOutcome(_message.Message):
     __slots__ = ("decision_id", "engine_id", "gamma", "step_seconds", "generated_tokens", "drafted_tokens", "accepted_tokens", "requests", "prefill_tokens", "draft_gamma", "request_accepted_tokens")

