@@ -877,3 +877,50 @@ def test_runs_once_a_gamma_the_model_has_only_extrapolated_to() -> None:
     untried = [share_of_best_at_64(seed, 0.0) for seed in range(10)]
     assert sum(untried) / len(untried) < 0.9
     assert sum(tried) / len(tried) >= 0.97 and min(tried) > 0.9, tried
+
+
+def test_a_drafter_that_always_drafts_gamma_max_is_priced_so() -> None:
+    """vLLM's V2 draft-model speculator drafts Γmax tokens every step whatever γ is
+    (StepContext.min_draft_passes = Γmax): a smaller γ saves verification only. Trained at
+    batches 1–4 and asked at batch 64, the policy told so expects of the γ it would pick
+    what that γ delivers (within 10 %), a γ within 5 % of the best; told the V1 figure
+    (1 pass), it believes a smaller γ saves drafting and expects 40 % more of its pick
+    than it delivers."""
+    alpha, gamma_max = 0.8, 3
+
+    def step_ms(batch: int, gamma: int) -> float:  # launch, per token, Γmax draft passes
+        return 30.0 + 4.0 * batch * (gamma + 1) + gamma_max * (8.0 + 0.9 * batch)
+
+    def truth(batch: int, gamma: int) -> float:
+        return 1000.0 * batch * expected_tokens(alpha, gamma) / step_ms(batch, gamma)
+
+    def estimate_at_64(min_draft_passes: int) -> list[float]:
+        rng = random.Random(0)
+        policy = GoodputModelPolicy({"gamma_max": gamma_max, "seed": 0})
+        for i in range(400):
+            batch = 1 + i % 4
+            ctx = StepContext(
+                "e",
+                batch,
+                step_index=i,
+                max_gamma=gamma_max,
+                context_tokens=100 * batch,
+                min_draft_passes=min_draft_passes,
+            )
+            choice = policy.decide(ctx)
+            gamma = choice.gamma
+            policy.observe(
+                ctx, choice, sampled_outcome(rng, alpha, batch, gamma, step_ms(batch, gamma), 0.03)
+            )
+        at_64 = StepContext(
+            "e", 64, max_gamma=gamma_max, context_tokens=6400, min_draft_passes=min_draft_passes
+        )
+        return policy.predicted_goodput(policy.learner_of("e"), at_64)[: gamma_max + 1]
+
+    best = max(truth(64, gamma) for gamma in range(gamma_max + 1))
+    told, untold = estimate_at_64(gamma_max), estimate_at_64(1)
+    pick = max(range(gamma_max + 1), key=lambda gamma: told[gamma])
+    assert abs(told[pick] / truth(64, pick) - 1.0) < 0.10, told
+    assert truth(64, pick) > 0.95 * best
+    pick = max(range(gamma_max + 1), key=lambda gamma: untold[gamma])
+    assert untold[pick] > 1.4 * truth(64, pick), untold
