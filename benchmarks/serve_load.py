@@ -74,14 +74,47 @@ def write_prompts(questions: Path, out: Path, max_chars: int) -> Path:
 
 
 @dataclasses.dataclass(frozen=True)
+class RandomTokens:
+    """vLLM's `random` dataset: prompts of `input_len` random token ids (no text, no
+    prefix sharing), the same for a seed."""
+
+    input_len: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Load:
     """What every phase of a benchmark shares."""
 
     base_url: str
     model: Path  # the served model's directory: vLLM's client loads its tokenizer from it
     served_model_name: str
-    dataset: Path  # a `custom` dataset file (write_prompts)
+    # A `custom` dataset file (write_prompts), or vLLM's random token prompts.
+    dataset: Path | RandomTokens
     output_len: int
+
+
+def dataset_argv(load: Load) -> list[str]:
+    """The `vllm bench serve` flags of the load's prompts and their output length."""
+    if isinstance(load.dataset, RandomTokens):
+        return [
+            "--dataset-name",
+            "random",
+            "--random-input-len",
+            str(load.dataset.input_len),
+            "--random-output-len",
+            str(load.output_len),
+            "--random-range-ratio",
+            "0",
+        ]
+    return [
+        "--dataset-name",
+        "custom",
+        "--dataset-path",
+        str(load.dataset),
+        "--skip-chat-template",
+        "--custom-output-len",
+        str(load.output_len),
+    ]
 
 
 def bench_serve_argv(
@@ -106,13 +139,7 @@ def bench_serve_argv(
         str(load.model),
         "--served-model-name",
         load.served_model_name,
-        "--dataset-name",
-        "custom",
-        "--dataset-path",
-        str(load.dataset),
-        "--skip-chat-template",
-        "--custom-output-len",
-        str(load.output_len),
+        *dataset_argv(load),
         "--ignore-eos",
         "--temperature",
         f"{temperature:g}",

@@ -40,6 +40,7 @@ from benchmarks.report import write_section
 from benchmarks.serve_load import (
     Load,
     Phase,
+    RandomTokens,
     ServeResult,
     bench_serve_argv,
     parse_schedule,
@@ -264,6 +265,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "highest rate before the first pass, under `table` (0 = none); "
         "without it the first pass pays the engine's warm-up",
     )
+    parser.add_argument(
+        "--dataset",
+        choices=("spec-bench", "random"),
+        default="spec-bench",
+        help="prompts: the Spec-Bench questions (--prompts, cut to --prompt-chars) or vLLM's "
+        "`random` dataset (random token ids, --input-len tokens each); each writes its own "
+        "section",
+    )
+    parser.add_argument(
+        "--input-len", type=int, default=32, help="prompt tokens with --dataset random"
+    )
     parser.add_argument("--output-len", type=int, default=64, help="output tokens per request")
     parser.add_argument(
         "--temperatures",
@@ -284,8 +296,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.quick:
         parser.set_defaults(**QUICK)
         args = parser.parse_args(argv)
-    if args.repetitions < 1 or args.output_len < 2 or args.prompt_chars < 1:
-        parser.error("--repetitions and --prompt-chars must be >= 1, --output-len >= 2")
+    if args.repetitions < 1 or args.output_len < 2 or args.prompt_chars < 1 or args.input_len < 1:
+        parser.error(
+            "--repetitions, --prompt-chars and --input-len must be >= 1, --output-len >= 2"
+        )
     return args
 
 
@@ -302,7 +316,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         base,
         pair.target,
         MODEL_NAME,
-        write_prompts(args.prompts, work / "prompts.jsonl", args.prompt_chars),
+        RandomTokens(args.input_len)
+        if args.dataset == "random"
+        else write_prompts(args.prompts, work / "prompts.jsonl", args.prompt_chars),
         args.output_len,
     )
     env = {
@@ -409,6 +425,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     (results / "runs.json").write_text(json.dumps(manifest, indent=1))
     elapsed = time.monotonic() - started
     section = SECTION if len(args.temperatures) == 1 else f"{SECTION}-mixed"
+    if args.dataset == "random":
+        section += "-random"
     write_section(args.out, section, render(runs, stats, startup, elapsed, GAMMA_MAX, args))
     print(f"bench-vllm: {len(runs)} passes in {elapsed / 60:.1f} min", file=sys.stderr)
     return 0

