@@ -62,6 +62,10 @@ def speculative_config(method: str, draft: Path | None) -> dict[str, Any] | None
         return None
     if method == "draft_model":
         return draft_model_config(str(draft))
+    if method == "eagle3":  # `draft`: the head (tiny_models.build_eagle3_head)
+        return {"method": "eagle3", "model": str(draft), **_dynamic_schedule()}
+    if method == "mtp":  # the target's own MTP layers (tiny_models.build_mtp_target)
+        return {"method": "mtp", **_dynamic_schedule()}
     return {
         "method": "ngram",
         "prompt_lookup_min": 1,
