@@ -68,7 +68,9 @@ def default_learner_key(vllm_config: Any) -> str:
         key += f";tp={tensor_parallel}"
     spec = vllm_config.speculative_config
     if spec is not None:
-        key += f";draft={_basename(spec.model) if spec.model else spec.method}"
+        # MTP's draft is the target's own layers (vLLM names the target as its model).
+        own = not spec.model or spec.model == model_config.model
+        key += f";draft={spec.method if own else _basename(spec.model)}"
     return key[:MAX_ID_LENGTH]
 
 

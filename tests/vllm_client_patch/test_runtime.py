@@ -55,3 +55,27 @@ def test_the_runtime_names_the_release_and_the_scheduling() -> None:
     runtime = describe(vllm_config("eagle3", False, async_scheduling=False)).runtime
     assert runtime.engine_version == vllm.__version__
     assert runtime.async_scheduling is False
+
+
+@pytest.mark.parametrize(
+    ("spec", "key"),
+    [
+        (None, "target@cpu"),
+        ({"method": "draft_model", "model": "/models/qwen-0.5b/"}, "target@cpu;draft=qwen-0.5b"),
+        ({"method": "eagle3", "model": "org/eagle3-head"}, "target@cpu;draft=eagle3-head"),
+        # MTP drafts with the target's own layers: vLLM names the target as the draft model.
+        ({"method": "mtp", "model": "/models/org/target"}, "target@cpu;draft=mtp"),
+        ({"method": "ngram", "model": None}, "target@cpu;draft=ngram"),
+    ],
+)
+def test_the_default_learner_key_names_model_device_and_draft(
+    spec: dict[str, Any] | None, key: str
+) -> None:
+    from vllm_client_patch.scheduler import default_learner_key
+
+    config = SimpleNamespace(
+        model_config=SimpleNamespace(served_model_name=None, model="/models/org/target"),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1),
+        speculative_config=SimpleNamespace(**spec) if spec is not None else None,
+    )
+    assert default_learner_key(config) == key
