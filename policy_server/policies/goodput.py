@@ -530,6 +530,21 @@ class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner])
         learner = self._book.learners[learner_id]
         return _tpot_ms(self._point(learner, ctx, self._params.gamma_max))
 
+    def predicted_step_ms(self, learner_id: str, ctx: StepContext, outcome: StepOutcome) -> float:
+        """The step-time regression's ms for a step as it ran (its γ, drafts, prefill and
+        context; no local correction): what the learner expected of it, to set beside the
+        measured time."""
+        learner = self._book.learners[learner_id]
+        x = step_features(
+            ctx.batch_size,
+            outcome.gamma,
+            outcome.prefill_tokens,
+            ctx.context_tokens,
+            outcome.drafted_gamma,
+            ctx.min_draft_passes,
+        )
+        return float(x @ learner.step_time.fit().weights)
+
     def learner_of(self, engine_id: str) -> str:
         return self._book.engines[engine_id].learner_id
 
