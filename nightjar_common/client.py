@@ -15,8 +15,8 @@ The engine must never wait on the sidecar longer than a step can afford:
   thread builds no protobuf and waits on nothing unless its table cannot answer;
 * a background thread reconnects with backoff after the sidecar goes away.
 
-One thing over ~700 lines: the client's connection, stream, prefetch and fallback share
-one lock and one reader thread, so they stay together.
+The client's connection, stream, prefetch and fallback share one lock and one reader
+thread, so they stay together.
 """
 
 from __future__ import annotations

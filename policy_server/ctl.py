@@ -1,6 +1,6 @@
 """`nightjarctl`: inspect and steer a running Nightjar sidecar.
 
-One command line over ~450 lines: its subcommands (state, swap, set-params, snapshot,
+One command line: its subcommands (state, swap, set-params, snapshot,
 restore, export/import, reset, health, decide, memory, replay, evaluate) share one parser,
 one channel set-up and one error rendering; the work behind them lives in their own
 modules (fleet, replay, counterfactual).

@@ -6,7 +6,7 @@ and in-process users all call it. An engine's step holds its own locks only: its
 learner_locks.py); policy activation (swap, set-params, restore, reset) holds every
 learner's, is atomic and leaves the last good policy in place when it fails.
 
-One thing over ~600 lines: every path that touches the active policy and the pending
+Every path that touches the active policy and the pending
 decisions (decide, report, commit, swap, restore, snapshot) takes those locks in one
 order, so they live together; per-engine bookkeeping is in engines.py, the policies in
 policies/.
@@ -136,7 +136,8 @@ class TableOptions:
     half_width: int = DEFAULT_HALF_WIDTH
     # Steps and milliseconds a table serves at most (GammaTable.valid_steps, valid_ms):
     # an engine whose sidecar stopped answering falls back past them. Engines refresh
-    # long before (the plugin every 8 steps); these bound what a frozen sidecar costs.
+    # long before (the plugin every TABLE_REFRESH_STEPS steps); these bound what a frozen
+    # sidecar costs.
     valid_steps: int = 64
     valid_ms: float = 1000.0
 
@@ -214,7 +215,7 @@ class DecisionService:
         self.metrics = metrics or Metrics()
         self.decision_log = decision_log
         self.state_dir = Path(state_dir) if state_dir else None
-        # Elastic memory (DESIGN §4); disabled unless configured.
+        # Elastic memory (docs/MEMORY.md); disabled unless configured.
         self.memory = memory or MemoryController(MemoryParams())
         # The draft state last published in nightjar_memory_draft_state, per engine.
         self._published_draft_state: dict[str, DraftState] = {}

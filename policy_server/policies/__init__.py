@@ -63,7 +63,8 @@ REGISTRY: dict[str, PolicySpec] = {
     for spec in (
         PolicySpec(
             "nightjar",
-            "Per-batch-size bin-greedy bandit with switching cost (Nightjar, seed 001).",
+            "Per-batch-size bin-greedy bandit with switching cost "
+            "(Nightjar, Li et al., arXiv:2512.22420).",
             NightjarPolicy,
             NightjarParams,
         ),

@@ -29,7 +29,7 @@ decision:
 Both models forget exponentially (``acceptance_window_steps``, ``time_window_steps``), so
 the choice follows a change of the request mix or of the step-time curve.
 
-One policy over ~650 lines: its decision, its one-pass candidate sets, its learned state
+One policy: its decision, its one-pass candidate sets, its learned state
 and that state's JSON form share the engine and learner records; the models are in
 models.py, the per-engine plumbing in engine_state.py.
 """

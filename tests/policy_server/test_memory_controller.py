@@ -1,4 +1,4 @@
-"""Elastic-memory controller over scripted step sequences (DESIGN §4)."""
+"""Elastic-memory controller over scripted step sequences (docs/MEMORY.md)."""
 
 from __future__ import annotations
 

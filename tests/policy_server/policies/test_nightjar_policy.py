@@ -1,4 +1,4 @@
-"""Nightjar's algorithm (DESIGN §3, Algorithm 1 of the paper), tested on the policy object."""
+"""Nightjar's algorithm (Algorithm 1 of arXiv:2512.22420), tested on the policy object."""
 
 from __future__ import annotations
 
@@ -159,8 +159,9 @@ def test_switching_cost_changes_the_argmin_when_previous_gamma_is_zero(tmp_path:
 
 
 def test_after_the_draft_comes_back_the_switching_cost_applies(tmp_path: Path) -> None:
-    """DESIGN §4: steps forced to γ=0 while the draft is offloaded leave γ_prev = 0, so the
-    first decision after a verified reload weighs c_prefill like any switch from γ=0."""
+    """Elastic memory (docs/MEMORY.md): steps forced to γ=0 while the draft is offloaded
+    leave γ_prev = 0, so the first decision after a verified reload weighs c_prefill like
+    any switch from γ=0."""
     table = write_cost_table(tmp_path / "cprefill.csv", ms=20.0)
     means = [100.0, 110.0, 112.0, 111.0, 105.0]
     policy = NightjarPolicy({"prefill_cost_table": str(table)})
