@@ -531,10 +531,12 @@ class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner])
         return _tpot_ms(self._point(learner, ctx, self._params.gamma_max))
 
     def predicted_step_ms(self, learner_id: str, ctx: StepContext, outcome: StepOutcome) -> float:
-        """The step-time regression's ms for a step as it ran (its γ, drafts, prefill and
-        context; no local correction): what the learner expected of it, to set beside the
-        measured time."""
+        """What the learner expected of a step as it ran (its γ, drafts, prefill and
+        context), to set beside the measured time: the step-time regression, plus for a
+        decode step the local correction of its batch-size octave and γ, as a decision
+        prices it."""
         learner = self._book.learners[learner_id]
+        weights = learner.step_time.fit().weights
         x = step_features(
             ctx.batch_size,
             outcome.gamma,
@@ -543,7 +545,12 @@ class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner])
             outcome.drafted_gamma,
             ctx.min_draft_passes,
         )
-        return float(x @ learner.step_time.fit().weights)
+        ms = float(x @ weights)
+        if self._params.local_correction and not outcome.prefill_tokens:
+            top = self._params.gamma_max
+            offsets = learner.correction.offsets_ms(weights, ctx.batch_size, top, 0.0, None)
+            ms += float(offsets[min(outcome.gamma, top)])
+        return ms
 
     def learner_of(self, engine_id: str) -> str:
         return self._book.engines[engine_id].learner_id
