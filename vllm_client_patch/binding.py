@@ -32,7 +32,8 @@ class Symbol:
     qualname: str
     params: tuple[str, ...] = ()
     attributes: tuple[str, ...] = ()
-    # Attribute names its source must read or write: how vLLM moves what the plugin sets.
+    # Names its source must read or write (attributes, or variables such as a parameter
+    # passed on): how vLLM moves what the plugin sets.
     mentions: tuple[str, ...] = ()
     why: str = ""
 
@@ -165,7 +166,14 @@ BINDING: tuple[Symbol, ...] = (
         _V1_RUNNER,
         "GPUModelRunner.initialize_kv_cache",
         ("self", "kv_cache_config", "is_profiling", "kv_cache_allocation_context"),
+        mentions=("initialize_kv_cache_tensors",),
         why="the memory agent allocates the KV buffer in its own memory",
+    ),
+    Symbol(
+        _V1_RUNNER,
+        "GPUModelRunner.initialize_kv_cache_tensors",
+        mentions=("kv_cache_allocation_context",),
+        why="the allocation runs inside the context the plugin passes (KV in virtual memory)",
     ),
     Symbol(
         _V1_RUNNER,
@@ -257,6 +265,7 @@ def _attributes_problem(symbol: Symbol, known: set[str]) -> str:
 
 def _mentions_problem(symbol: Symbol, tree: ast.AST) -> str:
     used = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)}
+    used.update(node.id for node in ast.walk(tree) if isinstance(node, ast.Name))
     missing = [name for name in symbol.mentions if name not in used]
     return f"{symbol.name} no longer uses {', '.join(missing)}" if missing else ""
 
