@@ -79,3 +79,28 @@ def test_the_default_learner_key_names_model_device_and_draft(
         speculative_config=SimpleNamespace(**spec) if spec is not None else None,
     )
     assert default_learner_key(config) == key
+
+
+def test_the_memory_agent_says_it_is_off_on_the_v2_runner(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """vLLM's V2 runner (its CUDA default) is not wired to the agent: one line at start
+    names what is off and the setting that turns it on; the V1 runner gets no such line."""
+    from nightjar_common.types import EngineRuntime
+    from vllm_client_patch.config import PluginConfig
+    from vllm_client_patch.memory import SchedulerMemory
+
+    config = PluginConfig(sidecar="unix:unused.sock", memory_agent=True)
+    with caplog.at_level("WARNING", logger="vllm_client_patch.memory"):
+        v2 = SchedulerMemory.create(config, None, EngineRuntime("0.33.0", "v2", True, "eagle3"))
+    assert v2 is None
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "agent off: vLLM's V2 model runner" in line
+    assert "VLLM_USE_V2_MODEL_RUNNER=0" in line
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="vllm_client_patch.memory"):
+        # V1 in a process without the published agent (another executor): its own reason.
+        SchedulerMemory.create(config, None, EngineRuntime("0.32.0", "v1", False, "eagle3"))
+    assert "V2" not in " ".join(r.getMessage() for r in caplog.records)
+    off = PluginConfig(sidecar="unix:unused.sock")
+    assert SchedulerMemory.create(off, None, EngineRuntime(model_runner="v2")) is None
