@@ -229,6 +229,8 @@ def _check(symbol: Symbol) -> Finding:
         owner, target = target, getattr(target, part, _MISSING)
         if target is _MISSING:
             return Finding(symbol, "import", f"{symbol.name} does not exist")
+    # vLLM's own code under a hook the plugin installed (the hooks set __wrapped__).
+    target = inspect.unwrap(target) if callable(target) else target
     problem = _params_problem(symbol, _signature_params(target)) if symbol.params else ""
     if not problem and symbol.attributes:
         cls = target if inspect.isclass(target) else owner

@@ -106,8 +106,9 @@ def install_worker_hooks() -> None:
         return execute(self, scheduler_output, *args, **kwargs)
 
     patched: Any
-    for patched in (initialize_kv_cache, execute_model):
+    for patched, stock in ((initialize_kv_cache, initialize), (execute_model, execute)):
         patched.__nightjar__ = True
+        patched.__wrapped__ = stock  # inspect.unwrap finds vLLM's own
     GPUModelRunner.initialize_kv_cache = initialize_kv_cache
     GPUModelRunner.execute_model = execute_model
 
@@ -219,6 +220,7 @@ def _size_for_draft(worker_class: type) -> None:
         return available + extra
 
     determine_available_memory.__nightjar__ = True  # type: ignore[attr-defined]
+    determine_available_memory.__wrapped__ = determine  # type: ignore[attr-defined]
     worker_class.determine_available_memory = determine_available_memory  # type: ignore[attr-defined]
 
 

@@ -74,4 +74,5 @@ def _install_default_scheduler() -> None:
         )
 
     get_scheduler_cls.__nightjar__ = True  # type: ignore[attr-defined]
+    get_scheduler_cls.__wrapped__ = stock  # type: ignore[attr-defined]
     SchedulerConfig.get_scheduler_cls = get_scheduler_cls
