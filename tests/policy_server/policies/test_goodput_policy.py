@@ -12,6 +12,7 @@ import itertools
 import json
 import random
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -682,6 +683,34 @@ def test_a_cell_once_run_is_never_unrun_again_and_a_loaded_state_says_which_ran(
     assert loaded.unrun(octave, 4) == (0, 1, 3)
 
 
+def trained_at_small_batches_estimate_at_64(
+    step_ms: Callable[[int, int], float], alpha: float, gamma_max: int, min_draft_passes: int
+) -> list[float]:
+    """The policy's goodput per γ at batch 64 after 400 steps at batches 1–4 of an engine
+    whose steps take ``step_ms(batch, γ)``, told ``min_draft_passes``."""
+    rng = random.Random(0)
+    policy = GoodputModelPolicy({"gamma_max": gamma_max, "seed": 0})
+    for i in range(400):
+        batch = 1 + i % 4
+        ctx = StepContext(
+            "e",
+            batch,
+            step_index=i,
+            max_gamma=gamma_max,
+            context_tokens=100 * batch,
+            min_draft_passes=min_draft_passes,
+        )
+        choice = policy.decide(ctx)
+        gamma = choice.gamma
+        policy.observe(
+            ctx, choice, sampled_outcome(rng, alpha, batch, gamma, step_ms(batch, gamma), 0.03)
+        )
+    at_64 = StepContext(
+        "e", 64, max_gamma=gamma_max, context_tokens=6400, min_draft_passes=min_draft_passes
+    )
+    return policy.predicted_goodput(policy.learner_of("e"), at_64)[: gamma_max + 1]
+
+
 def test_a_gamma_zero_step_is_priced_with_the_draft_pass_the_engine_runs_anyway() -> None:
     """vLLM's drafter runs its first pass at γ = 0 too (StepContext.min_draft_passes = 1):
     on an engine that does, trained at batches 1–4 (where the policy runs γ ≥ 1), the
@@ -697,27 +726,7 @@ def test_a_gamma_zero_step_is_priced_with_the_draft_pass_the_engine_runs_anyway(
         return 1000.0 * batch * expected_tokens(alpha, gamma) / step_ms(batch, gamma)
 
     def estimate_at_64(min_draft_passes: int) -> list[float]:
-        rng = random.Random(0)
-        policy = GoodputModelPolicy({"gamma_max": 3, "seed": 0})
-        for i in range(400):
-            batch = 1 + i % 4
-            ctx = StepContext(
-                "e",
-                batch,
-                step_index=i,
-                max_gamma=3,
-                context_tokens=100 * batch,
-                min_draft_passes=min_draft_passes,
-            )
-            choice = policy.decide(ctx)
-            gamma = choice.gamma
-            policy.observe(
-                ctx, choice, sampled_outcome(rng, alpha, batch, gamma, step_ms(batch, gamma), 0.03)
-            )
-        at_64 = StepContext(
-            "e", 64, max_gamma=3, context_tokens=6400, min_draft_passes=min_draft_passes
-        )
-        return policy.predicted_goodput(policy.learner_of("e"), at_64)[:4]
+        return trained_at_small_batches_estimate_at_64(step_ms, alpha, 3, min_draft_passes)
 
     assert truth(64, 1) > truth(64, 0)
     told = estimate_at_64(1)
@@ -895,27 +904,7 @@ def test_a_drafter_that_always_drafts_gamma_max_is_priced_so() -> None:
         return 1000.0 * batch * expected_tokens(alpha, gamma) / step_ms(batch, gamma)
 
     def estimate_at_64(min_draft_passes: int) -> list[float]:
-        rng = random.Random(0)
-        policy = GoodputModelPolicy({"gamma_max": gamma_max, "seed": 0})
-        for i in range(400):
-            batch = 1 + i % 4
-            ctx = StepContext(
-                "e",
-                batch,
-                step_index=i,
-                max_gamma=gamma_max,
-                context_tokens=100 * batch,
-                min_draft_passes=min_draft_passes,
-            )
-            choice = policy.decide(ctx)
-            gamma = choice.gamma
-            policy.observe(
-                ctx, choice, sampled_outcome(rng, alpha, batch, gamma, step_ms(batch, gamma), 0.03)
-            )
-        at_64 = StepContext(
-            "e", 64, max_gamma=gamma_max, context_tokens=6400, min_draft_passes=min_draft_passes
-        )
-        return policy.predicted_goodput(policy.learner_of("e"), at_64)[: gamma_max + 1]
+        return trained_at_small_batches_estimate_at_64(step_ms, alpha, gamma_max, min_draft_passes)
 
     best = max(truth(64, gamma) for gamma in range(gamma_max + 1))
     told, untold = estimate_at_64(gamma_max), estimate_at_64(1)
