@@ -5,6 +5,8 @@ Used by the server and by the client, so both read the contract the same way.
 
 from __future__ import annotations
 
+import functools
+
 from nightjar_proto.v1 import policy_pb2 as pb
 
 from nightjar_common.errors import InvalidArgumentError
@@ -70,7 +72,10 @@ def runtime_from_pb(msg: pb.EngineRuntime) -> EngineRuntime:
     )
 
 
+@functools.lru_cache(maxsize=64)
 def runtime_to_pb(runtime: EngineRuntime) -> pb.EngineRuntime:
+    """Built once per runtime (it is constant over an engine's life and goes with every
+    context); callers copy from it and never change it."""
     return pb.EngineRuntime(
         engine_version=runtime.engine_version,
         model_runner=runtime.model_runner,
