@@ -50,12 +50,19 @@ def connect_error(path: str | Path, timeout: float = PROBE_TIMEOUT_S) -> OSError
     return None
 
 
-def claim(path: str | Path) -> None:
-    """Make ``path`` ready for a new listener, or raise SocketPathError saying why not."""
+def claim(path: str | Path, make_parent: bool = True) -> None:
+    """Make ``path`` ready for a new listener, or raise SocketPathError saying why not.
+    Without ``make_parent`` a missing directory is an error: a mistyped path must not
+    become a socket nobody looks for."""
     path = Path(path)
     try:
         mode = path.lstat().st_mode
     except FileNotFoundError:
+        if not make_parent and not path.parent.is_dir():
+            raise SocketPathError(
+                f"the directory of {path} does not exist: create it (in a pod, mount a "
+                "volume there) or correct the path"
+            ) from None
         path.parent.mkdir(parents=True, exist_ok=True)
         return
     if not stat.S_ISSOCK(mode):

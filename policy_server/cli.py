@@ -7,6 +7,7 @@ import logging
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ from nightjar_common.admin_token import AdminTokenFile
 from nightjar_common.errors import ConfigError, NightjarError
 from nightjar_common.json_input import JsonError, load_json
 from nightjar_common.validation import Limits
-from policy_server import __version__, snapshot, startup
+from policy_server import __version__, native_log, snapshot, startup
 from policy_server.config import LOG_FORMATS, LOG_LEVELS, ServerConfig
 from policy_server.decision_log import DecisionLog
 from policy_server.engines import Bounds
@@ -42,12 +43,16 @@ FLAG_SETTINGS = (
     "snapshot_interval_s",
     "admin_token_file",
     "decision_log",
+    "decision_log_max_bytes",
+    "decision_log_backups",
     "log_level",
     "log_format",
     "tls_cert",
     "tls_key",
     "tls_client_ca",
 )
+# On/off flags that override the config file's setting of the same name.
+SWITCH_SETTINGS = ("force_uds_mode",)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -57,7 +62,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--uds-mode",
         help="the socket's file mode, octal (default 0660: owner "
-        "and group may connect; run the engine in the socket's group)",
+        "and group may connect; run the engine in the socket's group); a mode that lets "
+        "every local user connect (o+w) is refused unless --force-uds-mode",
+    )
+    p.add_argument(
+        "--force-uds-mode",
+        action="store_true",
+        default=None,
+        help="accept a world-writable --uds-mode (any local user may then steer the engine)",
     )
     p.add_argument("--port", type=int, help="listen on this TCP port (0 = any free port)")
     p.add_argument(
@@ -99,7 +111,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="seconds between periodic snapshots (default 30)",
     )
     p.add_argument("--admin-token-file", help="file with the admin token for mutating calls")
-    p.add_argument("--decision-log", help="write a JSON-lines decision log to this path")
+    p.add_argument(
+        "--decision-log",
+        help="write a JSON-lines decision log to this path (best on a volume of its own: "
+        "it grows to (backups + 1) x max bytes)",
+    )
+    p.add_argument(
+        "--decision-log-max-bytes",
+        type=int,
+        help="rotate the decision log at this size (default 67108864, 64 MiB)",
+    )
+    p.add_argument(
+        "--decision-log-backups",
+        type=int,
+        help="rotated decision-log files kept, PATH.1 ... PATH.N (default 5, at least 1)",
+    )
     p.add_argument(
         "--log-level",
         type=str.upper,
@@ -118,7 +144,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def load_config(args: argparse.Namespace) -> ServerConfig:
     config = ServerConfig.from_file(args.config) if args.config else ServerConfig()
     overrides: dict[str, Any] = {}
-    for name in FLAG_SETTINGS:
+    for name in (*FLAG_SETTINGS, *SWITCH_SETTINGS):
         value = getattr(args, name)
         if value is not None:
             overrides[name] = value
@@ -136,6 +162,8 @@ def load_config(args: argparse.Namespace) -> ServerConfig:
 
 def configure_logging(level: str, log_format: str) -> None:
     """The server's own log on stderr, as text lines or one JSON object a line."""
+    if log_format == "json":
+        native_log.route_native_stderr()  # gRPC's own lines become JSON records too
     handler = logging.StreamHandler()
     if log_format == "json":
         from pythonjsonlogger.json import JsonFormatter
@@ -178,15 +206,31 @@ def main(argv: list[str] | None = None) -> int:
             config.host,
         )
 
+    if config.uds and config.uds_mode & 0o002:
+        log.warning(
+            "socket %s is world-writable (mode %04o, forced): every local user may steer "
+            "the engine",
+            config.uds,
+            config.uds_mode,
+        )
     metrics = Metrics()
     decision_log = None
     if config.decision_log:
-        decision_log = DecisionLog(
-            config.decision_log,
-            max_bytes=config.decision_log_max_bytes,
-            backup_count=config.decision_log_backups,
-            on_drop=metrics.decision_log_dropped.inc,
-        )
+        _warn_if_in_state_dir(config)
+        try:
+            decision_log = DecisionLog(
+                config.decision_log,
+                max_bytes=config.decision_log_max_bytes,
+                backup_count=config.decision_log_backups,
+                on_drop=metrics.decision_log_dropped.inc,
+            )
+        except OSError as exc:
+            print(
+                f"nightjar-server: cannot write the decision log {config.decision_log}: "
+                f"{exc.strerror or exc}: give --decision-log a writable path",
+                file=sys.stderr,
+            )
+            return 2
     try:
         memory = MemoryController(parse_params(MemoryParams, config.memory, "memory"))
     except PolicyError as exc:
@@ -215,9 +259,13 @@ def main(argv: list[str] | None = None) -> int:
     startup.start(service, state_dir, startup.Configured.of(config))
 
     tcp = f"{config.host}:{config.port}" if config.port is not None else None
+    stop_metrics = None
     try:
+        if config.metrics_port is not None:
+            # Before gRPC: a port in use then leaves no socket behind.
+            metrics_port, stop_metrics = _serve_metrics(metrics, config)
         if config.uds:
-            uds.claim(config.uds)  # never take the path over from a live server
+            uds.claim(config.uds, make_parent=False)  # never take a live server's path over
         running = build_server(
             service,
             uds_path=config.uds or None,
@@ -231,10 +279,10 @@ def main(argv: list[str] | None = None) -> int:
     except (uds.SocketPathError, RuntimeError, OSError) as exc:
         # RuntimeError: gRPC could not bind (a TCP port in use).
         print(f"nightjar-server: cannot listen: {exc}", file=sys.stderr)
+        if stop_metrics is not None:
+            stop_metrics()
         return 1
-    stop_metrics = None
     if config.metrics_port is not None:
-        metrics_port, stop_metrics = metrics.serve_http(config.metrics_port, config.metrics_host)
         log.info("metrics on http://%s:%d/metrics", config.metrics_host, metrics_port)
     if config.uds:
         log.info(
@@ -278,6 +326,35 @@ def main(argv: list[str] | None = None) -> int:
         Path(config.uds).unlink(missing_ok=True)
     log.info("stopped")
     return 0
+
+
+def _warn_if_in_state_dir(config: ServerConfig) -> None:
+    """The decision log grows to (backups + 1) x max bytes: on the snapshots' volume it can
+    fill it, and snapshots then fail."""
+    if not config.state_dir:
+        return
+    log_dir = Path(config.decision_log).resolve().parent
+    if log_dir.is_relative_to(Path(config.state_dir).resolve()):
+        log.warning(
+            "the decision log %s is inside --state-dir %s: rotated, it takes up to %d bytes "
+            "there and can leave snapshots no room; give it a volume of its own",
+            config.decision_log,
+            config.state_dir,
+            (config.decision_log_backups + 1) * config.decision_log_max_bytes,
+        )
+
+
+def _serve_metrics(metrics: Metrics, config: ServerConfig) -> tuple[int, Callable[[], None]]:
+    """The /metrics endpoint, or an OSError whose message names the flag to change."""
+    assert config.metrics_port is not None
+    try:
+        return metrics.serve_http(config.metrics_port, config.metrics_host)
+    except OSError as exc:
+        raise OSError(
+            f"metrics on {config.metrics_host}:{config.metrics_port}: "
+            f"{exc.strerror or exc}: give another --metrics-port (0 picks a free one) or "
+            "stop what holds it"
+        ) from None
 
 
 def _snapshot(service: DecisionService) -> None:

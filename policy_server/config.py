@@ -25,6 +25,8 @@ class ServerConfig:
     uds: str = ""
     # The socket's file mode: group-writable so an engine in the same group can connect.
     uds_mode: int = 0o660
+    # A world-writable mode lets every local user steer the engine: refused unless forced.
+    force_uds_mode: bool = False
     port: int | None = None
     host: str = "127.0.0.1"
     # TLS on the TCP port: the server's PEM certificate chain and key; with `tls_client_ca`
@@ -118,6 +120,12 @@ class ServerConfig:
             self.uds_mode = parse_mode(self.uds_mode)
         except ValueError as exc:
             raise ConfigError(f"uds_mode: {exc}") from None
+        if self.uds_mode & 0o002 and not self.force_uds_mode:
+            raise ConfigError(
+                f"uds_mode {self.uds_mode:04o} lets every local user connect and steer the "
+                "engine: use 0660 and run the engine in the socket's group, or add "
+                "--force-uds-mode (force_uds_mode = true) to accept it"
+            )
         if str(self.log_level).upper() not in LOG_LEVELS:
             raise ConfigError(
                 f"log_level must be one of {', '.join(LOG_LEVELS)}, got {self.log_level!r}"

@@ -292,7 +292,8 @@ class StatePerEngine:
 def load_prefill_cost(path: str, policy: str) -> PrefillCostTable | None:
     """The c_prefill(L_max, B) table of a policy's ``prefill_cost_table`` ("" = none)."""
     if not path:
-        log.warning("%s: no prefill_cost_table given; switching cost c_prefill = 0", policy)
+        # The documented default, not a mistake: said, not warned about.
+        log.info("%s: no prefill_cost_table given; switching cost c_prefill = 0", policy)
         return None
     try:
         return PrefillCostTable.from_csv(path)

@@ -6,6 +6,8 @@ import json
 import os
 import re
 import shutil
+import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -128,6 +130,8 @@ def test_ctl_reports_an_unreachable_sidecar(tmp_path: Path) -> None:
         (["--uds", "x.sock", "--params", '{"gamma_max": 0}'], "gamma_max must be in 1..64"),
         (["--uds", "x.sock", "--admin-token-file", "missing-token"], "cannot read admin token"),
         (["--uds", "x.sock", "--port", "70000"], "port must be in 0..65535"),
+        (["--uds", "x.sock", "--uds-mode", "0666"], "or add --force-uds-mode"),
+        (["--uds", "x.sock", "--decision-log", "/proc/no/d.jsonl"], "give --decision-log"),
     ],
 )
 def test_server_refuses_bad_configuration_clearly(
@@ -142,6 +146,53 @@ def test_server_refuses_bad_configuration_clearly(
     )
     assert result.returncode == 2
     assert message in result.stderr
+
+
+def run_server(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "policy_server.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_a_listener_that_cannot_start_is_one_line_and_leaves_nothing() -> None:
+    """A metrics port in use or a socket directory that does not exist: rc 1, one line
+    naming the fix, no traceback, no socket file or directory left behind."""
+    directory = Path(tempfile.mkdtemp(prefix="nj-"))  # socket paths: at most ~107 bytes
+    try:
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen()
+            port = str(taken.getsockname()[1])
+            busy = run_server("--uds", str(directory / "s.sock"), "--metrics-port", port)
+        assert busy.returncode == 1 and "Traceback" not in busy.stderr, busy.stderr
+        assert busy.stderr.strip().splitlines()[-1] == (
+            f"nightjar-server: cannot listen: metrics on 127.0.0.1:{port}: Address already "
+            "in use: give another --metrics-port (0 picks a free one) or stop what holds it"
+        )
+        assert not (directory / "s.sock").exists()
+        missing = run_server("--uds", str(directory / "no" / "such" / "s.sock"))
+        assert missing.returncode == 1 and "Traceback" not in missing.stderr
+        assert f"the directory of {directory}/no/such/s.sock does not exist" in missing.stderr
+        assert not (directory / "no").exists()
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_a_world_writable_socket_only_when_forced(make_server: Any) -> None:
+    server = make_server("--uds-mode", "0666", "--force-uds-mode")
+    assert stat.S_IMODE(server.uds.stat().st_mode) == 0o666
+    assert "is world-writable (mode 0666, forced)" in server.log()
+
+
+def test_a_default_start_warns_about_nothing(make_server: Any) -> None:
+    """With a token, the defaults are no mistake: nothing to warn about (a WARNING every
+    start teaches operators to ignore them)."""
+    server = make_server()
+    assert " WARNING " not in server.log(), server.log()
+    assert "no prefill_cost_table given" in server.log()  # said, at INFO
 
 
 def test_config_file_with_an_unknown_setting(tmp_path: Path) -> None:

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from nightjar_common.types import StepContext, StepOutcome
 from policy_server.decision_log import DecisionLog, log_files, read_records
@@ -74,6 +78,48 @@ def test_nightjarctl_replay_reads_the_rotated_files(tmp_path: Path) -> None:
     assert "60 decisions, 60 with outcomes" in replayed.stdout
     rebuilt = json.loads(out.read_text())["policy"]["state"]["learners"]
     assert rebuilt == service.state_view().state["learners"]
+
+
+def test_grpcs_own_log_lines_stay_json(make_server: Any, pki: dict[str, Any]) -> None:
+    """gRPC's C core writes to stderr past Python (a plaintext client on a TLS port:
+    `I1129 … ssl_transport_security.cc:…] Handshake failed …`); under --log-format json
+    those lines arrive as JSON records of the `grpc` logger."""
+    import grpc
+
+    from tests.policy_server.test_security import health, tcp_port
+
+    server = make_server(
+        "--log-format",
+        "json",
+        "--port",
+        "0",
+        "--tls-cert",
+        str(pki["server"].cert),
+        "--tls-key",
+        str(pki["server"].key),
+    )
+    address = f"127.0.0.1:{tcp_port(server)}"
+    with grpc.insecure_channel(address) as plaintext, pytest.raises(grpc.RpcError):
+        health(plaintext)
+    deadline = time.monotonic() + 30
+    while "Handshake failed" not in server.log() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    server.terminate()
+    lines = [json.loads(line) for line in server.log().splitlines() if line.strip()]
+    (handshake, *_) = [r for r in lines if "Handshake failed" in r["message"]]
+    assert handshake["logger"] == "grpc" and handshake["level"] == "INFO"
+    assert "ssl_transport_security.cc" in handshake["message"]
+    assert lines[-1]["message"] == "stopped"
+
+
+def test_a_native_log_line_keeps_its_level() -> None:
+    from policy_server.native_log import record_of
+
+    assert record_of("E1129 00:02:35.601073    4059 chttp2_server.cc:12] bind failed") == (
+        logging.ERROR,
+        "bind failed (chttp2_server.cc:12)",
+    )
+    assert record_of("something else") == (logging.WARNING, "something else")
 
 
 def test_server_log_as_json_lines(make_server: Any, tmp_path: Path) -> None:
