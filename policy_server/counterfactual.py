@@ -120,6 +120,14 @@ class DecodeSteps:
     def gammas(self) -> list[int]:
         return sorted(self._steps)
 
+    def shortfall(self) -> str:
+        """What keeps gamma_top below 1, in words."""
+        missing = [g for g in (0, 1) if g not in self._steps]
+        found = f"decode steps at γ {self.gammas}" if self._steps else "no decode steps"
+        if missing:
+            return f"it has {found}, none at γ {' or '.join(map(str, missing))}"
+        return f"it has {found}, but those at γ 1 carry no per-request accepts"
+
     def seconds(self, batch_size: int, gamma: int) -> float | None:
         """Time of a decode step of γ at this batch size from the logged steps within
         ``BATCH_RATIO`` of it (None: the log has none): their mean, or where they span
@@ -210,8 +218,8 @@ def evaluate(
     top = table.gamma_top
     if top < 1:
         raise EvaluationError(
-            "the log needs decode steps at γ = 0 and γ = 1 at least (with per-request "
-            f"accepts); it has them for γ in {table.gammas}"
+            "the log needs decode steps at γ = 0 and γ = 1 at least, those at γ ≥ 1 with "
+            f"per-request accepts (a nightjar or goodput log has them): {table.shortfall()}"
         )
     replayed = [s for s in steps if not version or s.policy_version == version]
     if not replayed:

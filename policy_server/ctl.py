@@ -27,6 +27,12 @@ from policy_server import fleet
 from policy_server.policies import DEFAULT_POLICY
 
 DEFAULT_TARGET = "unix:/run/nightjar/nightjar.sock"
+DESCRIPTION = (
+    "Inspect and steer a running Nightjar sidecar (nightjar-server): its health, policy, "
+    "parameters and learned state; offline, rebuild learned state from decision logs "
+    "(replay) or value another policy on them (evaluate). Mutating calls need the admin "
+    "token (--token-file)."
+)
 # 128 + SIGPIPE: what a shell reports for a writer whose reader went away.
 EXIT_BROKEN_PIPE = 141
 
@@ -41,7 +47,8 @@ def _global_flags(parser: argparse.ArgumentParser, *, defaults: bool) -> None:
     parser.add_argument(
         "--target",
         default=default(os.environ.get("NIGHTJAR_TARGET", DEFAULT_TARGET)),
-        help="sidecar address: unix:PATH or HOST:PORT (env NIGHTJAR_TARGET)",
+        help=f"sidecar address: unix:PATH or HOST:PORT (env NIGHTJAR_TARGET; default "
+        f"{DEFAULT_TARGET}, the socket of the deployment's pod)",
     )
     parser.add_argument(
         "--token-file",
@@ -75,7 +82,7 @@ def _global_flags(parser: argparse.ArgumentParser, *, defaults: bool) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="nightjarctl", description=__doc__)
+    p = argparse.ArgumentParser(prog="nightjarctl", description=DESCRIPTION)
     _global_flags(p, defaults=True)
     common = argparse.ArgumentParser(add_help=False)
     _global_flags(common, defaults=False)
@@ -148,10 +155,21 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="offload without growing, reload without compacting the pool",
     )
-    s = command("replay", help="rebuild learned state offline from decision logs")
+    s = command(
+        "replay",
+        help="rebuild learned state offline from decision logs",
+        description="Feed every logged step to a fresh policy: by default the one the logs "
+        "were last written under, with its parameters (their last policy record), so that "
+        "restoring the result continues where the sidecar was.",
+    )
     s.add_argument("logs", nargs="+", help="decision-log files (rotated backups are included)")
-    s.add_argument("--policy", default=DEFAULT_POLICY)
-    s.add_argument("--params", default="", help="parameters as a JSON object")
+    s.add_argument(
+        "--policy",
+        default=None,
+        help="replay into this policy, with the parameters it last had in the logs "
+        f"(default: the logs' last policy, else {DEFAULT_POLICY})",
+    )
+    s.add_argument("--params", default="", help="parameters as a JSON object, over those")
     s.add_argument("--out", help="write the rebuilt state as a snapshot file")
     s = command(
         "evaluate",
@@ -206,6 +224,14 @@ def _run(args: argparse.Namespace) -> int:
         return _replay(args)
     if args.command == "evaluate":
         return _evaluate(args)
+    target = args.target
+    if target.startswith(("/", ".")) or (":" not in target and target.endswith(".sock")):
+        # gRPC would resolve a bare path as a host name ("Domain name not found").
+        print(
+            f"nightjarctl: --target {args.target} is a path: write unix:{args.target}",
+            file=sys.stderr,
+        )
+        return 2
     try:
         with tls.open_channel(args.target, _client_tls(args)) as channel:
             return COMMANDS[args.command](args, channel)
@@ -218,13 +244,26 @@ def _run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
         else:
-            print(f"nightjarctl: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            print(
+                f"nightjarctl: {exc.code().name}: {exc.details()}{_hint(exc.code(), args)}",
+                file=sys.stderr,
+            )
         return 1
     except BrokenPipeError:
         raise  # main's: the reader went away, nothing to report
     except (OSError, ValueError) as exc:
         print(f"nightjarctl: {exc}", file=sys.stderr)
         return 2
+
+
+def _hint(code: grpc.StatusCode, args: argparse.Namespace) -> str:
+    """What to check when the sidecar could not be reached at all."""
+    if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return ""
+    return (
+        f" (is nightjar-server running and listening at {args.target}? --target or "
+        "NIGHTJAR_TARGET names it: unix:PATH for its --uds socket, HOST:PORT for --port)"
+    )
 
 
 Metadata = list[tuple[str, str]]
@@ -446,16 +485,18 @@ def _decide(args: argparse.Namespace, channel: grpc.Channel) -> int:
 def _replay(args: argparse.Namespace) -> int:
     from policy_server import snapshot
     from policy_server.policies import PolicyError, UnknownPolicyError, parse_params_json
-    from policy_server.replay import replay
+    from policy_server.replay import replay, replay_policy
 
     try:
-        result = replay(args.logs, args.policy, parse_params_json(args.params))
+        policy, params, origin = replay_policy(args.logs, args.policy)
+        params = {**params, **parse_params_json(args.params)}
+        result = replay(args.logs, policy, params)
     except (PolicyError, UnknownPolicyError, OSError) as exc:
         print(f"nightjarctl: {exc}", file=sys.stderr)
         return 2
     print(
         f"{result.decisions} decisions, {result.outcomes} with outcomes replayed into "
-        f"{result.policy.name}"
+        f"{result.policy.name} ({origin}) with {json.dumps(result.policy.params(), sort_keys=True)}"
     )
     print(f"{'B':>5} {'γ':>3} {'steps':>7} {'mean goodput tok/s':>20}")
     for bs, gamma, steps, goodput in result.table():

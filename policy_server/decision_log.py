@@ -149,10 +149,31 @@ def join(records: Iterable[dict[str, Any]]) -> Iterator[JoinedDecision]:
         yield decisions[decision_id]
 
 
-def read_logs(paths: Iterable[str | Path]) -> Iterator[JoinedDecision]:
-    """Decisions of the given logs (each with its rotated backups, oldest first) paired with
-    their outcomes, in decision order."""
+def _files_of(paths: Iterable[str | Path]) -> list[Path]:
+    """Each log with its rotated backups, oldest first."""
     files: list[Path] = []
     for path in paths:
         files.extend(log_files(path) or [Path(path)])
-    return join(read_records(files))
+    return files
+
+
+def read_logs(paths: Iterable[str | Path]) -> Iterator[JoinedDecision]:
+    """Decisions of the given logs (each with its rotated backups, oldest first) paired with
+    their outcomes, in decision order."""
+    return join(read_records(_files_of(paths)))
+
+
+def last_activation(
+    paths: Iterable[str | Path], policy: str | None = None
+) -> dict[str, Any] | None:
+    """The logs' last policy record (the policy and parameters active when they end), or
+    the last of ``policy``; None when there is none."""
+    found = None
+    for record in read_records(_files_of(paths)):
+        if (
+            record.get("kind") == "policy"
+            and isinstance(record.get("params"), dict)
+            and policy in (None, record.get("policy"))
+        ):
+            found = record
+    return found

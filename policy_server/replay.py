@@ -17,8 +17,8 @@ from typing import Any
 
 from nightjar_common.types import BinType, Choice
 from policy_server import snapshot
-from policy_server.decision_log import read_logs
-from policy_server.policies import ServedPolicy, create_policy
+from policy_server.decision_log import last_activation, read_logs
+from policy_server.policies import DEFAULT_POLICY, ServedPolicy, create_policy
 from policy_server.service import context_from_json, outcome_from_json
 
 
@@ -50,6 +50,22 @@ class ReplayResult:
         return [
             (bs, gamma, int(n), total / n) for (bs, gamma), (n, total) in sorted(self.cells.items())
         ]
+
+
+def replay_policy(
+    paths: Iterable[str | Path], policy_name: str | None
+) -> tuple[str, dict[str, Any], str]:
+    """The policy to replay into and its parameters, and where they came from: the logs'
+    last policy record (the policy the sidecar ran when they end, with its parameters, e.g.
+    ones changed with set-params), or the last of ``policy_name``; its defaults when the
+    logs never ran it."""
+    logged = last_activation(paths, policy_name)
+    if logged is not None:
+        version = logged.get("policy_version", "")
+        return str(logged["policy"]), dict(logged["params"]), f"parameters as logged, {version}"
+    if policy_name is None:
+        return DEFAULT_POLICY, {}, "the default: the logs record no policy"
+    return policy_name, {}, "its defaults: the logs record no activation of it"
 
 
 def replay(

@@ -7,6 +7,7 @@ block names is written there), and the fixed metrics port becomes a free one.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import secrets
@@ -67,7 +68,10 @@ def root() -> Iterator[Path]:
 def test_readme_nightjarctl_block_runs_in_order(root: Path) -> None:
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     env = {k: v for k, v in env.items() if not k.startswith("NIGHTJAR_")}
-    (server_line,) = bash_block("## Running the sidecar")
+    *preparation, server_line = bash_block("## Running the sidecar")
+    for line in preparation:
+        assert line.startswith("mkdir -p "), line
+        subprocess.run(["bash", "-c", rooted(line, root)], check=True, timeout=10)
     server_line = rooted(server_line, root).replace(
         "--metrics-port 9464", f"--metrics-port {free_port()}"
     )
@@ -107,6 +111,19 @@ def test_readme_nightjarctl_block_runs_in_order(root: Path) -> None:
                 assert done.stdout.strip() == "SERVING"
             if line.startswith("nightjarctl restore"):
                 assert "restored: goodput" in done.stdout
+        # The block ends with replay + restore: what set-params set survives them.
+        (set_params,) = [line for line in commands if line.startswith("nightjarctl set-params")]
+        wanted = json.loads(re.findall(r"'(\{.*?\})'", set_params)[0])
+        state = subprocess.run(
+            ["bash", "-c", "\n".join([*exports, "nightjarctl state --json"])],
+            env=env,
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        params = json.loads(state.stdout)["params"]
+        assert {k: params[k] for k in wanted} == wanted, params
     finally:
         server.send_signal(signal.SIGTERM)
         assert server.wait(timeout=15) == 0, (root / "server.log").read_text()

@@ -4,6 +4,7 @@ whose best γ per batch size is known exactly."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -96,6 +97,28 @@ def test_a_log_without_every_gamma_is_refused_clearly(tmp_path: Path) -> None:
     write_log(path, "static", {"gamma": 1}, 30)
     with pytest.raises(EvaluationError, match="decode steps at γ = 0 and γ = 1"):
         evaluate(read_log([path]), "goodput", seeds=1)
+
+
+def test_a_log_without_accepts_says_what_it_lacks(
+    explored_log: tuple[Path, Environment],
+) -> None:
+    """Decode steps at every γ, but none of γ 1 with per-request accepts: the error says
+    that, not that γ 1 is missing."""
+    path, _ = explored_log
+    steps = [
+        dataclasses.replace(s, outcome=dataclasses.replace(s.outcome, request_accepts=()))
+        if s.outcome.gamma == 1
+        else s
+        for s in read_log([path])
+    ]
+    with pytest.raises(EvaluationError) as refused:
+        evaluate(steps, "goodput", seeds=1)
+    assert str(refused.value).endswith(
+        f"it has decode steps at γ {list(range(GAMMA_MAX + 1))}, but those at γ 1 carry no "
+        "per-request accepts"
+    )
+    with pytest.raises(EvaluationError, match=r"none at γ 0 or 1$"):
+        evaluate([s for s in steps if s.outcome.gamma > 1], "goodput", seeds=1)
 
 
 def test_nightjarctl_evaluate(explored_log: tuple[Path, Environment], tmp_path: Path) -> None:

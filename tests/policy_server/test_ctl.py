@@ -21,6 +21,7 @@ from grpc_reflection.v1alpha import reflection_pb2
 
 from memory_agent import service
 from memory_agent.agent import MemoryAgent
+from policy_server.policies import create_policy
 from tests.policy_server.test_server import reflect_v1
 
 
@@ -119,6 +120,72 @@ def test_ctl_reports_an_unreachable_sidecar(tmp_path: Path) -> None:
         timeout=60,
     )
     assert result.returncode == 1 and "UNAVAILABLE" in result.stderr
+    assert f"(is nightjar-server running and listening at unix:{tmp_path}/none.sock?" in (
+        result.stderr
+    )
+
+
+def test_a_socket_path_without_unix_gets_the_fix() -> None:
+    """gRPC alone would answer "Domain name not found"; the plugin says the same for
+    NIGHTJAR_SIDECAR."""
+    for target in ("/run/nightjar/nightjar.sock", "nightjar.sock"):
+        done = run_ctl("--target", target, "health")
+        assert done.returncode == 2
+        assert done.stderr == f"nightjarctl: --target {target} is a path: write unix:{target}\n"
+
+
+def test_help_is_for_operators_and_names_the_default_target() -> None:
+    done = run_ctl("--help")
+    text = " ".join(done.stdout.split())
+    assert done.returncode == 0
+    assert "default unix:/run/nightjar/nightjar.sock" in text
+    assert text.count("Inspect and steer a running Nightjar sidecar") == 1
+    assert "share one parser" not in text  # the module's docstring is for developers
+
+
+def test_replay_rebuilds_under_the_logged_policy_and_parameters(
+    make_server: Any, tmp_path: Path
+) -> None:
+    """A parameter changed at run time (set-params) survives replay + restore: replay takes
+    the logs' last policy record, or with --policy that policy's last one."""
+    log = tmp_path / "log" / "decisions.jsonl"
+    server = make_server("--decision-log", str(log))
+    assert ctl(server, "set-params", '{"tpot_slo_ms": 60}').returncode == 0
+    for step in range(4):
+        decided = ctl(
+            server,
+            "decide",
+            "--batch-size",
+            "2",
+            "--step-index",
+            str(step),
+            "--report-step-seconds",
+            "0.02",
+            "--report-tokens",
+            "3",
+        )
+        assert decided.returncode == 0, decided.stderr
+    assert ctl(server, "swap", "static", "--params", '{"gamma": 2}').returncode == 0
+    server.terminate()
+
+    def replayed(*args: str) -> dict[str, Any]:
+        out = tmp_path / "warm.json"
+        done = ctl_replay(log, out, *args)
+        assert done.returncode == 0, done.stderr
+        policy: dict[str, Any] = json.loads(out.read_text())["policy"]
+        return policy
+
+    last = replayed()
+    assert (last["name"], last["params"]["gamma"]) == ("static", 2)
+    goodput = replayed("--policy", "goodput")
+    assert goodput["params"]["tpot_slo_ms"] == 60
+    assert goodput["state"]["learners"]["engine:nightjarctl"]["steps"] == 4
+    assert replayed("--policy", "goodput", "--params", '{"seed": 7}')["params"] == {
+        **goodput["params"],
+        "seed": 7,
+    }
+    never_ran = replayed("--policy", "nightjar")["params"]
+    assert never_ran == create_policy("nightjar").params()
 
 
 @pytest.mark.parametrize(
