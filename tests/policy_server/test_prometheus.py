@@ -68,6 +68,7 @@ def test_every_alert_is_documented_and_unit_tested_both_ways() -> None:
         "NightjarDecisionLatencyHigh",
         "NightjarSnapshotTooOld",
         "NightjarPolicySwapFailed",
+        "NightjarPolicyDefect",  # docs/OPERATIONS.md recommends it
         "NightjarMemoryOrderFailed",
     } <= {a["alert"] for a in alerts}
     for alert in alerts:
@@ -356,3 +357,19 @@ def test_prometheus_scrapes_the_plugin_from_vllms_own_metrics_endpoint(
     prom.wait_for('nightjar_plugin_decisions_total{job="vllm", source="fallback"} > 0')
     prom.wait_for("instance:nightjar_plugin_fallback_ratio:rate5m > 0")
     prom.wait_for(f'up{{job="{SIDECAR_JOB}"}} == 0')
+
+
+def test_the_readme_lists_every_sidecar_metric() -> None:
+    """The README's metrics table is where an operator looks a series up."""
+    from policy_server.metrics import Metrics
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    table = readme[readme.index("## Metrics (Prometheus)") :]
+    table = table[: table.index("\n## ")]
+    names = set()
+    for family in Metrics().registry.collect():
+        if family.name.startswith("nightjar_"):
+            suffix = {"counter": "_total", "info": "_info"}.get(family.type, "")
+            names.add(family.name + suffix)
+    assert len(names) > 20
+    assert sorted(n for n in names if f"`{n}`" not in table) == []

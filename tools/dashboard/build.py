@@ -64,6 +64,12 @@ DEFAULT_OUT = Path("deploy/grafana/nightjar.json")
 UID = "nightjar-sidecar"
 
 POLICY_INFO = f"max by (name, version) ({series('nightjar_policy_info', SIDECAR)})"
+# The counter's series appear with the first defect: a named zero line until then, so that
+# the panel says "none" rather than "no data".
+POLICY_DEFECTS = (
+    f"{summed('increase', 'nightjar_policy_defects_total', SIDECAR, 'policy, kind')}"
+    ' or on () label_replace(vector(0), "policy", "no defects", "", "")'
+)
 # The timestamp is 0 until a sidecar's first snapshot: no age rather than 56 years.
 SNAPSHOT_AGE = (
     f"time() - ({series('nightjar_snapshot_last_success_timestamp_seconds', SIDECAR)} > 0)"
@@ -287,10 +293,10 @@ def latency_row() -> list[timeseries.Panel]:
             stacked=True,
         ),
         graph(
-            "Prefetch misses (engine)",
-            "Pipelined decisions the engine could not use because the batch changed "
-            "after the prefetch.",
-            targets((summed("rate", "nightjar_plugin_prefetch_misses_total", ENGINE), "misses")),
+            "Table misses (engine)",
+            "Steps the held decision table could not answer: the engine asked the sidecar "
+            "and waited, at most its deadline.",
+            targets((summed("rate", "nightjar_plugin_table_misses_total", ENGINE), "misses")),
             unit="ops",
             width=12,
         ),
@@ -365,10 +371,19 @@ def policy_row() -> list[timeseries.Panel | statetimeline.Panel]:
             bars=True,
         ),
         graph(
+            "Policy defects",
+            "Policy answers the sidecar corrected, by policy and kind (gamma_clamped: a γ "
+            "the engine cannot run, clamped). Zero unless a policy is defective; the "
+            "NightjarPolicyDefect alert fires on any.",
+            targets((POLICY_DEFECTS, "{{policy}} {{kind}}")),
+            bars=True,
+        ),
+        graph(
             "Snapshots",
             "Learned-state snapshots written per second, by result (ok, failed).",
             targets((summed("rate", "nightjar_snapshots_total", SIDECAR, "result"), "{{result}}")),
             unit="ops",
+            width=12,
         ),
         graph(
             "Snapshot age per sidecar",
@@ -376,6 +391,7 @@ def policy_row() -> list[timeseries.Panel | statetimeline.Panel]:
             "at the snapshot interval; a steady climb means snapshots fail.",
             targets((SNAPSHOT_AGE, "{{instance}}")),
             unit="s",
+            width=12,
         ),
         graph(
             "Rejected requests",
