@@ -170,7 +170,8 @@ def test_pin_script_prints_digest_build_args(tmp_path: Path) -> None:
         f"VLLM_IMAGE=vllm/vllm-openai:v0.32.0@{DIGEST}",
     ]
     calls = (tmp_path / "calls").read_text().splitlines()
-    assert calls[0].startswith("buildx imagetools inspect python:3.11-slim --format")
+    assert calls[0] == "buildx version"  # checked before anything else
+    assert calls[1].startswith("buildx imagetools inspect python:3.11-slim --format")
     # The defaults it pins are the Dockerfiles' own.
     for name, argument in (("Dockerfile", "BASE_IMAGE"), ("Dockerfile.vllm", "VLLM_IMAGE")):
         head, _ = dockerfile_stages(name)
@@ -180,6 +181,44 @@ def test_pin_script_prints_digest_build_args(tmp_path: Path) -> None:
     assert run_pin_script(tmp_path, "error: not found", "python:3.11-slim").returncode != 0
     pinned = run_pin_script(tmp_path, DIGEST, f"python:3.11-slim@{DIGEST}")
     assert pinned.returncode != 0 and "already pinned" in pinned.stderr
+
+
+def readme_commands(marker: str) -> list[str]:
+    """The commands of deploy/README.md's code blocks that mention ``marker``, each with
+    its continuation lines (a trailing backslash or &&) joined."""
+    readme = (DEPLOY / "README.md").read_text()
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", readme, re.DOTALL):
+        joined = re.sub(
+            r"(\\|&&)[ \t]*(#[^\n]*)?\n\s*", lambda m: " && " if m[1] == "&&" else " ", block
+        )
+        commands += [line.strip() for line in joined.splitlines() if marker in line]
+    return commands
+
+
+def test_pinning_without_buildx_fails_loudly_and_builds_nothing(tmp_path: Path) -> None:
+    """Every README command that pins base images, run where `docker` has no buildx
+    (`docker buildx …` is rc 125 there): it fails with a line naming buildx, and no
+    `docker build` runs from the unpinned tags."""
+    fake = tmp_path / "bin" / "docker"
+    fake.parent.mkdir()
+    fake.write_text(
+        f'#!/bin/sh\necho "$@" >> "{tmp_path}/calls"\n'
+        'if [ "$1" = buildx ]; then echo "docker: \'buildx\' is not a docker command." >&2; '
+        "exit 125; fi\n"
+    )
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}", "REGISTRY": "r.example"}
+    commands = readme_commands("pin-base-image.sh")
+    assert len(commands) >= 3
+    for command in commands:
+        done = subprocess.run(
+            ["bash", "-c", command], capture_output=True, text=True, env=env, cwd=REPO, timeout=30
+        )
+        assert done.returncode != 0, command
+        assert "pin-base-image.sh: needs Docker with buildx" in done.stderr, done.stderr
+    calls = (tmp_path / "calls").read_text().splitlines()
+    assert [c for c in calls if c.split()[0] == "build"] == [], calls
 
 
 def test_helm_references_images_by_digest_when_given() -> None:
@@ -351,6 +390,18 @@ def test_kustomize_images_by_registry_and_digest(tmp_path: Path) -> None:
     spec = statefulset_pod(kustomize(overlay))["spec"]
     assert container(spec, "vllm")["image"] == f"registry.example/vllm-nightjar@{DIGEST}"
     assert container(spec, "nightjar")["image"] == "registry.example/nightjar-sidecar:0.1.0"
+
+
+@pytest.mark.parametrize("overlay", sorted(p.name for p in (KUSTOMIZE / "overlays").iterdir()))
+def test_overlays_say_the_images_must_be_built_first(overlay: str) -> None:
+    """Applied as they are, the overlays pull placeholder images no registry has: their
+    headers say to build and push, and to apply an overlay of your own."""
+    header = (KUSTOMIZE / "overlays" / overlay / "kustomization.yaml").read_text()
+    header = header[: header.index("apiVersion:")]
+    assert "apply -k deploy/kubernetes/overlays" not in header
+    assert "No image is published: build deploy/Dockerfile and deploy/Dockerfile.vllm" in (
+        " ".join(line.lstrip("# ") for line in header.splitlines())
+    )
 
 
 # --- one deployment's selectors match its own pods only ---------------------------------------
