@@ -284,12 +284,13 @@ def test_sidecar_settings_are_accepted(variant: str) -> None:
     spec = pod_spec(variant)
     sidecar = container(spec, "nightjar")
     config = load_config(parse_args(sidecar["args"]))
-    create_policy(config.policy, config.params)
+    policy = create_policy(config.policy, config.params)
     parse_params(MemoryParams, config.memory, "memory")
     engine = container(spec, "vllm")
     speculative = json.loads(flags(engine["args"])["--speculative-config"])
-    # The sidecar explores the γ the engine can run, no more.
-    assert config.params["gamma_max"] == speculative["num_speculative_tokens"]
+    # The sidecar explores the γ the engine can run, no more: the policy a fresh start
+    # runs (nothing configured: goodput's defaults) has the engine's Γmax.
+    assert policy.gamma_max == speculative["num_speculative_tokens"]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import yaml
 from kubernetes_validate import utils as k8s_schema
+from nightjar_proto.v1 import admin_pb2
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
@@ -25,19 +26,24 @@ from tests.deploy.test_deploy import (
     CHART,
     CRDS,
     DEPLOY,
+    HELM_VALUES,
     KUBERNETES_VERSIONS,
     KUSTOMIZE,
     REPO,
+    RIG_FLAGS,
     VARIANTS,
     container,
     crd_errors,
     documents_of,
+    flags,
     helm,
     helm_render,
     kubectl,
     kustomize,
     manifests,
+    normalised_pod,
     one,
+    pod_spec,
 )
 
 DIGEST = "sha256:" + "0123456789abcdef" * 4
@@ -345,7 +351,8 @@ def test_readme_documents_the_chart_values() -> None:
     readme = (DEPLOY / "README.md").read_text()
     schema = json.loads((CHART / "values.schema.json").read_text())
     names = set(schema["properties"]) - {"global"}
-    names |= {"digest", "extraArgs", "extraEnv", "existingSecret"}
+    names |= {"digest", "extraArgs", "extraEnv", "existingSecret", "decisionLog", "config"}
+    names |= {"configFiles", "extraVolumeMounts", "probes"}
     missing = [name for name in sorted(names) if f"`{name}`" not in readme]
     assert missing == []
 
@@ -445,30 +452,24 @@ def test_selectors_name_the_instance(variant: str) -> None:
     assert [matches(monitor, s["metadata"]["labels"]) for s in metrics] == [True]
 
 
+def readme_overlay(first_line: str) -> dict[str, Any]:
+    """A kustomization block of deploy/README.md (the one that starts with ``first_line``),
+    its paths into deploy/kubernetes made relative to it for write_overlay."""
+    readme = (DEPLOY / "README.md").read_text()
+    (block,) = re.findall(rf"```yaml\n({re.escape(first_line)}\n.*?)```", readme, re.DOTALL)
+    kustomization: dict[str, Any] = yaml.safe_load(block)
+    for key in ("resources", "components"):
+        kustomization[key] = [
+            entry.removeprefix("../deploy/kubernetes/") for entry in kustomization.get(key, [])
+        ]
+    return kustomization
+
+
 def test_a_second_deployment_in_the_same_namespace(tmp_path: Path) -> None:
-    """The README's recipe: a name prefix and the instance label in one block. The two
-    deployments' selectors each match their own pods only."""
-    second = write_overlay(
-        tmp_path / "second",
-        {
-            "resources": ["overlays/cpu"],
-            "namePrefix": "qwen-",
-            "labels": [
-                {
-                    "pairs": {"app.kubernetes.io/instance": "qwen"},
-                    "includeSelectors": True,
-                    "fields": [
-                        {
-                            "group": "monitoring.coreos.com",
-                            "kind": "ServiceMonitor",
-                            "path": "spec/selector/matchLabels",
-                            "create": True,
-                        }
-                    ],
-                }
-            ],
-        },
-    )
+    """deploy/README.md's recipe, as written: a name prefix and the instance label in one
+    block, and no second copy of the rules and the dashboard. The two deployments'
+    selectors each match their own pods only."""
+    second = write_overlay(tmp_path / "qwen", readme_overlay("# qwen/kustomization.yaml"))
     first, other = documents_of("kustomize:gpu"), kustomize(second)
     assert not {d["metadata"]["name"] for d in first} & {d["metadata"]["name"] for d in other}
     for mine, theirs in ((first, other), (other, first)):
@@ -485,6 +486,10 @@ def test_a_second_deployment_in_the_same_namespace(tmp_path: Path) -> None:
             if not name.startswith("ServiceMonitor/"):
                 assert matches(selector, my_pods), name
     assert statefulset_pod(other)["metadata"]["labels"]["app.kubernetes.io/instance"] == "qwen"
+    # One copy of the rules and the dashboard per cluster: the first deployment's.
+    shipped = {"PrometheusRule", "ConfigMap"}
+    assert {d["kind"] for d in first} >= shipped
+    assert not [d["metadata"]["name"] for d in other if d["kind"] in shipped]
     # The StatefulSet still finds its renamed governing Service.
     (statefulset,) = [d for d in other if d["kind"] == "StatefulSet"]
     assert statefulset["spec"]["serviceName"] == "qwen-vllm-metrics"
@@ -615,3 +620,202 @@ def test_an_upgrade_that_cannot_see_the_token_refuses_to_replace_it() -> None:
     assert "adminToken.existingSecret" in generated["error"]
     assert "nightjar-admin-token" in generated["error"]
     assert [d for d in manifests(existing) if d["kind"] == "Secret"] == []
+
+
+# --- the decision log, the configuration file, restarts (issue 55) ----------------------------
+
+
+def mount_at(spec: dict[str, Any], name: str, path: str) -> str:
+    """The name of the volume behind ``path`` in container ``name`` (its deepest mount)."""
+    mounts = [m for m in container(spec, name)["volumeMounts"] if path.startswith(m["mountPath"])]
+    assert mounts, f"{name} has no volume at {path}"
+    return str(max(mounts, key=lambda m: len(m["mountPath"]))["name"])
+
+
+def mounted_volume(spec: dict[str, Any], name: str, path: str) -> dict[str, Any]:
+    """The pod volume behind ``path`` in container ``name``."""
+    (volume,) = [v for v in spec["volumes"] if v["name"] == mount_at(spec, name, path)]
+    return dict(volume)
+
+
+def with_components(directory: Path, overlay: str, *components: str) -> list[dict[str, Any]]:
+    return kustomize(
+        write_overlay(
+            directory,
+            {
+                "resources": [f"overlays/{overlay}"],
+                "components": [f"components/{c}" for c in components],
+            },
+        )
+    )
+
+
+def test_the_decision_log_has_a_volume_of_its_own(tmp_path: Path) -> None:
+    """Chart and kustomize component: the log on its own emptyDir, sized for every rotated
+    file, its size settings as flags; never on the state volume."""
+    (charted,) = helm_render({**HELM_VALUES["cpu"], "sidecar": {"decisionLog": {"enabled": True}}})
+    kustomized = with_components(tmp_path, "cpu", "decision-log")
+    for documents in (charted, kustomized):
+        spec = statefulset_pod(documents)["spec"]
+        config = load_config(parse_args(container(spec, "nightjar")["args"]))
+        volume = mounted_volume(spec, "nightjar", config.decision_log)
+        assert volume["name"] == "nightjar-decision-log"
+        assert mount_at(spec, "nightjar", config.state_dir) == "nightjar-state"
+        room = (config.decision_log_backups + 1) * config.decision_log_max_bytes
+        assert int(volume["emptyDir"]["sizeLimit"]) > room
+        for version in KUBERNETES_VERSIONS:
+            k8s_schema.validate(one(documents, "StatefulSet"), version, strict=True)
+    assert normalised_pod(statefulset_pod(charted)["spec"]) == normalised_pod(
+        statefulset_pod(kustomized)["spec"]
+    )
+    # Sizes and a volume of your own through the chart.
+    (sized,) = helm_render(
+        {
+            "sidecar": {
+                "decisionLog": {
+                    "enabled": True,
+                    "maxBytes": 1 << 20,
+                    "backups": 2,
+                    "volume": {"persistentVolumeClaim": {"claimName": "nightjar-logs"}},
+                }
+            }
+        }
+    )
+    spec = statefulset_pod(sized)["spec"]
+    config = load_config(parse_args(container(spec, "nightjar")["args"]))
+    assert (config.decision_log_max_bytes, config.decision_log_backups) == (1 << 20, 2)
+    volume = mounted_volume(spec, "nightjar", config.decision_log)
+    assert volume == {
+        "name": "nightjar-decision-log",
+        "persistentVolumeClaim": {"claimName": "nightjar-logs"},
+    }
+    # No example puts it on the state volume any more.
+    for document in (DEPLOY / "README.md", CHART / "values.yaml", CHART / "values.schema.json"):
+        assert "/var/lib/nightjar/decisions" not in document.read_text(), document
+
+
+def test_the_sidecar_warns_when_the_log_shares_the_state_volume(
+    make_server: Any, tmp_path: Path
+) -> None:
+    inside = make_server("--decision-log", str(tmp_path / "state-in" / "d.jsonl"), name="in")
+    assert inside.state_dir == tmp_path / "state-in"
+    assert "is inside --state-dir" in inside.log()
+    assert "give it a volume of its own" in inside.log()
+    apart = make_server("--decision-log", str(tmp_path / "logs" / "d.jsonl"), name="apart")
+    assert "is inside --state-dir" not in apart.log()
+
+
+@pytest.mark.parametrize("variant", ["helm:gpu", "kustomize:cpu"])
+def test_a_policy_swapped_at_run_time_survives_a_restart(variant: str, make_server: Any) -> None:
+    """Nothing configured by default (policy "" and no params): the sidecar restarted with
+    the manifest's flags restores what was swapped in, parameters and state included,
+    instead of starting goodput and overwriting the snapshot with it."""
+    sidecar = container(pod_spec(variant), "nightjar")
+    settings = [a for a in sidecar["args"] if not a.startswith(RIG_FLAGS)]
+    assert not [a for a in settings if a.startswith(("--policy", "--params"))]
+    first = make_server(*settings, name="pod")
+    swapped = first.admin.SwapPolicy(
+        admin_pb2.SwapPolicyRequest(name="nightjar", params_json='{"gamma_max": 4, "seed": 9}'),
+        metadata=first.auth,
+        timeout=5,
+    )
+    assert swapped.policy_name == "nightjar"
+    before = first.state()
+    assert first.terminate() == 0  # SIGTERM: a last snapshot
+    after = make_server(*settings, name="pod").state()
+    assert (after["policy"], after["params"]) == ("nightjar", before["params"])
+    assert after["state"] == before["state"]
+
+
+EXTENDED_POD = {
+    "terminationGracePeriodSeconds": 120,
+    "extraVolumes": [{"name": "tables", "configMap": {"name": "profiled-tables"}}],
+    "topologySpreadConstraints": [
+        {
+            "maxSkew": 1,
+            "topologyKey": "topology.kubernetes.io/zone",
+            "whenUnsatisfiable": "ScheduleAnyway",
+            "labelSelector": {"matchLabels": {"app.kubernetes.io/instance": "nightjar"}},
+        }
+    ],
+    "service": {"annotations": {"service.beta.kubernetes.io/aws-load-balancer-internal": "true"}},
+    "serviceAccount": {"annotations": {"iam.gke.io/gcp-service-account": "vllm@p.iam"}},
+    "engine": {
+        "extraVolumeMounts": [{"name": "tables", "mountPath": "/tables", "readOnly": True}],
+        "probes": {"startup": {"periodSeconds": 20, "failureThreshold": 180}},
+    },
+    "sidecar": {
+        "extraVolumeMounts": [{"name": "tables", "mountPath": "/tables", "readOnly": True}],
+        "probes": {"liveness": {"periodSeconds": 30, "timeoutSeconds": 8, "failureThreshold": 3}},
+        "config": 'max_engines = 2048\nparams = { prefill_cost_table = "/etc/nightjar/c.csv" }\n',
+        "configFiles": {"c.csv": "lag_tokens,batch_size,c_prefill_ms\n0,1,1\n0,8,2\n"},
+    },
+}
+
+
+def test_the_charts_pod_extension_points(tmp_path: Path) -> None:
+    default, extended, reconfigured = helm_render(
+        {},
+        EXTENDED_POD,
+        {**EXTENDED_POD, "sidecar": {**EXTENDED_POD["sidecar"], "config": "max_engines = 4096\n"}},
+    )
+    for documents in (default, extended):
+        for document in documents:
+            if document["kind"] not in CRDS:
+                for version in KUBERNETES_VERSIONS:
+                    k8s_schema.validate(document, version, strict=True)
+    template = statefulset_pod(extended)
+    spec = template["spec"]
+    assert spec["terminationGracePeriodSeconds"] == 120
+    assert spec["topologySpreadConstraints"] == EXTENDED_POD["topologySpreadConstraints"]
+    for name in ("vllm", "nightjar"):
+        assert mounted_volume(spec, name, "/tables/x.csv")["configMap"] == {
+            "name": "profiled-tables"
+        }
+    (api,) = [d for d in extended if d["kind"] == "Service" and "clusterIP" not in d["spec"]]
+    assert api["metadata"]["annotations"] == EXTENDED_POD["service"]["annotations"]
+    account = one(extended, "ServiceAccount")
+    assert account["metadata"]["annotations"] == EXTENDED_POD["serviceAccount"]["annotations"]
+    engine, sidecar = container(spec, "vllm"), container(spec, "nightjar")
+    # Timing overridden key by key; the checks stay the chart's.
+    assert engine["startupProbe"] == {
+        "httpGet": {"path": "/health", "port": "http"},
+        "periodSeconds": 20,
+        "timeoutSeconds": 5,
+        "failureThreshold": 180,
+    }
+    assert sidecar["livenessProbe"]["exec"]["command"][0] == "nightjarctl"
+    assert sidecar["livenessProbe"]["timeoutSeconds"] == 8
+    # The configuration file: a ConfigMap at /etc/nightjar that nightjar-server reads.
+    args = sidecar["args"]
+    config_path = flags(args)["--config"]
+    volume = mounted_volume(spec, "nightjar", config_path)
+    (config_map,) = [d for d in extended if d["metadata"]["name"] == volume["configMap"]["name"]]
+    for name, content in config_map["data"].items():
+        (tmp_path / name).write_text(content)
+    local = [a.replace(str(Path(config_path).parent), str(tmp_path)) for a in args]
+    config = load_config(parse_args(local))
+    assert config.max_engines == 2048 and config.uds == "/run/nightjar/nightjar.sock"
+    assert config.params["prefill_cost_table"] == "/etc/nightjar/c.csv"
+    assert (tmp_path / "c.csv").read_text() == EXTENDED_POD["sidecar"]["configFiles"]["c.csv"]
+    # A changed configuration changes the pod template, so the pods roll.
+    checksums = [
+        statefulset_pod(d)["metadata"].get("annotations", {}).get("checksum/sidecar-config")
+        for d in (default, extended, reconfigured)
+    ]
+    assert checksums[0] is None and None not in checksums[1:] and checksums[1] != checksums[2]
+    # The defaults render none of it.
+    spec = statefulset_pod(default)["spec"]
+    assert "topologySpreadConstraints" not in spec and spec["terminationGracePeriodSeconds"] == 60
+    assert "--config" not in flags(container(spec, "nightjar")["args"])
+
+
+def test_schema_refuses_a_sidecar_probe_timeout_its_check_outlives() -> None:
+    short, unknown = helm(
+        [
+            {"values": {"sidecar": {"probes": {"liveness": {"timeoutSeconds": 2}}}}, "lint": False},
+            {"values": {"engine": {"probes": {"startup": {"exec": {}}}}}, "lint": False},
+        ]
+    )
+    assert "timeoutSeconds" in short["error"]
+    assert "exec" in unknown["error"]

@@ -48,3 +48,18 @@ httpGet: {path: /health, port: http}
 {{- $chart := include "nightjar.labels" . | fromYaml -}}
 {{- toYaml (merge $chart (deepCopy .Values.podLabels)) -}}
 {{- end -}}
+
+{{/* "true" when the sidecar has a configuration ConfigMap (sidecar.config or configFiles). */}}
+{{- define "nightjar.hasConfig" -}}
+{{- if or .Values.sidecar.config .Values.sidecar.configFiles -}}true{{- end -}}
+{{- end -}}
+
+{{/* podAnnotations, and a checksum of the sidecar's configuration, so that a changed
+     configuration rolls the pods (a mounted ConfigMap alone would not restart them). */}}
+{{- define "nightjar.podAnnotations" -}}
+{{- $annotations := deepCopy .Values.podAnnotations -}}
+{{- if include "nightjar.hasConfig" . -}}
+{{- $_ := set $annotations "checksum/sidecar-config" (include (print $.Template.BasePath "/sidecar-config.yaml") . | sha256sum) -}}
+{{- end -}}
+{{- with $annotations }}{{ toYaml . }}{{ end -}}
+{{- end -}}
