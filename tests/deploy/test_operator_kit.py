@@ -259,7 +259,7 @@ EXTENDED = {
     "podLabels": {"team": "inference", "app.kubernetes.io/name": "not-vllm"},
     "priorityClassName": "inference-high",
     "sidecar": {
-        "extraArgs": ["--decision-log=/var/lib/nightjar/decisions.jsonl", "--log-format=json"],
+        "extraArgs": ["--log-level=DEBUG", "--log-format=json"],
         "extraEnv": [{"name": "TZ", "value": "UTC"}],
     },
 }
@@ -283,7 +283,7 @@ def test_helm_extension_values_reach_the_pod() -> None:
     # The sidecar's extra flags go through nightjar-server's own parser.
     sidecar = container(spec, "nightjar")
     config = load_config(parse_args(sidecar["args"]))
-    assert config.decision_log == "/var/lib/nightjar/decisions.jsonl"
+    assert config.log_level == "DEBUG"
     assert config.log_format == "json"
     assert sidecar["env"] == [{"name": "TZ", "value": "UTC"}]
     for version in KUBERNETES_VERSIONS:
