@@ -22,6 +22,7 @@ from grpc_reflection.v1alpha import reflection_pb2
 from memory_agent import service
 from memory_agent.agent import MemoryAgent
 from policy_server.policies import create_policy
+from tests.nightjar_common.test_sockets import run_server
 from tests.policy_server.test_server import reflect_v1
 
 
@@ -213,15 +214,6 @@ def test_server_refuses_bad_configuration_clearly(
     )
     assert result.returncode == 2
     assert message in result.stderr
-
-
-def run_server(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "policy_server.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
 
 
 def test_a_listener_that_cannot_start_is_one_line_and_leaves_nothing() -> None:

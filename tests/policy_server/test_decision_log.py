@@ -86,20 +86,10 @@ def test_grpcs_own_log_lines_stay_json(make_server: Any, pki: dict[str, Any]) ->
     those lines arrive as JSON records of the `grpc` logger."""
     import grpc
 
-    from tests.policy_server.test_security import health, tcp_port
+    from tests.policy_server.test_security import health, mutual_tls_server
 
-    server = make_server(
-        "--log-format",
-        "json",
-        "--port",
-        "0",
-        "--tls-cert",
-        str(pki["server"].cert),
-        "--tls-key",
-        str(pki["server"].key),
-    )
-    address = f"127.0.0.1:{tcp_port(server)}"
-    with grpc.insecure_channel(address) as plaintext, pytest.raises(grpc.RpcError):
+    server, target = mutual_tls_server(make_server, pki, "--log-format", "json")
+    with grpc.insecure_channel(target) as plaintext, pytest.raises(grpc.RpcError):
         health(plaintext)
     deadline = time.monotonic() + 30
     while "Handshake failed" not in server.log() and time.monotonic() < deadline:
