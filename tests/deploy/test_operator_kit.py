@@ -727,7 +727,7 @@ def test_a_policy_swapped_at_run_time_survives_a_restart(variant: str, make_serv
     assert after["state"] == before["state"]
 
 
-EXTENDED_POD = {
+EXTENDED_POD: dict[str, Any] = {
     "terminationGracePeriodSeconds": 120,
     "extraVolumes": [{"name": "tables", "configMap": {"name": "profiled-tables"}}],
     "topologySpreadConstraints": [
