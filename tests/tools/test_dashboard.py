@@ -183,6 +183,9 @@ def test_the_panels_show_what_the_run_did(run: Run) -> None:
     assert len(versions) == 3 and sum(name.startswith("static ") for name in versions) == 1
     swaps = series_of(run, "Policy swaps")
     assert max(swaps["failed"]) >= 1 and max(swaps["ok"]) >= 1
+    # No policy of the run is defective: the panel says so with its named zero line.
+    defects = series_of(run, "Policy defects")
+    assert list(defects) == ["no defects"] and set(defects["no defects"]) == {0.0}
     rejected = series_of(run, "Rejected requests")
     assert {"StepStream INVALID_ARGUMENT", "SwapPolicy UNAUTHENTICATED"} <= set(rejected)
     # The memory controller offloaded the draft at large batches and took it back.
