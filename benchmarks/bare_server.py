@@ -2,10 +2,10 @@
 
 `python -m benchmarks.bare_server --uds PATH` (or `--port N`, on loopback) serves
 `nightjar.v1.PolicyService/StepStream` (and `AdminService/GetState`, for the load test's
-counters) on a `grpc.aio` server, as the sidecar does, and answers every step with γ = 1
-and a fresh decision id: no policy, no validation, no bookkeeping, no metrics. The load
-test drives it with the same engine processes, rate, duration, transport, pipelining and
-deadline as the real sidecar, so the difference between the two runs is what the sidecar
+counters) on a `grpc.aio` server, as the sidecar does, and answers every table request with
+a table of γ = 1 shaped as the sidecar's: no policy, no validation, no bookkeeping, no
+metrics. The load test drives it with the same engine processes, rate, duration, transport
+and deadline as the real sidecar, so the difference between the two runs is what the sidecar
 adds, and what the bare run misses is the host's and Python gRPC's share.
 """
 
@@ -20,48 +20,58 @@ from typing import Any
 import grpc
 from nightjar_proto.v1 import admin_pb2, admin_pb2_grpc, policy_pb2, policy_pb2_grpc
 
-from nightjar_common import uds
+from nightjar_common import uds, wire
+from nightjar_common.types import BinType, GammaTable
+from policy_server.service import DEFAULT_HALF_WIDTH, TableOptions
 
 NAME = "bare"
+# The sidecar's default table shape: the sizes either side of the asked one, how long it
+# serves.
+OPTIONS = TableOptions(DEFAULT_HALF_WIDTH)
 
 
 class BarePolicyService(policy_pb2_grpc.PolicyServiceServicer):  # type: ignore[misc]
-    """γ = 1 for every context, and for each of its candidate batch sizes (as the sidecar
-    answers a prefetch, so that a pipelined engine's prefetched answer fits its batch as
-    often as with the sidecar); outcomes and named runs are read and dropped."""
+    """A table of γ = 1 for every table request, as wide and as long-lived as the sidecar's
+    (so that an engine's steps leave it as often); reports are read and dropped."""
 
     def __init__(self) -> None:
+        # Table steps reported run, as the sidecar's decisions_total counts them.
         self.decisions = 0
+        self.tables = 0
 
     async def StepStream(
         self, request_iterator: AsyncIterator[policy_pb2.StepRequest], context: Any
     ) -> AsyncIterator[policy_pb2.StepReply]:
         async for request in request_iterator:
+            self.decisions += len(request.ran_steps)
             if not request.HasField("context"):
                 yield policy_pb2.StepReply(seq=request.seq)
                 continue
-            self.decisions += 1
-            ctx = request.context
-            decision_id = str(self.decisions)
-            sizes = [b for b in dict.fromkeys(ctx.candidate_batch_sizes) if b != ctx.batch_size]
-            decision = policy_pb2.Decision(
-                gamma=1,
-                decision_id=decision_id,
-                policy_name=NAME,
-                batch_size=ctx.batch_size,
-                tentative=bool(sizes),
-                candidates=[
-                    policy_pb2.Decision(
-                        gamma=1,
-                        decision_id=f"{decision_id}-{b}",
-                        policy_name=NAME,
-                        batch_size=b,
-                        tentative=True,
-                    )
-                    for b in sizes
-                ],
+            self.tables += 1
+            yield policy_pb2.StepReply(
+                seq=request.seq, table=table_for(request.context, self.tables)
             )
-            yield policy_pb2.StepReply(seq=request.seq, decision=decision)
+
+
+def table_for(ctx: policy_pb2.StepContext, number: int) -> policy_pb2.GammaTable:
+    """γ = 1 for the sizes around ``ctx``'s batch, in either speculation state."""
+    first = max(1, ctx.batch_size - OPTIONS.half_width)
+    width = ctx.batch_size + OPTIONS.half_width - first + 1
+    table = GammaTable(
+        table_id=str(number),
+        policy_name=NAME,
+        policy_version=NAME,
+        first_batch_size=first,
+        gammas=(1,) * width,
+        exploring=(False,) * width,
+        speculation_off=False,
+        step_index=ctx.step_index,
+        valid_steps=OPTIONS.valid_steps,
+        valid_ms=OPTIONS.valid_ms,
+        reason=BinType.FIXED,
+        any_speculation_state=True,
+    )
+    return wire.table_to_pb(table)
 
 
 class BareAdminService(admin_pb2_grpc.AdminServiceServicer):  # type: ignore[misc]

@@ -1,8 +1,8 @@
 """The real `nightjar-server` that `make reliability-durable` restarts, starves and reads.
 
 A server process on a Unix socket with a metrics port (admin calls unauthenticated: a
-test rig), and typed handles on it: health, admin and policy stubs, a metric's value,
-a decision, a snapshot's status code, its log.
+test rig), and typed handles on it: health and admin stubs, an engine's stream (a step
+decided and run), a metric's value, a snapshot's status code, its log.
 """
 
 from __future__ import annotations
@@ -20,11 +20,12 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from nightjar_proto.v1 import admin_pb2, admin_pb2_grpc, policy_pb2_grpc
+from nightjar_proto.v1 import admin_pb2, admin_pb2_grpc, policy_pb2
 from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.host import free_port, stop
 from nightjar_common import wire
+from nightjar_common.sidecar_stream import SyncStream
 from nightjar_common.types import StepContext
 
 
@@ -34,14 +35,11 @@ class Server:
     channel: grpc.Channel
     metrics_port: int
     log_path: Path
+    stream: SyncStream | None = None  # an engine's StepStream, opened by the first step
 
     @property
     def admin(self) -> Any:
         return admin_pb2_grpc.AdminServiceStub(self.channel)
-
-    @property
-    def policy(self) -> Any:
-        return policy_pb2_grpc.PolicyServiceStub(self.channel)
 
     def serving(self) -> bool:
         reply = health_pb2_grpc.HealthStub(self.channel).Check(
@@ -59,8 +57,30 @@ class Server:
         raise KeyError(name)
 
     def decide(self, engine: str, batch_size: int) -> int:
+        """A step of ``engine`` at ``batch_size``, as an engine runs it: the table the
+        sidecar sends for its context, its entry run and reported as run (so the policy
+        commits it and its state grows). The step's γ; RuntimeError when the sidecar
+        answered an error or skipped the step."""
+        if self.stream is None:
+            self.stream = SyncStream(self.channel)
         ctx = wire.context_to_pb(StepContext(engine, batch_size=batch_size))
-        return int(self.policy.Decide(ctx, timeout=10).gamma)
+        table = self._applied(policy_pb2.StepRequest(context=ctx)).table
+        gamma = int(table.gammas[batch_size - table.first_batch_size])
+        ran = policy_pb2.RanStep(decision_id=f"{table.table_id}.1", context=ctx, gamma=gamma)
+        self._applied(policy_pb2.StepRequest(ran_steps=[ran]))
+        return gamma
+
+    def _applied(self, request: policy_pb2.StepRequest) -> policy_pb2.StepReply:
+        assert self.stream is not None
+        reply = self.stream.send(request)
+        if reply.HasField("error") or reply.skipped:
+            raise RuntimeError(f"step refused: {reply.error.message or reply.skipped_reason}")
+        return reply
+
+    def close_stream(self) -> None:
+        if self.stream is not None:
+            self.stream.close()
+            self.stream = None
 
     def snapshot_code(self) -> grpc.StatusCode:
         try:
@@ -114,6 +134,7 @@ def running_server(
             time.sleep(0.05)
         yield server
     finally:
+        server.close_stream()
         channel.close()
         stop(process)
         for leftover in sock_dir.iterdir():

@@ -21,7 +21,8 @@ import numpy as np
 
 from benchmarks.rpc_report import Measurement, summarise
 from vllm_client_patch.config import PluginConfig
-from vllm_client_patch.controller import EngineView, GammaController, HookTime, VerifiedStep
+from vllm_client_patch.controller import GammaController, HookTime
+from vllm_client_patch.step_journal import EngineView, VerifiedStep
 
 # Larger than the last-level cache a share of a host gets: the copy evicts it all.
 EVICT_BYTES = 64 << 20

@@ -2,17 +2,17 @@
 
 N engine processes, each pacing R steps/s for a duration (default 10 min), drive a
 `nightjar-server` process started here (Unix socket by default, or loopback TCP). Each
-engine uses the plugin's client (`NightjarClient`, default 2 ms deadline, one stream),
-pipelined (prefetch the next step's γ while this one runs, as the plugin) or blocking: it
-asks for γ with a step context whose batch grows and shrinks as simulated requests join and
-finish, and reports an outcome consistent with the γ it ran on the next request.
+engine uses the plugin's client (`NightjarClient`, default 2 ms deadline, one stream) as
+the plugin does: γ from the held decision table, a new table asked for when it is due, for
+a step context whose batch grows and shrinks as simulated requests join and finish, and an
+outcome consistent with the γ it ran reported in the next batch.
 
-`--preset` names the shapes of load: `pod` (1 engine × 200 steps/s, pipelined), `node`
-(8 engines × 125 steps/s, pipelined: one node of 8 GPUs, 8 ms steps), `node-fast` (the same
-node at 2 ms steps: 8 × 500 steps/s) and `stress` (8 × 1,000 steps/s, blocking; the
-default); explicit flags override a preset's values.
+`--preset` names the shapes of load: `pod` (1 engine × 200 steps/s), `node` (8 engines ×
+125 steps/s: one node of 8 GPUs, 8 ms steps), `node-fast` (the same node at 2 ms steps:
+8 × 500 steps/s) and `stress` (8 × 1,000 steps/s; the default); explicit flags override a
+preset's values.
 
-Then the same load (engines, rate, duration, transport, pipelining, deadline) against a
+Then the same load (engines, rate, duration, transport, deadline) against a
 bare stream server (`benchmarks/bare_server.py`: the same wire contract, answers γ = 1,
 no work), so that every run reports the sidecar's CPU per engine step beside the bare
 server's and their ratio. Reported: steps/s achieved, the engines' time to get γ
@@ -251,7 +251,6 @@ def _collect(
         },
         fallbacks=dict(fallbacks),
         late_replies=sum(r.late_replies for r in results),
-        prefetch_misses=sum(r.prefetch_misses for r in results),
         table_misses=sum(r.table_misses for r in results),
         skipped_behind=sum(r.skipped_behind for r in results),
         errors=errors,
@@ -281,8 +280,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default="stress",
         help="the shape of load: "
         + "; ".join(f"{name} = {preset.what}" for name, preset in PRESETS.items())
-        + " (default stress; --engines, --rate, --pipelined/--no-pipelined, --max-rate "
-        "override it)",
+        + " (default stress; --engines, --rate, --max-rate override it)",
     )
     p.add_argument("--engines", type=int, help="engine processes (default: the preset's)")
     p.add_argument("--rate", type=float, help="steps/s per engine (default: the preset's)")
@@ -296,19 +294,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         type=float,
         default=2.0,
         help="the client's decision deadline (default 2, the plugin's)",
-    )
-    p.add_argument(
-        "--pipelined",
-        action=argparse.BooleanOptionalAction,
-        help="prefetch/take as the plugin, or (--no-pipelined) a blocking decide per step "
-        "(default: the preset's)",
-    )
-    p.add_argument(
-        "--decision-tables",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="answer steps from the sidecar's decision tables (nightjar.v1.7, the plugin's "
-        "default), or (--no-decision-tables) one decision per step (default: tables)",
     )
     p.add_argument(
         "--max-rate",
@@ -347,11 +332,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         args.engines = preset.engines
     if args.rate is None:
         args.rate = preset.rate
-    if args.pipelined is None:
-        args.pipelined = preset.pipelined
     if args.max_rate is None:
         # The unpaced phase belongs to a preset's shape, not to one changed by flags.
-        shape = LoadConfig(engines=args.engines, rate=args.rate, pipelined=args.pipelined).shape
+        shape = LoadConfig(engines=args.engines, rate=args.rate).shape
         args.max_rate = PRESETS[shape].max_rate_s if shape in PRESETS else 0.0
     if args.baseline is None:
         args.baseline = args.duration
@@ -429,8 +412,6 @@ def _main(argv: Sequence[str] | None) -> int:
         duration_s=args.duration,
         transport=args.transport,
         deadline_s=args.deadline_ms / 1000,
-        pipelined=args.pipelined,
-        decision_tables=args.decision_tables,
         seed=args.seed,
         swap_every_s=args.swap_every if args.soak else 0.0,
         snapshot_every_s=args.snapshot_every if args.soak else 0.0,
@@ -480,7 +461,6 @@ def _main(argv: Sequence[str] | None) -> int:
                 engines=args.max_rate_engines,
                 rate=0.0,
                 duration_s=args.max_rate,
-                pipelined=False,
             )
             peak = run_load(peak_config, progress)
             peak_baseline = bare_twin(peak_config, args.max_rate if args.baseline > 0 else 0)

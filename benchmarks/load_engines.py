@@ -21,7 +21,6 @@ import numpy as np
 
 from nightjar_common.client import ClientConfig, NightjarClient
 from nightjar_common.types import StepContext, StepOutcome
-from vllm_client_patch.controller import candidate_batch_sizes
 
 # Engines connect before the clock starts; this long after it, the sidecar's RSS is the
 # baseline for growth (allocations that warm up once — learner tables, gRPC buffers —
@@ -44,13 +43,6 @@ class LoadConfig:
     duration_s: float = 600.0
     transport: str = "uds"
     deadline_s: float = 0.002
-    # The plugin's pipelined mode (prefetch for step t+1 while step t runs) instead of a
-    # blocking decide per step.
-    pipelined: bool = False
-    # Steps answered from the sidecar's decision tables (nightjar.v1.7, the client's
-    # default) or one decision per step. The bare server sends no tables: its engines run
-    # per step whatever this says (the per-step baseline).
-    decision_tables: bool = True
     swap_every_s: float = 0.0
     snapshot_every_s: float = 0.0
     seed: int = 0
@@ -64,25 +56,19 @@ class LoadConfig:
 
     @property
     def shape(self) -> str:
-        """The preset this run's shape is (engines, rate, pipelining), else "NxR-mode"."""
+        """The preset this run's shape is (engines, rate), else "NxR"."""
         for name, preset in PRESETS.items():
-            if (self.engines, self.rate, self.pipelined) == (
-                preset.engines,
-                preset.rate,
-                preset.pipelined,
-            ):
+            if (self.engines, self.rate) == (preset.engines, preset.rate):
                 return name
-        mode = "pipelined" if self.pipelined else "blocking"
-        return f"{self.engines}x{self.rate:g}-{mode}" if self.rate else f"{self.engines}x-unpaced"
+        return f"{self.engines}x{self.rate:g}" if self.rate else f"{self.engines}x-unpaced"
 
 
 @dataclasses.dataclass(frozen=True)
 class Preset:
-    """A shape of load `--preset` names: engines × steps/s each, pipelined or blocking."""
+    """A shape of load `--preset` names: engines × steps/s each."""
 
     engines: int
     rate: float
-    pipelined: bool
     # Seconds of the unpaced phase after the paced run (0 = none).
     max_rate_s: float
     what: str
@@ -91,16 +77,10 @@ class Preset:
 # The real shapes (issue 31) and the stress case the critical-path issue set. Each runs for
 # --duration (default 10 min) and is compared with the bare stream server in the same run.
 PRESETS: dict[str, Preset] = {
-    "stress": Preset(
-        8, 1000.0, False, 60.0, "8 engines × 1,000 steps/s, blocking: the critical-path stress case"
-    ),
-    "node": Preset(
-        8, 125.0, True, 0.0, "one node of 8 GPUs: 8 engines × 125 steps/s (8 ms steps), pipelined"
-    ),
-    "node-fast": Preset(
-        8, 500.0, True, 0.0, "one node of 8 GPUs at 2 ms steps: 8 engines × 500 steps/s, pipelined"
-    ),
-    "pod": Preset(1, 200.0, True, 0.0, "one engine per pod: 1 engine × 200 steps/s, pipelined"),
+    "stress": Preset(8, 1000.0, 60.0, "8 engines × 1,000 steps/s: the critical-path stress case"),
+    "node": Preset(8, 125.0, 0.0, "one node of 8 GPUs: 8 engines × 125 steps/s (8 ms steps)"),
+    "node-fast": Preset(8, 500.0, 0.0, "one node of 8 GPUs at 2 ms steps: 8 engines × 500 steps/s"),
+    "pod": Preset(1, 200.0, 0.0, "one engine per pod: 1 engine × 200 steps/s"),
 }
 
 
@@ -195,7 +175,6 @@ class EngineResult:
     late_replies: int = 0
     rejected_reports: int = 0
     reconnects: int = 0
-    prefetch_misses: int = 0
     # Steps the held decision table could not answer (the client asked and waited).
     table_misses: int = 0
     skipped_behind: int = 0
@@ -232,7 +211,6 @@ def run_engine(job: EngineJob, progress: Synchronized[int]) -> EngineResult:
             engine_id=engine_id,
             deadline_s=config.deadline_s,
             connect_timeout_s=30,
-            decision_tables=config.decision_tables,
         )
     )
     latencies = array("d")
@@ -245,8 +223,6 @@ def run_engine(job: EngineJob, progress: Synchronized[int]) -> EngineResult:
         started = time.perf_counter()
         wall_offset = time.time() - started
         stop, next_at = job.end_at - wall_offset, started
-        if config.pipelined:
-            client.prefetch(model.context(previous_gamma))
         while (now := time.perf_counter()) < stop:
             if interval:
                 if now < next_at:
@@ -257,28 +233,12 @@ def run_engine(job: EngineJob, progress: Synchronized[int]) -> EngineResult:
                 next_at += interval
             ctx = model.context(previous_gamma)
             begin = time.perf_counter()
-            decision = client.take(ctx) if config.pipelined else client.decide(ctx)
+            # As the plugin: the held table's γ, and a new table asked for when it is due.
+            decision = client.decide(ctx)
             latencies.append((time.perf_counter() - begin) * 1e6)
             previous_gamma = decision.gamma
-            if config.pipelined and client.uses_tables:
-                # As the plugin: a new table when the held one is due (prefetch, which asks
-                # for one whatever the held table, is the plugin's call at idle only).
-                client.prefetch_after(ctx, previous_gamma)
-            elif config.pipelined:
-                # As the plugin: ask for the next step while this one runs, for the batch as
-                # it is and the sizes it may take (a move outside that window is a miss).
-                client.prefetch(
-                    dataclasses.replace(
-                        ctx,
-                        step_index=ctx.step_index + 1,
-                        previous_gamma=previous_gamma,
-                        candidate_batch_sizes=candidate_batch_sizes(
-                            ctx.batch_size, ctx.num_waiting
-                        ),
-                    )
-                )
             outcome = model.run_step(ctx, decision.gamma, decision.decision_id)
-            # Rides on the next request, as in the plugin (fallback decisions: not sent).
+            # Goes with the next batch of reports, as in the plugin (fallbacks: not sent).
             client.report(outcome)
             if len(latencies) % 100 == 0:
                 progress.value = len(latencies)
@@ -296,7 +256,6 @@ def run_engine(job: EngineJob, progress: Synchronized[int]) -> EngineResult:
     result.late_replies = stats.late_replies
     result.rejected_reports = stats.rejected_reports
     result.reconnects = stats.reconnects
-    result.prefetch_misses = stats.prefetch_misses
     result.table_misses = sum(stats.table_misses.values())
     for reason in ERROR_FALLBACK_REASONS:
         if result.fallbacks.get(reason):

@@ -6,10 +6,9 @@ the bench-load section per shape of load, `write_load_section`) and `reliability
 the record under docs/reliability/.
 
 The sidecar's cost is its CPU (user + sys, from /proc) per engine step: the steps the
-engines ran, counted by the engines whether the sidecar answered them or they fell back,
-so a pipelined run, whose prefetched (tentative) decisions the sidecar's own counter does
-not count one for one, is costed like a blocking one. Each run is set beside the bare stream
-server (`benchmarks/bare_server.py`) driven the same way in the same invocation.
+engines ran, counted by the engines whether the sidecar answered them or they fell back
+(the sidecar's own counter counts table steps once committed). Each run is set beside the
+bare stream server (`benchmarks/bare_server.py`) driven the same way in the same invocation.
 """
 
 from __future__ import annotations
@@ -30,13 +29,13 @@ TARGET_FALLBACK_FRACTION = 0.001
 TARGET_RSS_GROWTH = 0.10
 TARGET_DECISIONS_PER_CORE = 10_000.0
 TARGET_RATE_HELD = 0.99
-# Issue 31 on a 2-core host: 2 engines × 125 steps/s pipelined, the sidecar's CPU per step
+# Issue 31 on a 2-core host: 2 engines × 125 steps/s, the sidecar's CPU per step
 # at most this many times the bare stream server's in the same run.
 TARGET_CPU_RATIO = 1.5
-# Issue 31, one node (8 engines × 125 steps/s pipelined): the sidecar under this share of
+# Issue 31, one node (8 engines × 125 steps/s): the sidecar under this share of
 # one core (only meaningful where the node's cores are not shared with 8 engine processes).
 TARGET_NODE_CORE_FRACTION = 0.25
-# Issue 31, one node at 2 ms steps (8 engines × 500 steps/s pipelined): a looser bound on
+# Issue 31, one node at 2 ms steps (8 engines × 500 steps/s): a looser bound on
 # fallbacks, since each step leaves the sidecar a quarter of the node shape's time.
 TARGET_NODE_FAST_FALLBACK_FRACTION = 0.01
 
@@ -46,12 +45,12 @@ RSS_VERDICT = "sidecar RSS growth ≤ 10 %"
 SNAPSHOTS_VERDICT = "every snapshot readable and loadable"
 STRESS_VERDICT = "8 engines × 1,000 decisions/s for 10 min, rate held (≥ 99 %)"
 NODE_VERDICT = (
-    "node target (8 engines × 125 steps/s pipelined): fallbacks ≤ 0.1 % with the sidecar "
+    "node target (8 engines × 125 steps/s): fallbacks ≤ 0.1 % with the sidecar "
     "under 25 % of one core"
 )
-NODE_FAST_VERDICT = "node at 2 ms steps (8 engines × 500 steps/s pipelined): fallbacks ≤ 1 %"
+NODE_FAST_VERDICT = "node at 2 ms steps (8 engines × 500 steps/s): fallbacks ≤ 1 %"
 TWO_CORE_VERDICT = (
-    "2-core target (2 engines × 125 steps/s pipelined): sidecar CPU per step ≤ 1.5 × the bare "
+    "2-core target (2 engines × 125 steps/s): sidecar CPU per step ≤ 1.5 × the bare "
     "server's in the same run, fallbacks ≤ 0.1 %"
 )
 
@@ -78,7 +77,6 @@ class LoadResult:
     latency_us: dict[str, float]
     fallbacks: dict[str, int]
     late_replies: int
-    prefetch_misses: int
     skipped_behind: int
     errors: int
     error_texts: list[str]
@@ -154,7 +152,7 @@ def rate_held(run: LoadResult) -> bool:
 
 
 def is_two_core_shape(config: LoadConfig) -> bool:
-    return (config.engines, config.rate, config.pipelined) == (2, 125.0, True)
+    return (config.engines, config.rate) == (2, 125.0)
 
 
 def is_stress_shape(config: LoadConfig) -> bool:
@@ -202,11 +200,7 @@ def soak_verdicts(run: LoadResult) -> dict[str, bool]:
 
 def describe(run: LoadResult) -> str:
     c = run.config
-    mode = "pipelined (prefetch/take, as the plugin)" if c["pipelined"] else "blocking decide"
-    if c.get("decision_tables", False) and c.get("server", "nightjar") != "bare":
-        mode += ", decision tables (nightjar.v1.7)"
-    elif c.get("server", "nightjar") != "bare":
-        mode += ", one decision per step"
+    mode = "decision tables as the plugin asks for them"
     rate = f"{c['rate']:,.0f} steps/s each" if c["rate"] else "unpaced (as fast as each can)"
     processes = "engine process" if c["engines"] == 1 else "engine processes"
     return (
@@ -221,8 +215,7 @@ def shape_title(config: LoadConfig) -> str:
     preset = PRESETS.get(config.shape)
     if preset is not None:
         return f"{config.shape}: {preset.what} (`--preset {config.shape}`)"
-    mode = "pipelined" if config.pipelined else "blocking"
-    return f"{config.engines} engines × {config.rate:,.0f} steps/s, {mode}"
+    return f"{config.engines} engines × {config.rate:,.0f} steps/s"
 
 
 def cores_note(run: LoadResult) -> str:
@@ -253,15 +246,13 @@ def run_table(run: LoadResult) -> list[str]:
         f"of one core |",
         f"| server CPU per engine step | {run.cpu_per_step_us:,.0f} µs "
         f"({run.steps_per_cpu_s:,.0f} steps per CPU-second) |",
-        f"| decisions the server counted (its decisions_total: a prefetched, tentative one "
-        f"only once committed) | {run.server_decisions:,} |",
+        f"| decisions the server counted (its decisions_total: table steps once committed) "
+        f"| {run.server_decisions:,} |",
         f"| time to get γ, p50 / p99 / p999 / max | {lat['p50'] / 1000:.3f} / "
         f"{lat['p99'] / 1000:.3f} / {lat['p999'] / 1000:.3f} / {lat['max'] / 1000:.3f} ms |",
         f"| fallbacks | {sum(run.fallbacks.values()):,} ({100 * run.fallback_fraction:.3f} %): "
         f"{fallbacks} |",
         f"| late replies (answered after the deadline) | {run.late_replies:,} |",
-        f"| prefetched answers not usable (the batch left the window, …) | "
-        f"{run.prefetch_misses:,} |",
         f"| steps the held decision table could not answer (asked and waited) | "
         f"{run.table_misses:,} |",
         f"| engine fell > {MAX_LAG_S * 1000:.0f} ms behind its schedule | {run.skipped_behind:,} |",
@@ -305,10 +296,10 @@ def verdict_lines(verdicts: dict[str, bool]) -> list[str]:
 
 BASELINE_TEXT = (
     "The bare stream server is `benchmarks/bare_server.py`: the sidecar's wire contract on a "
-    "`grpc.aio` server that answers every step with γ = 1 (and each candidate batch size of a "
-    "prefetched step, as the sidecar does) and does nothing else (no policy, "
+    "`grpc.aio` server that answers every table request with a table of γ = 1 as wide and "
+    "long-lived as the sidecar's and does nothing else (no policy, "
     "validation, bookkeeping or metrics), driven by the same engine processes, rate, "
-    "duration, transport, pipelining and deadline right after the sidecar. In its table the "
+    "duration, transport and deadline right after the sidecar. In its table the "
     'rows that say "server" are that server\'s.'
 )
 
@@ -387,8 +378,8 @@ def load_intro() -> str:
             "`benchmarks/load.py` starts a real `nightjar-server` process and N engine "
             "processes on the same machine; each engine runs the plugin's client "
             "(`NightjarClient`) with simulated step contexts (batch 1–64 as requests join "
-            "and finish, KV blocks, context tokens), paced at R steps/s, pipelined (prefetch "
-            "the next step's γ while this one runs, as the plugin) or blocking, and reports "
+            "and finish, KV blocks, context tokens), paced at R steps/s, γ from decision tables "
+            "as the plugin asks for them, and reports "
             "outcomes consistent with the γ it ran. Latency is the engine's time to get γ (a "
             "fallback counts at its deadline). The server's cost is its CPU (user + sys, from "
             "/proc) per engine step, the steps counted by the engines whether answered or "

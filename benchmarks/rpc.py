@@ -4,14 +4,13 @@ Measures (p50/p99):
 1. in-process: the Nightjar policy's decide alone, DecisionService.decide (ids,
    bookkeeping, Prometheus), and a decide + report pair; steps through decision tables
    (their amortised mean too), in rounds spread over the run;
-2. the client's round trip to a real `nightjar-server` process over a Unix
-   socket and loopback TCP, stream and unary transports, 1 and 8 concurrent
-   client processes (each decision's outcome piggybacked, as an engine does);
-3. pipelined mode: time inside `take()` when the request went out one step earlier;
-4. a sustained 1,000 decisions/s with the default 2 ms deadline: fallbacks;
-5. the stock gRPC baseline: the same round trips to a bare echo server
+2. the round trip of a step the held table cannot answer (a miss: the client asks for
+   a table, carrying the reports queued, and waits for it) to a real `nightjar-server`
+   process over a Unix socket and loopback TCP, 1 and 8 concurrent client processes;
+3. a sustained 1,000 steps/s with the default 2 ms deadline, as the plugin asks: fallbacks;
+4. the stock gRPC baseline: the same round trips to a bare echo server
    (`benchmarks/rpc_echo.py`);
-6. the engine thread's CPU in the plugin's controller per step, warm and after a
+5. the engine thread's CPU in the plugin's controller per step, warm and after a
    cache-evicting step, beside the floor (`benchmarks/hook_cost.py`).
 
 Writes its section of docs/BENCHMARKS.md between markers (other benchmarks own
@@ -60,10 +59,9 @@ from policy_server.service import DecisionService
 from policy_server.sim.sources import TableSource
 
 SECTION = "bench-rpc"
-# The wire cases ask one decision per step: they measure the round trip and what the
-# sidecar spends on it. Decision tables (nightjar.v1.7, the client's default) take most
-# steps without one; `make bench-load` measures them against the same load.
-ROUND_TRIPS = functools.partial(ClientConfig, connect_timeout_s=20, decision_tables=False)
+# The round-trip cases alternate between these batch sizes, further apart than a table
+# reaches: every step misses the held table and waits for a new one.
+MISS_SIZES = (4, 48)
 
 
 def contexts(engine: str, count: int, seed: int = 0) -> list[StepContext]:
@@ -270,7 +268,7 @@ def measure_tables(
     ]
 
 
-# -- 2–4. over the wire -------------------------------------------------------------------
+# -- 2–3. over the wire -------------------------------------------------------------------
 
 
 @contextmanager
@@ -286,28 +284,26 @@ def sidecar(transport: str) -> Iterator[str]:
             yield target
 
 
-def client_run(args: tuple[str, str, bool, float, int]) -> tuple[list[int], int]:
-    """One engine: `count` decisions with piggybacked outcomes; returns latencies (ns)."""
-    target, engine, use_stream, deadline, count = args
+def client_run(args: tuple[str, str, float, int]) -> tuple[list[int], int]:
+    """One engine whose every step misses the held table: ``count`` round trips, each
+    carrying the previous step's outcome; returns latencies (ns) and fallbacks."""
+    target, engine, deadline, count = args
     client = NightjarClient(
-        ClientConfig(
-            target=target,
-            engine_id=engine,
-            deadline_s=deadline,
-            use_stream=use_stream,
-            connect_timeout_s=20,
-            decision_tables=False,  # a round trip a step: what is measured here
-        )
+        ClientConfig(target=target, engine_id=engine, deadline_s=deadline, connect_timeout_s=20)
     )
     nanos: list[int] = []
     try:
-        for i, ctx in enumerate(contexts(engine, count + 300, seed=hash(engine) % 1000)):
+        steps = contexts(engine, count + 300, seed=hash(engine) % 1000)
+        for i, ctx in enumerate(steps):
+            ctx = dataclasses.replace(ctx, batch_size=MISS_SIZES[i % 2])
             start = time.perf_counter_ns()
-            decision = client.decide(ctx)
+            decision = client.take(ctx)
             elapsed = time.perf_counter_ns() - start
             report(client, engine, ctx, decision)
             if i >= 300:  # warm-up excluded
                 nanos.append(elapsed)
+        misses = sum(client.stats.table_misses.values())
+        assert misses == len(steps), f"{misses} misses in {len(steps)} steps"
     finally:
         fallbacks = client.stats.fallbacks_total
         client.close()
@@ -319,10 +315,9 @@ def report(client: NightjarClient, engine: str, ctx: StepContext, d: GammaDecisi
         client.report(outcome_for(engine, d.decision_id, ctx, d.gamma))
 
 
-def measure_rpc(transport: str, use_stream: bool, clients: int, count: int) -> Measurement:
-    mode = "stream" if use_stream else "unary"
+def measure_rpc(transport: str, clients: int, count: int) -> Measurement:
     # A generous deadline: this measures latency, fallbacks would truncate the tail.
-    jobs = [(f"engine-{i}", use_stream, 0.05, count) for i in range(clients)]
+    jobs = [(f"engine-{i}", 0.05, count) for i in range(clients)]
     with sidecar(transport) as target:
         if clients == 1:
             results = [client_run((target, *jobs[0]))]
@@ -331,75 +326,52 @@ def measure_rpc(transport: str, use_stream: bool, clients: int, count: int) -> M
                 results = pool.map(client_run, [(target, *job) for job in jobs])
     nanos = [n for latencies, _ in results for n in latencies]
     fallbacks = sum(f for _, f in results)
-    return summarise(f"{transport} {mode}, {clients} client(s)", nanos, fallbacks)
+    return summarise(f"{transport}, {clients} client(s)", nanos, fallbacks)
 
 
-def measure_pipelined(steps: int, step_seconds: float = 0.005) -> Measurement:
-    """Time inside take() when prefetch() went out one (simulated) step earlier."""
+def measure_rate(rate: float, seconds: float) -> dict[str, Any]:
+    """Steps paced at `rate`/s with the default 2 ms deadline, as the plugin asks (the held
+    table's γ, a new table asked for when it is due): fallbacks, table misses."""
     with sidecar("uds") as target:
-        client = NightjarClient(ROUND_TRIPS(target=target, engine_id="pipe"))
-        ctxs = contexts("pipe", steps + 1)
-        nanos = []
-        client.prefetch(ctxs[0])
-        for i in range(steps):
-            start = time.perf_counter_ns()
-            decision = client.take(ctxs[i])
-            nanos.append(time.perf_counter_ns() - start)
-            report(client, "pipe", ctxs[i], decision)
-            client.prefetch(ctxs[i + 1])
-            time.sleep(step_seconds)  # the step runs while the next answer is computed
-        fallbacks = client.stats.fallbacks_total
-        client.close()
-    warm = min(100, steps // 5)
-    case = f"pipelined take() after a {step_seconds * 1000:.0f} ms step"
-    return summarise(case, nanos[warm:], fallbacks)
-
-
-def measure_rate(rate: float, seconds: float, pipelined: bool) -> dict[str, Any]:
-    """Decisions paced at `rate`/s with the default 2 ms deadline; counts fallbacks.
-
-    Blocking: each decide() pays the round trip. Pipelined: the next step's request
-    goes out right after this step's answer is taken, as the plugin does.
-    """
-    with sidecar("uds") as target:
-        client = NightjarClient(ROUND_TRIPS(target=target, engine_id="rate"))
-        ctxs = contexts("rate", int(rate * seconds))
+        client = NightjarClient(ClientConfig(target=target, engine_id="rate", connect_timeout_s=20))
+        rng = random.Random(0)
+        batch, previous = 16, None
         start = time.perf_counter()
-        if pipelined:
-            client.prefetch(ctxs[0])
-        for i, ctx in enumerate(ctxs):
+        for i in range(int(rate * seconds)):
             pause = start + i / rate - time.perf_counter()
             if pause > 0:
                 time.sleep(pause)
-            decision = client.take(ctx) if pipelined else client.decide(ctx)
+            batch = min(64, max(1, batch + rng.choice((-2, -1, 0, 0, 0, 1, 2))))
+            ctx = StepContext("rate", batch, step_index=i, previous_gamma=previous)
+            decision = client.decide(ctx)
             report(client, "rate", ctx, decision)
-            if pipelined and i + 1 < len(ctxs):
-                client.prefetch(ctxs[i + 1])
+            previous = decision.gamma
         elapsed = time.perf_counter() - start
         stats = client.stats
         client.close()
     return {
-        "mode": "pipelined" if pipelined else "blocking",
         "decisions": stats.decisions,
         "achieved_rate": stats.decisions / elapsed,
         "fallbacks": stats.fallbacks_total,
         "fallbacks_by_reason": dict(stats.fallbacks),
         "late_replies": stats.late_replies,
+        "table_misses": sum(stats.table_misses.values()),
     }
 
 
-# -- 5. stock gRPC baseline (benchmarks/rpc_echo.py) ------------------------------------
+# -- 4. stock gRPC baseline (benchmarks/rpc_echo.py) ------------------------------------
 
 
 def wire_size_payload() -> bytes:
-    """A StepRequest as the plugin sends it (context + piggybacked outcome), serialized."""
+    """A table request as the plugin sends it on a miss (context + a queued outcome),
+    serialized."""
     from nightjar_proto.v1 import policy_pb2
 
     from nightjar_common import wire
 
     ctx = contexts("engine-0", 1)[0]
-    request = policy_pb2.StepRequest(seq=12345, context=wire.context_to_pb(ctx))
-    request.outcome.CopyFrom(wire.outcome_to_pb(outcome_for("engine-0", "ab12cd34-1f2e", ctx, 3)))
+    request = policy_pb2.StepRequest(seq=12345, want_table=True, context=wire.context_to_pb(ctx))
+    request.outcomes.append(wire.outcome_to_pb(outcome_for("engine-0", "ab12cd34-1f2e.3", ctx, 3)))
     return bytes(request.SerializeToString())
 
 
@@ -421,25 +393,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     tables.run_round()
     rpc = []
     for transport in ("uds", "tcp"):
-        for use_stream in (True, False):
-            print(f"rpc {transport} stream={use_stream} 1 client ...", file=sys.stderr)
-            rpc.append(measure_rpc(transport, use_stream, 1, int(5_000 * scale)))
-        print(f"rpc {transport} stream 8 clients ...", file=sys.stderr)
-        rpc.append(measure_rpc(transport, True, 8, int(1_500 * scale)))
+        print(f"rpc {transport} 1 client ...", file=sys.stderr)
+        rpc.append(measure_rpc(transport, 1, int(5_000 * scale)))
+        print(f"rpc {transport} 8 clients ...", file=sys.stderr)
+        rpc.append(measure_rpc(transport, 8, int(1_500 * scale)))
     results["rpc"] = [dataclasses.asdict(m) for m in rpc]
     tables.run_round()
     print("stock gRPC echo baseline ...", file=sys.stderr)
     payload = wire_size_payload()
     results["baseline"] = [
-        dataclasses.asdict(measure_echo(kind, use_stream, int(5_000 * scale), payload))
-        for kind in ECHO_KINDS
-        for use_stream in (True, False)
+        dataclasses.asdict(measure_echo(kind, int(5_000 * scale), payload)) for kind in ECHO_KINDS
     ]
     tables.run_round()
-    print("pipelined ...", file=sys.stderr)
-    results["pipelined"] = dataclasses.asdict(measure_pipelined(int(1_000 * scale)))
     print("sustained 1000/s ...", file=sys.stderr)
-    results["rate"] = [measure_rate(1000.0, 10.0 * scale, pipelined) for pipelined in (False, True)]
+    results["rate"] = measure_rate(1000.0, 10.0 * scale)
     tables.run_round()
     print("hook ...", file=sys.stderr)
     with sidecar("uds") as target:

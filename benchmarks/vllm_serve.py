@@ -102,6 +102,14 @@ def policy_request(policy: str) -> tuple[str, dict[str, Any]]:
     return name, params
 
 
+def section_of(args: argparse.Namespace) -> str:
+    """The docs/BENCHMARKS.md section a run writes."""
+    if args.section:
+        return str(args.section)
+    section = SECTION if len(args.temperatures) == 1 else f"{SECTION}-mixed"
+    return section + "-random" if args.dataset == "random" else section
+
+
 def plan(policies: Sequence[str], warm: Sequence[str], repetitions: int) -> list[Pass]:
     passes = []
     for repetition in range(repetitions):
@@ -246,7 +254,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="load phases RATExPROMPTS,... (req/s x prompts)",
     )
     parser.add_argument(
-        "--policies", type=_policies, default="goodput,nightjar,off,static-1,static-3,table,ema"
+        "--policies",
+        type=_policies,
+        default="goodput,nightjar,off,static-1,static-2,static-3,table,ema",
     )
     parser.add_argument(
         "--warm",
@@ -286,6 +296,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "more than one writes the bench-vllm-mixed section",
     )
     parser.add_argument("--seed", type=int, default=0, help="phase i uses seed + i")
+    parser.add_argument(
+        "--section",
+        help="the docs/BENCHMARKS.md section to write (default: bench-vllm, with -mixed for "
+        "several temperatures and -random for the random dataset), e.g. for a run of other "
+        "policies than the default's, kept beside it",
+    )
     parser.add_argument("--port", type=int, default=8765)
     parser.add_argument(
         "--result-dir", type=Path, help="where vLLM writes its result files (default: temp)"
@@ -424,10 +440,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ]
     (results / "runs.json").write_text(json.dumps(manifest, indent=1))
     elapsed = time.monotonic() - started
-    section = SECTION if len(args.temperatures) == 1 else f"{SECTION}-mixed"
-    if args.dataset == "random":
-        section += "-random"
-    write_section(args.out, section, render(runs, stats, startup, elapsed, GAMMA_MAX, args))
+    report = render(runs, stats, startup, elapsed, GAMMA_MAX, args)
+    write_section(args.out, section_of(args), report)
     print(f"bench-vllm: {len(runs)} passes in {elapsed / 60:.1f} min", file=sys.stderr)
     return 0
 

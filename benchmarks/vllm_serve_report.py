@@ -40,12 +40,9 @@ class PluginCounts:
 
     steps: int = 0
     sidecar_decisions: int = 0
-    prefetch_hits: int = 0
-    prefetch_misses: int = 0
     fallbacks: Mapping[str, int] = dataclasses.field(default_factory=dict)
     gammas: Mapping[str, int] = dataclasses.field(default_factory=dict)  # γ → steps
-    miss_reasons: Mapping[str, int] = dataclasses.field(default_factory=dict)
-    # With decision tables: steps the held table could not answer, by why.
+    # Steps the held decision table could not answer, by why.
     table_misses: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
     @classmethod
@@ -60,11 +57,8 @@ class PluginCounts:
         return cls(
             delta("steps"),
             delta("sidecar_decisions"),
-            delta("prefetch_hits"),
-            delta("prefetch_misses"),
             delta_map("fallbacks"),
             delta_map("gammas"),
-            delta_map("prefetch_miss_reasons"),
             delta_map("table_misses"),
         )
 
@@ -75,11 +69,8 @@ class PluginCounts:
         return PluginCounts(
             self.steps + other.steps,
             self.sidecar_decisions + other.sidecar_decisions,
-            self.prefetch_hits + other.prefetch_hits,
-            self.prefetch_misses + other.prefetch_misses,
             merged(self.fallbacks, other.fallbacks),
             merged(self.gammas, other.gammas),
-            merged(self.miss_reasons, other.miss_reasons),
             merged(self.table_misses, other.table_misses),
         )
 
@@ -268,8 +259,7 @@ def render(
         "`off` can show drafted tokens.",
         "",
         f"| policy | engine steps | steps at γ = {' / '.join(map(str, gammas))} "
-        "| sidecar decisions | fallback steps | prefetch hits / misses (why), or with "
-        "decision tables the steps the held table could not answer (why) |",
+        "| sidecar decisions | fallback steps | steps the held table could not answer (why) |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     for label, rs in grouped.items():
@@ -281,17 +271,15 @@ def render(
                 " / ".join(str(c.gammas.get(str(g), 0)) for g in gammas),
                 c.sidecar_decisions,
                 f"{c.fallbacks_total} {dict(c.fallbacks) if c.fallbacks else ''}".strip(),
-                _table_misses(c)
-                or f"{c.prefetch_hits} / {c.prefetch_misses} "
-                f"{dict(c.miss_reasons) if c.miss_reasons else ''}".strip(),
+                _table_misses(c),
             )
         )
     lines += [
         "",
         "Plugin overhead over the whole benchmark (the stats file keeps percentiles over all "
         "steps, not per pass, in 2 % log buckets): time inside the hook per engine step — "
-        "building the step context, taking the decision, queuing the outcome, prefetching the "
-        "next decision — against the engine's step; and the engine thread's CPU time in the "
+        "building the step context, taking the decision, queuing the outcome, asking for the "
+        "next table — against the engine's step; and the engine thread's CPU time in the "
         "hook (`time.thread_time`): where the wall time far exceeds it, the thread waited for "
         "the GIL or a core rather than working:",
         "",
@@ -312,7 +300,5 @@ def render(
 
 
 def _table_misses(counts: PluginCounts) -> str:
-    """ "table misses N {why: n}" for a pass with decision tables, "" for one without."""
-    if not counts.table_misses:
-        return ""
-    return f"table misses {sum(counts.table_misses.values())} {dict(counts.table_misses)}"
+    """ "N {why: n}": the pass's table misses."""
+    return f"{sum(counts.table_misses.values())} {dict(counts.table_misses)}".strip()

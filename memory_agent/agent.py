@@ -21,8 +21,8 @@ overlaps a forward pass. While the draft is not resident the engine may only run
 Nothing here imports vLLM; ``vllm_client_patch/kv_pool.py`` and
 ``vllm_client_patch/worker_memory.py`` adapt vLLM's objects to the two protocols below.
 
-Just over 400 lines, one thing: the order queue and the two halves of each order share
-the agent's state and lock.
+One module: the order queue and the two halves of each order share the agent's state and
+lock.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The client's side of decision tables (nightjar.v1.7): the newest table it holds and the
+"""The client's side of decision tables: the newest table it holds and the
 steps it ran from it, used on the engine's thread without a lock or a round trip.
 
 The sidecar decides the γ of every batch size the engine can reach next at once and
@@ -19,7 +19,7 @@ import collections
 import dataclasses
 import math
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from nightjar_common.types import GammaTable, RanStep, StepContext, StepOutcome
 
@@ -226,6 +226,14 @@ def refresh_due(
         or index in held.spent
         or held.age_ms(now) >= every_ms
     )
+
+
+class ReportSource(Protocol):
+    """Reports a caller deferred: queued on the client (its ``ran`` and ``report``) when
+    asked, by the thread about to send a batch, so that a table request carries every
+    step run before it."""
+
+    def settle(self) -> None: ...
 
 
 class ReportBatch:

@@ -12,7 +12,6 @@ from nightjar_proto.v1 import policy_pb2 as pb
 from nightjar_common.errors import InvalidArgumentError
 from nightjar_common.types import (
     BinType,
-    Decision,
     EngineRuntime,
     GammaTable,
     MemoryDirective,
@@ -46,8 +45,6 @@ def context_from_pb(msg: pb.StepContext) -> StepContext:
         max_gamma=msg.max_gamma,
         learner_key=msg.learner_key,
         context_tokens=msg.context_tokens,
-        candidate_batch_sizes=tuple(msg.candidate_batch_sizes),
-        ran_decision_id=msg.ran_decision_id,
         min_draft_passes=msg.min_draft_passes,
         runtime=runtime_from_pb(msg.runtime) if msg.HasField("runtime") else None,
         requests=tuple(
@@ -97,8 +94,6 @@ def context_to_pb(ctx: StepContext) -> pb.StepContext:
         max_gamma=ctx.max_gamma,
         learner_key=ctx.learner_key,
         context_tokens=ctx.context_tokens,
-        candidate_batch_sizes=ctx.candidate_batch_sizes,
-        ran_decision_id=ctx.ran_decision_id,
         min_draft_passes=ctx.min_draft_passes,
     )
     if ctx.previous_gamma is not None:
@@ -162,29 +157,6 @@ def outcome_to_pb(outcome: StepOutcome) -> pb.StepOutcome:
     return msg
 
 
-def decision_to_pb(decision: Decision) -> pb.Decision:
-    msg = pb.Decision(
-        gamma=decision.gamma,
-        decision_id=decision.decision_id,
-        exploration=decision.exploration,
-        exploration_probability=decision.exploration_probability,
-        policy_name=decision.policy_name,
-        policy_version=decision.policy_version,
-        reason=decision.bin_type.value,
-        step_index=decision.step_index,
-        request_gammas=[
-            pb.RequestGamma(request_id=rid, gamma=g) for rid, g in decision.request_gammas
-        ],
-        batch_size=decision.batch_size,
-        candidates=[decision_to_pb(c) for c in decision.candidates],
-        tentative=decision.tentative,
-        reads_request_signals=decision.reads_request_signals,
-    )
-    if decision.memory_directive.action:
-        msg.memory_directive.CopyFrom(directive_to_pb(decision.memory_directive))
-    return msg
-
-
 def directive_to_pb(directive: MemoryDirective) -> pb.MemoryDirective:
     return pb.MemoryDirective(
         action=_ACTIONS[directive.action],
@@ -195,29 +167,6 @@ def directive_to_pb(directive: MemoryDirective) -> pb.MemoryDirective:
 
 def directive_from_pb(msg: pb.MemoryDirective) -> MemoryDirective:
     return MemoryDirective(_ACTION_NAMES.get(msg.action, ""), msg.target_kv_blocks, msg.reason)
-
-
-def decision_from_pb(msg: pb.Decision, *, candidates: bool = True) -> Decision:
-    """``candidates=False`` leaves the candidate decisions out: a client taking one answer
-    converts only that one (converting all 16 was most of the plugin's hook time)."""
-    directive = MemoryDirective()
-    if msg.HasField("memory_directive"):
-        directive = directive_from_pb(msg.memory_directive)
-    return Decision(
-        gamma=msg.gamma,
-        decision_id=msg.decision_id,
-        bin_type=BinType(msg.reason) if msg.reason in BinType._value2member_map_ else BinType.FIXED,
-        exploration_probability=msg.exploration_probability,
-        policy_name=msg.policy_name,
-        policy_version=msg.policy_version,
-        step_index=msg.step_index,
-        request_gammas=tuple((r.request_id, r.gamma) for r in msg.request_gammas),
-        memory_directive=directive,
-        batch_size=msg.batch_size,
-        candidates=tuple(decision_from_pb(c) for c in msg.candidates) if candidates else (),
-        tentative=msg.tentative,
-        reads_request_signals=msg.reads_request_signals,
-    )
 
 
 def table_to_pb(table: GammaTable) -> pb.GammaTable:

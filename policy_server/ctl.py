@@ -19,10 +19,11 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from nightjar_proto.v1 import admin_pb2, admin_pb2_grpc, policy_pb2_grpc
+from nightjar_proto.v1 import admin_pb2, admin_pb2_grpc, policy_pb2
 
 from nightjar_common import tls, wire
-from nightjar_common.types import StepContext, StepOutcome
+from nightjar_common.sidecar_stream import SyncStream
+from nightjar_common.types import BinType, RanStep, StepContext, StepOutcome
 from policy_server import fleet
 from policy_server.policies import DEFAULT_POLICY
 
@@ -455,31 +456,64 @@ def _decide(args: argparse.Namespace, channel: grpc.Channel) -> int:
         draft_resident=not args.not_resident,
         previous_gamma=args.previous_gamma,
     )
-    stub = policy_pb2_grpc.PolicyServiceStub(channel)
-    decision = wire.decision_from_pb(stub.Decide(wire.context_to_pb(ctx), timeout=args.timeout))
-    print(
-        json.dumps(
-            {
-                "gamma": decision.gamma,
-                "decision_id": decision.decision_id,
-                "reason": decision.bin_type.value,
-                "exploration_probability": decision.exploration_probability,
-                "policy": decision.policy_name,
-                "policy_version": decision.policy_version,
-            }
+    with SyncStream(channel, args.timeout) as stream:
+        reply = stream.send(policy_pb2.StepRequest(context=wire.context_to_pb(ctx)))
+        _raise_step_error(reply)
+        table = wire.table_from_pb(reply.table)
+        index = ctx.batch_size - table.first_batch_size
+        gamma, decision_id = table.gammas[index], f"{table.table_id}.1"
+        reason = table.reason or (BinType.EXPLORE if table.exploring[index] else BinType.EXPLOIT)
+        print(
+            json.dumps(
+                {
+                    "gamma": gamma,
+                    "decision_id": decision_id,
+                    "reason": reason.value,
+                    "policy": table.policy_name,
+                    "policy_version": table.policy_version,
+                    "table": {"first_batch_size": table.first_batch_size, "gammas": table.gammas},
+                }
+            )
         )
-    )
-    if args.report_step_seconds is not None:
-        outcome = StepOutcome(
-            decision_id=decision.decision_id,
-            engine_id=ctx.engine_id,
-            gamma=decision.gamma,
-            step_seconds=args.report_step_seconds,
-            generated_tokens=args.report_tokens,
-        )
-        ack = stub.Report(wire.outcome_to_pb(outcome), timeout=args.timeout)
-        print(json.dumps({"reported": True, "applied": ack.applied}))
+        if args.report_step_seconds is not None:
+            outcome = StepOutcome(
+                decision_id=decision_id,
+                engine_id=ctx.engine_id,
+                gamma=gamma,
+                step_seconds=args.report_step_seconds,
+                generated_tokens=args.report_tokens,
+            )
+            reply = stream.send(
+                policy_pb2.StepRequest(
+                    ran_steps=[wire.ran_step_to_pb(RanStep(decision_id, ctx, gamma))],
+                    outcomes=[wire.outcome_to_pb(outcome)],
+                )
+            )
+            _raise_step_error(reply)
+            print(json.dumps({"reported": True, "applied": reply.skipped == 0}))
     return 0
+
+
+def _raise_step_error(reply: policy_pb2.StepReply) -> None:
+    """A StepReply.error as the gRPC error a unary call would have raised (one way of
+    reporting the sidecar's refusals for every command)."""
+    if reply.HasField("error"):
+        code = next(c for c in grpc.StatusCode if c.value[0] == reply.error.code)
+        raise StepRefused(code, reply.error.message)
+
+
+class StepRefused(grpc.RpcError):
+    """The sidecar refused a request on the stream."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
 
 
 def _replay(args: argparse.Namespace) -> int:

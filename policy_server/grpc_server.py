@@ -9,8 +9,8 @@ to a worker thread and back (the sync server's two thread switches per message w
 most of a round trip). Admin calls, which may write files or copy learned state, run
 in a thread pool so they never hold the loop (the loop's plumbing is in aio.py).
 
-One thing over ~450 lines: the two servicers of the contract (the policy stream with its
-inbox, and the admin calls), which share one error mapping and one service handle.
+The two servicers of the contract (the policy stream with its inbox, and the admin calls)
+are one module: they share one error mapping and one service handle.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from nightjar_common.errors import (
     UnauthenticatedError,
     status_of,
 )
-from nightjar_common.types import StepContext, StepOutcome
+from nightjar_common.types import StepOutcome
 from policy_server.aio import AioDecodeGuard, InThreads, LoopServer
 from policy_server.audit import AdminAudit
 from policy_server.metrics import Metrics
@@ -81,7 +81,7 @@ class _Servicer:
 
 SUPERSEDED = (
     "superseded: a newer context of this engine arrived on the stream before this one was "
-    "decided; its outcome and ran_decision_id were applied"
+    "decided; its ran steps and outcomes were applied"
 )
 
 
@@ -105,7 +105,7 @@ class _StreamInbox:
     its next context only once it stopped waiting for the previous one (it fell back at
     its deadline), so when the sidecar is behind, deciding every queued context in turn
     answers each one too late and the backlog never drains. The newest context of an
-    engine is decided; older ones are applied (outcome, ran decision) and answered ABORTED.
+    engine is decided; older ones are applied (ran steps, outcomes) and answered ABORTED.
     """
 
     # Read at most this far ahead of the answers: past it the reader stops, and gRPC's flow
@@ -170,12 +170,12 @@ class _StreamInbox:
 
 
 class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):  # type: ignore[misc]
-    """The per-step RPCs, answered on the event loop (the service call takes µs)."""
+    """The engines' streams, answered on the event loop (the service call takes µs)."""
 
     def __init__(self, service: DecisionService) -> None:
         self.service = service
-        # Streams that asked for policy notices (StepRequest.policy_notices); the set is
-        # changed on the loop, read from the admin threads that activate policies.
+        # Open streams, told of every policy activation; the set is changed on the loop,
+        # read from the admin threads that activate policies.
         self._subscribers: set[_StreamInbox] = set()
         self._subscribers_lock = threading.Lock()
         service.on_activate(self._notify_streams)
@@ -189,47 +189,25 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):  # type: ignore[mis
     def _subscribe(self, inbox: _StreamInbox) -> None:
         with self._subscribers_lock:
             self._subscribers.add(inbox)
-        inbox.notify(self.service.active.version)  # confirms that notices come
+        inbox.notify(self.service.active.version)  # the version the stream starts with
 
     def _unsubscribe(self, inbox: _StreamInbox) -> None:
         with self._subscribers_lock:
             self._subscribers.discard(inbox)
 
-    async def Decide(self, request: policy_pb2.StepContext, context: Any) -> Any:
-        try:
-            return wire.decision_to_pb(self.service.decide(wire.context_from_pb(request)))
-        except NightjarError as exc:
-            await self._abort("Decide", context, exc)
-
-    async def Report(self, request: policy_pb2.StepOutcome, context: Any) -> Any:
-        try:
-            applied = self.service.report(wire.outcome_from_pb(request))
-        except NightjarError as exc:
-            await self._abort("Report", context, exc)
-        return policy_pb2.ReportAck(applied=applied)
-
-    async def Step(self, request: policy_pb2.StepRequest, context: Any) -> Any:
-        try:
-            return self._step(request)
-        except NightjarError as exc:
-            await self._abort("Step", context, exc)
-
     async def StepStream(
         self, request_iterator: AsyncIterator[policy_pb2.StepRequest], context: Any
     ) -> AsyncIterator[policy_pb2.StepReply]:
         inbox = _StreamInbox(request_iterator)
-        subscribed = False
+        self._subscribe(inbox)
         try:
             while (request := await inbox.next()) is not None:
                 if isinstance(request, _PolicyNotice):
                     yield policy_pb2.StepReply(seq=0, policy_version=request.version)
                     continue
-                if request.policy_notices and not subscribed:
-                    self._subscribe(inbox)
-                    subscribed = True
                 superseded = inbox.superseded(request)
                 try:
-                    reply = self._step(request, not superseded, "StepStream")
+                    reply = self._step(request, not superseded)
                 except NightjarError as exc:
                     code = status_of(exc)
                     self.service.metrics.invalid_requests.labels("StepStream", code.name).inc()
@@ -243,38 +221,28 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):  # type: ignore[mis
             self._unsubscribe(inbox)
             inbox.close()
 
-    def _step(
-        self, request: policy_pb2.StepRequest, decide: bool = True, method: str = "Step"
-    ) -> policy_pb2.StepReply:
-        outcome = wire.outcome_from_pb(request.outcome) if request.HasField("outcome") else None
+    def _step(self, request: policy_pb2.StepRequest, decide: bool) -> policy_pb2.StepReply:
+        """Apply the request's report batch and, when it carries a context and ``decide``,
+        answer with a table for it (its malformed items counted as rejections)."""
         ctx = wire.context_from_pb(request.context) if request.HasField("context") else None
-        if request.want_table or request.ran_steps or request.outcomes:
-            return self._table_step(request, outcome, ctx, decide, method)
-        decision = self.service.step(outcome, ctx, decide)
-        if decision is None:
-            return policy_pb2.StepReply(seq=request.seq)
-        return policy_pb2.StepReply(seq=request.seq, decision=wire.decision_to_pb(decision))
-
-    def _table_step(
-        self,
-        request: policy_pb2.StepRequest,
-        outcome: StepOutcome | None,
-        ctx: StepContext | None,
-        decide: bool,
-        method: str,
-    ) -> policy_pb2.StepReply:
-        """A v1.7 request: a report batch, and a table for its context when asked (its
-        malformed items counted as rejections of ``method``)."""
-        if request.want_table and ctx is None:
-            raise InvalidArgumentError("want_table needs a context to decide the table for")
         ran = [wire.ran_step_from_pb(step) for step in request.ran_steps]
-        outcomes = [wire.outcome_from_pb(o) for o in request.outcomes]
-        if outcome is not None:
-            outcomes.insert(0, outcome)
-        # A report batch alone (no table asked for) decides nothing.
-        result = self.service.table_step(ran, outcomes, ctx, decide and request.want_table)
+        # An outcome the wire cannot even convert is skipped alone, as the service skips
+        # one that fails its checks: one bad item does not lose the batch.
+        outcomes: list[StepOutcome] = []
+        unreadable: list[str] = []
+        for message in request.outcomes:
+            try:
+                outcomes.append(wire.outcome_from_pb(message))
+            except InvalidArgumentError as exc:
+                unreadable.append(f"outcome {message.decision_id}: {exc}")
+        if unreadable and not (ran or outcomes or ctx):
+            raise InvalidArgumentError(unreadable[0])
+        result = self.service.table_step(ran, outcomes, ctx, decide and ctx is not None)
+        for reason in unreadable:
+            result.skip(reason)
+            result.malformed += 1
         if result.malformed:
-            self.service.metrics.invalid_requests.labels(method, "INVALID_ARGUMENT").inc(
+            self.service.metrics.invalid_requests.labels("StepStream", "INVALID_ARGUMENT").inc(
                 result.malformed
             )
         reply = policy_pb2.StepReply(
@@ -283,12 +251,6 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):  # type: ignore[mis
         if result.table is not None:
             reply.table.CopyFrom(wire.table_to_pb(result.table))
         return reply
-
-    async def _abort(self, method: str, context: Any, exc: NightjarError) -> NoReturn:
-        code = status_of(exc)
-        self.service.metrics.invalid_requests.labels(method, code.name).inc()
-        await context.abort(code, str(exc))
-        raise AssertionError("unreachable")  # context.abort raises
 
 
 # GetState without the admin token (when one is configured): the state of this many

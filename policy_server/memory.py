@@ -1,6 +1,6 @@
 """Elastic-memory controller: when to offload the draft model and when to bring it back.
 
-Nightjar paper §5 / DESIGN §4. Per engine, from the step contexts the plugin sends:
+The Nightjar paper's §5 (arXiv:2512.22420). Per engine, from the step contexts the plugin sends:
 
 * **Expand** — speculation is off (the policy chose γ = 0) *and* free KV blocks stay
   below τ_low for T_persist consecutive steps: tell the memory agent to offload the

@@ -195,7 +195,7 @@ class Metrics:
         )
         self.tables = Counter(
             "nightjar_tables",
-            "Decision tables issued (StepRequest.want_table, nightjar.v1.7): each holds "
+            "Decision tables issued (one per StepRequest with a context): each holds "
             "the γ of a range of batch sizes, for the steps an engine runs until the next.",
             registry=r,
         )
@@ -222,8 +222,8 @@ class Metrics:
         for result in ("ok", "failed"):
             self.policy_swaps.labels(result)
             self.snapshots.labels(result)
-        # The usual rejections of the per-step RPCs, for the same reason.
-        for method in ("Decide", "Report", "Step", "StepStream"):
+        # The usual rejections on the engines' streams, for the same reason.
+        for method in ("StepStream",):
             for code in ("INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECONDITION"):
                 self.invalid_requests.labels(method, code)
         # What the default registry would carry: process_*, python_info, python_gc_*.

@@ -31,7 +31,7 @@ import nightjar_data
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from nightjar_proto.v1 import admin_pb2, admin_pb2_grpc
 
-from nightjar_common.client import ClientConfig, NightjarClient
+from nightjar_common.client import NightjarClient
 from nightjar_common.types import StepContext, StepOutcome
 from policy_server.policies import DEFAULT_POLICY
 from policy_server.sim.acceptance import WORKLOADS
@@ -74,8 +74,7 @@ class LiveSource(ClientSource):
         self._gammas[outcome.gamma] += 1
         if self._now >= self._next_s:
             self._next_s += self.every_s
-            # From a held table (the client's default) or a round trip alike; None: the
-            # client fell back.
+            # None: the client fell back.
             kind = self.last.bin_type if self.last else None
             how = f"{kind.value if kind else 'fallback':<11}"
             spread = " ".join(f"{n:>5}" for n in self._gammas)
@@ -157,9 +156,7 @@ def run(
         metrics_port = free_port()
         proc, target = start_server(Path(tmp), metrics_port, params)
         try:
-            client = NightjarClient(
-                ClientConfig(target=target, engine_id=ENGINE, connect_timeout_s=15)
-            )
+            client = ClientSource.connect(target, ENGINE, connect_timeout_s=15)
             if not client.connected:
                 raise RuntimeError("the sidecar did not come up; see its log")
             say(f"sidecar up at {target}; metrics on http://127.0.0.1:{metrics_port}/metrics\n")

@@ -9,8 +9,6 @@ Environment (wins over the file):
                             running the same model on the same hardware and kept across
                             pod replacements (default: <model>@<device>, see scheduler.py)
     NIGHTJAR_DEADLINE_MS    how long a step may wait for the sidecar (default 2)
-    NIGHTJAR_DECISION_TABLES  0/false: ask the sidecar for one decision per step instead
-                            of decision tables (nightjar.v1.7; default on)
     NIGHTJAR_FALLBACK_TABLE JSON [[start_bs, end_bs, γ], ...] used when the sidecar is late
                             or down (default: the engine's dynamic-SD schedule if set,
                             else the client's built-in table)
@@ -63,7 +61,6 @@ KEYS = (
     "engine_id",
     "learner_key",
     "deadline_ms",
-    "decision_tables",
     "fallback_table",
     "stats_file",
     "memory_agent",
@@ -93,8 +90,6 @@ class PluginConfig:
     # "" = derived from the engine's model and device when the scheduler starts.
     learner_key: str = ""
     deadline_ms: float = 2.0
-    # Steps answered from the sidecar's decision tables (nightjar_common/tables.py).
-    decision_tables: bool = True
     fallback_table: tuple[tuple[int, int, int], ...] | None = None
     stats_file: str = ""
     memory_agent: bool = False
@@ -142,8 +137,6 @@ class PluginConfig:
             values["sidecar"] = _target(raw["sidecar"])
         if "enabled" in raw:
             values["enabled"] = _boolean(raw["enabled"], "NIGHTJAR_ENABLED")
-        if "decision_tables" in raw:
-            values["decision_tables"] = _boolean(raw["decision_tables"], "NIGHTJAR_DECISION_TABLES")
         if "memory_agent" in raw:
             values["memory_agent"] = _boolean(raw["memory_agent"], "NIGHTJAR_MEMORY_AGENT")
         if raw.get("engine_id"):

@@ -154,7 +154,8 @@ class Totals:
     sources: Mapping[str, int]
     fallbacks: Mapping[str, int]
     gammas: Mapping[int, int]
-    prefetch_misses: int
+    # Steps the held decision table could not answer (ClientStats.table_misses).
+    table_misses: int
     # Hook times of the steps since the previous flush, seconds.
     new_hook_seconds: Iterable[float] = ()
     # Drafts cut to their request's γ: "requests" and "tokens" (controller.truncated).
@@ -192,9 +193,10 @@ class PluginMetrics:
             buckets=GAMMA_BUCKETS,
             registry=None,
         )
-        self.prefetch_misses = Counter(
-            "nightjar_plugin_prefetch_misses",
-            "Prefetched decisions not usable (the batch changed): asked again.",
+        self.table_misses = Counter(
+            "nightjar_plugin_table_misses",
+            "Steps the held decision table could not answer: asked the sidecar, waiting "
+            "at most the deadline.",
             registry=None,
         )
         # Per-request γ (a policy that decides per request): what the scheduler cut.
@@ -233,7 +235,7 @@ class PluginMetrics:
         for gamma, count in totals.gammas.items():
             for _ in range(count - before.gammas.get(gamma, 0)):
                 self.gamma.observe(gamma)
-        _add(self.prefetch_misses, totals.prefetch_misses - before.prefetch_misses)
+        _add(self.table_misses, totals.table_misses - before.table_misses)
         for kind, count in totals.truncated.items():
             _add(self.truncated.get(kind), count - before.truncated.get(kind, 0))
         for seconds in totals.new_hook_seconds:

@@ -40,11 +40,12 @@ from vllm.v1.outputs import ModelRunnerOutput
 
 from nightjar_common.validation import MAX_ID_LENGTH
 from vllm_client_patch.config import PluginConfig
-from vllm_client_patch.controller import EngineView, GammaController, HookTime, VerifiedStep
+from vllm_client_patch.controller import GammaController, HookTime
 from vllm_client_patch.memory import ORDER_ATTR, SchedulerMemory
 from vllm_client_patch.metrics import PluginMetrics
 from vllm_client_patch.release import SUPPORTED, vllm_release
 from vllm_client_patch.runtime import describe
+from vllm_client_patch.step_journal import EngineView, VerifiedStep
 
 log = logging.getLogger(__name__)
 

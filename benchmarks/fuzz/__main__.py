@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from google.protobuf.message import Message
+from google.protobuf.message import DecodeError, Message
 from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 from nightjar_proto.v1 import policy_pb2
@@ -31,13 +31,11 @@ from benchmarks.fuzz import strategies as fs
 from benchmarks.fuzz.processes import ServerProcess
 from benchmarks.fuzz.runner import Method, Sender, Tally, message_class, methods
 
-# Share of the requests each RPC gets: the per-step RPCs most, memory orders (which wait
-# for a step boundary) and snapshot writes least.
+# Share of the requests each RPC gets: the engines' stream most (it carries every step's
+# table request and report), memory orders (which wait for a step boundary) and snapshot
+# writes least.
 WEIGHTS = {
-    "Decide": 10,
-    "Report": 10,
-    "Step": 10,
-    "StepStream": 10,
+    "StepStream": 40,
     "GetState": 3,
     "ListPolicies": 1,
     "SwapPolicy": 4,
@@ -69,42 +67,40 @@ def request_strategy(method: Method, issued: fs.Issued) -> st.SearchStrategy[Mes
     if method.request is policy_pb2.StepOutcome:
         return st.one_of(generic, outcome.map(lambda v: policy_pb2.StepOutcome(**v)))
     if method.request is policy_pb2.StepRequest:
-        near = st.builds(
-            lambda seq, o, c: policy_pb2.StepRequest(
-                seq=seq,
-                outcome=policy_pb2.StepOutcome(**o) if o else None,
-                context=policy_pb2.StepContext(**c) if c else None,
-            ),
+        # A table asked for a context alone (how tables come to be issued), an engine's
+        # steps run from an issued table with their outcomes (and its next context or not),
+        # and a batch of made-up ran steps and outcomes of any table, with a context or not.
+        asks = st.builds(
+            lambda seq, c: policy_pb2.StepRequest(seq=seq, context=policy_pb2.StepContext(**c)),
             st.integers(0, 1 << 20),
-            st.one_of(st.none(), outcome),
-            st.one_of(st.none(), context),
+            context,
         )
-        # nightjar.v1.7: a report batch of ran steps (ids of issued or made-up tables) and
-        # outcomes, asking for a table or not.
+        steps = fs.engine_steps(issued, named)
         ran_step = st.builds(
             lambda table, n, c, gamma: policy_pb2.RanStep(
                 decision_id=f"{table}.{n}", context=policy_pb2.StepContext(**c), gamma=gamma
             ),
-            st.one_of(st.integers(0, 255).map(issued.pick_table), st.text(max_size=12)),
+            st.one_of(
+                st.integers(0, 1 << 16).map(lambda i: issued.pick_table(i).table_id),
+                st.text(max_size=12),
+            ),
             st.integers(-1, 1 << 20),
             context,
             st.integers(-2, 80),
         )
         batch = st.builds(
-            lambda seq, want, c, ran, outcomes: policy_pb2.StepRequest(
+            lambda seq, c, ran, outcomes: policy_pb2.StepRequest(
                 seq=seq,
-                want_table=want,
                 context=policy_pb2.StepContext(**c) if c else None,
                 ran_steps=ran,
                 outcomes=[policy_pb2.StepOutcome(**o) for o in outcomes],
             ),
             st.integers(0, 1 << 20),
-            st.booleans(),
             st.one_of(st.none(), context),
             st.lists(ran_step, max_size=6),
             st.lists(outcome, max_size=6),
         )
-        return st.one_of(generic, near, near, batch)
+        return st.one_of(generic, asks, steps, steps, batch)
     return generic
 
 
@@ -263,16 +259,23 @@ def fuzz(workdir: Path, total: int, run_seed: int) -> Tally:
     tally = Tally()
 
     def on_reply(method: Method, payload: bytes, reply: Message) -> None:
-        table = getattr(reply, "table", None)
-        if isinstance(table, policy_pb2.GammaTable) and table.table_id:
-            issued.tables.append(table.table_id)
-            del issued.tables[:-256]
-        decision = getattr(reply, "decision", reply)
-        if not isinstance(decision, policy_pb2.Decision) or not decision.decision_id:
+        """Remember what the sidecar issued, for later requests to name: the table it
+        answered a context with, and the steps an applied report batch ran."""
+        if not isinstance(reply, policy_pb2.StepReply) or reply.HasField("error"):
             return
-        request: Any = method.request.FromString(payload)
-        ctx = request.context if isinstance(request, policy_pb2.StepRequest) else request
-        issued.add(decision.decision_id, ctx.engine_id, decision.gamma)
+        try:
+            request = policy_pb2.StepRequest.FromString(payload)
+        except DecodeError:
+            return
+        table, ctx = reply.table, request.context
+        entry = ctx.batch_size - table.first_batch_size
+        if table.table_id and request.HasField("context") and 0 <= entry < len(table.gammas):
+            issued.add_table(fs.IssuedTable(table.table_id, ctx, table.gammas[entry]))
+        if reply.skipped == 0:  # every step applied: an outcome may name it, once
+            reported = {o.decision_id for o in request.outcomes}
+            for step in request.ran_steps:
+                if step.decision_id not in reported:
+                    issued.add(step.decision_id, step.context.engine_id, step.gamma)
 
     sender = Sender({"sidecar": sidecar, "memory": memory}, tally, token, on_reply)
     try:
@@ -320,9 +323,11 @@ def report(tally: Tally, elapsed: float, quick: bool, requests: int | None) -> d
         "what": (
             f"{len(methods())} RPCs of PolicyService, AdminService and MemoryAgentService, "
             "hypothesis-generated messages (boundary ints, NaN/±inf, empty and 1 MiB strings, "
-            "unknown ids, wrong engine for a decision, bad tokens) and raw/mutated bytes as "
-            "the serialized request, sent to a real nightjar-server and a real memory-agent "
-            "process; state read before/after every rejected request"
+            "unknown ids, steps of tables never issued, wrong engine for a step, bad tokens; "
+            "on StepStream an engine's contexts, steps run from the tables it was sent and "
+            "their outcomes) and raw/mutated bytes as the serialized request, sent to a real "
+            "nightjar-server and a real memory-agent process; state read before/after every "
+            "rejected request"
         ),
         "figure": (
             f"{tally.requests:,} requests in {elapsed:.0f} s: {tally.crashes} crashes, "

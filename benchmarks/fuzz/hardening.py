@@ -13,11 +13,15 @@ snapshot file it must start on):
   FIFO, a directory, a file over the 64 MiB cap;
 * parameter values: NaN, ±Infinity, 1e400, a 5,000-digit integer, deep nesting for every
   parameter of every policy, by SwapPolicy and SetParameters, each followed by a snapshot;
-* implausible outcomes: counts of 10^18, a 1 ns step, more drafts than γ·B.
+* implausible outcomes: counts of 10^18, a 1 ns step, more drafts than γ·B, each the
+  outcome of a step run from a table the sidecar sent.
 
-After each case the server must be alive and SERVING, decide within 0..Γmax (and within
-an engine's max_gamma), hold no number beyond what a policy can learn, and, when the case
-was refused, hold the learned state it held before.
+After each case the server must be alive and SERVING, answer a table within 0..Γmax (and
+within an engine's max_gamma), hold no number beyond what a policy can learn, and, when
+the case was refused, hold the learned state it held before.
+
+The steps go over StepStream as an engine sends them (nightjar.v1): a table for a context,
+the step run from it, its outcome.
 """
 
 from __future__ import annotations
@@ -34,9 +38,10 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from nightjar_proto.v1 import admin_pb2, admin_pb2_grpc, policy_pb2, policy_pb2_grpc
+from nightjar_proto.v1 import admin_pb2, admin_pb2_grpc, policy_pb2
 
 from benchmarks.fuzz.processes import ServerProcess
+from nightjar_common.sidecar_stream import SyncStream
 from policy_server.policies import REGISTRY
 
 TIMEOUT_S = 30.0
@@ -63,12 +68,18 @@ class ClassResult:
         self.failures.append(f"{case}: {why}")
 
 
+class StepFailed(Exception):
+    """The sidecar answered a StepStream request with an error, or skipped what it sent."""
+
+
 class Sidecar:
-    """A nightjar-server on a state directory, with typed stubs and the admin token."""
+    """A nightjar-server on a state directory, with an engine's stream, the admin stub and
+    the admin token."""
 
     def __init__(self, workdir: Path, name: str, state_dir: Path, token_file: Path) -> None:
         self.state_dir = state_dir
         self.token = token_file.read_text().strip()
+        self.stream: SyncStream | None = None
         sock = workdir / f"{name}.sock"
         self.process = ServerProcess(
             name,
@@ -89,8 +100,8 @@ class Sidecar:
 
     def start(self) -> Sidecar:
         channel = self.process.start(timeout=60)
-        self.policy = policy_pb2_grpc.PolicyServiceStub(channel)
         self.admin = admin_pb2_grpc.AdminServiceStub(channel)
+        self.stream = SyncStream(channel, timeout_s=TIMEOUT_S)
         return self
 
     @property
@@ -108,9 +119,33 @@ class Sidecar:
             return code
         return grpc.StatusCode.OK
 
+    def send(self, request: policy_pb2.StepRequest) -> policy_pb2.StepReply:
+        """One request on the engine's stream, and its reply (errors included)."""
+        assert self.stream is not None
+        return self.stream.send(request)
+
+    def applied(self, request: policy_pb2.StepRequest) -> policy_pb2.StepReply:
+        """Send ``request``; StepFailed unless all of it was applied."""
+        reply = self.send(request)
+        if reply.HasField("error"):
+            raise StepFailed(f"error {reply.error.code}: {reply.error.message}")
+        if reply.skipped:
+            raise StepFailed(f"{reply.skipped} skipped: {reply.skipped_reason}")
+        return reply
+
+    def run_step(self, ctx: policy_pb2.StepContext) -> policy_pb2.RanStep:
+        """Ask for a table for ``ctx`` and run its entry: the step, to report."""
+        table = self.applied(policy_pb2.StepRequest(context=ctx)).table
+        entry = ctx.batch_size - table.first_batch_size
+        if not 0 <= entry < len(table.gammas):
+            raise StepFailed(f"table {table.table_id} has no entry for batch {ctx.batch_size}")
+        return policy_pb2.RanStep(
+            decision_id=f"{table.table_id}.1", context=ctx, gamma=table.gammas[entry]
+        )
+
     def problem(self) -> str:
-        """Why the server is not well ("" when it is): alive, deciding within bounds,
-        nothing impossible learned."""
+        """Why the server is not well ("" when it is): alive, answering tables within
+        bounds, nothing impossible learned."""
         if not self.process.alive():
             return "the server exited:\n" + self.process.log_tail(800)
         try:
@@ -120,15 +155,21 @@ class Sidecar:
                 ctx = policy_pb2.StepContext(
                     engine_id="probe", batch_size=4, step_index=step, max_gamma=cap
                 )
-                gamma = self.policy.Decide(ctx, timeout=TIMEOUT_S).gamma
-                if not 0 <= gamma <= (min(top, cap) if cap else top):
-                    return f"γ {gamma} outside 0..{min(top, cap) if cap else top}"
+                table = self.applied(policy_pb2.StepRequest(context=ctx)).table
+                bound = min(top, cap) if cap else top
+                if not table.gammas or not all(0 <= g <= bound for g in table.gammas):
+                    return f"table γ {list(table.gammas)} outside 0..{bound}"
             wrong = _impossible(json.loads(self.state().state_json))
         except grpc.RpcError as exc:
             return f"{exc.code().name}: {exc.details()}"
+        except (StepFailed, ConnectionError, TimeoutError) as exc:
+            return f"StepStream: {type(exc).__name__} {exc}"
         return f"learned {wrong}" if wrong else ""
 
     def stop(self) -> None:
+        if self.stream is not None:
+            self.stream.close()
+            self.stream = None
         self.process.stop()
 
 
@@ -183,22 +224,29 @@ def learned_snapshots(server: Sidecar) -> dict[str, dict[str, Any]]:
     return documents
 
 
+def outcome_fields(ran: policy_pb2.RanStep) -> dict[str, Any]:
+    """A plausible outcome of a step run at batch 4 (half its drafts accepted)."""
+    gamma = ran.gamma
+    return {
+        "decision_id": ran.decision_id,
+        "engine_id": ran.context.engine_id,
+        "gamma": gamma,
+        "step_seconds": 0.02,
+        "generated_tokens": 4 + 2 * gamma,
+        "drafted_tokens": 4 * gamma,
+        "accepted_tokens": 2 * gamma,
+    }
+
+
 def drive(server: Sidecar, steps: int) -> None:
+    """``steps`` steps of engine e0 at batch 4: each run from the table sent for its
+    context and reported with its outcome."""
     for step in range(steps):
-        ctx = policy_pb2.StepContext(engine_id="e0", batch_size=4, step_index=step)
-        decision = server.policy.Decide(ctx, timeout=TIMEOUT_S)
-        gamma = decision.gamma
-        server.policy.Report(
-            policy_pb2.StepOutcome(
-                decision_id=decision.decision_id,
-                engine_id="e0",
-                gamma=gamma,
-                step_seconds=0.02,
-                generated_tokens=4 + 2 * gamma,
-                drafted_tokens=4 * gamma,
-                accepted_tokens=2 * gamma,
-            ),
-            timeout=TIMEOUT_S,
+        ran = server.run_step(policy_pb2.StepContext(engine_id="e0", batch_size=4, step_index=step))
+        server.applied(
+            policy_pb2.StepRequest(
+                ran_steps=[ran], outcomes=[policy_pb2.StepOutcome(**outcome_fields(ran))]
+            )
         )
 
 
@@ -433,8 +481,9 @@ OUTCOMES: dict[str, dict[str, Any]] = {
 def implausible_outcomes(workdir: Path, token_file: Path) -> ClassResult:
     result = ClassResult(
         "implausible outcomes",
-        "for every learning policy, a decision at batch 4 answered by counts of 10^18, a 1 ns "
-        "step, 10^6 drafts, more accepted than drafted, 10^9 generated: refused, nothing learned",
+        "for every learning policy, a step run at batch 4 from the table the sidecar sent, "
+        "its outcome reported with counts of 10^18, a 1 ns step, 10^6 drafts, more accepted "
+        "than drafted, 10^9 generated: refused (skipped, with the reason), nothing learned",
     )
     server = Sidecar(workdir, "outcomes", workdir / "outcomes", token_file).start()
     try:
@@ -446,33 +495,50 @@ def implausible_outcomes(workdir: Path, token_file: Path) -> ClassResult:
             drive(server, 10)
             for kind, change in OUTCOMES.items():
                 result.cases += 1
+                case = f"{name}: {kind}"
                 ctx = policy_pb2.StepContext(engine_id="e0", batch_size=4, step_index=100)
-                decision = server.policy.Decide(ctx, timeout=TIMEOUT_S)
+                ran = server.run_step(ctx)
+                # The step first (committing it may move the policy), then its outcome.
+                server.applied(policy_pb2.StepRequest(ran_steps=[ran]))
                 before = server.state().state_json
-                fields: dict[str, Any] = {
-                    "decision_id": decision.decision_id,
-                    "engine_id": "e0",
-                    "gamma": decision.gamma,
-                    "step_seconds": 0.02,
+                fields = {
+                    **outcome_fields(ran),
                     "generated_tokens": 4,
                     "drafted_tokens": 0,
                     "accepted_tokens": 0,
                     **change,
                 }
-                code = server.code(server.policy.Report, policy_pb2.StepOutcome(**fields))
-                if code == grpc.StatusCode.INVALID_ARGUMENT:
+                reply = server.send(
+                    policy_pb2.StepRequest(outcomes=[policy_pb2.StepOutcome(**fields)])
+                )
+                refusal = refused_outcome(reply)
+                if refusal:
+                    result.fail(case, refusal)
+                else:
                     result.refused += 1
                     if server.state().state_json != before:
-                        result.fail(f"{name}: {kind}", "refused, yet learned")
-                else:
-                    result.fail(f"{name}: {kind}", f"answered {code.name}")
+                        result.fail(case, "refused, yet learned")
                 problem = server.problem()
                 if problem:
-                    result.fail(f"{name}: {kind}", problem)
+                    result.fail(case, problem)
                     return result
     finally:
         server.stop()
     return result
+
+
+def refused_outcome(reply: policy_pb2.StepReply) -> str:
+    """What is wrong with ``reply`` as the refusal of a batch's one implausible outcome
+    ("" when it is one): the outcome skipped with its reason, or the request refused as
+    INVALID_ARGUMENT, never applied nor answered another code."""
+    invalid = grpc.StatusCode.INVALID_ARGUMENT
+    if reply.HasField("error"):
+        if reply.error.code == invalid.value[0] and reply.error.message:
+            return ""
+        return f"answered error {reply.error.code}: {reply.error.message}"
+    if reply.skipped == 1 and reply.skipped_reason:
+        return ""
+    return f"applied (skipped {reply.skipped}: {reply.skipped_reason!r})"
 
 
 def run(workdir: Path, quick: bool, seed: int) -> list[ClassResult]:

@@ -8,6 +8,10 @@ oversized message) is
 right; anything else (UNKNOWN, INTERNAL, UNAVAILABLE, a deadline) is a wrong code. After a
 rejected request the server's observable state is read again and compared with what it
 was before the request.
+
+A StepStream opens with a policy notice (a StepReply of seq 0 with the policy version),
+which answers no request: it is counted (``stream["notices"]``) and set apart from the
+replies, which answer the requests in order.
 """
 
 from __future__ import annotations
@@ -67,6 +71,10 @@ class Tally:
     state_checks: int = 0
     by_code: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     by_method: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    # StepStream replies: notices, replies carrying a table, ran steps and outcomes the
+    # sidecar applied, and those it skipped (StepReply.skipped: malformed, or naming what
+    # it does not hold).
+    stream: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     examples: list[str] = dataclasses.field(default_factory=list)
 
     def failure(self, kind: str, method: str, detail: str, payload: bytes) -> None:
@@ -91,6 +99,7 @@ class Tally:
             "state_checks": self.state_checks,
             "by_code": dict(sorted(self.by_code.items())),
             "by_method": dict(sorted(self.by_method.items())),
+            "stream": dict(sorted(self.stream.items())),
             "examples": self.examples,
         }
 
@@ -198,9 +207,10 @@ class Sender:
             self.tally.failure(
                 "wrong-code", method.label, f"{answer.code.name}: {answer.detail}", payloads[0]
             )
-        errors = [
-            r for r in answer.replies if isinstance(r, policy_pb2.StepReply) and r.HasField("error")
-        ]
+        steps = [r for r in answer.replies if isinstance(r, policy_pb2.StepReply)]
+        self.tally.stream["tables"] += sum(r.HasField("table") for r in steps)
+        self.tally.stream["skipped items"] += sum(r.skipped for r in steps)
+        errors = [r for r in steps if r.HasField("error")]
         # A context still queued when a newer one of its engine arrives behind it is answered
         # ABORTED with its outcome applied (StepStream's contract): right, and not a reject.
         superseded = [r for r in errors if _superseded(r)]
@@ -214,6 +224,8 @@ class Sender:
                 self.tally.failure("wrong-code", method.label, reply.error.message, payloads[0])
         for payload, reply in zip(payloads, answer.replies, strict=False):
             self.on_reply(method, payload, reply)
+            if isinstance(reply, policy_pb2.StepReply) and not reply.HasField("error"):
+                self.tally.stream["applied items"] += _items(payload) - reply.skipped
         # Rejected: nothing of it was applied (no reply without an error; a unary call
         # that failed has no reply at all).
         rejected = not superseded and len(errors) == len(answer.replies)
@@ -247,19 +259,25 @@ class Sender:
                         payloads[0], metadata=metadata, timeout=timeout
                     )
                 )
-            return Answer(grpc.StatusCode.OK, "", [method.response.FromString(r) for r in raw])
+            return Answer(grpc.StatusCode.OK, "", self._replies(method, raw))
         except grpc.RpcError as exc:
             if not server.alive():
                 self._crashed(server, method, payloads[0])
                 return None
-            replies = [method.response.FromString(r) for r in raw]
-            return Answer(exc.code(), exc.details() or "", replies)
+            return Answer(exc.code(), exc.details() or "", self._replies(method, raw))
         except (DecodeError, Exception) as exc:  # counted, never hidden
             self.tally.non_grpc_errors += 1
             self.tally.failure("non-grpc-error", method.label, repr(exc), payloads[0])
             if not server.alive():
                 self._crashed(server, method, payloads[0])
             return None
+
+    def _replies(self, method: Method, raw: list[bytes]) -> list[Message]:
+        """The replies that answer requests, in order: policy notices counted, set apart."""
+        replies = [method.response.FromString(r) for r in raw]
+        answers = [r for r in replies if not _notice(r)]
+        self.tally.stream["notices"] += len(replies) - len(answers)
+        return answers
 
     def _reset_sidecar(self) -> None:
         channel = self.servers["sidecar"].channel
@@ -347,3 +365,17 @@ def chunks(payloads: Iterator[bytes], size: int) -> Iterator[list[bytes]]:
 def _superseded(reply: policy_pb2.StepReply) -> bool:
     code: int = grpc.StatusCode.ABORTED.value[0]
     return bool(reply.error.code == code and reply.error.message == SUPERSEDED)
+
+
+def _notice(reply: Message) -> bool:
+    """A StepStream policy notice: only a notice carries a policy version."""
+    return isinstance(reply, policy_pb2.StepReply) and bool(reply.policy_version)
+
+
+def _items(payload: bytes) -> int:
+    """Ran steps and outcomes in a serialized StepRequest (0 when it does not parse)."""
+    try:
+        request = policy_pb2.StepRequest.FromString(payload)
+    except DecodeError:
+        return 0
+    return len(request.ran_steps) + len(request.outcomes)

@@ -1,9 +1,13 @@
 """Hypothesis strategies for every request message of nightjar.v1, built from the
 descriptors: random and boundary values of each field's wire type (negative, huge,
 NaN/±inf, empty and 1 MiB strings, unknown enum values), field names that refer to
-something on the server (engines, decisions, policies, files) drawn from what exists
+something on the server (engines, tables, steps, policies, files) drawn from what exists
 there and from what does not, near-valid steps with one field pushed out of range, and
 raw bytes (random, or a valid request's bytes mutated) as the serialized request.
+
+A StepStream request is what an engine sends (nightjar.v1): the steps it ran from a table
+the sidecar issued, their outcomes, and the context of its next step, each near-valid or
+pushed out of range in one field.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import Any
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
 from hypothesis import strategies as st
+from nightjar_proto.v1 import policy_pb2
 
 from policy_server.policies import REGISTRY
 
@@ -43,27 +48,64 @@ FLOAT_EDGES = (
 )
 
 
+@dataclasses.dataclass(frozen=True)
+class IssuedTable:
+    """A decision table the sidecar issued: the context it was decided for and its entry
+    for that context's batch size (a step run from it is that context and that γ)."""
+
+    table_id: str
+    context: policy_pb2.StepContext
+    gamma: int
+
+    def ran_step(self, number: int, step_offset: int = 0) -> policy_pb2.RanStep:
+        """Step ``number`` run from the table (decision_id "<table_id>.<number>")."""
+        ctx = policy_pb2.StepContext()
+        ctx.CopyFrom(self.context)
+        ctx.step_index = min(ctx.step_index + step_offset, INT64[1])
+        return policy_pb2.RanStep(
+            decision_id=f"{self.table_id}.{number}", context=ctx, gamma=self.gamma
+        )
+
+
+# What a step names before the sidecar issued any table: a made-up table.
+NO_TABLE = IssuedTable("t", policy_pb2.StepContext(engine_id=ENGINES[0], batch_size=1), 0)
+# Tables of the last few requests: the ones an engine runs its steps from.
+RECENT_TABLES = 6
+
+
 @dataclasses.dataclass
 class Issued:
-    """Decisions the sidecar issued during the run (the fuzzer fills it): reports refer
-    to them, with the right engine or a wrong one."""
+    """What the sidecar issued during the run (the fuzzer fills it): tables that ran
+    steps name, and steps reported as run that outcomes name, with the right engine or a
+    wrong one."""
 
+    # Steps run from issued tables and applied: (decision_id, engine_id, γ).
     decisions: list[tuple[str, str, int]] = dataclasses.field(default_factory=list)
-    # Ids of the decision tables it issued (nightjar.v1.7), newest last.
-    tables: list[str] = dataclasses.field(default_factory=list)
+    # Decision tables it issued, newest last.
+    tables: list[IssuedTable] = dataclasses.field(default_factory=list)
 
     def add(self, decision_id: str, engine_id: str, gamma: int) -> None:
         self.decisions.append((decision_id, engine_id, gamma))
         del self.decisions[:-256]
+
+    def add_table(self, table: IssuedTable) -> None:
+        self.tables.append(table)
+        del self.tables[:-256]
 
     def pick(self, index: int) -> tuple[str, str, int]:
         if not self.decisions:
             return ("", ENGINES[0], 0)
         return self.decisions[index % len(self.decisions)]
 
-    def pick_table(self, index: int) -> str:
-        """A decision table the sidecar issued (ran steps name them), or a made-up id."""
-        return self.tables[index % len(self.tables)] if self.tables else "t"
+    def pick_table(self, index: int) -> IssuedTable:
+        """A decision table the sidecar issued (ran steps name them), or a made-up one."""
+        return self.tables[index % len(self.tables)] if self.tables else NO_TABLE
+
+    def recent_table(self, index: int) -> IssuedTable:
+        """One of the newest tables, those the sidecar still holds (it keeps an engine's
+        last few), or a made-up one."""
+        recent = self.tables[-RECENT_TABLES:]
+        return recent[index % len(recent)] if recent else NO_TABLE
 
 
 def ints(bounds: tuple[int, int]) -> st.SearchStrategy[int]:
@@ -344,6 +386,54 @@ def mutated(
         return values
 
     return st.composite(lambda draw: one(draw))()
+
+
+def engine_steps(
+    issued: Issued, named: dict[str, st.SearchStrategy[Any]]
+) -> st.SearchStrategy[policy_pb2.StepRequest]:
+    """What an engine sends once it ran steps from a table the sidecar issued: the ran
+    steps (the table's context and entry γ, numbered), most with their outcomes (plausible
+    for the step, one in six with a field pushed out of range), and the context of its
+    next step, or none (a report batch)."""
+    outcome_fields = policy_pb2.StepOutcome.DESCRIPTOR
+
+    # Every draw's range is fixed: what is drawn may not depend on what the sidecar issued
+    # (hypothesis replays a case's draws and refuses data generation that varies).
+    def plausible(draw: Callable[[st.SearchStrategy[Any]], Any], ran: Any) -> dict[str, Any]:
+        batch, gamma = ran.context.batch_size, ran.gamma
+        drafted = max(0, batch * gamma)
+        accepted = draw(st.integers(0, 1 << 20)) % (drafted + 1)
+        return {
+            "decision_id": ran.decision_id,
+            "engine_id": ran.context.engine_id,
+            "gamma": gamma,
+            "step_seconds": draw(st.floats(0.001, 1.0)),
+            "generated_tokens": max(1, batch) + accepted,
+            "drafted_tokens": drafted,
+            "accepted_tokens": accepted,
+        }
+
+    def build(draw: Callable[[st.SearchStrategy[Any]], Any]) -> policy_pb2.StepRequest:
+        table = issued.recent_table(draw(st.integers(0, 1 << 16)))
+        request = policy_pb2.StepRequest(seq=draw(st.integers(0, 1 << 20)))
+        steps, first = draw(st.integers(1, 4)), draw(st.integers(1, 1 << 10))
+        for k in range(steps):
+            ran = table.ran_step(first + k, k)
+            request.ran_steps.append(ran)
+            if draw(st.integers(0, 3)):  # three in four report the outcome with the step
+                fields = plausible(draw, ran)
+                if not draw(st.integers(0, 3)):
+                    fields = draw(mutated(st.just(fields), outcome_fields, named))
+                request.outcomes.add(**fields)
+        if draw(st.booleans()):  # and ask for a table for the next step
+            request.context.CopyFrom(table.context)
+            ctx = table.context
+            request.context.step_index = min(ctx.step_index + steps, INT64[1])
+            batch = ctx.batch_size + draw(st.integers(-2, 2))
+            request.context.batch_size = min(max(1, batch), INT64[1])
+        return request
+
+    return st.composite(lambda draw: build(draw))()
 
 
 def byte_variants(messages: list[bytes], count: int, variant_seed: int) -> list[bytes]:

@@ -18,8 +18,8 @@ arm:
 
 Pure numpy, no engine or gRPC knowledge. The state of both is plain JSON for snapshots.
 
-One thing over ~450 lines: the two models and the local correction share the feature
-map and the forgetting arithmetic of the step-time regression.
+The two models and the local correction are one module: they share the feature map and
+the forgetting arithmetic of the step-time regression.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Nightjar: per-batch-size adaptive bin-greedy bandit with a switching cost.
 
-Follows DESIGN §3 and Algorithm 1 of the Nightjar paper (seed 001): for each
+Follows Algorithm 1 of the Nightjar paper (arXiv:2512.22420): for each
 batch-size context B an independent block/bin/round schedule decides whether
 the current bin explores (probability 1/√b_B, γ uniform over 0..Γmax) or
 exploits (Eq. 3: argmin over γ of 1/g̃[B,γ] + 1(γ_prev=0 ∧ γ>0)·c_prefill(L_max,B)/γ).

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import nightjar_data
 
-from nightjar_common.client import ClientConfig, NightjarClient
 from policy_server.sim.engine import SimResult, Simulator
 from policy_server.sim.profile import builtin_profiles
 from policy_server.sim.runs import (
@@ -117,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for policy in policies:
             results[policy] = simulate(profile, specs, policy, bench, args.seed)
     if args.sidecar:
-        with NightjarClient(ClientConfig(target=args.sidecar, engine_id="nightjar-sim")) as client:
+        with ClientSource.connect(args.sidecar, "nightjar-sim") as client:
             source = ClientSource(client)
             sim = Simulator(
                 profile, POPULATIONS[args.acceptance], specs, source, bench.sim(args.seed)

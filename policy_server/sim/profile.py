@@ -215,7 +215,7 @@ def calibration_points(calibration_dir: str | Path) -> dict[str, list[tuple[int,
 
 
 def builtin_profiles(calibration_dir: str | Path) -> dict[str, HardwareProfile]:
-    """The two reference profiles of the benchmark (DESIGN §7), fitted from vidur data."""
+    """The two reference profiles of the benchmark, fitted from vidur data."""
     points = calibration_points(calibration_dir)
     a100_7b = fit_layer_curve(points["llama2-7b-a100"])
     h100_70b = fit_layer_curve(points["llama2-70b-h100-tp4"])

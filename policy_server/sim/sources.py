@@ -9,7 +9,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from nightjar_common.client import TABLE_REFRESH_STEPS, GammaDecision, NightjarClient
+from nightjar_common.client import TABLE_REFRESH_STEPS, ClientConfig, GammaDecision, NightjarClient
 from nightjar_common.tables import ReportBatch, TableCache, refresh_due
 from nightjar_common.types import Choice, RanStep, StepContext, StepOutcome
 from nightjar_common.validation import MAX_BATCHED
@@ -103,15 +103,34 @@ class TableSource:
         self.refreshes += 1
 
 
+# How long a replay's step waits for the table it is due: a simulation is not real-time,
+# so a slow answer is waited for rather than charged to the policy as a fallback.
+REPLAY_WAIT_S = 10.0
+
+
 class ClientSource:
-    """Asks a running sidecar through the fail-open client, exactly as the plugin does
-    (which sends no per-request signals)."""
+    """Asks a running sidecar through the fail-open client, over decision tables as the
+    plugin does (which sends no per-request signals). A client in replay mode
+    (:meth:`connect`) waits for each table it is due: the steps then run from the tables
+    :class:`TableSource` would hold, whatever the simulation's pace."""
 
     per_request = False
 
     def __init__(self, client: NightjarClient) -> None:
         self.client = client
         self.last: GammaDecision | None = None  # for live displays
+
+    @staticmethod
+    def connect(target: str, engine_id: str, connect_timeout_s: float = 0.0) -> NightjarClient:
+        """A replay's client of the sidecar at ``target``."""
+        config = ClientConfig(
+            target=target,
+            engine_id=engine_id,
+            deadline_s=REPLAY_WAIT_S,
+            connect_timeout_s=connect_timeout_s,
+            replay=True,
+        )
+        return NightjarClient(config)
 
     def decide(self, ctx: StepContext, sim: Simulator) -> Decided:
         decision = self.last = self.client.decide(ctx)

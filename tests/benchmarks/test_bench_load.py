@@ -47,21 +47,15 @@ def run_main(tmp_path: Path, *args: str) -> dict[str, Any]:
     return result
 
 
-def assert_run_sane(
-    run: dict[str, Any], engines: int, rate: float, seconds: float, pipelined: bool = False
-) -> None:
+def assert_run_sane(run: dict[str, Any], engines: int, rate: float, seconds: float) -> None:
     # Paced engines hold most of the asked rate even on two busy cores.
     assert 0.5 * engines * rate * seconds <= run["steps"] <= engines * rate * seconds + engines
     assert run["decisions"] == run["steps"]  # one decision taken per step, by the client too
     assert run["errors"] == 0, run["error_texts"]
-    # Every answer an engine took was served by the sidecar; a deadline fallback's request
-    # may be answered late or (at the end of the run) not at all. Pipelined engines also
-    # ask again when the batch left the prefetched window.
-    assert run["sidecar_decisions"] <= run["server_decisions"]
-    if pipelined:
-        assert 0 <= run["prefetch_misses"] < run["decisions"]
-    else:
-        assert run["server_decisions"] <= run["decisions"] and run["prefetch_misses"] == 0
+    # Every answer an engine took was served by the sidecar (a table step it committed); a
+    # step the held table could not answer asked and waited, most steps did not.
+    assert run["sidecar_decisions"] <= run["server_decisions"] <= run["decisions"]
+    assert 0 < run["table_misses"] < run["decisions"] / 2
     assert run["sidecar_decisions"] + sum(run["fallbacks"].values()) == run["decisions"]
     lat = run["latency_us"]
     assert 0 < lat["p50"] <= lat["p99"] <= lat["p999"] <= lat["max"]
@@ -139,11 +133,10 @@ def test_bench_load_quick_paced_and_max_rate(tmp_path: Path) -> None:
         "2",
         "--transport",
         "tcp",
-        "--pipelined",
         "--baseline",
         "0",
     )
-    assert_run_sane(raw["load"], engines=2, rate=200, seconds=8, pipelined=True)
+    assert_run_sane(raw["load"], engines=2, rate=200, seconds=8)
     assert "baseline" not in raw and "max_rate_baseline" not in raw
     peak = raw["max_rate"]
     # Unpaced engines go faster than the paced run asked for.
@@ -155,12 +148,12 @@ def test_bench_load_quick_paced_and_max_rate(tmp_path: Path) -> None:
     text = (tmp_path / "BENCHMARKS.md").read_text()
     assert "engine steps per second of sidecar CPU" in text
     assert "No bare-server run to compare with" in text
-    assert markers("bench-load/2x200-pipelined")[0] in text
+    assert markers("bench-load/2x200")[0] in text
     # Whether this host meets the targets varies; the report and the record must agree with
     # the verdicts, whichever way they went.
     record = json.loads((tmp_path / "reliability" / "load.json").read_text())
     passed = all(verdicts.values())
-    assert record["test"] == "load (2x200-pipelined)" and record["passed"] is passed
+    assert record["test"] == "load (2x200)" and record["passed"] is passed
     per_core_met = peak["steps_per_server_cpu_s"] >= TARGET_DECISIONS_PER_CORE
     assert ("**not met**" in text) is not (passed and per_core_met)
 
@@ -178,15 +171,15 @@ def test_bench_load_measures_the_bare_stream_baseline_the_same_way(tmp_path: Pat
         "--transport",
         "tcp",
     )
-    assert_run_sane(raw["load"], engines=2, rate=125, seconds=6, pipelined=True)
+    assert_run_sane(raw["load"], engines=2, rate=125, seconds=6)
     baseline = raw["baseline"]
-    assert_run_sane(baseline, engines=2, rate=125, seconds=6, pipelined=True)
+    assert_run_sane(baseline, engines=2, rate=125, seconds=6)
     assert baseline["starting_policy"] == "bare" and raw["load"]["starting_policy"] != "bare"
     assert baseline["config"] == {**raw["load"]["config"], "server": "bare"}
     assert TWO_CORE_VERDICT in raw["load"]["verdicts"]
-    # The bare server answers a prefetch's candidate batch sizes too: a prefetched answer
-    # fits the batch the engine ran about as often as with the sidecar (not ~18 % misses).
-    assert baseline["prefetch_misses"] <= 0.05 * baseline["steps"]
+    # The bare server's tables are as wide and as long-lived as the sidecar's: its engines
+    # leave them about as often.
+    assert baseline["table_misses"] <= 2 * raw["load"]["table_misses"] + 10
     ratio = raw["load"]["server_cpu_us_per_step"] / baseline["server_cpu_us_per_step"]
     assert raw["load"]["verdicts"][TWO_CORE_VERDICT] is (
         ratio <= 1.5 and raw["load"]["fallback_fraction"] <= 0.001
@@ -263,7 +256,7 @@ def built_result(
     admin_events: list[dict[str, Any]] | None = None,
 ) -> LoadResult:
     """A run's result as `benchmarks.load` builds it: every step answered but `fallbacks`."""
-    config = config or LoadConfig(engines=2, rate=200.0, duration_s=100.0, pipelined=True)
+    config = config or LoadConfig(engines=2, rate=200.0, duration_s=100.0)
     elapsed = config.duration_s
     return LoadResult(
         config=dataclasses.asdict(config),
@@ -277,7 +270,6 @@ def built_result(
         latency_us={"p50": 150.0, "p99": 900.0, "p999": 1800.0, "max": 2500.0},
         fallbacks={"deadline": fallbacks} if fallbacks else {},
         late_replies=fallbacks,
-        prefetch_misses=0,
         skipped_behind=0,
         errors=0,
         error_texts=[],
@@ -345,7 +337,7 @@ def test_cpu_per_step_comes_from_the_engines_step_counts() -> None:
 
 
 def test_two_core_target_compares_with_the_bare_server_of_the_same_run() -> None:
-    shape = LoadConfig(engines=2, rate=125.0, duration_s=100.0, pipelined=True)
+    shape = LoadConfig(engines=2, rate=125.0, duration_s=100.0)
     bare = built_result(dataclasses.replace(shape, server="bare"), steps=25_000, server_cpu_s=2.0)
     near = built_result(shape, steps=25_000, server_cpu_s=2.9)  # 1.45 × the bare server's
     far = built_result(shape, steps=25_000, server_cpu_s=3.1)  # 1.55 ×
@@ -364,8 +356,8 @@ def test_two_core_target_compares_with_the_bare_server_of_the_same_run() -> None
 
 
 def test_node_target_and_a_host_with_fewer_cores_than_engines() -> None:
-    node = LoadConfig(engines=8, rate=125.0, duration_s=100.0, pipelined=True)
-    assert node.shape == "node" and LoadConfig(engines=1, rate=200.0, pipelined=True).shape == "pod"
+    node = LoadConfig(engines=8, rate=125.0, duration_s=100.0)
+    assert node.shape == "node" and LoadConfig(engines=1, rate=200.0).shape == "pod"
     light = built_result(node, steps=100_000, server_cpu_s=20.0, host_cores=2)  # 20 % of a core
     heavy = built_result(node, steps=100_000, server_cpu_s=30.0, host_cores=16)  # 30 %
     assert load_verdicts(light)[NODE_VERDICT] is True
@@ -379,7 +371,7 @@ def test_node_target_and_a_host_with_fewer_cores_than_engines() -> None:
 
 
 def test_node_at_two_ms_steps_allows_one_percent_of_fallbacks() -> None:
-    fast = LoadConfig(engines=8, rate=500.0, duration_s=100.0, pipelined=True)
+    fast = LoadConfig(engines=8, rate=500.0, duration_s=100.0)
     assert fast.shape == "node-fast"
     within = built_result(fast, steps=400_000, fallbacks=3_900, host_cores=16)
     beyond = built_result(fast, steps=400_000, fallbacks=4_100, host_cores=16)
@@ -395,12 +387,12 @@ def test_each_shape_keeps_its_own_subsection_and_record(tmp_path: Path) -> None:
     report.write_text("# Benchmarks\n\n<!-- soak:begin -->\nsoak figures\n<!-- soak:end -->\n")
     write_load_section(report, "stress", "### stress\n\nold stress")
     write_load_section(report, "pod", "### pod\n\npod figures")
-    write_load_section(report, "2x125-pipelined", "### two\n\nfirst")
-    write_load_section(report, "2x125-pipelined", "### two\n\nsecond")
+    write_load_section(report, "2x125", "### two\n\nfirst")
+    write_load_section(report, "2x125", "### two\n\nsecond")
     text = report.read_text()
     assert "soak figures" in text and text.count("## Many engines on one sidecar") == 1
     assert "first" not in text and "second" in text and "old stress" in text
-    begins = [text.index(markers(f"bench-load/{n}")[0]) for n in ("pod", "2x125-pipelined")]
+    begins = [text.index(markers(f"bench-load/{n}")[0]) for n in ("pod", "2x125")]
     assert begins[0] < begins[1] < text.index(markers("bench-load/stress")[0])
     assert text.index(markers("bench-load")[0]) < begins[0]
     assert text.index(markers("bench-load/stress")[1]) < text.index(markers("bench-load")[1])
@@ -417,30 +409,19 @@ def test_each_shape_keeps_its_own_subsection_and_record(tmp_path: Path) -> None:
 
 def test_presets_and_the_flags_that_override_them() -> None:
     node = bench_load.parse_args(["--preset", "node"])
-    assert (node.engines, node.rate, node.pipelined, node.max_rate) == (8, 125.0, True, 0.0)
+    assert (node.engines, node.rate, node.max_rate) == (8, 125.0, 0.0)
     assert node.baseline == node.duration == 600.0  # the bare server runs as long
     pod = bench_load.parse_args(["--preset", "pod", "--quick"])
-    assert (pod.engines, pod.rate, pod.pipelined, pod.duration, pod.baseline) == (
-        1,
-        200.0,
-        True,
-        60.0,
-        60.0,
-    )
+    assert (pod.engines, pod.rate, pod.duration, pod.baseline) == (1, 200.0, 60.0, 60.0)
     stress = bench_load.parse_args([])
-    assert (stress.engines, stress.rate, stress.pipelined, stress.max_rate) == (
-        8,
-        1000.0,
-        False,
-        60.0,
-    )
+    assert (stress.engines, stress.rate, stress.max_rate) == (8, 1000.0, 60.0)
     two = bench_load.parse_args(["--preset", "node", "--engines", "2", "--max-rate", "5"])
-    assert (two.engines, two.rate, two.pipelined, two.max_rate) == (2, 125.0, True, 5.0)
+    assert (two.engines, two.rate, two.max_rate) == (2, 125.0, 5.0)
     # The issue's 2-core shape from flags alone: not the stress case, so no unpaced phase.
-    flags = bench_load.parse_args(["--engines", "2", "--rate", "125", "--pipelined"])
-    assert (flags.engines, flags.rate, flags.pipelined, flags.max_rate) == (2, 125.0, True, 0.0)
-    blocking = bench_load.parse_args(["--preset", "pod", "--no-pipelined", "--baseline", "0"])
-    assert blocking.pipelined is False and blocking.baseline == 0.0
+    flags = bench_load.parse_args(["--engines", "2", "--rate", "125"])
+    assert (flags.engines, flags.rate, flags.max_rate) == (2, 125.0, 0.0)
+    no_baseline = bench_load.parse_args(["--preset", "pod", "--baseline", "0"])
+    assert no_baseline.baseline == 0.0
     fast = bench_load.parse_args(["--preset", "node-fast"])
-    assert (fast.engines, fast.rate, fast.pipelined, fast.max_rate) == (8, 500.0, True, 0.0)
+    assert (fast.engines, fast.rate, fast.max_rate) == (8, 500.0, 0.0)
     assert set(PRESETS) == {"stress", "node", "node-fast", "pod"}

@@ -102,6 +102,32 @@ def test_the_hook_is_measured_against_a_real_sidecar() -> None:
     assert f"floor of {floor.p50_us:.0f} / {floor.p99_us:.0f} µs" in text
 
 
+def test_the_wire_cases_measure_misses_and_the_plugins_pace_against_a_real_sidecar() -> None:
+    """The round-trip case misses the held table on every step (else it would time a table
+    lookup); the sustained case steps as the plugin does, mostly from held tables; the
+    section shows both."""
+    from benchmarks.rpc import measure_rate, measure_rpc
+    from benchmarks.rpc_report import render
+
+    round_trips = measure_rpc("uds", 1, 40)  # client_run asserts each step missed
+    assert round_trips.samples == 40 and round_trips.fallbacks == 0
+    assert 0 < round_trips.p50_us <= round_trips.p99_us
+    rate = measure_rate(200.0, 1.0)
+    assert 150 <= rate["decisions"] <= 200
+    assert 0 < rate["table_misses"] < rate["decisions"] / 4
+    results = {
+        "date": "2026-11-29",
+        "machine": "test",
+        "load_average": [0.0, 0.0],
+        "in_process": [m.__dict__ for m in measure_in_process(300)],
+        "rpc": [round_trips.__dict__],
+        "rate": rate,
+    }
+    text = render(results)
+    assert f"| {round_trips.case} | 40 | {round_trips.p50_us / 1000:.3f} |" in text
+    assert f"| {rate['decisions']} | {rate['achieved_rate']:.0f} | {rate['table_misses']} |" in text
+
+
 def test_the_modes_own_work_is_the_median_of_the_rounds_differences() -> None:
     def case(means: tuple[float, ...]) -> Measurement:
         return Measurement("x", 1, 1.0, 2.0, mean_us=sorted(means)[1], round_means_us=means)

@@ -24,7 +24,7 @@ from benchmarks.serve_load import (
     split_phase,
     write_prompts,
 )
-from benchmarks.vllm_serve import QUICK, parse_args, plan, policy_request
+from benchmarks.vllm_serve import QUICK, parse_args, plan, policy_request, section_of
 from benchmarks.vllm_serve_report import Pass
 from tests.rigs.sidecar import free_port
 
@@ -260,3 +260,11 @@ def test_random_token_prompts_are_vllms_random_dataset(models: Any, tmp_path: Pa
     assert {s.expected_output_len for s in samples} == {64}
     assert all(abs(s.prompt_len - 32) <= 1 for s in samples)
     assert parse_args(["--dataset", "random"]).input_len == 32
+
+
+def test_each_schedule_writes_its_own_section_unless_one_is_named() -> None:
+    assert section_of(parse_args([])) == "bench-vllm"
+    assert section_of(parse_args(["--dataset", "random"])) == "bench-vllm-random"
+    assert section_of(parse_args(["--temperatures", "0,1"])) == "bench-vllm-mixed"
+    named = parse_args(["--policies", "off,static-1", "--section", "bench-vllm-fixed"])
+    assert section_of(named) == "bench-vllm-fixed"

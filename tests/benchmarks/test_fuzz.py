@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import pytest
 from nightjar_proto.v1 import admin_pb2, policy_pb2
 
 from benchmarks.fuzz.runner import methods
@@ -48,8 +47,17 @@ def test_quick_fuzz_slice_finds_no_crash_wrong_code_or_state_change(tmp_path: Pa
     # Every RPC of the three services was fuzzed, and the fuzz reached both sides of the
     # input checks: requests served and requests refused (with state compared).
     assert set(details["by_method"]) == {m.label for m in methods()}
-    assert details["by_code"]["OK"] > 100 and details["by_code"]["INVALID_ARGUMENT"] > 500
-    assert details["by_code"]["UNAUTHENTICATED"] > 0 and details["state_checks"] > 1000
+    # A request refused inside the engines' stream is a StepReply.error (stream:CODE).
+    by_code = details["by_code"]
+    assert by_code["OK"] > 100
+    assert by_code["INVALID_ARGUMENT"] + by_code["stream:INVALID_ARGUMENT"] > 500
+    assert by_code["UNAUTHENTICATED"] > 0 and details["state_checks"] > 1000
+    # The stream was fuzzed with what the sidecar accepts too: tables answered, and steps
+    # run from them and their outcomes applied, besides the items it skipped; every stream
+    # opened with its policy notice (set apart from the replies).
+    stream = details["stream"]
+    assert stream["tables"] > 100 and stream["applied items"] > 300
+    assert stream["skipped items"] > 0 and stream["notices"] > 100
     assert {"test", "what", "figure", "passed", "date", "machine", "command"} <= set(result)
     # The hardening classes of issue 28: every case ran, none failed.
     rows = json.loads(hardened.read_text())
@@ -72,29 +80,42 @@ def raw_call(channel: grpc.Channel, path: str, payload: bytes) -> grpc.StatusCod
 
 def test_undecodable_requests_are_invalid_argument_and_change_nothing(make_server: Any) -> None:
     server = make_server()
-    decision = server.policy.Decide(context(engine="e"), timeout=5)
+    with server.engine() as engine:
+        decision = engine.decide(context(engine="e"))
+        engine.report(outcome(decision))
     before = server.state()
     channel = server.channel
     for payload in (b"\n", b"\xff\xff\xff", b"\n\x02\xc3\x28"):  # truncated, bad tag, bad UTF-8
-        assert raw_call(channel, "/nightjar.v1.PolicyService/Decide", payload) == INVALID
         assert raw_call(channel, "/nightjar.v1.AdminService/SwapPolicy", payload) == INVALID
     stream = channel.stream_stream("/nightjar.v1.PolicyService/StepStream", None, None)
     good = policy_pb2.StepRequest(seq=1, context=context(engine="e")).SerializeToString()
     # Repeated: the undecodable message is read while the reply to the first is being
-    # written, and the status must not race that write (it once hung the stream).
-    for first_payload in [good, b""] * 10:  # b"": an empty request, answered with an error
-        replies = stream(iter([first_payload, b"\xff\xff\xff"]), timeout=5)
-        first = policy_pb2.StepReply.FromString(next(replies))
-        assert first.decision.decision_id if first_payload else first.error.code == 3
+    # written, and the status must not race that write (it once hung the stream). b"": an
+    # empty request, answered with an error; b"\xff...": undecodable as the first message.
+    for first_payload in [good, b"", None] * 10:
+        sent = [b"\xff\xff\xff"] if first_payload is None else [first_payload, b"\xff\xff\xff"]
+        replies = stream(iter(sent), timeout=5)
+        answers = []
         try:
-            next(replies)
+            for raw in replies:
+                reply = policy_pb2.StepReply.FromString(raw)
+                if reply.seq == 0 and reply.policy_version:  # the stream's policy notice
+                    continue
+                answers.append(reply)
             raise AssertionError("the stream went on after an undecodable message")
         except grpc.RpcError as exc:
             assert exc.code() == INVALID and "not a valid message" in (exc.details() or "")
+        if first_payload is None:
+            assert answers == []
+        elif first_payload:
+            assert [a.seq for a in answers] == [1] and answers[0].table.table_id
+        else:
+            assert len(answers) == 1 and answers[0].error.code == INVALID.value[0]
     after = server.state()
     assert after["state"] == before["state"] and after["version"] == before["version"]
-    assert decision.decision_id  # the server still decides
-    server.policy.Decide(context(engine="e"), timeout=5)
+    assert after["reports"] == before["reports"] == 1
+    with server.engine() as engine:  # the server still answers tables
+        assert engine.decide(context(engine="e")).table.table_id
 
 
 def test_unusable_file_paths_are_invalid_argument(make_server: Any) -> None:
@@ -111,17 +132,22 @@ def test_unusable_file_paths_are_invalid_argument(make_server: Any) -> None:
 
 def test_huge_token_counts_do_not_break_the_goodput_models_fit(make_server: Any) -> None:
     """Found by the fuzzer: context tokens near 2^62 made the step-time regression's
-    normal equations numerically singular, and GetState and Decide answered UNKNOWN."""
+    normal equations numerically singular, and GetState and the decision answered UNKNOWN."""
     server = make_server("--policy", "goodput")
+    engine = server.engine()
     for tokens in (10, 1 << 62, 5, 1 << 40, 7) * 4:
-        decision = server.policy.Decide(context(engine="e", context_tokens=tokens), timeout=5)
+        decision = engine.decide(context(engine="e", context_tokens=tokens))
         # Outcomes' token counts are bounded (no step computes 2^31 tokens): refused whole.
         prefill = min(tokens, 1 << 31)
-        server.policy.Report(outcome(decision, prefill_tokens=prefill), timeout=5)
+        assert engine.report(outcome(decision, prefill_tokens=prefill)).skipped == 0
     state = server.state()
     assert state["policy"] == "goodput" and state["reports"] == 20
-    decision = server.policy.Decide(context(engine="e"), timeout=5)
-    with pytest.raises(grpc.RpcError) as refused:
-        server.policy.Report(outcome(decision, prefill_tokens=1 << 62), timeout=5)
-    assert refused.value.code() == INVALID
+    decision = engine.decide(context(engine="e"))
+    refused = engine.report(outcome(decision, prefill_tokens=1 << 62))
+    # Skipped with its reason (the step it names was applied and stays pending); the stream
+    # and the rest of the batch go on.
+    assert refused.skipped == 1 and "prefill_tokens must be in 0.." in refused.skipped_reason
     assert server.state()["reports"] == 20
+    assert engine.report(outcome(decision)).skipped == 0  # the step's real outcome
+    assert server.state()["reports"] == 21
+    engine.close()

@@ -17,7 +17,8 @@ from nightjar_common import tls
 from tests.policy_server.test_security import health, mutual_tls_server, tcp_port
 from tests.vllm_client_patch.test_plugin_controller import view, wait_for
 from vllm_client_patch.config import PluginConfig, PluginConfigError
-from vllm_client_patch.controller import GammaController, VerifiedStep
+from vllm_client_patch.controller import GammaController
+from vllm_client_patch.step_journal import VerifiedStep
 
 # Each channel its own subchannel, so every check below makes a new TLS handshake (gRPC
 # otherwise may share a connection between channels of the same target).

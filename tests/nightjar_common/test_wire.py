@@ -11,9 +11,9 @@ from nightjar_common import wire
 from nightjar_common.errors import InvalidArgumentError
 from nightjar_common.types import (
     BinType,
-    Decision,
     GammaTable,
     MemoryDirective,
+    RanStep,
     StepContext,
     StepOutcome,
 )
@@ -62,28 +62,27 @@ def test_an_engine_older_than_v1_5_sends_accepts_with_request_ids() -> None:
         wire.outcome_from_pb(both)
 
 
-def test_a_decision_converts_with_or_without_its_candidates() -> None:
-    def decision(batch: int, gamma: int, **extra: object) -> Decision:
-        return Decision(
-            gamma,
-            f"d-{batch}",
-            BinType.EXPLOIT,
-            0.0,
-            "goodput",
-            "r1",
-            step_index=9,
-            batch_size=batch,
-            tentative=True,
-            **extra,
-        )  # type: ignore[arg-type]
-
+def test_a_table_converts_with_its_memory_directive_and_reason() -> None:
     directive = MemoryDirective("offload_draft_expand_kv", 1200, "kv pressure")
-    asked = decision(8, 2, memory_directive=directive, candidates=(decision(7, 2), decision(12, 1)))
-    msg = wire.decision_to_pb(asked)
-    assert wire.decision_from_pb(msg) == asked
-    bare = wire.decision_from_pb(msg, candidates=False)
-    assert bare == dataclasses.replace(asked, candidates=())
-    assert wire.directive_from_pb(msg.memory_directive) == directive
+    table = GammaTable(
+        "t-7", "static", "r1", 6, (2, 2, 2), (False,) * 3, True, 9, 8, 50.0,
+        memory_directive=directive,
+        reason=BinType.FIXED,
+    )  # fmt: skip
+    msg = wire.table_to_pb(table)
+    assert wire.table_from_pb(msg) == table
+    assert msg.reason == "fixed" and wire.directive_from_pb(msg.memory_directive) == directive
+    # No action: no directive on the wire; an unknown reason reads as none.
+    plain = dataclasses.replace(table, memory_directive=MemoryDirective(), reason=None)
+    assert not wire.table_to_pb(plain).HasField("memory_directive")
+    assert wire.table_from_pb(wire.table_to_pb(plain)) == plain
+    msg.reason = "exploit"  # entries' kinds travel in `exploring`, not as a table reason
+    assert wire.table_from_pb(msg).reason is None
+
+
+def test_a_ran_step_round_trips_with_its_context() -> None:
+    step = RanStep("t-7.3", StepContext("e", 12, step_index=4, context_tokens=800), 2)
+    assert wire.ran_step_from_pb(wire.ran_step_to_pb(step)) == step
 
 
 def test_a_context_round_trips_with_the_drafters_minimum_passes() -> None:
@@ -93,7 +92,6 @@ def test_a_context_round_trips_with_the_drafters_minimum_passes() -> None:
         step_index=7,
         max_gamma=3,
         context_tokens=9000,
-        candidate_batch_sizes=(47, 49),
         min_draft_passes=1,
     )
     assert wire.context_from_pb(wire.context_to_pb(ctx)) == ctx
@@ -102,7 +100,7 @@ def test_a_context_round_trips_with_the_drafters_minimum_passes() -> None:
 
 def test_per_request_fields_round_trip() -> None:
     """v1.8: labelled accepts go out as RequestAccepts (what a per-request policy reads),
-    tables and decisions carry per-request γ and whether the policy reads the signals."""
+    tables carry per-request γ and whether the policy reads the signals."""
     labelled = StepOutcome(
         "d-9", "e", 2, 0.1, 7, 4, 3, request_accepts=(2, 1), request_ids=("r1", "r2")
     )
@@ -117,7 +115,3 @@ def test_per_request_fields_round_trip() -> None:
         any_speculation_state=True,
     )  # fmt: skip
     assert wire.table_from_pb(wire.table_to_pb(table)) == table
-    decision = Decision(2, "d-1", BinType.EXPLOIT, 0.0, "dsde", "v1", request_gammas=(("r1", 1),))
-    decision.reads_request_signals = True
-    back = wire.decision_from_pb(wire.decision_to_pb(decision))
-    assert back.reads_request_signals and back.request_gammas == (("r1", 1),)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+from pathlib import Path
 from typing import Any
 
 from nightjar_proto.v1 import admin_pb2
@@ -16,14 +17,16 @@ from tests.policy_server.test_server import context, outcome
 def drive(
     server: Any, steps: int, engine: str = "e", batch_sizes: tuple[int, ...] = (1, 4, 16)
 ) -> None:
-    for step in range(steps):
-        d = server.policy.Decide(
-            context(engine, batch_sizes[step % len(batch_sizes)], step_index=step), timeout=5
-        )
-        server.policy.Report(outcome(d, engine), timeout=5)
+    """``steps`` steps of ``engine``: each decided from a table, run and reported."""
+    with server.engine() as stream:
+        for step in range(steps):
+            d = stream.decide(
+                context(engine, batch_sizes[step % len(batch_sizes)], step_index=step)
+            )
+            assert stream.report(outcome(d, engine)).skipped == 0
 
 
-def test_swap_under_a_running_client_loop(make_server) -> None:
+def test_swap_under_a_running_client_loop(make_server: Any) -> None:
     server = make_server()
     client = NightjarClient(
         ClientConfig(target=server.target, engine_id="live", deadline_s=0.5, connect_timeout_s=5)
@@ -68,7 +71,7 @@ def test_swap_under_a_running_client_loop(make_server) -> None:
     assert {g for _, n, g in seen if n == "static"} == {2}
 
 
-def test_snapshot_kill9_restart_restores_identical_state(make_server) -> None:
+def test_snapshot_kill9_restart_restores_identical_state(make_server: Any) -> None:
     server = make_server("--policy", "nightjar")
     drive(server, 60)
     server.admin.Snapshot(admin_pb2.SnapshotRequest(), metadata=server.auth, timeout=5)
@@ -83,7 +86,7 @@ def test_snapshot_kill9_restart_restores_identical_state(make_server) -> None:
     assert after["state"]["engines"]["e"]["rng"] == before["state"]["engines"]["e"]["rng"]
 
 
-def test_sigterm_writes_a_final_snapshot(make_server) -> None:
+def test_sigterm_writes_a_final_snapshot(make_server: Any) -> None:
     server = make_server("--snapshot-interval", "3600")
     drive(server, 10)
     before = server.state()["state"]
@@ -92,7 +95,7 @@ def test_sigterm_writes_a_final_snapshot(make_server) -> None:
     assert document["policy"]["state"] == before
 
 
-def test_corrupt_snapshot_gives_a_clear_log_line_and_a_fresh_start(make_server) -> None:
+def test_corrupt_snapshot_gives_a_clear_log_line_and_a_fresh_start(make_server: Any) -> None:
     server = make_server(start=False)
     server.state_dir.mkdir(parents=True)
     (server.state_dir / "snapshot.json").write_text('{"format": "nightjar-snapshot/1", "pol')
@@ -108,7 +111,7 @@ def test_corrupt_snapshot_gives_a_clear_log_line_and_a_fresh_start(make_server) 
     assert server.log().count("is unusable") == 1
 
 
-def test_keep_state_swap_set_params_and_reset(make_server) -> None:
+def test_keep_state_swap_set_params_and_reset(make_server: Any) -> None:
     server = make_server("--policy", "nightjar")
     drive(server, 30)
     learned = server.state()["state"]["learners"]
@@ -138,7 +141,7 @@ def test_keep_state_swap_set_params_and_reset(make_server) -> None:
     assert server.state()["state"]["learners"] == {}
 
 
-def test_warm_start_from_another_replicas_snapshot(make_server) -> None:
+def test_warm_start_from_another_replicas_snapshot(make_server: Any) -> None:
     donor = make_server("--policy", "nightjar", name="donor")
     drive(donor, 40)
     donor.admin.Snapshot(admin_pb2.SnapshotRequest(), metadata=donor.auth, timeout=5)
@@ -151,7 +154,7 @@ def test_warm_start_from_another_replicas_snapshot(make_server) -> None:
     assert fresh.state()["state"] == donor.state()["state"]
 
 
-def test_decision_log_is_written_rotated_and_replayable(make_server, tmp_path) -> None:
+def test_decision_log_is_written_rotated_and_replayable(make_server: Any, tmp_path: Path) -> None:
     from policy_server.decision_log import join, log_files, read_records
     from policy_server.replay import replay
 

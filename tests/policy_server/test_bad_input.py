@@ -1,10 +1,15 @@
-"""Bad input gets the right gRPC status and a clear message, and changes no learned state."""
+"""Bad input gets the right gRPC status and a clear message, and changes no learned state.
+
+Over the stream a bad request is answered with a StepReply.error carrying the status code
+(StepRejected), and a bad item of a report batch is skipped and said (StepReply.skipped):
+either way nothing of what was refused is applied, and nothing good beside it is lost."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -12,6 +17,7 @@ import pytest
 from nightjar_proto.v1 import admin_pb2, policy_pb2
 
 from tests.policy_server.test_server import context, outcome
+from tests.rigs.sidecar import EngineStream, RanDecision, StepRejected
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 
@@ -19,9 +25,10 @@ INVALID = grpc.StatusCode.INVALID_ARGUMENT
 @pytest.fixture(scope="module")
 def warm_server(make_server_module: Any) -> Any:
     server = make_server_module()
-    for step in range(20):  # some learned state to protect
-        d = server.policy.Decide(context(step_index=step), timeout=5)
-        server.policy.Report(outcome(d), timeout=5)
+    with server.engine() as engine:
+        for step in range(20):  # some learned state to protect
+            d = engine.decide(context(step_index=step))
+            assert engine.report(outcome(d)).skipped == 0
     return server
 
 
@@ -38,11 +45,34 @@ def server(warm_server: Any) -> Any:
     assert warm_server.state() == before, "a rejected request changed the learned state"
 
 
+@pytest.fixture
+def engine(warm_server: Any) -> Iterator[EngineStream]:
+    with warm_server.engine() as stream:
+        yield stream
+
+
 def expect(code: grpc.StatusCode, fragment: str, call: Any, *args: Any, **kw: Any) -> None:
     with pytest.raises(grpc.RpcError) as info:
         call(*args, timeout=5, **kw)
     assert info.value.code() == code, info.value.details()
-    assert fragment in info.value.details()
+    assert fragment in (info.value.details() or "")
+
+
+def rejected(
+    code: grpc.StatusCode, fragment: str, engine: EngineStream, request: policy_pb2.StepRequest
+) -> None:
+    """``request`` is answered with a StepReply.error of ``code`` saying ``fragment``."""
+    with pytest.raises(StepRejected) as info:
+        engine.send(request)
+    assert info.value.code == code, info.value.message
+    assert fragment in info.value.message
+
+
+def ran_and_open(engine: EngineStream) -> RanDecision:
+    """A step decided from a table and reported as run: its outcome is awaited."""
+    decision = engine.decide(context())
+    assert engine.report().skipped == 0  # the ran step alone
+    return decision
 
 
 @pytest.mark.parametrize(
@@ -60,14 +90,16 @@ def expect(code: grpc.StatusCode, fragment: str, call: Any, *args: Any, **kw: An
         (context(min_draft_passes=-1), "min_draft_passes must be in 0..64"),
     ],
 )
-def test_bad_contexts(server: Any, ctx: policy_pb2.StepContext, fragment: str) -> None:
-    expect(INVALID, fragment, server.policy.Decide, ctx)
+def test_bad_contexts(
+    server: Any, engine: EngineStream, ctx: policy_pb2.StepContext, fragment: str
+) -> None:
+    rejected(INVALID, fragment, engine, policy_pb2.StepRequest(context=ctx))
 
 
-def test_nan_signal_in_request_section(server: Any) -> None:
+def test_nan_signal_in_request_section(server: Any, engine: EngineStream) -> None:
     ctx = context()
     ctx.requests.add(request_id="r1", kl_divergence=math.nan)
-    expect(INVALID, "kl_divergence must be finite", server.policy.Decide, ctx)
+    rejected(INVALID, "kl_divergence must be finite", engine, policy_pb2.StepRequest(context=ctx))
 
 
 @pytest.mark.parametrize(
@@ -83,7 +115,6 @@ def test_nan_signal_in_request_section(server: Any) -> None:
         ({"gamma": -1}, "gamma must be in 0..4"),
         ({"draft_gamma": -1}, "draft_gamma must be in 0..64"),
         ({"draft_gamma": 65}, "draft_gamma must be in 0..64"),
-        ({"engine_id": "someone-else"}, "was made for engine 'e'"),
         ({"decision_id": ""}, "decision_id is required"),
         ({"request_accepted_tokens": [1, -1]}, "per-request accepted_tokens must be in 0..gamma"),
         (
@@ -98,13 +129,6 @@ def test_nan_signal_in_request_section(server: Any) -> None:
                 "request_accepted_tokens": [2, 1],
             },
             "more than the step's accepted_tokens",
-        ),
-        (
-            {
-                "request_accepted_tokens": [1],
-                "requests": [policy_pb2.RequestAccepts(request_id="r1", accepted_tokens=1)],
-            },
-            "not both",
         ),
         (
             {"requests": [policy_pb2.RequestAccepts(request_id="r" * 300, accepted_tokens=1)]},
@@ -141,40 +165,115 @@ def test_nan_signal_in_request_section(server: Any) -> None:
     ],
 )
 def test_bad_reports(self_checked_server: Any, changes: dict[str, Any], fragment: str) -> None:
+    """A bad outcome is skipped and said, alone or beside a good one; the good one is
+    applied, and the decision it would have answered stays open for the real one."""
     server = self_checked_server
-    decision = server.policy.Decide(context(), timeout=5)
-    before = server.state()
-    expect(INVALID, fragment, server.policy.Report, outcome(decision, **changes))
-    assert server.state() == before
-    # The decision is still open: its real outcome is accepted afterwards.
-    assert server.policy.Report(outcome(decision), timeout=5).applied
+    with server.engine() as engine:
+        decision = ran_and_open(engine)
+        before = server.state()
+        reply = engine.report(outcome(decision, **changes))
+        assert (reply.skipped, fragment in reply.skipped_reason) == (1, True), reply
+        assert server.state() == before
+        # Beside the real outcome of another step: that one is applied, not lost.
+        other = ran_and_open(engine)
+        reply = engine.report(outcome(other), outcome(decision, **changes))
+        assert (reply.skipped, fragment in reply.skipped_reason) == (1, True), reply
+        assert server.state()["reports"] == before["reports"] + 1
+        # The decision is still open: its real outcome is accepted afterwards.
+        assert engine.report(outcome(decision)).skipped == 0
+        assert server.state()["reports"] == before["reports"] + 2
+
+
+def test_an_outcome_sent_as_another_engines_is_not_applied(self_checked_server: Any) -> None:
+    """A report batch is one engine's: an outcome of another engine is skipped, alone (that
+    engine holds no such decision) or beside the request's own."""
+    server = self_checked_server
+    with server.engine() as engine:
+        decision = ran_and_open(engine)
+        before = server.state()
+        reply = engine.report(outcome(decision, engine_id="someone-else"))
+        assert reply.skipped == 1
+        assert f"outcome of {decision.decision_id}: unknown decision" in reply.skipped_reason
+        assert server.state() == before
+        other = ran_and_open(engine)
+        reply = engine.report(outcome(other), outcome(decision, engine_id="someone-else"))
+        assert reply.skipped == 1
+        assert "is of engine 'someone-else', not the request's 'e'" in reply.skipped_reason
+        assert server.state()["reports"] == before["reports"] + 1
+        assert engine.report(outcome(decision)).skipped == 0
+
+
+def test_per_request_accepts_given_twice_are_skipped_alone(self_checked_server: Any) -> None:
+    """An outcome with both forms of per-request accepts cannot be read: it alone is
+    skipped and said (one bad item does not lose the batch), the other outcome of the
+    request is applied, and the step's own outcome is taken afterwards. Alone in a request
+    it is refused (INVALID_ARGUMENT): nothing else was asked."""
+    server = self_checked_server
+    with server.engine() as engine:
+        decision, other = ran_and_open(engine), ran_and_open(engine)
+        twice = outcome(
+            decision,
+            request_accepted_tokens=[1],
+            requests=[policy_pb2.RequestAccepts(request_id="r1", accepted_tokens=1)],
+        )
+        before = server.state()
+        rejected(INVALID, "not both", engine, policy_pb2.StepRequest(outcomes=[twice]))
+        assert server.state() == before
+        reply = engine.report(outcome(other), twice)
+        assert reply.skipped == 1 and "not both" in reply.skipped_reason
+        assert decision.decision_id in reply.skipped_reason
+        assert server.state()["reports"] == before["reports"] + 1
+        assert engine.report(outcome(decision)).skipped == 0
+        assert server.state()["reports"] == before["reports"] + 2
 
 
 def test_unknown_and_duplicate_decision_ids(self_checked_server: Any) -> None:
+    """An outcome or a ran step naming what the sidecar does not hold is skipped and said;
+    nothing is learned from it."""
     server = self_checked_server
-    decision = server.policy.Decide(context(), timeout=5)
-    forged = policy_pb2.Decision(decision_id="nope-1", gamma=1)
-    expect(
-        grpc.StatusCode.NOT_FOUND,
-        "unknown decision_id 'nope-1'",
-        server.policy.Report,
-        outcome(forged),
-    )
-    server.policy.Report(outcome(decision), timeout=5)
-    expect(grpc.StatusCode.NOT_FOUND, "already reported", server.policy.Report, outcome(decision))
+    with server.engine() as engine:
+        decision = ran_and_open(engine)
+        before = server.state()
+        reply = engine.report(outcome(decision, decision_id="nope-1.1"))
+        assert reply.skipped == 1
+        assert "outcome of nope-1.1: unknown decision" in reply.skipped_reason
+        forged = policy_pb2.RanStep(decision_id="nope-1.1", context=context(), gamma=1)
+        reply = engine.send(policy_pb2.StepRequest(ran_steps=[forged]))
+        assert reply.skipped == 1
+        assert "ran step nope-1.1: its table is not held" in reply.skipped_reason
+        garbled = policy_pb2.RanStep(decision_id="no-number", context=context(), gamma=1)
+        reply = engine.send(policy_pb2.StepRequest(ran_steps=[garbled]))
+        assert reply.skipped == 1
+        assert "'no-number' is not '<table_id>.<n>'" in reply.skipped_reason
+        assert server.state() == before
+        assert engine.report(outcome(decision)).skipped == 0
+        reported = server.state()["reports"]
+        assert reported == before["reports"] + 1
+        reply = engine.report(outcome(decision))  # again: already reported
+        assert reply.skipped == 1
+        assert f"outcome of {decision.decision_id}: unknown decision" in reply.skipped_reason
+        assert server.state()["reports"] == reported
 
 
-def test_step_is_all_or_nothing(self_checked_server: Any) -> None:
+def test_a_bad_context_rejects_the_whole_request(self_checked_server: Any) -> None:
+    """A request whose context is malformed is refused (INVALID_ARGUMENT) before anything
+    of it is applied: its ran step and outcome are not, and can be sent again."""
     server = self_checked_server
-    decision = server.policy.Decide(context(), timeout=5)
-    before = server.state()
-    bad = policy_pb2.StepRequest(outcome=outcome(decision), context=context(batch_size=0))
-    expect(INVALID, "batch_size", server.policy.Step, bad)
-    assert server.state() == before  # the valid outcome was not applied either
-    assert server.policy.Report(outcome(decision), timeout=5).applied
-    expect(
-        INVALID, "needs an outcome, a context or both", server.policy.Step, policy_pb2.StepRequest()
-    )
+    with server.engine() as engine:
+        decision = engine.decide(context())
+        ran = policy_pb2.RanStep(
+            decision_id=decision.decision_id, context=decision.context, gamma=decision.gamma
+        )
+        before = server.state()
+        bad = policy_pb2.StepRequest(
+            ran_steps=[ran], outcomes=[outcome(decision)], context=context(batch_size=0)
+        )
+        rejected(INVALID, "batch_size", engine, bad)
+        assert server.state() == before  # the valid outcome was not applied either
+        assert engine.report(outcome(decision)).skipped == 0  # with the ran step, again
+        assert server.state()["reports"] == before["reports"] + 1
+        empty = policy_pb2.StepRequest()
+        rejected(INVALID, "needs an outcome, a context or both", engine, empty)
 
 
 def test_admin_calls_need_the_token(server: Any) -> None:
@@ -339,11 +438,11 @@ def snapshot_json(server: Any, **changes: Any) -> str:
     return json.dumps({**document, **changes})
 
 
-def test_a_failed_restore_is_all_or_nothing(self_checked_server: Any) -> None:
+def test_a_failed_restore_is_all_or_nothing(self_checked_server: Any, engine: EngineStream) -> None:
     """A malformed engine table or a number out of range: INVALID_ARGUMENT, and the engine
     table, the policy and the decision in flight are as they were."""
     server = self_checked_server
-    decision = server.policy.Decide(context(), timeout=5)
+    decision = ran_and_open(engine)
     before = server.state()
     restore = server.admin.Restore
     bad_engines = snapshot_json(server, engines=["e", 7])
@@ -359,7 +458,7 @@ def test_a_failed_restore_is_all_or_nothing(self_checked_server: Any) -> None:
     request = admin_pb2.RestoreRequest(snapshot_json=created)
     expect(INVALID, "created_unix must be a number", restore, request, metadata=server.auth)
     assert server.state() == before
-    assert server.policy.Report(outcome(decision), timeout=5).applied
+    assert engine.report(outcome(decision)).skipped == 0  # the decision in flight is kept
 
 
 def test_a_restored_ema_state_out_of_range_is_refused(server: Any) -> None:

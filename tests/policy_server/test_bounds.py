@@ -10,7 +10,7 @@ from typing import Any
 
 import grpc
 import pytest
-from nightjar_proto.v1 import policy_pb2
+from nightjar_proto.v1 import admin_pb2, policy_pb2
 
 from benchmarks import bounds_check
 from nightjar_common.errors import InvalidArgumentError, NotFoundError
@@ -134,9 +134,14 @@ def test_oversized_message_is_refused_by_the_server(make_server: Any) -> None:
     server = make_server("--policy", "static")
     huge = policy_pb2.StepContext(engine_id="e", batch_size=1, learner_key="x" * (5 << 20))
     with pytest.raises(grpc.RpcError) as error:
-        server.policy.Decide(huge, timeout=10)
+        # The stream's policy notice may come first; the oversized request ends the stream.
+        list(server.policy.StepStream(iter([policy_pb2.StepRequest(seq=1, context=huge)])))
     assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert server.state()["reports"] == 0
+    seen = server.admin.GetState(admin_pb2.GetStateRequest(), metadata=server.auth, timeout=5)
+    assert list(seen.engine_ids) == []  # nothing of it was read
+    with server.engine() as engine:  # another stream is served as before
+        assert engine.decide(policy_pb2.StepContext(engine_id="e", batch_size=1)).gamma >= 0
 
 
 def test_a_flood_of_engine_ids_leaves_rss_flat_and_is_counted() -> None:

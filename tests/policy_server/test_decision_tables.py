@@ -28,6 +28,7 @@ from nightjar_common.types import GammaTable, RanStep, StepContext, StepOutcome
 from policy_server.metrics import REPORTS, TABLE_STEPS
 from policy_server.service import DecisionService
 from tests.rigs.outcomes import step_outcome
+from tests.rigs.sidecar import StepRejected
 
 
 def context(step: int, batch: int, previous: int | None = None, **extra: Any) -> StepContext:
@@ -306,9 +307,8 @@ def test_over_grpc_steps_come_from_tables_and_every_one_reaches_the_sidecar(
             assert decision.source == "sidecar" and decision.decision_id
             client.report(outcome(decision.decision_id, decision.gamma, ctx.batch_size))
             previous = decision.gamma
-            client.prefetch_after(ctx, previous)
+            client.ask_ahead(NextStep(ctx, previous))
             time.sleep(0.002)  # "the step runs": the refresh arrives meanwhile
-        assert client.uses_tables
         assert client.stats.tables < steps / 2
     finally:
         client.close()  # sends the last batch and waits for it to be applied
@@ -333,7 +333,7 @@ def test_outcomes_go_to_the_sidecar_in_batches_between_tables(make_server: Any) 
             decision = client.take(ctx)
             assert decision.source == "sidecar"
             client.report(outcome(decision.decision_id, decision.gamma, ctx.batch_size))
-            client.prefetch_after(ctx, decision.gamma)
+            client.ask_ahead(NextStep(ctx, decision.gamma))
 
     def applied_after(wanted: int, wait_s: float = 2.0) -> int:
         deadline = time.monotonic() + wait_s
@@ -352,18 +352,17 @@ def test_outcomes_go_to_the_sidecar_in_batches_between_tables(make_server: Any) 
         client.close()
 
 
-def test_over_grpc_a_table_request_without_a_context_is_invalid(make_server: Any) -> None:
+def test_over_grpc_an_empty_request_is_invalid_and_a_context_gets_a_table(
+    make_server: Any,
+) -> None:
     server = make_server()
-    with pytest.raises(grpc.RpcError) as caught:
-        server.policy.Step(policy_pb2.StepRequest(seq=1, want_table=True), timeout=5)
-    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "want_table needs a context" in caught.value.details()
-    reply = server.policy.Step(
-        policy_pb2.StepRequest(seq=2, want_table=True, context=wire.context_to_pb(context(0, 3))),
-        timeout=5,
-    )
-    assert reply.HasField("table") and not reply.HasField("decision")
-    assert wire.table_from_pb(reply.table).covers(3)
+    with server.engine() as engine:
+        with pytest.raises(StepRejected) as caught:
+            engine.send(policy_pb2.StepRequest())
+        assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "needs an outcome, a context or both" in caught.value.message
+        reply = engine.send(policy_pb2.StepRequest(context=wire.context_to_pb(context(0, 3))))
+    assert reply.HasField("table") and wire.table_from_pb(reply.table).covers(3)
 
 
 def test_a_swap_voids_the_held_table_at_once(make_server: Any) -> None:
@@ -373,9 +372,9 @@ def test_a_swap_voids_the_held_table_at_once(make_server: Any) -> None:
     )
     try:
         assert client.take(context(0, 4)).gamma == 2
-        client.prefetch(context(1, 4, 2))
+        client.ask_ahead(NextStep(context(1, 4, 2)), always=True)
         deadline = time.monotonic() + 5
-        while not client.follows_policy_changes and time.monotonic() < deadline:
+        while not client.stats.policy_notices and time.monotonic() < deadline:
             time.sleep(0.01)
         notices = client.stats.policy_notices
         server.admin.SwapPolicy(
@@ -392,7 +391,7 @@ def test_a_swap_voids_the_held_table_at_once(make_server: Any) -> None:
 
 
 def test_a_table_asked_for_at_idle_outlasts_the_gap(make_server: Any) -> None:
-    """The plugin asks for a table as the engine goes idle (``prefetch``): a new one, whose
+    """The plugin asks for a table as the engine goes idle (``ask_ahead``): a new one, whose
     time starts at its first step, so the step after a gap longer than a table's valid_ms
     (1 s) is answered from it; the held table, used before the gap, would have expired."""
     server = make_server("--policy", "static", "--params", '{"gamma": 2}')
@@ -401,7 +400,7 @@ def test_a_table_asked_for_at_idle_outlasts_the_gap(make_server: Any) -> None:
     )
     try:
         assert client.take(context(0, 4)).source == "sidecar"  # a miss: no table yet
-        client.prefetch(context(1, 4, 2))  # the engine idles
+        client.ask_ahead(NextStep(context(1, 4, 2)), always=True)  # the engine idles
         deadline = time.monotonic() + 5
         while client.stats.tables < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -424,7 +423,7 @@ def test_a_table_that_ages_during_a_long_step_is_refreshed_meanwhile(make_server
         ctx = context(0, 4)
         assert client.take(ctx).source == "sidecar"  # a miss: no table yet
         client.take(context(1, 4))
-        client.prefetch_after(context(1, 4), 2)  # not due: the table is fresh
+        client.ask_ahead(NextStep(context(1, 4), 2))  # not due: the table is fresh
         time.sleep(1.3)  # the step
         assert client.take(context(2, 4, 2)).source == "sidecar"
         assert dict(client.stats.table_misses) == {"no_table": 1}

@@ -8,10 +8,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from nightjar_proto.v1 import policy_pb2
-
 from nightjar_common import wire
 from nightjar_common.types import BinType, StepContext, StepOutcome
+from tests.rigs.sidecar import RanDecision
 
 KEY = "Llama-3.1-8B@NVIDIA H100 80GB HBM3"
 
@@ -34,30 +33,35 @@ def ctl(server: Any, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def serve_steps(server: Any, engine: str, steps: int) -> list[policy_pb2.Decision]:
-    decisions, outcome = [], None
-    for i in range(steps):
-        batch = (2, 8, 32, 64)[i % 4]
-        ctx = StepContext(
-            engine, batch, step_index=i, max_gamma=4, learner_key=KEY, context_tokens=500 * batch
-        )
-        request = policy_pb2.StepRequest(context=wire.context_to_pb(ctx))
-        if outcome is not None:
-            request.outcome.CopyFrom(wire.outcome_to_pb(outcome))
-        decision = server.policy.Step(request, timeout=5).decision
-        decisions.append(decision)
-        gamma = decision.gamma
-        seconds = (10 + 0.1 * batch * (gamma + 1)) / 1000
-        outcome = StepOutcome(
-            decision.decision_id,
-            engine,
-            gamma,
-            seconds,
-            batch * (1 + gamma // 2),
-            drafted_tokens=batch * gamma,
-            accepted_tokens=batch * gamma // 2,
-        )
-    server.policy.Report(wire.outcome_to_pb(outcome), timeout=5)
+def serve_steps(server: Any, engine: str, steps: int) -> list[RanDecision]:
+    """``steps`` steps of ``engine`` on its stream, each run from the table the sidecar
+    sends for its context and reported with its outcome."""
+    decisions = []
+    with server.engine() as stream:
+        for i in range(steps):
+            batch = (2, 8, 32, 64)[i % 4]
+            ctx = StepContext(
+                engine,
+                batch,
+                step_index=i,
+                max_gamma=4,
+                learner_key=KEY,
+                context_tokens=500 * batch,
+            )
+            decision = stream.decide(wire.context_to_pb(ctx))
+            decisions.append(decision)
+            gamma = decision.gamma
+            seconds = (10 + 0.1 * batch * (gamma + 1)) / 1000
+            outcome = StepOutcome(
+                decision.decision_id,
+                engine,
+                gamma,
+                seconds,
+                batch * (1 + gamma // 2),
+                drafted_tokens=batch * gamma,
+                accepted_tokens=batch * gamma // 2,
+            )
+            assert stream.report(wire.outcome_to_pb(outcome)).skipped == 0
     return decisions
 
 

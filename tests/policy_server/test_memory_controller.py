@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import pytest
 
-from nightjar_common.types import StepContext
+from nightjar_common.types import DraftState, StepContext
 from policy_server.memory import (
     OFFLOAD,
     RELOAD,
-    DraftState,
     MemoryController,
     MemoryParams,
     MemoryParamsError,
@@ -109,7 +111,9 @@ def test_disabled_or_unknown_draft_size_never_orders() -> None:
         MemoryParams(tau_low=1.5)
 
 
-def test_the_server_attaches_directives_and_shows_memory_state(make_server, tmp_path) -> None:
+def test_the_server_attaches_directives_and_shows_memory_state(
+    make_server: Any, tmp_path: Path
+) -> None:
     """A real sidecar: scarce γ=0 steps → an offload directive on the wire, then γ=0 forced
     while the draft is away; state in GetState and in the metrics."""
     import json
@@ -124,13 +128,16 @@ def test_the_server_attaches_directives_and_shows_memory_state(make_server, tmp_
     server = make_server(
         "--policy", "static", "--params", '{"gamma": 0}', "--memory", json.dumps(memory)
     )
-    scarce = {"free_kv_blocks": 50, "total_kv_blocks": TOTAL}
+    scarce: dict[str, Any] = {"free_kv_blocks": 50, "total_kv_blocks": TOTAL}
+    engine = server.engine()
+    # A directive is decided as the engine reports a step it ran (the ran step rides on
+    # its next table request) and comes with the next table: the third scarce γ=0 step
+    # run orders the offload, on the fourth table.
     actions = [
-        server.policy.Decide(context(step_index=i, **scarce), timeout=5).memory_directive.action
-        for i in range(3)
+        engine.decide(context(step_index=i, **scarce)).memory_directive.action for i in range(4)
     ]
     offload = policy_pb2.MemoryDirective.OFFLOAD_DRAFT_EXPAND_KV
-    assert actions == [0, 0, offload]
+    assert actions == [0, 0, 0, offload]
 
     def draft_state() -> dict[str, float]:
         samples = scrape(server.metrics_port)["nightjar_memory_draft_state"]
@@ -145,21 +152,28 @@ def test_the_server_attaches_directives_and_shows_memory_state(make_server, tmp_
         metadata=server.auth,
         timeout=5,
     )
-    assert server.policy.Decide(context(step_index=3, **scarce), timeout=5).gamma == 0
+    held = engine.decide(context(step_index=4, **scarce))
+    assert held.gamma == 0 and held.reason == "forced"
     # The engine reports the draft offloaded and the pool grown; with room and an empty
-    # queue the sidecar orders the reload and holds γ = 0 until the engine reports the
-    # draft resident again — then the policy's γ = 3 is back.
-    roomy = {"free_kv_blocks": 900, "total_kv_blocks": TOTAL + 200, "draft_resident": False}
-    replies = [
-        server.policy.Decide(context(step_index=4 + i, **roomy), timeout=5) for i in range(4)
-    ]
+    # queue the sidecar orders the reload (three steps run so, on the next table) and
+    # holds γ = 0 until the engine reports the draft resident again — then the policy's
+    # γ = 3 is back.
+    roomy: dict[str, Any] = {
+        "free_kv_blocks": 900,
+        "total_kv_blocks": TOTAL + 200,
+        "draft_resident": False,
+    }
+    replies = [engine.decide(context(step_index=5 + i, **roomy)) for i in range(4)]
     reload = policy_pb2.MemoryDirective.COMPACT_KV_RELOAD_DRAFT
-    assert [r.memory_directive.action for r in replies] == [0, 0, reload, 0]
+    assert [r.memory_directive.action for r in replies] == [0, 0, 0, reload]
     assert {r.gamma for r in replies} == {0}
     assert draft_state()["reloading"] == 1
-    back = {"free_kv_blocks": 700, "total_kv_blocks": TOTAL, "draft_resident": True}
-    assert server.policy.Decide(context(step_index=8, **back), timeout=5).gamma == 3
-    # The engine's own report moved the state: the gauge follows it, one state at a time.
+    back: dict[str, Any] = {"free_kv_blocks": 700, "total_kv_blocks": TOTAL, "draft_resident": True}
+    assert engine.decide(context(step_index=9, **back)).gamma == 3
+    # The engine's own report moved the state: the gauge follows it, one state at a time,
+    # once the engine reports the step it ran.
+    assert engine.report().skipped == 0
+    engine.close()
     assert draft_state() == {"resident": 1, "offloading": 0, "offloaded": 0, "reloading": 0}
     state = json.loads(server.admin.GetState(admin_pb2.GetStateRequest(), timeout=5).memory_json)
     assert state["engines"]["e"]["state"] == "resident"

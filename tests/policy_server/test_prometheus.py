@@ -27,7 +27,8 @@ from policy_server.service import DecisionService
 from tests.rigs.sidecar import free_port
 from vllm_client_patch import metrics as plugin_metrics
 from vllm_client_patch.config import PluginConfig
-from vllm_client_patch.controller import EngineView, GammaController, VerifiedStep
+from vllm_client_patch.controller import GammaController
+from vllm_client_patch.step_journal import EngineView, VerifiedStep
 
 ROOT = Path(__file__).resolve().parents[2]
 RULES = ROOT / "deploy" / "prometheus" / "nightjar-rules.yaml"
@@ -206,12 +207,13 @@ def test_prometheus_scrapes_a_live_sidecar_and_evaluates_the_rules(
     server = make_server("--snapshot-interval", "600", "--policy", "nightjar")
     prom = make_prometheus({SIDECAR_JOB: [f"127.0.0.1:{server.metrics_port}"]}, rule_files=[RULES])
     prom.wait_for(f'nightjar_serving{{job="{SIDECAR_JOB}"}} == 1')
+    engine = server.engine()
     for step in range(60):
         if step == 30:  # let a scrape see the first half, so that rates see an increase
             prom.wait_for("sum(nightjar_decisions_total) == 30")
         batch = (1, 5, 40)[step % 3]
-        d = server.policy.Decide(context("e1", batch, step), timeout=5)
-        server.policy.Report(
+        d = engine.decide(context("e1", batch, step))
+        reply = engine.report(
             policy_pb2.StepOutcome(
                 decision_id=d.decision_id,
                 engine_id="e1",
@@ -220,9 +222,10 @@ def test_prometheus_scrapes_a_live_sidecar_and_evaluates_the_rules(
                 generated_tokens=d.gamma + 1,
                 drafted_tokens=d.gamma,
                 accepted_tokens=d.gamma // 2,
-            ),
-            timeout=5,
+            )
         )
+        assert reply.skipped == 0, reply.skipped_reason
+    engine.close()
     server.admin.Snapshot(admin_pb2.SnapshotRequest(), metadata=server.auth, timeout=5)
     with pytest.raises(grpc.RpcError):  # a refused policy change
         server.admin.SwapPolicy(
@@ -313,7 +316,7 @@ def vllm_server(models: Any, make_server: Any, tmp_path: Path) -> Iterator[dict[
 def test_prometheus_scrapes_the_plugin_from_vllms_own_metrics_endpoint(
     vllm_server: dict[str, Any], make_prometheus: Any
 ) -> None:
-    import psutil
+    import psutil  # type: ignore[import-untyped]
 
     base, sidecar = vllm_server["base"], vllm_server["sidecar"]
     # The scheduler (and the plugin) run in vLLM's engine-core process, not in the one

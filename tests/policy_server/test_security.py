@@ -18,12 +18,13 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from nightjar_proto.v1 import admin_pb2, policy_pb2_grpc
+from nightjar_proto.v1 import admin_pb2
 
 from nightjar_common import tls
 from policy_server.policies import REGISTRY
 from policy_server.policies.base import file_path_params
 from tests.policy_server.test_server import context, outcome
+from tests.rigs.sidecar import EngineStream
 
 PREFILL_TABLE = "lag_tokens,batch_size,c_prefill_ms\n0,1,1\n0,8,2\n64,1,3\n64,8,4\n"
 
@@ -76,11 +77,12 @@ def health(channel: grpc.Channel) -> int:
 
 
 def decide_over(channel: grpc.Channel) -> int:
-    stub = policy_pb2_grpc.PolicyServiceStub(channel)
-    return int(stub.Decide(context("tls", 2), timeout=5).gamma)
+    """γ of a step run from the table the sidecar sends over ``channel``."""
+    with EngineStream(channel) as engine:
+        return engine.decide(context("tls", 2)).gamma
 
 
-def test_tcp_port_is_loopback_only_unless_widened(make_server) -> None:
+def test_tcp_port_is_loopback_only_unless_widened(make_server: Any) -> None:
     server = make_server("--port", "0")
     assert listening_addresses(tcp_port(server)) == {"127.0.0.1"}
     assert "without TLS" not in server.log()
@@ -89,7 +91,9 @@ def test_tcp_port_is_loopback_only_unless_widened(make_server) -> None:
     assert "without TLS: decisions and the admin token travel in the clear" in wide.log()
 
 
-def test_mutual_tls_admits_only_clients_with_a_certificate_of_the_ca(make_server, pki) -> None:
+def test_mutual_tls_admits_only_clients_with_a_certificate_of_the_ca(
+    make_server: Any, pki: Any
+) -> None:
     ca, client, intruder = pki["ca"], pki["client"], pki["intruder"]
     server, target = mutual_tls_server(make_server, pki)
     assert "(TCP with mutual TLS)" in server.log()
@@ -128,7 +132,7 @@ def test_mutual_tls_admits_only_clients_with_a_certificate_of_the_ca(make_server
         text=True,
         timeout=30,
     )
-    assert done.returncode == 0 and "engines  tls" in done.stdout, done.stderr  # from Decide
+    assert done.returncode == 0 and "engines  tls" in done.stdout, done.stderr  # its table request
     plain = subprocess.run(
         [sys.executable, "-m", "policy_server.ctl", "--target", target, "--timeout", "2", "state"],
         capture_output=True,
@@ -138,7 +142,9 @@ def test_mutual_tls_admits_only_clients_with_a_certificate_of_the_ca(make_server
     assert plain.returncode == 1 and "UNAVAILABLE" in plain.stderr
 
 
-def test_tls_from_the_config_file_and_certificate_rotation(make_server, pki, tmp_path) -> None:
+def test_tls_from_the_config_file_and_certificate_rotation(
+    make_server: Any, pki: Any, tmp_path: Path
+) -> None:
     """Server TLS without client certificates, set in the TOML file; the certificate files
     replaced while it runs are served to the next connection."""
     srv, ca, other = pki["server"], pki["ca"], pki["other"]
@@ -200,11 +206,11 @@ def swap(server: Any, token: str, name: str = "static") -> grpc.StatusCode:
             timeout=5,
         )
     except grpc.RpcError as exc:
-        return typing.cast(grpc.StatusCode, exc.code())
+        return exc.code()
     return grpc.StatusCode.OK
 
 
-def test_admin_token_file_is_reread_on_rotation(make_server, tmp_path) -> None:
+def test_admin_token_file_is_reread_on_rotation(make_server: Any, tmp_path: Path) -> None:
     server = make_server()
     old, new, newer = "old-token-0123456789", "new-token-0123456789", "newer-token-01234567"
     server.token_file.write_text(old + "\n")  # in place
@@ -239,7 +245,9 @@ def expect_denied(code: grpc.StatusCode, call: Any, request: Any, server: Any) -
     return str(err.value.details())
 
 
-def test_restore_reads_no_file_outside_the_state_directory(make_server, tmp_path) -> None:
+def test_restore_reads_no_file_outside_the_state_directory(
+    make_server: Any, tmp_path: Path
+) -> None:
     server = make_server("--policy", "nightjar")
     server.admin.Snapshot(admin_pb2.SnapshotRequest(), metadata=server.auth, timeout=5)
     outside = tmp_path / "outside.json"
@@ -260,7 +268,9 @@ def test_restore_reads_no_file_outside_the_state_directory(make_server, tmp_path
         assert reply.policy_name == "nightjar"
 
 
-def test_path_parameters_are_confined_to_the_state_directory(make_server, tmp_path) -> None:
+def test_path_parameters_are_confined_to_the_state_directory(
+    make_server: Any, tmp_path: Path
+) -> None:
     server = make_server("--policy", "nightjar")
     outside = tmp_path / "cost.csv"
     outside.write_text(PREFILL_TABLE)
@@ -307,7 +317,9 @@ def test_path_parameters_are_confined_to_the_state_directory(make_server, tmp_pa
     assert server.state()["params"]["prefill_cost_table"] == table
 
 
-def test_no_string_parameter_of_any_policy_reads_a_file_outside(make_server, tmp_path) -> None:
+def test_no_string_parameter_of_any_policy_reads_a_file_outside(
+    make_server: Any, tmp_path: Path
+) -> None:
     """Every registered policy: a readable file outside the state directory given as any of
     its string parameters is refused (a path parameter must be marked FILE_PATH)."""
     server = make_server()
@@ -336,7 +348,7 @@ def rss_bytes(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
-def test_no_parameter_makes_the_server_allocate_a_client_chosen_size(make_server) -> None:
+def test_no_parameter_makes_the_server_allocate_a_client_chosen_size(make_server: Any) -> None:
     """gamma_max / max_batch_size of 10^9 are refused with the state unchanged; for every
     integer parameter of every registered policy 10^9 is refused, or accepted without the
     server's memory growing and with decisions going on (a seed, a counter's period)."""
@@ -372,6 +384,7 @@ def test_no_parameter_makes_the_server_allocate_a_client_chosen_size(make_server
         )
     baseline = rss_bytes(server.proc.pid)
     accepted = []
+    engine = server.engine()
     for name, spec in REGISTRY.items():
         hints = typing.get_type_hints(spec.params_type)
         for field in dataclasses.fields(spec.params_type):
@@ -386,9 +399,10 @@ def test_no_parameter_makes_the_server_allocate_a_client_chosen_size(make_server
                 assert exc.code() == invalid, (name, field.name, exc.details())
                 continue
             accepted.append(f"{name}.{field.name}")
-            for step in range(20):  # decisions and reports go on, in several contexts
-                d = server.policy.Decide(context("big", 1 + step % 8, step_index=step), timeout=5)
-                server.policy.Report(outcome(d, "big"), timeout=5)
+            for step in range(20):  # tables and reports go on, in several contexts
+                d = engine.decide(context("big", 1 + step % 8, step_index=step))
+                assert engine.report(outcome(d, "big")).skipped == 0, (name, field.name)
             grown = rss_bytes(server.proc.pid) - baseline
             assert grown < 64 << 20, (name, field.name, grown)
+    engine.close()
     assert "nightjar.seed" in accepted  # the check above did run for accepted sizes

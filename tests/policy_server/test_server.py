@@ -1,4 +1,5 @@
-"""The sidecar as a real process: decide/report, streams, engines, health, reflection, metrics."""
+"""The sidecar as a real process: tables and reports, streams, engines, health, reflection,
+metrics."""
 
 from __future__ import annotations
 
@@ -15,16 +16,15 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from nightjar_common import wire
 from nightjar_common.types import StepContext
+from tests.rigs.sidecar import EngineStream, RanDecision, StepRejected
 
 
 def context(engine: str = "e", batch_size: int = 4, **kw: object) -> policy_pb2.StepContext:
     return wire.context_to_pb(StepContext(engine_id=engine, batch_size=batch_size, **kw))  # type: ignore[arg-type]
 
 
-def outcome(
-    decision: policy_pb2.Decision, engine: str = "e", **kw: object
-) -> policy_pb2.StepOutcome:
-    batch = decision.batch_size or 4  # a plausible outcome of the decided batch
+def outcome(decision: RanDecision, engine: str = "e", **kw: object) -> policy_pb2.StepOutcome:
+    batch = decision.batch_size  # a plausible outcome of the decided batch
     fields = dict(
         decision_id=decision.decision_id,
         engine_id=engine,
@@ -38,19 +38,24 @@ def outcome(
     return policy_pb2.StepOutcome(**fields)  # type: ignore[arg-type]
 
 
-def test_decide_report_and_step_round_trip(make_server) -> None:
+def test_a_table_its_ran_step_and_its_outcome_round_trip(make_server) -> None:
     server = make_server("--policy", "nightjar")
-    decision = server.policy.Decide(context(), timeout=5)
+    engine = server.engine()
+    decision = engine.decide(context())
     assert 0 <= decision.gamma <= 4
+    assert (
+        decision.table.first_batch_size
+        <= 4
+        < decision.table.first_batch_size + len(decision.table.gammas)
+    )
     assert decision.policy_name == "nightjar" and decision.policy_version
     assert decision.reason in ("explore", "exploit")
-    assert server.policy.Report(outcome(decision), timeout=5).applied
-    # The combined call reports the previous outcome and decides the next step.
-    nxt = server.policy.Decide(context(step_index=1), timeout=5)
-    reply = server.policy.Step(
-        policy_pb2.StepRequest(outcome=outcome(nxt), context=context(step_index=2)), timeout=5
-    )
-    assert reply.decision.step_index == 2 and reply.decision.decision_id
+    assert engine.report(outcome(decision)).skipped == 0
+    # The ran step and its outcome may ride on the next table request, as an engine sends
+    # them.
+    nxt = engine.decide(context(step_index=1))
+    reply = engine.report(outcome(nxt), context=context(step_index=2))
+    assert reply.table.step_index == 2 and reply.table.table_id and reply.skipped == 0
     assert server.state()["reports"] == 2
     learned = server.state()["state"]["learners"]["engine:e"]["4"]["counts"]
     assert sum(learned) == 2
@@ -64,8 +69,12 @@ def test_stream_answers_in_order_and_survives_bad_requests(make_server) -> None:
         policy_pb2.StepRequest(seq=3, context=context(batch_size=2)),
     ]
     replies = list(server.policy.StepStream(iter(requests), timeout=10))
+    # A policy notice first (every stream gets the version it starts with), then the
+    # answers in order.
+    assert replies[0].seq == 0 and replies[0].policy_version
+    replies = replies[1:]
     assert [r.seq for r in replies] == [1, 2, 3]
-    assert replies[0].decision.decision_id and replies[2].decision.decision_id
+    assert [r.seq for r in replies if r.HasField("table")] == [1, 3]
     assert replies[1].error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
     assert "batch_size" in replies[1].error.message
 
@@ -73,9 +82,10 @@ def test_stream_answers_in_order_and_survives_bad_requests(make_server) -> None:
 def test_one_sidecar_serves_several_engines(make_server) -> None:
     server = make_server()
     for engine in ("pod-a/dp0", "pod-a/dp1", "pod-b/dp0"):
+        stream = server.engine()
         for step in range(5):
-            d = server.policy.Decide(context(engine, 4, step_index=step), timeout=5)
-            server.policy.Report(outcome(d, engine), timeout=5)
+            d = stream.decide(context(engine, 4, step_index=step))
+            stream.report(outcome(d, engine))
     reply = server.admin.GetState(admin_pb2.GetStateRequest(), timeout=5)
     assert list(reply.engine_ids) == ["pod-a/dp0", "pod-a/dp1", "pod-b/dp0"]
     state = json.loads(reply.state_json)
@@ -114,7 +124,7 @@ def test_health_and_reflection_v1alpha_and_v1(make_server) -> None:
     assert set(database.get_services()) == expected
     pool = descriptor_pool.DescriptorPool(database)
     methods = pool.FindServiceByName("nightjar.v1.PolicyService").methods_by_name
-    assert {"Decide", "Report", "Step", "StepStream"} <= set(methods)
+    assert set(methods) == {"StepStream"}
     # v1: listing, a symbol's file, and the v1 service describing itself in its package.
     listing, policy_file, v1_file = reflect_v1(
         server.channel,
@@ -149,11 +159,8 @@ def test_tcp_listener_is_loopback_by_default(make_server) -> None:
     port = free_port()
     server = make_server("--port", str(port))
     assert f"listening on unix:{server.uds}, 127.0.0.1:{port}" in server.log()
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        from nightjar_proto.v1 import policy_pb2_grpc
-
-        decision = policy_pb2_grpc.PolicyServiceStub(channel).Decide(context(), timeout=5)
-        assert decision.decision_id
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel, EngineStream(channel) as engine:
+        assert engine.decide(context()).decision_id
 
 
 def scrape(port: int) -> dict[str, list]:
@@ -163,11 +170,12 @@ def scrape(port: int) -> dict[str, list]:
 
 def test_metrics_are_scraped_over_http_and_parse(make_server) -> None:
     server = make_server("--policy", "nightjar")
+    engine = server.engine()
     for step in range(6):
-        d = server.policy.Decide(context(step_index=step), timeout=5)
-        server.policy.Report(outcome(d), timeout=5)
-    with pytest.raises(grpc.RpcError):
-        server.policy.Decide(context(batch_size=-1), timeout=5)
+        d = engine.decide(context(step_index=step))
+        engine.report(outcome(d))
+    with pytest.raises(StepRejected):
+        engine.decide(context(batch_size=-1))
     server.admin.Snapshot(admin_pb2.SnapshotRequest(), metadata=server.auth, timeout=5)
     families = scrape(server.metrics_port)
 
@@ -187,9 +195,9 @@ def test_metrics_are_scraped_over_http_and_parse(make_server) -> None:
     assert latency[0].value == 6
     invalid = [s for s in families["nightjar_invalid_requests"] if s.name.endswith("_total")]
     # The usual rejections are exported at 0 from the start (increase() sees the first).
-    assert len(invalid) == 12
+    assert len(invalid) == 3
     assert [(s.labels["method"], s.labels["code"], s.value) for s in invalid if s.value] == [
-        ("Decide", "INVALID_ARGUMENT", 1.0)
+        ("StepStream", "INVALID_ARGUMENT", 1.0)
     ]
     last_snapshot = families["nightjar_snapshot_last_success_timestamp_seconds"][0].value
     assert 0 <= time.time() - last_snapshot < 60
@@ -207,14 +215,15 @@ def test_metrics_are_scraped_over_http_and_parse(make_server) -> None:
     assert info.labels["name"] == "nightjar"
 
 
-def test_an_engine_older_than_v1_5_reports_per_request_accepts_with_ids(make_server) -> None:
-    """The v1.0 form (a RequestAccepts per request) teaches the policy what the packed
-    form does: an engine per form end with the same acceptance estimate, which is not the
-    one the batch totals alone give."""
+def test_per_request_accepts_with_ids_teach_what_the_packed_form_does(make_server) -> None:
+    """Per-request accepts with request ids (RequestAccepts, what a per-request policy
+    needs) teach the policy what the packed form does: an engine per form ends with the
+    same acceptance estimate, which is not the one the batch totals alone give."""
     server = make_server("--policy", "goodput")
+    streams = {engine: server.engine() for engine in ("packed", "with-ids", "totals")}
     for step in range(40):
-        for engine in ("packed", "with-ids", "totals"):
-            decision = server.policy.Decide(context(engine, step_index=step), timeout=5)
+        for engine, stream in streams.items():
+            decision = stream.decide(context(engine, step_index=step))
             accepts = [min(decision.gamma, k) for k in (0, 1, 2, 3)]
             per_request: dict[str, Any] = {
                 "packed": {"request_accepted_tokens": accepts},
@@ -227,7 +236,7 @@ def test_an_engine_older_than_v1_5_reports_per_request_accepts_with_ids(make_ser
                 "totals": {},
             }[engine]
             report = outcome(decision, engine, accepted_tokens=sum(accepts), **per_request)
-            assert server.policy.Report(report, timeout=5).applied
+            assert stream.report(report).skipped == 0
     learners = server.state()["state"]["learners"]
     packed, with_ids = learners["engine:packed"], learners["engine:with-ids"]
     assert packed["acceptance"] == with_ids["acceptance"]

@@ -129,8 +129,10 @@ def test_a_state_read_does_not_stall_the_decisions_of_other_engines() -> None:
 def test_get_state_without_the_token_is_a_summary(make_server: Any) -> None:
     server = make_server()
     engines = [f"pod-{index:02d}" for index in range(SUMMARY_ENGINES + 8)]
-    for engine in engines:
-        server.policy.Decide(policy_pb2.StepContext(engine_id=engine, batch_size=2), timeout=5)
+    with server.engine() as stream:
+        for engine in engines:  # each runs a step from its table
+            stream.decide(policy_pb2.StepContext(engine_id=engine, batch_size=2))
+            assert stream.report().skipped == 0
     summary = server.admin.GetState(admin_pb2.GetStateRequest(), timeout=5)
     assert list(summary.engine_ids) == engines[:SUMMARY_ENGINES]
     state = json.loads(summary.state_json)

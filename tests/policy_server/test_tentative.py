@@ -2,30 +2,34 @@
 have, runs one, and the sidecar learns from that one only.
 
 Checked against a blocking run with the same seed and the same information (each request
-carries the outcome of two steps back, as the pipelined plugin does): the γ of every step
+carries the outcome of two steps back, as a pipelined engine would): the γ of every step
 and the whole learned state (schedules, RNG, goodput tables) must be identical, for every
-registered policy. Also: an old client that sets none of the new fields is served as
-before, through a real server process.
+registered policy. Also, through a real server process: a stream used a step at a time
+learns exactly what the service learns in process from the same requests.
 """
 
 from __future__ import annotations
 
 import random
-import time
 from typing import Any
 
 import pytest
 from nightjar_proto.v1 import policy_pb2
 
-from nightjar_common.client import ClientConfig, NightjarClient
+from nightjar_common import wire
 from nightjar_common.errors import NotFoundError
-from nightjar_common.types import Decision, StepContext, StepOutcome
+from nightjar_common.sidecar_stream import SyncStream
+from nightjar_common.types import Decision, RanStep, StepContext, StepOutcome
 from policy_server.policies import REGISTRY
 from policy_server.service import DecisionService
 from tests.rigs.outcomes import step_outcome
-from vllm_client_patch.controller import candidate_batch_sizes
 
 STEPS = 400
+
+
+def candidate_window(batch: int) -> tuple[int, ...]:
+    """The batch sizes around ``batch`` a step may turn out to have."""
+    return tuple(size for size in range(batch - 6, batch + 9) if size >= 1 and size != batch)
 
 
 def batch_walk(seed: int, steps: int) -> list[int]:
@@ -92,7 +96,7 @@ def prefetch_run(policy: str, sizes: list[int]) -> tuple[list[int], DecisionServ
         # Ask ahead for step+1 now, carrying the name of what runs now and the outcome of
         # two steps back (so step t is decided knowing outcomes up to t-3, as above).
         report = outcome(*ran[step - 2]) if step >= 2 else None
-        window = candidate_batch_sizes(batch, 0)
+        window = candidate_window(batch)
         asked = service.step(
             report,
             context(step + 1, batch, candidate_batch_sizes=window, ran_decision_id=ran_id),
@@ -138,79 +142,48 @@ def test_a_dropped_candidate_cannot_be_reported() -> None:
     assert service.state_view().decisions_total == before + 1
 
 
-def test_old_client_without_new_fields_is_served_as_before(make_server: Any) -> None:
-    """Raw nightjar.v1 messages as a v1.1 client builds them: one committed decision per
-    context, reports applied; the same γ sequence as the service decides in process."""
+def test_over_grpc_a_step_at_a_time_learns_what_the_service_learns_in_process(
+    make_server: Any,
+) -> None:
+    """Raw nightjar.v1 messages on one stream, a step at a time: each step run from the
+    table sent for its context, reported (the ran step and its outcome) with the next
+    request. The sidecar runs the same γ sequence as the service given the same requests in
+    process, and learns the same state: nothing is lost or changed on the wire."""
     server = make_server("--policy", "nightjar", "--params", '{"seed": 5}')
     local = DecisionService("nightjar", {"seed": 5})
-    remote_previous: policy_pb2.Decision | None = None
-    local_previous: Decision | None = None
-    for step, batch in enumerate(batch_walk(seed=9, steps=40)):
-        request = policy_pb2.StepRequest(
-            seq=step + 1,
-            context=policy_pb2.StepContext(
+    remote_ran: list[policy_pb2.RanStep] = []
+    remote_outcomes: list[policy_pb2.StepOutcome] = []
+    local_ran: list[RanStep] = []
+    local_outcomes: list[StepOutcome] = []
+    with SyncStream(server.channel) as stream:
+        for step, batch in enumerate(batch_walk(seed=9, steps=40)):
+            ctx = policy_pb2.StepContext(
                 engine_id="old",
                 batch_size=batch,
                 step_index=step,
                 total_kv_blocks=100,
                 draft_resident=True,
-            ),
-        )
-        report = None
-        if remote_previous is not None and local_previous is not None:
+            )
+            reply = stream.send(
+                policy_pb2.StepRequest(context=ctx, ran_steps=remote_ran, outcomes=remote_outcomes)
+            )
+            assert not reply.HasField("error") and reply.skipped == 0
+            expected = local.table_step(local_ran, local_outcomes, wire.context_from_pb(ctx))
+            assert expected.skipped == 0 and expected.table is not None
+            table, want = reply.table, expected.table
+            assert table.first_batch_size == want.first_batch_size
+            assert tuple(table.gammas) == want.gammas
+            gamma = table.gammas[batch - table.first_batch_size]
             fields = dict(
                 engine_id="old",
-                gamma=remote_previous.gamma,
+                gamma=gamma,
                 step_seconds=0.02,
-                generated_tokens=batch + remote_previous.gamma,
+                generated_tokens=batch + gamma,
             )
-            request.outcome.CopyFrom(
-                policy_pb2.StepOutcome(decision_id=remote_previous.decision_id, **fields)
-            )
-            report = StepOutcome(decision_id=local_previous.decision_id, **fields)
-        decision = server.policy.Step(request, timeout=5).decision
-        expected = local.step(
-            report,
-            StepContext(engine_id="old", batch_size=batch, step_index=step, total_kv_blocks=100),
-        )
-        assert expected is not None
-        assert not decision.tentative and len(decision.candidates) == 0
-        assert decision.batch_size == batch and decision.gamma == expected.gamma
-        remote_previous, local_previous = decision, expected
+            remote_id, local_id = f"{table.table_id}.1", f"{want.table_id}.1"
+            remote_ran = [policy_pb2.RanStep(decision_id=remote_id, context=ctx, gamma=gamma)]
+            remote_outcomes = [policy_pb2.StepOutcome(decision_id=remote_id, **fields)]
+            local_ran = [RanStep(local_id, wire.context_from_pb(ctx), gamma)]
+            local_outcomes = [StepOutcome(decision_id=local_id, **fields)]
     assert server.state()["reports"] == 39
     assert server.state()["state"] == local.state_view().state
-
-
-def test_client_takes_the_candidate_of_the_batch_that_ran(make_server: Any) -> None:
-    server = make_server("--policy", "nightjar", "--params", '{"seed": 2}')
-    with NightjarClient(
-        ClientConfig(
-            target=server.target,
-            engine_id="c",
-            deadline_s=0.5,
-            connect_timeout_s=5,
-            decision_tables=False,
-        )
-    ) as client:
-        first = client.decide(context(0, 4))
-        client.prefetch(context(1, 4, candidate_batch_sizes=candidate_batch_sizes(4, 0)))
-        taken = client.take(context(1, 3))  # a request finished: 3 is in the window
-        assert taken.source == "sidecar" and taken.decision is not None
-        assert taken.decision.batch_size == 3 and taken.decision.tentative
-        assert client.stats.prefetch_hits == 1 and client.stats.prefetch_misses == 0
-        assert first.decision is not None
-        client.report(outcome(first.decision, context(0, 4)))
-        # The next request names what ran; its outcome is then accepted and applied.
-        client.decide(context(2, 3))
-        client.report(outcome(taken.decision, context(1, 3)))
-        client.flush()
-        deadline = time.monotonic() + 5
-        while server.state()["reports"] < 2 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert client.stats.rejected_reports == 0
-    state = server.state()
-    assert state["reports"] == 2
-    # Two decisions ran at batch 4 then 3 (and one at 3 is pending): the schedules of the
-    # window's other sizes were never started.
-    schedules = state["state"]["engines"]["e0"]["schedules"]
-    assert sorted(schedules) == ["3", "4"]

@@ -18,7 +18,9 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from nightjar_proto.v1 import admin_pb2, admin_pb2_grpc, policy_pb2_grpc
+from nightjar_proto.v1 import admin_pb2, admin_pb2_grpc, policy_pb2, policy_pb2_grpc
+
+from nightjar_common.sidecar_stream import SyncStream
 
 ADMIN_TOKEN = "s3cret-test-token"
 
@@ -103,6 +105,11 @@ class ServerProcess:
     def policy(self) -> Any:
         return policy_pb2_grpc.PolicyServiceStub(self.channel)
 
+    def engine(self) -> EngineStream:
+        """A new stream on this sidecar, used a step at a time."""
+        assert self.channel is not None
+        return EngineStream(self.channel)
+
     @property
     def admin(self) -> Any:
         return admin_pb2_grpc.AdminServiceStub(self.channel)
@@ -122,6 +129,97 @@ class ServerProcess:
             "state": json.loads(reply.state_json),
             "reports": reply.reports_total,
         }
+
+
+@dataclasses.dataclass(frozen=True)
+class RanDecision:
+    """A step an engine ran from the table the sidecar sent for its context."""
+
+    gamma: int
+    decision_id: str
+    batch_size: int
+    table: policy_pb2.GammaTable
+    context: policy_pb2.StepContext
+
+    @property
+    def exploring(self) -> bool:
+        return bool(self.table.exploring[self.batch_size - self.table.first_batch_size])
+
+    @property
+    def reason(self) -> str:
+        """As the decision log says: the table's reason, else explore or exploit."""
+        return self.table.reason or ("explore" if self.exploring else "exploit")
+
+    @property
+    def policy_name(self) -> str:
+        return str(self.table.policy_name)
+
+    @property
+    def policy_version(self) -> str:
+        return str(self.table.policy_version)
+
+    @property
+    def memory_directive(self) -> policy_pb2.MemoryDirective:
+        return self.table.memory_directive
+
+
+class StepRejected(Exception):
+    """The sidecar answered a request with a StepReply.error."""
+
+    def __init__(self, error: policy_pb2.StepError) -> None:
+        self.code = next(c for c in grpc.StatusCode if c.value[0] == error.code)
+        self.message = str(error.message)
+        super().__init__(f"{self.code.name}: {self.message}")
+
+
+class EngineStream:
+    """One engine's StepStream, used a step at a time: :meth:`decide` asks for a table for
+    a context and runs its entry (the ran step goes with the next request, as an engine
+    reports it), :meth:`report` sends an outcome."""
+
+    def __init__(self, channel: grpc.Channel) -> None:
+        self.stream = SyncStream(channel)
+        self._ran: list[policy_pb2.RanStep] = []
+
+    def decide(self, ctx: policy_pb2.StepContext) -> RanDecision:
+        reply = self.send(policy_pb2.StepRequest(context=ctx, ran_steps=self._take_ran()))
+        table = reply.table
+        gamma = table.gammas[ctx.batch_size - table.first_batch_size]
+        decided = RanDecision(gamma, f"{table.table_id}.1", ctx.batch_size, table, ctx)
+        self._ran.append(
+            policy_pb2.RanStep(decision_id=decided.decision_id, context=ctx, gamma=gamma)
+        )
+        return decided
+
+    def report(
+        self, *outcomes: policy_pb2.StepOutcome, context: policy_pb2.StepContext | None = None
+    ) -> policy_pb2.StepReply:
+        """Send the steps run so far and ``outcomes`` (with ``context``: and ask for a table
+        for it, as an engine's refresh carries its reports); the reply says what was
+        skipped."""
+        request = policy_pb2.StepRequest(ran_steps=self._take_ran(), outcomes=outcomes)
+        if context is not None:
+            request.context.CopyFrom(context)
+        return self.send(request)
+
+    def send(self, request: policy_pb2.StepRequest) -> policy_pb2.StepReply:
+        reply = self.stream.send(request)
+        if reply.HasField("error"):
+            raise StepRejected(reply.error)
+        return reply
+
+    def _take_ran(self) -> list[policy_pb2.RanStep]:
+        ran, self._ran = self._ran, []
+        return ran
+
+    def close(self) -> None:
+        self.stream.close()
+
+    def __enter__(self) -> EngineStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def server_factory(tmp_path: Path) -> Iterator[Any]:

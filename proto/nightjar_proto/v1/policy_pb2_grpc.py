@@ -35,21 +35,6 @@ class PolicyServiceStub(object):
         Args:
             channel: A grpc.Channel.
         """
-        self.Decide = channel.unary_unary(
-                '/nightjar.v1.PolicyService/Decide',
-                request_serializer=nightjar__proto_dot_v1_dot_policy__pb2.StepContext.SerializeToString,
-                response_deserializer=nightjar__proto_dot_v1_dot_policy__pb2.Decision.FromString,
-                _registered_method=True)
-        self.Report = channel.unary_unary(
-                '/nightjar.v1.PolicyService/Report',
-                request_serializer=nightjar__proto_dot_v1_dot_policy__pb2.StepOutcome.SerializeToString,
-                response_deserializer=nightjar__proto_dot_v1_dot_policy__pb2.ReportAck.FromString,
-                _registered_method=True)
-        self.Step = channel.unary_unary(
-                '/nightjar.v1.PolicyService/Step',
-                request_serializer=nightjar__proto_dot_v1_dot_policy__pb2.StepRequest.SerializeToString,
-                response_deserializer=nightjar__proto_dot_v1_dot_policy__pb2.StepReply.FromString,
-                _registered_method=True)
         self.StepStream = channel.stream_stream(
                 '/nightjar.v1.PolicyService/StepStream',
                 request_serializer=nightjar__proto_dot_v1_dot_policy__pb2.StepRequest.SerializeToString,
@@ -61,35 +46,12 @@ class PolicyServiceServicer(object):
     """Decides the speculative length γ of every decoding step of an engine.
     """
 
-    def Decide(self, request, context):
-        """Decide γ for one step.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Report(self, request, context):
-        """Report the outcome of a decided step.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Step(self, request, context):
-        """Report the previous outcome and decide the next step in one call.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
     def StepStream(self, request_iterator, context):
-        """Long-lived per-engine stream of Step calls; replies come in order, and a
-        bad request yields a StepReply.error without closing the stream. A context
-        still undecided when a newer context of the same engine has arrived on the
-        stream (the engine stopped waiting for it: the sidecar is behind) is not
-        decided: its outcome and ran_decision_id are applied and it is answered with
-        StepReply.error code 10 (ABORTED), so a backlog drains to the newest step.
-        Since v1.3.
+        """Long-lived per-engine stream; replies come in order, and a bad request yields a
+        StepReply.error without closing the stream. A context still undecided when a newer
+        context of the same engine has arrived on the stream (the engine stopped waiting for
+        it: the sidecar is behind) is not decided: its reports are applied and it is answered
+        with StepReply.error code 10 (ABORTED), so a backlog drains to the newest step.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -98,21 +60,6 @@ class PolicyServiceServicer(object):
 
 def add_PolicyServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Decide': grpc.unary_unary_rpc_method_handler(
-                    servicer.Decide,
-                    request_deserializer=nightjar__proto_dot_v1_dot_policy__pb2.StepContext.FromString,
-                    response_serializer=nightjar__proto_dot_v1_dot_policy__pb2.Decision.SerializeToString,
-            ),
-            'Report': grpc.unary_unary_rpc_method_handler(
-                    servicer.Report,
-                    request_deserializer=nightjar__proto_dot_v1_dot_policy__pb2.StepOutcome.FromString,
-                    response_serializer=nightjar__proto_dot_v1_dot_policy__pb2.ReportAck.SerializeToString,
-            ),
-            'Step': grpc.unary_unary_rpc_method_handler(
-                    servicer.Step,
-                    request_deserializer=nightjar__proto_dot_v1_dot_policy__pb2.StepRequest.FromString,
-                    response_serializer=nightjar__proto_dot_v1_dot_policy__pb2.StepReply.SerializeToString,
-            ),
             'StepStream': grpc.stream_stream_rpc_method_handler(
                     servicer.StepStream,
                     request_deserializer=nightjar__proto_dot_v1_dot_policy__pb2.StepRequest.FromString,
@@ -129,87 +76,6 @@ def add_PolicyServiceServicer_to_server(servicer, server):
 class PolicyService(object):
     """Decides the speculative length γ of every decoding step of an engine.
     """
-
-    @staticmethod
-    def Decide(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/nightjar.v1.PolicyService/Decide',
-            nightjar__proto_dot_v1_dot_policy__pb2.StepContext.SerializeToString,
-            nightjar__proto_dot_v1_dot_policy__pb2.Decision.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Report(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/nightjar.v1.PolicyService/Report',
-            nightjar__proto_dot_v1_dot_policy__pb2.StepOutcome.SerializeToString,
-            nightjar__proto_dot_v1_dot_policy__pb2.ReportAck.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Step(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/nightjar.v1.PolicyService/Step',
-            nightjar__proto_dot_v1_dot_policy__pb2.StepRequest.SerializeToString,
-            nightjar__proto_dot_v1_dot_policy__pb2.StepReply.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
 
     @staticmethod
     def StepStream(request_iterator,

@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from nightjar_proto.v1 import admin_pb2, policy_pb2
+from nightjar_proto.v1 import admin_pb2
 
 from nightjar_common import wire
 from nightjar_common.types import BinType, StepContext, StepOutcome
@@ -539,29 +539,31 @@ def test_a_state_from_before_the_local_correction_loads_without_it() -> None:
 
 
 def _admin_state(server: Any) -> dict[str, Any]:
-    return json.loads(server.admin.GetState(admin_pb2.GetStateRequest(), timeout=5).state_json)
+    reply = server.admin.GetState(admin_pb2.GetStateRequest(), timeout=5)
+    state: dict[str, Any] = json.loads(reply.state_json)
+    return state
 
 
 def test_the_sidecar_runs_it_by_default_and_decides_as_in_process(make_server: Any) -> None:
-    """The gRPC path and the in-process path decide identically for a seed."""
+    """The gRPC path and the in-process path decide identically for a seed: each step run
+    from the table the sidecar sends for its context and reported with its outcome, as the
+    policy decides and observes it in process."""
     assert DEFAULT_POLICY == "goodput"
     server = make_server("--params", json.dumps({"seed": 9, "warmup_steps": 8}))
     local = GoodputModelPolicy({"seed": 9, "warmup_steps": 8})
     env_remote, env_local = Environment(alpha=0.7), Environment(alpha=0.7)
     remote_gammas, local_gammas = [], []
-    outcome = None
-    for i in range(120):
-        ctx = context(BATCHES[i % len(BATCHES)], i)
-        request = policy_pb2.StepRequest(context=wire.context_to_pb(ctx))
-        if outcome is not None:
-            request.outcome.CopyFrom(wire.outcome_to_pb(outcome))
-        decision = server.policy.Step(request, timeout=5).decision
-        assert decision.policy_name == "goodput"
-        remote_gammas.append(decision.gamma)
-        outcome = env_remote.outcome(ctx, decision.gamma, decision.decision_id)
-        choice = local.decide(ctx)
-        local.observe(ctx, choice, env_local.outcome(ctx, choice.gamma))
-        local_gammas.append(choice.gamma)
+    with server.engine() as engine:
+        for i in range(120):
+            ctx = context(BATCHES[i % len(BATCHES)], i)
+            decision = engine.decide(wire.context_to_pb(ctx))
+            assert decision.policy_name == "goodput"
+            remote_gammas.append(decision.gamma)
+            outcome = env_remote.outcome(ctx, decision.gamma, decision.decision_id)
+            assert engine.report(wire.outcome_to_pb(outcome)).skipped == 0
+            choice = local.decide(ctx)
+            local.observe(ctx, choice, env_local.outcome(ctx, choice.gamma))
+            local_gammas.append(choice.gamma)
     assert remote_gammas == local_gammas
     assert len(set(remote_gammas)) > 1
 
@@ -569,15 +571,12 @@ def test_the_sidecar_runs_it_by_default_and_decides_as_in_process(make_server: A
 def test_state_survives_snapshot_kill9_restart_and_keep_state_swaps(make_server: Any) -> None:
     server = make_server("--params", json.dumps({"seed": 2, "warmup_steps": 4}))
     env = Environment(alpha=0.7)
-    outcome = None
-    for i in range(60):
-        ctx = context(BATCHES[i % len(BATCHES)], i)
-        request = policy_pb2.StepRequest(context=wire.context_to_pb(ctx))
-        if outcome is not None:
-            request.outcome.CopyFrom(wire.outcome_to_pb(outcome))
-        decision = server.policy.Step(request, timeout=5).decision
-        outcome = env.outcome(ctx, decision.gamma, decision.decision_id)
-    server.policy.Report(wire.outcome_to_pb(outcome), timeout=5)
+    with server.engine() as engine:
+        for i in range(60):
+            ctx = context(BATCHES[i % len(BATCHES)], i)
+            decision = engine.decide(wire.context_to_pb(ctx))
+            outcome = env.outcome(ctx, decision.gamma, decision.decision_id)
+            assert engine.report(wire.outcome_to_pb(outcome)).skipped == 0
     server.admin.Snapshot(admin_pb2.SnapshotRequest(), metadata=server.auth, timeout=5)
     learned = _admin_state(server)
     assert learned["learners"]["engine:e"]["steps"] == 60

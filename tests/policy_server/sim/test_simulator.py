@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
 from pathlib import Path
 
 import nightjar_data
 import pytest
 
-from nightjar_common.client import ClientConfig, NightjarClient
 from policy_server.prefill_cost import PrefillCostTable
 from policy_server.sim import plots
 from policy_server.sim.acceptance import (
@@ -21,7 +21,7 @@ from policy_server.sim.acceptance import (
 )
 from policy_server.sim.engine import SimConfig, Simulator
 from policy_server.sim.profile import builtin_profiles, calibration_points
-from policy_server.sim.sources import ClientSource, OracleSource, PolicySource
+from policy_server.sim.sources import ClientSource, OracleSource, PolicySource, TableSource
 from policy_server.sim.workload import (
     SCHEDULES,
     RatePhase,
@@ -168,23 +168,19 @@ def test_trace_readers_and_time_scaling(tmp_path: Path) -> None:
 
 
 def test_grpc_path_gives_the_same_decisions_as_in_process(make_server, busy_specs) -> None:
+    """A replay through a sidecar process decides every step as the table protocol does in
+    process: the same tables, refreshed at the same steps, with the same reports learned
+    from (a replay waits for each table it is due)."""
     specs = busy_specs[:60]
-    in_process = run(PolicySource.named("nightjar", {"seed": 2}), specs, engine_id="parity")
-    server = make_server("--policy", "nightjar", "--params", '{"seed": 2}')
-    client = NightjarClient(
-        ClientConfig(
-            target=server.target,
-            engine_id="parity",
-            deadline_s=5.0,
-            connect_timeout_s=10,
-            decision_tables=False,  # one decision per step, as in process
-        )
-    )
+    params = {"seed": 2}
+    in_process = run(TableSource.named("goodput", params), specs, engine_id="parity")
+    server = make_server("--policy", "goodput", "--params", json.dumps(params))
+    client = ClientSource.connect(server.target, "parity", connect_timeout_s=10)
     try:
         over_grpc = run(ClientSource(client), specs, engine_id="parity")
     finally:
         client.close()
-    assert client.stats.fallbacks_total == 0
+    assert client.stats.fallbacks_total == 0 and client.stats.tables > 1
     assert [s.gamma for s in over_grpc.steps] == [s.gamma for s in in_process.steps]
     assert over_grpc.steps == in_process.steps
 
