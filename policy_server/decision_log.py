@@ -11,59 +11,106 @@ every policy activation (start, swap, set_params, restore, reset) among them::
     {"kind": "policy", "ts": ..., "event": ..., "policy": ..., "policy_version": ...,
      "params": {...}, "state": "fresh" | "kept" | "restored"}
 
-Records are handed to a bounded queue and written by the standard library's
-``QueueListener`` into a ``RotatingFileHandler`` (size-based rotation, backups
-``PATH.1`` … ``PATH.N``, newest first), so the decision path never waits on disk or
-on JSON encoding. When the writer falls behind, records are dropped and counted. No
-``QueueHandler`` on the decision path: it would build and format a ``LogRecord`` there
-(~4 µs a record); the listener wraps each record in one on its own thread instead.
+The decision path hands a bounded queue what the decision already holds (the context and
+outcome objects, in a record builder); one writer thread builds each record, trims its
+per-request sections (:func:`context_fields`, :func:`outcome_fields`), encodes it and writes
+it into a ``RotatingFileHandler`` (size-based rotation, backups ``PATH.1`` … ``PATH.N``,
+newest first). So the decision path never waits on disk, on JSON encoding or on copying a
+large context. A record the queue has no room for, one that cannot be encoded and one the
+disk refuses (ENOSPC, EIO) is dropped and counted; failures are logged at most once a
+:data:`ERROR_INTERVAL_S`, without a traceback. :meth:`DecisionLog.close` writes what is
+queued for at most :data:`CLOSE_TIMEOUT_S` and counts the rest as dropped.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import logging.handlers
 import queue
-from collections.abc import Callable, Iterable, Iterator
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from nightjar_common.types import StepContext, StepOutcome
+
 log = logging.getLogger(__name__)
 
+# The trim rule (docs/OPERATIONS.md, "The decision log"): a record keeps a context's or an
+# outcome's first RECORD_REQUESTS per-request sections and each kept request's last
+# RECORD_RECENT_ACCEPTS recent accepts; "requests_cut" and "recent_accepts_cut" count what
+# went. vLLM's default batch (max_num_seqs) fits whole; the 4,096 x 256 a context may
+# carry would make a record of megabytes, which the writer encodes holding the GIL.
+RECORD_REQUESTS = 256
+RECORD_RECENT_ACCEPTS = 16
+# At most one ERROR line this often while records fail (a full disk fails every one).
+ERROR_INTERVAL_S = 60.0
+# How long close() writes what is queued: within Kubernetes' default 30 s grace period,
+# after the gRPC server's grace and the final snapshot.
+CLOSE_TIMEOUT_S = 10.0
 
-class _JsonLines(logging.Formatter):
-    """One record's dict as one compact JSON line (cached: the handler formats twice,
-    once to decide on rotation and once to write)."""
+Record = Mapping[str, Any] | Callable[[], Mapping[str, Any]]
+_STOP = object()
 
+
+def context_fields(ctx: StepContext) -> dict[str, Any]:
+    """A decision record's ``context``, trimmed by the rule above, with its cut counts."""
+    fields: dict[str, Any] = {}
+    requests = ctx.requests
+    if len(requests) > RECORD_REQUESTS:
+        fields["requests_cut"] = len(requests) - RECORD_REQUESTS
+        requests = requests[:RECORD_REQUESTS]
+    cut = sum(max(0, len(r.recent_accepts) - RECORD_RECENT_ACCEPTS) for r in requests)
+    if cut:
+        fields["recent_accepts_cut"] = cut
+        requests = tuple(
+            dataclasses.replace(r, recent_accepts=r.recent_accepts[-RECORD_RECENT_ACCEPTS:])
+            for r in requests
+        )
+    if requests is not ctx.requests:
+        ctx = dataclasses.replace(ctx, requests=requests)
+    return {"context": dataclasses.asdict(ctx), **fields}
+
+
+def outcome_fields(outcome: StepOutcome) -> dict[str, Any]:
+    """An outcome record's ``outcome``, trimmed by the rule above, with its cut count."""
+    cut = len(outcome.request_accepts) - RECORD_REQUESTS
+    if cut <= 0:
+        return {"outcome": dataclasses.asdict(outcome)}
+    outcome = dataclasses.replace(
+        outcome,
+        request_accepts=outcome.request_accepts[:RECORD_REQUESTS],
+        request_ids=outcome.request_ids[:RECORD_REQUESTS],
+    )
+    return {"outcome": dataclasses.asdict(outcome), "requests_cut": cut}
+
+
+class _Lines(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        line = getattr(record, "json_line", None)
-        if line is None:
-            line = json.dumps(record.msg, separators=(",", ":"), allow_nan=False)
-            record.json_line = line
-        return str(line)
-
-
-class _Listener(logging.handlers.QueueListener):
-    """Wraps each queued dict in a LogRecord on the listener's thread."""
-
-    def __init__(self, records: queue.Queue[Any], handler: logging.Handler) -> None:
-        super().__init__(records, handler)
-        self._records = records
-
-    def prepare(self, record: Any) -> logging.LogRecord:
-        return logging.makeLogRecord({"msg": record, "levelno": logging.INFO})
-
-    def enqueue_sentinel(self) -> None:
-        # Blocking, unlike the base class's put_nowait: the queue may be full at close.
-        self._records.put(getattr(self, "_sentinel", None))
+        return str(record.msg)  # encoded by the writer before it is handed over
 
 
 class _Handler(logging.handlers.RotatingFileHandler):
+    """Keeps what a write raised (``failure``) for the writer instead of printing it."""
+
+    failure: BaseException | None = None
+
     def handleError(self, record: logging.LogRecord) -> None:
-        # A record that cannot be encoded (or a full disk) must not kill the writer.
-        log.exception("decision log: cannot write record")
+        self.failure = sys.exc_info()[1]
+
+    def discard_stream(self) -> None:
+        """Drop the file a write failed on with what its buffer holds (a record counted
+        as dropped); the next record reopens it."""
+        stream, self.stream = self.stream, None
+        if stream is not None:
+            # Its buffer's flush fails again; the file is closed all the same.
+            with contextlib.suppress(OSError):
+                stream.close()
 
 
 class DecisionLog:
@@ -84,25 +131,129 @@ class DecisionLog:
         self._handler = _Handler(
             self.path, maxBytes=max_bytes, backupCount=backup_count, encoding="utf-8"
         )
-        self._handler.setFormatter(_JsonLines())
-        self._listener = _Listener(self._queue, self._handler)
-        self._listener.start()
+        self._handler.setFormatter(_Lines())
+        # Counted by the writer thread, except ``_overflowed`` (by the deciding threads).
+        self.written = 0
+        self._failed = 0
+        self._overflowed = 0
+        self._overflow_lock = threading.Lock()
+        self._closed = False
+        # Failures since the last ERROR line, and when the next may be logged.
+        self._unreported = 0
+        self._next_error = 0.0
+        self._torn = False
+        self._writer = threading.Thread(target=self._run, name="decision-log", daemon=True)
+        self._writer.start()
 
-    def write(self, record: dict[str, Any]) -> None:
-        """Queue one record; never blocks."""
+    @property
+    def dropped(self) -> int:
+        return self._failed + self._overflowed
+
+    def write(self, record: Record) -> None:
+        """Queue one record, or a builder the writer calls for it; never blocks. A builder
+        runs on the writer thread, so it must read only what nothing changes later."""
         try:
+            if self._closed:
+                raise queue.Full
             self._queue.put_nowait(record)
         except queue.Full:
+            with self._overflow_lock:
+                self._overflowed += 1
             if self._on_drop:
                 self._on_drop()
 
     def flush(self) -> None:
-        """Wait until every queued record is on disk."""
+        """Wait until every queued record is written or dropped."""
         self._queue.join()
 
-    def close(self) -> None:
-        self._listener.stop()  # writes what is queued, then ends the thread
-        self._handler.close()
+    def close(self, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        """Write what is queued (for at most ``timeout`` seconds) and stop the writer; what
+        it could not write is counted as dropped, and one line says how many of each."""
+        self._closed = True
+        deadline = time.monotonic() + timeout
+        try:
+            self._queue.put(_STOP, timeout=timeout)
+            stop_queued = 1
+        except queue.Full:
+            stop_queued = 0
+        self._writer.join(max(0.0, deadline - time.monotonic()))
+        if self._writer.is_alive():
+            # Stuck on a write (a hung disk): the record it is on and those queued are lost
+            # with the process; the daemon thread does not hold it up.
+            for _ in range(self._queue.unfinished_tasks - stop_queued):
+                self._drop()
+        else:
+            self._handler.discard_stream()
+            self._handler.close()
+        level = logging.WARNING if self.dropped else logging.INFO
+        log.log(
+            level,
+            "decision log %s closed: %d records written, %d dropped",
+            self.path,
+            self.written,
+            self.dropped,
+        )
+
+    def _drop(self) -> None:
+        self._failed += 1
+        if self._on_drop:
+            self._on_drop()
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is _STOP:
+                    return
+                self._write(item)
+            finally:
+                self._queue.task_done()
+
+    def _write(self, item: Record) -> None:
+        try:
+            record = item() if callable(item) else item
+            line = json.dumps(record, separators=(",", ":"), allow_nan=False)
+        except Exception as exc:  # a record that cannot be encoded (NaN), or a defect
+            self._failure(f"cannot encode a record: {exc!r}")
+            return
+        if self._torn:
+            # The failed write may have left part of a line: end it, so this record is a
+            # line of its own (readers skip the blank or torn one).
+            line = "\n" + line
+        handler = self._handler
+        handler.failure = None
+        handler.emit(logging.makeLogRecord({"msg": line}))
+        if handler.failure is not None:
+            handler.discard_stream()
+            self._torn = True
+            self._failure(f"cannot write: {handler.failure}")
+            return
+        if self._torn:
+            self._torn = False
+            log.info(
+                "decision log %s: writing again (%d records dropped in all)",
+                self.path,
+                self.dropped,
+            )
+        self.written += 1
+
+    def _failure(self, what: str) -> None:
+        """A dropped record; an ERROR line unless one was logged within ERROR_INTERVAL_S."""
+        self._drop()
+        self._unreported += 1
+        now = time.monotonic()
+        if now < self._next_error:
+            return
+        log.error(
+            "decision log %s: %s; %d records dropped since the last such line, counted in "
+            "nightjar_decision_log_dropped_total (this line at most every %.0f s)",
+            self.path,
+            what,
+            self._unreported,
+            ERROR_INTERVAL_S,
+        )
+        self._unreported = 0
+        self._next_error = now + ERROR_INTERVAL_S
 
 
 def log_files(path: str | Path) -> list[Path]:

@@ -154,7 +154,7 @@ class Metrics:
         )
         self.decision_log_dropped = Counter(
             "nightjar_decision_log_dropped",
-            "Decision-log records dropped (writer behind).",
+            "Decision-log records dropped (writer behind, write failed or unencodable).",
             registry=r,
         )
         self.memory_directives = Counter(

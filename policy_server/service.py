@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import hashlib
 import itertools
 import json
@@ -57,7 +58,7 @@ from nightjar_common.validation import (
     check_ran_step,
 )
 from policy_server import snapshot
-from policy_server.decision_log import DecisionLog
+from policy_server.decision_log import DecisionLog, context_fields, outcome_fields
 from policy_server.engines import (
     Bounds,
     Candidate,
@@ -647,7 +648,11 @@ class DecisionService:
         steps.count(DECISIONS, (active.name, str(choice.gamma), choice.bin_type.value))
         steps.observe(GAMMA_CHOSEN, (BATCH_BUCKETS[batch_bucket(ctx.batch_size)],), choice.gamma)
         if self.decision_log is not None:
-            self.decision_log.write(_decision_record(decision_id, choice, active, ctx))
+            # Built, trimmed and encoded by the log's writer thread, off the decision path.
+            record = functools.partial(
+                _decision_record, time.time(), decision_id, choice, active, ctx
+            )
+            self.decision_log.write(record)
 
     def _memory_directive(self, ctx: StepContext, gamma: int) -> MemoryDirective:
         directive = self.memory.step(ctx, gamma)
@@ -701,7 +706,7 @@ class DecisionService:
         if outcome.drafted_tokens > 0:
             steps.observe(ACCEPTANCE, gamma, outcome.accepted_tokens / outcome.drafted_tokens)
         if self.decision_log is not None:
-            self.decision_log.write(_outcome_record(outcome))
+            self.decision_log.write(functools.partial(_outcome_record, time.time(), outcome))
         return applied
 
     # -- administration -----------------------------------------------------------------
@@ -1086,16 +1091,16 @@ def _decide_tentative(
 
 
 def _decision_record(
-    decision_id: str, choice: Choice, active: ActivePolicy, ctx: StepContext
+    ts: float, decision_id: str, choice: Choice, active: ActivePolicy, ctx: StepContext
 ) -> dict[str, Any]:
     return {
         "kind": "decision",
-        "ts": time.time(),
+        "ts": ts,
         "decision_id": decision_id,
         "engine_id": ctx.engine_id,
         "policy": active.name,
         "policy_version": active.version,
-        "context": context_to_json(ctx),
+        **context_fields(ctx),
         "gamma": choice.gamma,
         "bin_type": choice.bin_type.value,
         "exploration": choice.exploration,
@@ -1115,17 +1120,13 @@ def _policy_record(active: ActivePolicy, event: str, state: str) -> dict[str, An
     }
 
 
-def _outcome_record(outcome: StepOutcome) -> dict[str, Any]:
+def _outcome_record(ts: float, outcome: StepOutcome) -> dict[str, Any]:
     return {
         "kind": "outcome",
-        "ts": time.time(),
+        "ts": ts,
         "decision_id": outcome.decision_id,
-        "outcome": dataclasses.asdict(outcome),
+        **outcome_fields(outcome),
     }
-
-
-def context_to_json(ctx: StepContext) -> dict[str, Any]:
-    return dataclasses.asdict(ctx)
 
 
 def context_from_json(data: Mapping[str, Any]) -> StepContext:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
+import re
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -135,3 +138,233 @@ def test_server_log_as_json_lines(make_server: Any, tmp_path: Path) -> None:
         timeout=60,
     )
     assert bad.returncode == 2 and "invalid choice: 'xml'" in bad.stderr
+
+
+# -- the log off the decision path: failures, large contexts, shutdown (issue 54 item 7) --
+
+
+def _wire_context(step: int, requests: int = 0, accepts: int = 0) -> Any:
+    """A context of ``requests`` per-request sections (batch size as many, at least 1), each
+    with ``accepts`` recent accepts."""
+    from nightjar_proto.v1 import policy_pb2
+
+    return policy_pb2.StepContext(
+        engine_id="e",
+        batch_size=max(requests, 1),
+        step_index=step,
+        requests=[
+            policy_pb2.RequestSignals(
+                request_id=f"r{i}",
+                context_tokens=i,
+                recent_accepts=[(i + k) % 3 for k in range(accepts)],
+            )
+            for i in range(requests)
+        ],
+    )
+
+
+def _wire_outcome(decided: Any, per_request: bool = False) -> Any:
+    """What a step of ``decided`` achieved: every request accepted one draft, if it drafted."""
+    from nightjar_proto.v1 import policy_pb2
+
+    batch, accepted = decided.batch_size, min(decided.gamma, 1)
+    return policy_pb2.StepOutcome(
+        decision_id=decided.decision_id,
+        engine_id="e",
+        gamma=decided.gamma,
+        step_seconds=0.02,
+        generated_tokens=2 * batch,
+        drafted_tokens=decided.gamma * batch,
+        accepted_tokens=accepted * batch,
+        requests=[
+            policy_pb2.RequestAccepts(request_id=f"r{i}", accepted_tokens=accepted)
+            for i in range(batch if per_request else 0)
+        ],
+    )
+
+
+def _run_steps(server: Any, steps: int, requests: int = 0, accepts: int = 0) -> int:
+    """``steps`` decided, run and reported on one stream; the records they make, with the
+    policy record of the start."""
+    with server.engine() as engine:
+        for step in range(steps):
+            decided = engine.decide(_wire_context(step, requests, accepts))
+            engine.report(_wire_outcome(decided, per_request=requests > 0))
+    return 1 + 2 * steps
+
+
+def _closing_counts(log: str) -> tuple[int, int]:
+    """The written and dropped counts of the sidecar's last line about its decision log."""
+    found = re.findall(r"decision log \S+ closed: (\d+) records written, (\d+) dropped", log)
+    assert found, log
+    written, dropped = found[-1]
+    return int(written), int(dropped)
+
+
+STATIC = ("--policy", "static", "--params", '{"gamma": 2}')
+
+
+def test_a_full_disk_drops_and_counts_records_with_one_error_and_stops_cleanly(
+    make_server: Any,
+) -> None:
+    """The decision log on /dev/full, where every write fails with ENOSPC as on a full disk
+    (no root needed): each record is counted in nightjar_decision_log_dropped_total, the
+    server says so in one ERROR line, without a traceback, and SIGTERM ends it with rc 0."""
+    from tests.policy_server.test_server import scrape
+
+    server = make_server(*STATIC, "--decision-log", "/dev/full")
+    records = _run_steps(server, 40)
+    deadline = time.monotonic() + 30
+
+    def dropped() -> float:
+        (sample,) = [
+            s
+            for s in scrape(server.metrics_port)["nightjar_decision_log_dropped"]
+            if s.name.endswith("_total")
+        ]
+        return float(sample.value)
+
+    while dropped() < records and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert dropped() == records
+    assert server.terminate() == 0
+    log = server.log()
+    assert "Traceback" not in log, log
+    errors = [line for line in log.splitlines() if " ERROR " in line]
+    assert len(errors) == 1, log
+    assert "/dev/full" in errors[0] and "No space left on device" in errors[0]
+    assert "nightjar_decision_log_dropped_total" in errors[0]
+    assert _closing_counts(log) == (0, records)
+    assert log.splitlines()[-1].endswith("stopped")
+
+
+def test_a_large_context_is_trimmed_in_its_record(make_server: Any, tmp_path: Path) -> None:
+    """A step of 4,096 requests with 256 recent accepts each (the most a context may carry):
+    its decision and outcome records keep the first RECORD_REQUESTS per-request sections,
+    each with its last RECORD_RECENT_ACCEPTS recent accepts, and say how many went; a
+    small step's records are whole and say nothing; nightjarctl replay reads both."""
+    path = tmp_path / "decisions.jsonl"
+    server = make_server(*STATIC, "--decision-log", str(path))
+    _run_steps(server, 1, requests=4096, accepts=256)
+    _run_steps(server, 1, requests=2, accepts=3)
+    assert server.terminate() == 0
+    records = list(read_records([path]))
+    large, small = [r for r in records if r["kind"] == "decision"]
+    large_outcome, small_outcome = [r for r in records if r["kind"] == "outcome"]
+
+    sections = large["context"]["requests"]
+    assert len(sections) < 4096 and large.get("requests_cut") == 4096 - len(sections)
+    from policy_server import decision_log
+
+    kept, recent = decision_log.RECORD_REQUESTS, decision_log.RECORD_RECENT_ACCEPTS
+    assert [r["request_id"] for r in sections] == [f"r{i}" for i in range(kept)]
+    assert all(
+        r["recent_accepts"] == [(i + k) % 3 for k in range(256 - recent, 256)]
+        for i, r in enumerate(sections)
+    )
+    assert large["requests_cut"] == 4096 - kept
+    assert large["recent_accepts_cut"] == kept * (256 - recent)
+    assert large["context"]["batch_size"] == 4096  # what the policy saw is unchanged
+    assert large_outcome["outcome"]["request_ids"] == [f"r{i}" for i in range(kept)]
+    accepted = min(large["gamma"], 1)  # by each request (_wire_outcome)
+    assert large_outcome["outcome"]["request_accepts"] == [accepted] * kept
+    assert large_outcome["outcome"]["accepted_tokens"] == accepted * 4096  # the totals whole
+    assert large_outcome["requests_cut"] == 4096 - kept
+
+    assert [r["recent_accepts"] for r in small["context"]["requests"]] == [[0, 1, 2], [1, 2, 0]]
+    assert not {"requests_cut", "recent_accepts_cut"} & (set(small) | set(small_outcome))
+    replayed = ctl_replay(path, tmp_path / "warm.json", "--policy", "goodput")
+    assert replayed.returncode == 0, replayed.stderr
+    assert "2 decisions, 2 with outcomes" in replayed.stdout
+
+
+def test_sigterm_with_records_in_flight_writes_each_or_counts_it(
+    make_server: Any, tmp_path: Path
+) -> None:
+    """SIGTERM right after steps whose records the writer may still hold: rc 0, no
+    traceback, and every record is in the file or counted as dropped in the closing line."""
+    path = tmp_path / "decisions.jsonl"
+    server = make_server(*STATIC, "--decision-log", str(path))
+    records = _run_steps(server, 30, requests=1024, accepts=64)
+    assert server.terminate() == 0
+    log = server.log()
+    assert "Traceback" not in log, log
+    written, dropped = _closing_counts(log)
+    assert written + dropped == records
+    assert sum(1 for _ in read_records([path])) == written
+
+
+class _FailingDisk:
+    """A log file whose writes fail with EIO while ``failing`` is set, after writing half
+    of what they were given (a torn line, as a disk failing mid-write leaves)."""
+
+    failing = False
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        if not _FailingDisk.failing:
+            return int(self._stream.write(text))
+        self._stream.write(text[: len(text) // 2])
+        self._stream.flush()
+        raise OSError(errno.EIO, "Input/output error")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def test_a_disk_that_fails_and_recovers_loses_only_the_records_it_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Writes failing with EIO are dropped and counted with one ERROR line, the torn lines
+    they leave never swallow a later record, and writing resumes when the disk does."""
+    metrics = Metrics()
+    path = tmp_path / "decisions.jsonl"
+    decision_log = DecisionLog(path, on_drop=metrics.decision_log_dropped.inc)
+    handler = decision_log._handler
+    real_open = handler._open
+    monkeypatch.setattr(handler, "_open", lambda: _FailingDisk(real_open()))
+    handler.discard_stream()  # reopened through the failing disk
+
+    def write(*ids: str) -> None:
+        for decision_id in ids:
+            decision_log.write({"kind": "decision", "decision_id": decision_id})
+        decision_log.flush()
+
+    with caplog.at_level(logging.INFO, logger="policy_server.decision_log"):
+        write("a", "b")
+        monkeypatch.setattr(_FailingDisk, "failing", True)
+        write("lost1", "lost2", "lost3")
+        monkeypatch.setattr(_FailingDisk, "failing", False)
+        write("c", "d")
+        decision_log.close()
+    assert [r["decision_id"] for r in read_records([path])] == ["a", "b", "c", "d"]
+    assert metrics.registry.get_sample_value("nightjar_decision_log_dropped_total") == 3
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1 and "Input/output error" in errors[0], errors
+    assert not any(r.exc_info for r in caplog.records)
+    assert any("writing again" in r.getMessage() for r in caplog.records)
+    assert (decision_log.written, decision_log.dropped) == (4, 3)
+
+
+def test_close_counts_what_a_hung_writer_holds_as_dropped(tmp_path: Path) -> None:
+    """close() waits for the writer at most its timeout: a record it hangs on (a hung disk)
+    and the records queued behind it are counted as dropped, and close returns."""
+    metrics = Metrics()
+    path = tmp_path / "decisions.jsonl"
+    decision_log = DecisionLog(path, on_drop=metrics.decision_log_dropped.inc)
+    decision_log.write({"kind": "decision", "decision_id": "written"})
+    decision_log.flush()
+    release = threading.Event()
+    decision_log.write(lambda: release.wait() and {"kind": "decision", "decision_id": "hung"})
+    for index in range(5):
+        decision_log.write({"kind": "decision", "decision_id": f"queued{index}"})
+    decision_log.close(timeout=0.2)
+    try:
+        assert (decision_log.written, decision_log.dropped) == (1, 6)
+        assert metrics.registry.get_sample_value("nightjar_decision_log_dropped_total") == 6
+        decision_log.write({"kind": "decision", "decision_id": "after close"})
+        assert decision_log.dropped == 7
+    finally:
+        release.set()
