@@ -90,10 +90,48 @@ class IssuedTable:
         return self.entries[index] if 0 <= index < len(self.entries) else None
 
 
+@dataclasses.dataclass(slots=True)
+class KnownTable:
+    """What the sidecar remembers of a table it issued, kept or not: enough to check a
+    step run from it (the γ each entry allowed) and to learn each of its steps once."""
+
+    revision: int
+    gamma_max: int
+    first_batch_size: int
+    # Each entry's γ, a byte each (γ is at most 64).
+    gammas: bytes
+    # Bit n set: step n was run and committed; reported again, it is a replay.
+    ran: int = 0
+
+    @classmethod
+    def of(cls, table: IssuedTable) -> KnownTable:
+        gammas = bytes(choice.gamma for choice, _ in table.entries)
+        return cls(table.revision, table.gamma_max, table.first_batch_size, gammas)
+
+    def entry_gamma(self, batch_size: int) -> int | None:
+        index = batch_size - self.first_batch_size
+        return self.gammas[index] if 0 <= index < len(self.gammas) else None
+
+    def has_run(self, step: int) -> bool:
+        return step > 0 and bool(self.ran >> step & 1)
+
+    def mark_run(self, step: int) -> None:
+        self.ran |= 1 << step
+
+
+def step_number(decision_id: str) -> int:
+    """n of a ran step's id "<table_id>.<n>" (from 1); 0 when n is no short decimal number
+    (a table serves at most TableOptions.valid_steps steps)."""
+    number = decision_id.rpartition(".")[2]
+    if not (number.isascii() and number.isdigit()) or len(number) > 9:
+        return 0
+    return int(number)
+
+
 # Tables an engine's ran steps may commit: the newest few (a report batch names the table
-# in use and, around a refresh, the one before). Older ones are remembered by id only
-# (KNOWN_TABLES): a sidecar that falls behind may issue dozens of tables (each late
-# request's) before an engine's report of the one it ran arrives, and those steps are
+# in use and, around a refresh, the one before). Older ones are remembered without their
+# checkpoints (KNOWN_TABLES): a sidecar that falls behind may issue dozens of tables (each
+# late request's) before an engine's report of the one it ran arrives, and those steps are
 # still learned from.
 KEPT_TABLES = 16
 KNOWN_TABLES = 256
@@ -107,12 +145,12 @@ class EngineShard:
         default_factory=collections.OrderedDict
     )
     open: CandidateSet | None = None
-    # Decision tables issued to the engine, oldest first (at most KEPT_TABLES), and the
-    # policy revision and Γmax of the last KNOWN_TABLES.
+    # Decision tables issued to the engine, oldest first (at most KEPT_TABLES), and what
+    # is remembered of the last KNOWN_TABLES.
     tables: collections.OrderedDict[str, IssuedTable] = dataclasses.field(
         default_factory=collections.OrderedDict
     )
-    known_tables: collections.OrderedDict[str, tuple[int, int]] = dataclasses.field(
+    known_tables: collections.OrderedDict[str, KnownTable] = dataclasses.field(
         default_factory=collections.OrderedDict
     )
     # A memory directive issued while applying ran steps, sent with the next table.
@@ -242,7 +280,7 @@ class EngineTable:
     def keep_table(self, shard: EngineShard, table_id: str, table: IssuedTable) -> None:
         """Under the shard's lock: remember a table issued to the engine."""
         shard.tables[table_id] = table
-        shard.known_tables[table_id] = (table.revision, table.gamma_max)
+        shard.known_tables[table_id] = KnownTable.of(table)
         while len(shard.tables) > KEPT_TABLES:
             shard.tables.popitem(last=False)
         while len(shard.known_tables) > KNOWN_TABLES:

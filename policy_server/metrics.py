@@ -61,9 +61,11 @@ TABLE_STEPS = CounterSeries(
     "Steps engines ran from decision tables (StepRequest.ran_steps), by what the "
     "sidecar did with them: committed (learned from like a decision), late (learned "
     "from; newer tables were decided before it came), stale (the table's policy is "
-    "no longer active), unknown (a table it does not know).",
+    "no longer active), unknown (a table it does not know, or a batch size outside it), "
+    "replayed (reported before: learned once), refused (a γ above what its table entry, "
+    "the step's max_gamma, the draft's residence or Γmax allowed).",
     ("result",),
-    preset=(("committed",), ("late",), ("stale",), ("unknown",)),
+    preset=(("committed",), ("late",), ("stale",), ("unknown",), ("replayed",), ("refused",)),
 )
 GOODPUT = HistogramSeries(
     "nightjar_goodput_tokens_per_second",

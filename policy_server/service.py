@@ -66,7 +66,9 @@ from policy_server.engines import (
     EngineShard,
     EngineTable,
     IssuedTable,
+    KnownTable,
     PendingDecision,
+    step_number,
 )
 from policy_server.learner_locks import LearnerLocks
 from policy_server.memory import OFFLOAD, RELOAD, MemoryController, MemoryParams
@@ -335,14 +337,31 @@ class DecisionService:
         # Each step's outcome right after the step (the order they happened in, and the
         # pending-decision bound holds however long the batch), older outcomes first.
         ran_ids = {step.decision_id for step in ran_steps}
-        later = {o.decision_id: o for o in outcomes if o.decision_id in ran_ids}
-        earlier = [o for o in outcomes if o.decision_id not in ran_ids]
+        later: dict[str, StepOutcome] = {}
+        earlier: list[StepOutcome] = []
+        seen: set[str] = set()
+        for outcome in outcomes:
+            if outcome.decision_id in seen:
+                # A step has one outcome: a second one in the batch is a duplicate.
+                self.metrics.skipped_outcomes.inc()
+                result.skip(f"outcome of {outcome.decision_id}: a duplicate in its batch")
+                continue
+            seen.add(outcome.decision_id)
+            if outcome.decision_id in ran_ids:
+                later[outcome.decision_id] = outcome
+            else:
+                earlier.append(outcome)
         with shard.lock, self._learner_part(engine_id, learner_key):
             for outcome in earlier:
                 self._report_batched_locked(shard, outcome, result)
             for step in ran_steps:
-                if not self._commit_table_step_locked(shard, step):
-                    result.skip(f"ran step {step.decision_id}: its table is not held")
+                try:
+                    refused = self._commit_table_step_locked(shard, step)
+                except InvalidArgumentError as exc:  # a γ it could not have run
+                    result.malformed += 1
+                    refused = str(exc)
+                if refused:
+                    result.skip(refused)
                 if step.decision_id in later:
                     self._report_batched_locked(shard, later.pop(step.decision_id), result)
             if ctx is not None and ctx.ran_decision_id:
@@ -371,19 +390,35 @@ class DecisionService:
             kept.append(item)
         return kept
 
-    def _commit_table_step_locked(self, shard: EngineShard, step: RanStep) -> bool:
+    def _commit_table_step_locked(self, shard: EngineShard, step: RanStep) -> str:
         """The engine ran a table entry: commit what deciding it did to the policy (as for
-        a tentative decision it named) and await its outcome under the step's id."""
+        a tentative decision it named) and await its outcome under the step's id. Why it
+        was not ("" when it was): a replay, or a table the sidecar does not know;
+        InvalidArgumentError for a γ the step could not have run."""
+        known = shard.known_tables.get(step.table_id)
+        number = step_number(step.decision_id)
+        if known is not None:
+            replayed = self._refused_step(known, number, step)
+            if replayed:
+                self.metrics.steps.count(TABLE_STEPS, ("replayed",))
+                return replayed
         self.memory.observe(step.context)
         directive = self._memory_directive(step.context, step.gamma)
         if directive.action:
             shard.directive = directive  # delivered with the next table
         table = shard.tables.get(step.table_id)
         entry = table.entry(step.context.batch_size) if table is not None else None
-        revision, gamma_max = shard.known_tables.get(step.table_id, (0, -1))
-        if (entry is None and table is not None) or step.gamma > gamma_max:
+        if known is None or known.entry_gamma(step.context.batch_size) is None:
             self.metrics.steps.count(TABLE_STEPS, ("unknown",))
-            return False
+            if known is None:
+                return f"ran step {step.decision_id}: its table is not held"
+            return (
+                f"ran step {step.decision_id}: batch size {step.context.batch_size} is "
+                f"outside its table ({known.first_batch_size}.."
+                f"{known.first_batch_size + len(known.gammas) - 1})"
+            )
+        known.mark_run(number)
+        revision = known.revision
         if entry is None:
             # Known, no longer kept: newer tables were decided since, so its entry's
             # checkpoint is not committed; the step is still learned from.
@@ -405,10 +440,37 @@ class DecisionService:
         self.metrics.steps.count(TABLE_STEPS, (result,))
         if step.gamma != choice.gamma:  # the engine clamped it
             choice = dataclasses.replace(choice, gamma=step.gamma)
-        pending = PendingDecision(step.context, choice, revision, gamma_max)
+        pending = PendingDecision(step.context, choice, revision, known.gamma_max)
         self.engines.add_pending(shard, step.decision_id, pending)
         self._count_decision(step.decision_id, pending)
-        return True
+        return ""
+
+    def _refused_step(self, known: KnownTable, number: int, step: RanStep) -> str:
+        """Why a step of a known table is not learned from: "" when it is new and its γ
+        is one it could have run; the reason when it was reported before (a replay or a
+        duplicate: learned once); InvalidArgumentError for a step number or γ it could not
+        have run (more than its table decided, its engine allowed or its policy's Γmax)."""
+        name = f"ran step {step.decision_id}"
+        valid_steps = self.table_options.valid_steps
+        if known.has_run(number):
+            return f"{name}: already reported (a replay or a duplicate), learned once"
+        gamma, ctx = step.gamma, step.context
+        entry_gamma = known.entry_gamma(ctx.batch_size)
+        if not 1 <= number <= valid_steps:
+            shown = step.decision_id.rpartition(".")[2][:20]
+            why = f"step number {shown} is outside a table's steps 1..{valid_steps}"
+        elif gamma > known.gamma_max:
+            why = f"gamma {gamma} above the deciding policy's gamma_max ({known.gamma_max})"
+        elif gamma > 0 and not ctx.draft_resident:
+            why = f"gamma {gamma} run while the draft is not resident"
+        elif 0 < ctx.max_gamma < gamma:
+            why = f"gamma {gamma} above the step's max_gamma ({ctx.max_gamma})"
+        elif entry_gamma is not None and gamma > entry_gamma:
+            why = f"gamma {gamma} above its table entry ({entry_gamma})"
+        else:
+            return ""
+        self.metrics.steps.count(TABLE_STEPS, ("refused",))
+        raise InvalidArgumentError(f"{name}: {why}; not learned from")
 
     def _report_batched_locked(
         self, shard: EngineShard, outcome: StepOutcome, result: TableStepResult
@@ -422,7 +484,12 @@ class DecisionService:
             pending = member.pending if member is not None else None
         if pending is None:
             self.metrics.skipped_outcomes.inc()
-            result.skip(f"outcome of {outcome.decision_id}: unknown decision")
+            known = shard.known_tables.get(outcome.decision_id.rpartition(".")[0])
+            if known is not None and known.has_run(step_number(outcome.decision_id)):
+                why = "its step was already reported (a replay or a duplicate)"
+            else:
+                why = "unknown decision"
+            result.skip(f"outcome of {outcome.decision_id}: {why}")
             return
         try:
             check_outcome_against(outcome, pending.ctx, pending.gamma_max, self.limits)

@@ -251,7 +251,9 @@ def test_unknown_and_duplicate_decision_ids(self_checked_server: Any) -> None:
         assert reported == before["reports"] + 1
         reply = engine.report(outcome(decision))  # again: already reported
         assert reply.skipped == 1
-        assert f"outcome of {decision.decision_id}: unknown decision" in reply.skipped_reason
+        assert f"outcome of {decision.decision_id}: its step was already reported" in (
+            reply.skipped_reason
+        )
         assert server.state()["reports"] == reported
 
 
