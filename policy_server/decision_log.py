@@ -65,29 +65,36 @@ def context_fields(ctx: StepContext) -> dict[str, Any]:
     if len(requests) > RECORD_REQUESTS:
         fields["requests_cut"] = len(requests) - RECORD_REQUESTS
         requests = requests[:RECORD_REQUESTS]
-    cut = sum(max(0, len(r.recent_accepts) - RECORD_RECENT_ACCEPTS) for r in requests)
+    sections = [_shallow(r) for r in requests]
+    cut = 0
+    for section in sections:
+        accepts = section["recent_accepts"]
+        if len(accepts) > RECORD_RECENT_ACCEPTS:
+            cut += len(accepts) - RECORD_RECENT_ACCEPTS
+            section["recent_accepts"] = accepts[-RECORD_RECENT_ACCEPTS:]
     if cut:
         fields["recent_accepts_cut"] = cut
-        requests = tuple(
-            dataclasses.replace(r, recent_accepts=r.recent_accepts[-RECORD_RECENT_ACCEPTS:])
-            for r in requests
-        )
-    if requests is not ctx.requests:
-        ctx = dataclasses.replace(ctx, requests=requests)
-    return {"context": dataclasses.asdict(ctx), **fields}
+    context = dataclasses.asdict(dataclasses.replace(ctx, requests=()))
+    context["requests"] = sections
+    return {"context": context, **fields}
 
 
 def outcome_fields(outcome: StepOutcome) -> dict[str, Any]:
     """An outcome record's ``outcome``, trimmed by the rule above, with its cut count."""
+    fields = _shallow(outcome)
     cut = len(outcome.request_accepts) - RECORD_REQUESTS
     if cut <= 0:
-        return {"outcome": dataclasses.asdict(outcome)}
-    outcome = dataclasses.replace(
-        outcome,
-        request_accepts=outcome.request_accepts[:RECORD_REQUESTS],
-        request_ids=outcome.request_ids[:RECORD_REQUESTS],
-    )
-    return {"outcome": dataclasses.asdict(outcome), "requests_cut": cut}
+        return {"outcome": fields}
+    fields["request_accepts"] = outcome.request_accepts[:RECORD_REQUESTS]
+    fields["request_ids"] = outcome.request_ids[:RECORD_REQUESTS]
+    return {"outcome": fields, "requests_cut": cut}
+
+
+def _shallow(flat: Any) -> dict[str, Any]:
+    """The fields of a dataclass of plain values and tuples of them, sharing the values
+    (JSON encodes a tuple as a list): dataclasses.asdict copies every element of every
+    tuple, in Python, competing with the deciding threads for the GIL."""
+    return {field.name: getattr(flat, field.name) for field in dataclasses.fields(flat)}
 
 
 class _Lines(logging.Formatter):
