@@ -7,6 +7,7 @@ import json
 import logging
 import math
 import re
+import resource
 import subprocess
 import sys
 import threading
@@ -238,6 +239,29 @@ def test_a_full_disk_drops_and_counts_records_with_one_error_and_stops_cleanly(
     assert log.splitlines()[-1].endswith("stopped")
 
 
+def test_a_disk_that_fills_keeps_the_records_before_it_and_counts_the_rest(
+    make_server: Any, tmp_path: Path
+) -> None:
+    """The running sidecar's file size limited to 64 KiB (RLIMIT_FSIZE, which needs no
+    root): its log fills as on a full disk, the write that reaches the limit leaving a torn
+    line and every later one failing (EFBIG). The records before are whole and in order,
+    the rest counted as dropped, with one ERROR line and rc 0 at SIGTERM."""
+    path = tmp_path / "decisions.jsonl"
+    server = make_server(*STATIC, "--decision-log", str(path))
+    resource.prlimit(server.proc.pid, resource.RLIMIT_FSIZE, (64 << 10, 64 << 10))
+    records = _run_steps(server, 200)
+    assert server.terminate() == 0
+    log = server.log()
+    assert "Traceback" not in log, log
+    errors = [line for line in log.splitlines() if " ERROR " in line]
+    assert len(errors) == 1 and "File too large" in errors[0], log
+    written, dropped = _closing_counts(log)
+    assert written + dropped == records and written > 0 and dropped > 0
+    assert path.stat().st_size == 64 << 10
+    kinds = [r["kind"] for r in read_records([path])]  # the torn last line skipped
+    assert kinds == ["policy", *(["decision", "outcome"] * records)][:written]
+
+
 def test_a_large_context_is_trimmed_in_its_record(make_server: Any, tmp_path: Path) -> None:
     """A step of 4,096 requests with 256 recent accepts each (the most a context may carry):
     its decision and outcome records keep the first RECORD_REQUESTS per-request sections,
@@ -325,7 +349,8 @@ def test_a_disk_that_fails_and_recovers_loses_only_the_records_it_refused(
     handler = decision_log._handler
     real_open = handler._open
     monkeypatch.setattr(handler, "_open", lambda: _FailingDisk(real_open()))
-    handler.discard_stream()  # reopened through the failing disk
+    handler.stream.close()
+    handler.stream = None  # reopened through the failing disk
 
     def write(*ids: str) -> None:
         for decision_id in ids:
