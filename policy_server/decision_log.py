@@ -16,8 +16,8 @@ outcome objects, in a record builder); one writer thread builds each record, tri
 per-request sections (:func:`context_fields`, :func:`outcome_fields`), encodes it and writes
 it into a ``RotatingFileHandler`` (size-based rotation, backups ``PATH.1`` … ``PATH.N``,
 newest first). So the decision path never waits on disk, on JSON encoding or on copying a
-large context. A record the queue has no room for, one that cannot be encoded and one the
-disk refuses (ENOSPC, EIO) is dropped and counted; failures are logged at most once a
+large context. Records the queue has no room for, that cannot be encoded or that the disk
+refuses (ENOSPC, EIO) are dropped and counted; failures are logged at most once every
 :data:`ERROR_INTERVAL_S`, without a traceback. :meth:`DecisionLog.close` writes what is
 queued for at most :data:`CLOSE_TIMEOUT_S` and counts the rest as dropped.
 """
@@ -41,11 +41,12 @@ from nightjar_common.types import StepContext, StepOutcome
 
 log = logging.getLogger(__name__)
 
-# The trim rule (docs/OPERATIONS.md, "The decision log"): a record keeps a context's or an
-# outcome's first RECORD_REQUESTS per-request sections and each kept request's last
-# RECORD_RECENT_ACCEPTS recent accepts; "requests_cut" and "recent_accepts_cut" count what
-# went. vLLM's default batch (max_num_seqs) fits whole; the 4,096 x 256 a context may
-# carry would make a record of megabytes, which the writer encodes holding the GIL.
+# The trim rule (docs/OPERATIONS.md, "What the decision log keeps, and what it drops"):
+# a record keeps a context's or an outcome's first RECORD_REQUESTS per-request sections
+# and each kept request's last RECORD_RECENT_ACCEPTS recent accepts; "requests_cut" and
+# "recent_accepts_cut" count what went. vLLM's default max_num_seqs below 70 GB of GPU
+# memory (256) fits whole. JSON encoding holds the GIL for a whole record, so the deciding
+# threads wait for it: the 4,096 x 256 a context may carry would be megabytes to encode.
 RECORD_REQUESTS = 256
 RECORD_RECENT_ACCEPTS = 16
 # At most one ERROR line this often while records fail (a full disk fails every one).
