@@ -248,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
             metrics=metrics,
             decision_log=decision_log,
             state_dir=config.state_dir or None,
+            snapshot_max_bytes=config.snapshot_max_bytes,
         )
     except NightjarError as exc:
         print(f"nightjar-server: cannot start policy {config.policy!r}: {exc}", file=sys.stderr)

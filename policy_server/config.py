@@ -11,6 +11,7 @@ from typing import Any
 from nightjar_common.errors import ConfigError
 from nightjar_common.uds import parse_mode
 from policy_server.policies import DEFAULT_POLICY
+from policy_server.snapshot import MAX_BYTES
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 LOG_FORMATS = ("text", "json")
@@ -46,6 +47,9 @@ class ServerConfig:
     # Learned-state snapshots ("" = none) and their period.
     state_dir: str = ""
     snapshot_interval_s: float = 30.0
+    # The most a snapshot may take (bytes): the writer trims, or refuses, past it; at most
+    # what a start reads (snapshot.MAX_BYTES), so that what is written is readable.
+    snapshot_max_bytes: int = MAX_BYTES
     # File holding the admin token ("" = admin calls unauthenticated).
     admin_token_file: str = ""
     # Decision log (JSON lines; "" = off), rotated by size.
@@ -143,6 +147,10 @@ class ServerConfig:
             raise ConfigError(f"max_receive_bytes must be in 1024..{1 << 30}")
         if self.snapshot_interval_s <= 0:
             raise ConfigError("snapshot_interval_s must be > 0")
+        if not 1024 <= self.snapshot_max_bytes <= MAX_BYTES:
+            raise ConfigError(
+                f"snapshot_max_bytes must be in 1024..{MAX_BYTES} (what a start reads)"
+            )
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("TLS needs both tls_cert and tls_key (--tls-cert, --tls-key)")
         if self.tls_client_ca and not self.tls_cert:

@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 from nightjar_common.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
+    NightjarError,
     NotFoundError,
     PermissionDeniedError,
 )
@@ -100,6 +101,8 @@ from policy_server.policies.base import (
     file_path_params,
     prices_speculation_state,
     reads_request_signals,
+    trim_state,
+    with_room_to_count,
 )
 from policy_server.state_text import StateText
 
@@ -212,8 +215,11 @@ class DecisionService:
         memory: MemoryController | None = None,
         engine_idle_s: float = 300.0,
         tables: TableOptions | None = None,
+        snapshot_max_bytes: int = snapshot.MAX_BYTES,
     ) -> None:
         self.limits = limits or Limits()
+        # The most a snapshot may take; never past what a start reads (snapshot.MAX_BYTES).
+        self.snapshot_max_bytes = snapshot_max_bytes
         self.table_options = tables or TableOptions()
         self.metrics = metrics or Metrics()
         self.decision_log = decision_log
@@ -232,6 +238,10 @@ class DecisionService:
         # Whole-state reads (GetState with the token, snapshots) one at a time: each costs
         # CPU in proportion to the engines, taken from the decisions (the GIL).
         self._whole_reads = threading.Lock()
+        # A policy as a start builds it, with its empty state, to check snapshots with
+        # (_readable): built once per policy version (building one reads its files).
+        self._snapshot_checker: tuple[str, ServedPolicy, dict[str, Any]] | None = None
+        self._snapshot_checks = threading.Lock()
         self._revisions = itertools.count(1)
         self._boot_id = secrets.token_hex(4)
         self._sequence = itertools.count(1)
@@ -996,13 +1006,68 @@ class DecisionService:
             # ValueError: a NaN or infinity in the state (refused when it comes in; this
             # keeps one that slipped through from ending the snapshot loop).
             text, created = self.snapshot_text()
-            snapshot.write_bytes_atomic(path, text.encode())
-        except (OSError, ValueError, TypeError) as exc:
+            snapshot.write_bytes_atomic(path, self._readable(text.encode()))
+        except (OSError, ValueError, TypeError, NightjarError) as exc:
             self.metrics.snapshots.labels("failed").inc()
-            raise FailedPreconditionError(f"cannot write snapshot {path}: {exc}") from exc
+            raise FailedPreconditionError(
+                f"cannot write snapshot {path}: {exc}; the last snapshot is kept"
+            ) from exc
         self.last_snapshot_unix = created
         self.metrics.snapshot_written(self.last_snapshot_unix)
         return path
+
+    def _readable(self, data: bytes) -> bytes:
+        """``data`` (a snapshot document) as a start will read it: checked by the reader's
+        own checks (snapshot.parse, then the policy's load_state as a start loads it) and
+        within the reader's size limit, trimmed of what the policy can lose (base.
+        trim_state, with a WARNING) when it is larger; SnapshotError when nothing makes it
+        fit, InvalidArgumentError or FailedPreconditionError when a start would refuse it."""
+        limit = min(self.snapshot_max_bytes, snapshot.MAX_BYTES)
+        document = snapshot.parse(data, "the snapshot to write")
+        spec = document["policy"]
+        with self._snapshot_checks:
+            checker, empty = self._checker(spec)
+            data = self._within(limit, data, document, checker)
+            try:
+                _load_state(checker, spec["state"])
+            finally:
+                checker.load_state(empty)  # holds no copy of the state between snapshots
+        return data
+
+    def _checker(self, spec: Mapping[str, Any]) -> tuple[ServedPolicy, dict[str, Any]]:
+        """The policy a start would build for a snapshot's ``spec``, and its empty state."""
+        version = str(spec.get("version", ""))
+        if self._snapshot_checker is None or self._snapshot_checker[0] != version:
+            checker = self._build(spec["name"], spec["params"])
+            self._snapshot_checker = (version, checker, checker.state())
+        _, checker, empty = self._snapshot_checker
+        return checker, empty
+
+    def _within(
+        self, limit: int, data: bytes, document: dict[str, Any], policy: ServedPolicy
+    ) -> bytes:
+        """``data`` (``document`` encoded) if it is at most ``limit`` bytes, else
+        ``document`` trimmed of what ``policy`` can lose and encoded again (SnapshotError
+        when that is still larger)."""
+        spec = document["policy"]
+        if len(data) > limit:
+            size = len(data)
+            dropped = trim_state(policy, spec["state"], size - limit)
+            data = snapshot.encode(document)
+            if len(data) > limit:
+                trimmed = f" after dropping {dropped}" if dropped else ""
+                raise snapshot.SnapshotError(
+                    f"the snapshot is {len(data):,} bytes{trimmed}, more than the "
+                    f"{limit:,} bytes a start reads"
+                )
+            log.warning(
+                "snapshot trimmed from %s to %s bytes to fit the %s a start reads; dropped: %s",
+                f"{size:,}",
+                f"{len(data):,}",
+                f"{limit:,}",
+                dropped,
+            )
+        return data
 
     def restore_document(
         self, document: Mapping[str, Any], *, from_client: bool = True, keep_state: bool = True
@@ -1019,7 +1084,9 @@ class DecisionService:
         candidate = self._build(spec["name"], params)
         # Read whole before the engine table is cleared: a malformed one must not wipe it.
         engines = [str(e) for e in document.get("engines", [])] if keep_state else []
-        if keep_state:
+        if keep_state and from_client:
+            self._load_restored(candidate, spec["state"])
+        elif keep_state:
             _load_state(candidate, spec["state"])
         with self._whole_policy():
             self.engines.clear()
@@ -1027,6 +1094,26 @@ class DecisionService:
                 shard, _ = self.engines.shard(str(engine_id))
                 shard.last_seen = -math.inf  # known (its state is restored), not active
             return self._activate(candidate, "restore", "restored" if keep_state else "fresh")
+
+    def _load_restored(self, candidate: ServedPolicy, state: Any) -> None:
+        """A client's state into ``candidate``, refused (INVALID_ARGUMENT, naming the
+        field) unless the snapshots that follow can be written and read at start: its
+        floats within snapshot.MAX_RESTORED_FLOAT and its counts half their limit (room to
+        grow), and what the policy then holds encodes as JSON and loads again."""
+        try:
+            snapshot.check_numbers(state, "policy.state", snapshot.MAX_RESTORED_FLOAT)
+        except snapshot.SnapshotError as exc:
+            raise InvalidArgumentError(f"snapshot state is out of range: {exc}") from exc
+        with with_room_to_count():
+            _load_state(candidate, state)
+        try:
+            held = candidate.state()
+            text = snapshot.encode_text(held)
+        except (ArithmeticError, ValueError, TypeError) as exc:
+            raise InvalidArgumentError(
+                f"snapshot state could not be written back: {_unwritable(candidate, exc)}"
+            ) from exc
+        _load_state(self._build(candidate.name, candidate.params()), json.loads(text))
 
     def restore_path(self, given: str) -> ActivePolicy:
         """Restore a snapshot file inside the state directory (relative paths start there)."""
@@ -1118,6 +1205,18 @@ def _load_state(policy: ServedPolicy, state: Any) -> None:
         raise FailedPreconditionError(f"snapshot state does not fit: {exc}") from exc
     except (ArithmeticError, LookupError, TypeError, ValueError, RecursionError) as exc:
         raise InvalidArgumentError(f"snapshot state is malformed: {exc!r}") from exc
+
+
+def _unwritable(policy: ServedPolicy, exc: Exception) -> str:
+    """Why ``policy``'s state cannot be written: the field that is not finite if there is
+    one, else ``exc``."""
+    try:
+        snapshot.check_numbers(policy.state(), "policy.state")
+    except snapshot.SnapshotError as named:
+        return str(named)
+    except (ArithmeticError, ValueError, TypeError):
+        pass
+    return repr(exc)
 
 
 def _fits(choice: Choice, top: int) -> bool:

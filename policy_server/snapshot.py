@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import tempfile
 import time
@@ -31,9 +32,15 @@ FORMAT = "nightjar-snapshot/1"
 SNAPSHOT_NAME = "snapshot.json"
 TEMP_PREFIX = f".{SNAPSHOT_NAME}."
 TEMP_SUFFIX = ".tmp"
-# The largest snapshot read (at start, or named by Restore): a sidecar at its default
-# bounds writes a few MB; a larger file is not ours.
+# The largest snapshot read (at start, or named by Restore), and so the most the writer
+# writes (DecisionService.write_snapshot trims or refuses beyond it): a sidecar at its
+# default bounds writes a few MB.
 MAX_BYTES = 64 << 20
+# The largest float magnitude of a state a client restores: learned statistics are
+# decayed sums of per-step quantities (squared context tokens summed: ~1e21), and what a
+# policy derives from them (products, squares, a solve) must stay finite for the next
+# snapshot to be written: a step-time statistic of 1.7e308 overflows at the next step.
+MAX_RESTORED_FLOAT = 1e60
 
 
 class SnapshotError(ValueError):
@@ -101,6 +108,22 @@ def parse(text: str | bytes, origin: str) -> dict[str, Any]:
             f"{origin}: engines must be a list of engine ids (1..{MAX_ID_LENGTH} characters)"
         )
     return document
+
+
+def check_numbers(value: Any, where: str, limit: float = math.inf) -> None:
+    """SnapshotError naming the first float in ``value`` (JSON data) that is not finite or
+    of a magnitude above ``limit``, by its path from ``where``."""
+    stack: list[tuple[Any, tuple[str | int, ...]]] = [(value, ())]
+    while stack:  # iterative: JSON data is nested at most MAX_JSON_DEPTH levels anyway
+        item, path = stack.pop()
+        if isinstance(item, dict):
+            stack.extend((child, (*path, str(key))) for key, child in item.items())
+        elif isinstance(item, list):
+            stack.extend((child, (*path, index)) for index, child in enumerate(item))
+        elif isinstance(item, float) and not (math.isfinite(item) and abs(item) <= limit):
+            field = where + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path)
+            bound = "not finite" if limit == math.inf else f"beyond ±{limit:g}"
+            raise SnapshotError(f"{field} is {item!r}, {bound}")
 
 
 def read(path: Path) -> dict[str, Any]:

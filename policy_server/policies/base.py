@@ -6,12 +6,14 @@ Choice, and learns from StepOutcomes. It knows nothing of gRPC or vLLM.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import logging
 import math
 import types
 import typing
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 from nightjar_common.types import BinType, Choice, StepContext, StepOutcome
@@ -32,6 +34,27 @@ class MalformedStateError(PolicyError):
 # The largest count (steps, pulls, tokens summed) a learned state may hold: a step a
 # microsecond for 290,000 years.
 MAX_COUNT = 1 << 63
+
+# What load_state accepts of a count (count_limit): MAX_COUNT for what the sidecar wrote,
+# half of it in a state a client restores (with_room_to_count), so that a restored count
+# can still grow for 2^62 steps and be written and read back (one at MAX_COUNT would make
+# every snapshot after its next step unreadable at start).
+_COUNT_LIMIT: contextvars.ContextVar[int] = contextvars.ContextVar("count_limit", default=MAX_COUNT)
+
+
+def count_limit() -> int:
+    """The largest count load_state accepts here (MAX_COUNT unless restoring)."""
+    return _COUNT_LIMIT.get()
+
+
+@contextlib.contextmanager
+def with_room_to_count() -> Iterator[None]:
+    """Load states (a client's Restore) leaving every count room to grow."""
+    token = _COUNT_LIMIT.set(MAX_COUNT >> 1)
+    try:
+        yield
+    finally:
+        _COUNT_LIMIT.reset(token)
 
 
 class Policy(Protocol):
@@ -71,6 +94,14 @@ def prices_speculation_state(policy: object) -> bool:
     not): a decision table then answers steps in its own state only (GammaTable.
     any_speculation_state)."""
     return bool(getattr(policy, "prices_speculation_state", True))
+
+
+def trim_state(policy: object, state: dict[str, Any], excess_bytes: int) -> str:
+    """Drop, in place, what ``state`` (as ``policy`` writes it) can lose and be learned
+    again, to shorten its JSON by ``excess_bytes`` (its class's ``trim_state``: goodput's
+    per-request records); what was dropped, "" for nothing (a policy without one)."""
+    trim = getattr(policy, "trim_state", None)
+    return str(trim(state, excess_bytes)) if trim is not None else ""
 
 
 class LearnedState(Protocol):

@@ -35,12 +35,12 @@ from typing import Any, ClassVar
 
 from nightjar_common.types import BinType, Choice, RequestSignals, StepContext, StepOutcome
 from policy_server.policies.base import (
-    MAX_COUNT,
     CheckpointedDecide,
     MalformedStateError,
     ParamsPolicy,
     PolicyError,
     StatePerEngine,
+    count_limit,
     feasible_gamma_max,
     parse_params,
 )
@@ -294,8 +294,8 @@ def _calibration_from_json(data: Mapping[str, Any]) -> Calibration:
     )
     numbers = (calibration.disagreement_sum, calibration.disagreement_max)
     counts = (calibration.steps, calibration.disagreement_count)
-    if not all(0 <= c <= MAX_COUNT for c in counts):
-        raise ValueError(f"calibration counts must be in 0..{MAX_COUNT}")
+    if not all(0 <= c <= count_limit() for c in counts):
+        raise ValueError(f"calibration counts must be in 0..{count_limit()}")
     # SL_A,max: tokens one request accepted in one step, at most a step's tokens (2^31,
     # what outcomes are checked against); beyond, SL_max would overflow a float.
     if not 0 <= calibration.max_accepted <= MAX_ACCEPTED:

@@ -48,9 +48,9 @@ import numpy.typing as npt
 from nightjar_common.types import BinType, Choice, StepContext, StepOutcome
 from policy_server.policies.base import (
     FILE_PATH,
-    MAX_COUNT,
     MalformedStateError,
     PolicyError,
+    count_limit,
     load_prefill_cost,
     parse_params,
 )
@@ -84,6 +84,7 @@ from policy_server.policies.per_request import (
     records_to_json,
     shrunk_alpha,
     touch,
+    trim_records,
 )
 from policy_server.policies.rng import SplitMix64
 
@@ -495,6 +496,13 @@ class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner])
             },
             "learners": {lid: self._learner_to_json(v) for lid, v in learners.items()},
         }
+
+    @staticmethod
+    def trim_state(state: dict[str, Any], excess_bytes: int) -> str:
+        """Lose what a snapshot can (base.trim_state): per-request records, least recently
+        seen first; what was dropped, "" for nothing."""
+        dropped = trim_records(state.get("engines", {}), excess_bytes)
+        return f"{dropped:,} per-request records, least recently seen first" if dropped else ""
 
     def load_state(self, state: Mapping[str, Any]) -> None:
         if state.get("schema") not in _READABLE_SCHEMAS:
@@ -940,9 +948,9 @@ def _is_int(value: Any) -> bool:
 
 
 def _count(value: Any, name: str) -> int:
-    """A step count read from a state: an integer in 0..MAX_COUNT."""
-    if not (_is_int(value) and 0 <= value <= MAX_COUNT):
-        raise ValueError(f"{name} must be an integer in 0..{MAX_COUNT}")
+    """A step count read from a state: an integer in 0..count_limit()."""
+    if not (_is_int(value) and 0 <= value <= count_limit()):
+        raise ValueError(f"{name} must be an integer in 0..{count_limit()}")
     return int(value)
 
 

@@ -19,9 +19,9 @@ from typing import Any, ClassVar
 from nightjar_common.types import BinType, Choice, StepContext, StepOutcome
 from policy_server.policies.base import (
     FILE_PATH,
-    MAX_COUNT,
     MalformedStateError,
     PolicyError,
+    count_limit,
     load_prefill_cost,
     parse_params,
 )
@@ -359,6 +359,6 @@ def _stats_from_json(data: Mapping[str, Any], arms: int) -> ArmStats:
         raise ValueError(f"expected {arms} arms, got {len(means)}")
     if not all(math.isfinite(m) and m >= 0 for m in means):
         raise ValueError("goodput means must be finite and >= 0")
-    if not all(0 <= c <= MAX_COUNT for c in counts):
-        raise ValueError(f"pull counts must be in 0..{MAX_COUNT}")
+    if not all(0 <= c <= count_limit() for c in counts):
+        raise ValueError(f"pull counts must be in 0..{count_limit()}")
     return ArmStats(means, counts)

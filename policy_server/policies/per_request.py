@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -206,6 +207,28 @@ def _gains(alphas: Sequence[float], top: int) -> FloatArray:
 
 def records_to_json(records: Mapping[str, RequestRecord]) -> dict[str, list[float]]:
     return {rid: [r.successes, r.failures, r.last_seen] for rid, r in records.items()}
+
+
+def trim_records(engines: Mapping[str, Any], excess_bytes: int) -> int:
+    """Drop, in place, from engines' parts of a state as written (``requests`` of
+    records_to_json, ``observed_steps``), the records seen least recently (in steps of
+    their engine) until their JSON adds up to ``excess_bytes``; how many were dropped.
+    A request that comes back starts from the pooled acceptance, as a new one does."""
+    aged: list[tuple[int, str, str, int]] = []
+    for engine_id, engine in engines.items():
+        now = engine.get("observed_steps", 0)
+        for request_id, record in engine.get("requests", {}).items():
+            # "<id>":[s,f,n] and a comma, as compact JSON writes it.
+            size = len(json.dumps(request_id)) + len(json.dumps(record, separators=(",", ":")))
+            aged.append((now - record[2], engine_id, request_id, size + 2))
+    aged.sort(key=lambda item: item[0], reverse=True)
+    dropped = saved = 0
+    for _, engine_id, request_id, size in aged:
+        if saved >= excess_bytes:
+            break
+        del engines[engine_id]["requests"][request_id]
+        dropped, saved = dropped + 1, saved + size
+    return dropped
 
 
 def records_from_json(data: Any, observed_steps: int) -> dict[str, RequestRecord]:

@@ -20,8 +20,8 @@ from typing import Any, ClassVar
 
 from nightjar_common.types import BinType, Choice, StepContext, StepOutcome
 from policy_server.policies.base import (
-    MAX_COUNT,
     PolicyError,
+    count_limit,
     feasible_gamma_max,
     parse_params,
 )
@@ -115,8 +115,8 @@ class UcbPolicy(LearnerTablePolicy[UcbParams, dict[int, ArmSet]]):
             # Rewards are goodputs: sums and the best are finite and >= 0.
             if not all(math.isfinite(s) and s >= 0 for s in [*arms.sums, arms.best]):
                 raise ValueError("reward sums and the best reward must be finite and >= 0")
-            if not all(0 <= c <= MAX_COUNT for c in arms.counts):
-                raise ValueError(f"pull counts must be in 0..{MAX_COUNT}")
+            if not all(0 <= c <= count_limit() for c in arms.counts):
+                raise ValueError(f"pull counts must be in 0..{count_limit()}")
             key = int(bucket)
             if not 1 <= key <= MAX_BUCKET or key != bucket_of(key):
                 raise ValueError(f"batch bucket must be a power of two in 1..{MAX_BUCKET}")
