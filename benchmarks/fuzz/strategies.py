@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from nightjar_proto.v1 import policy_pb2
 
 from policy_server.policies import REGISTRY
+from policy_server.service import TableOptions
 
 MIB_STRING = "x" * (1 << 20)
 ENGINES = ("engine-a", "engine-b", "engine-c")
@@ -416,7 +417,10 @@ def engine_steps(
     def build(draw: Callable[[st.SearchStrategy[Any]], Any]) -> policy_pb2.StepRequest:
         table = issued.recent_table(draw(st.integers(0, 1 << 16)))
         request = policy_pb2.StepRequest(seq=draw(st.integers(0, 1 << 20)))
-        steps, first = draw(st.integers(1, 4)), draw(st.integers(1, 1 << 10))
+        # Numbered as a client numbers them: a table serves steps 1..valid_steps (the
+        # sidecar refuses others); a number drawn again is a replay, skipped.
+        steps = draw(st.integers(1, 4))
+        first = draw(st.integers(1, TableOptions().valid_steps - steps + 1))
         for k in range(steps):
             ran = table.ran_step(first + k, k)
             request.ran_steps.append(ran)
