@@ -1099,7 +1099,8 @@ class DecisionService:
         """A client's state into ``candidate``, refused (INVALID_ARGUMENT, naming the
         field) unless the snapshots that follow can be written and read at start: its
         floats within snapshot.MAX_RESTORED_FLOAT and its counts half their limit (room to
-        grow), and what the policy then holds encodes as JSON and loads again."""
+        grow), and what the policy then holds encodes as JSON, fits a snapshot (trimmed as
+        the writer trims) and loads again."""
         try:
             snapshot.check_numbers(state, "policy.state", snapshot.MAX_RESTORED_FLOAT)
         except snapshot.SnapshotError as exc:
@@ -1113,6 +1114,14 @@ class DecisionService:
             raise InvalidArgumentError(
                 f"snapshot state could not be written back: {_unwritable(candidate, exc)}"
             ) from exc
+        limit = min(self.snapshot_max_bytes, snapshot.MAX_BYTES)
+        if len(text) > limit:  # ASCII: encode_text escapes the rest
+            trim_state(candidate, held, len(text) - limit)
+            if len(snapshot.encode_text(held)) > limit:
+                raise InvalidArgumentError(
+                    f"snapshot state takes {len(text):,} bytes, more than the {limit:,} a "
+                    "snapshot may take, after dropping what can be dropped"
+                )
         _load_state(self._build(candidate.name, candidate.params()), json.loads(text))
 
     def restore_path(self, given: str) -> ActivePolicy:

@@ -15,7 +15,7 @@ import pytest
 from nightjar_proto.v1 import admin_pb2, policy_pb2
 
 from nightjar_common import wire
-from nightjar_common.errors import ConfigError, FailedPreconditionError
+from nightjar_common.errors import ConfigError, FailedPreconditionError, InvalidArgumentError
 from nightjar_common.types import RanStep, StepContext, StepOutcome
 from policy_server import snapshot
 from policy_server.config import ServerConfig
@@ -114,6 +114,27 @@ def test_a_snapshot_that_cannot_fit_is_refused_and_the_last_one_kept(
         service.write_snapshot()
     assert path.read_bytes() == before
     assert not list(tmp_path.glob(".snapshot.json.*"))
+
+
+def test_restore_refuses_a_state_no_snapshot_could_hold(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A state that, trimmed as the writer trims, is still larger than a snapshot may be
+    would leave every later snapshot failing: refused, the active state kept."""
+    source = DecisionService("goodput", PER_REQUEST)
+    run_steps(source, 3)
+    document = source.snapshot_document()
+    service = DecisionService("goodput", PER_REQUEST, state_dir=tmp_path)
+    run_steps(service, 1)
+    before = service.snapshot_document()["policy"]["state"]
+    monkeypatch.setattr(snapshot, "MAX_BYTES", 2048)
+    with pytest.raises(InvalidArgumentError, match="more than the 2,048"):
+        service.restore_document(document)
+    assert service.snapshot_document()["policy"]["state"] == before
+    # Records are what can be dropped: a state larger only by them is restored.
+    monkeypatch.setattr(snapshot, "MAX_BYTES", len(snapshot.encode(document)) * 2 // 3)
+    service.restore_document(document)
+    assert learned_steps(service.snapshot_document()) == 3
 
 
 def learned(engine: EngineStream, steps: int) -> None:
