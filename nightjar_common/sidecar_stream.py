@@ -19,6 +19,17 @@ class NotSent(ConnectionError):
     """No connection to the sidecar was up to send the request on."""
 
 
+class StreamEnded(ConnectionError):
+    """The stream ended: ``code`` and ``details`` are the gRPC status it ended with
+    (UNAVAILABLE: the sidecar went away; UNIMPLEMENTED: the target serves no
+    PolicyService), or None when it ended without one."""
+
+    def __init__(self, code: grpc.StatusCode | None = None, details: str = "") -> None:
+        super().__init__(f"stream broken: {code.name}" if code is not None else "stream ended")
+        self.code = code
+        self.details = details
+
+
 class PendingReply:
     """A reply that will arrive from the sidecar: one waiter, any number of callbacks.
 
@@ -100,6 +111,8 @@ class StepStream:
         self._on_broken = on_broken
         self._on_notice = on_notice
         self.alive = True
+        # Why the stream ended, for requests sent after it did.
+        self._ended: StreamEnded | None = None
         stub = policy_pb2_grpc.PolicyServiceStub(channel)
         self._call = stub.StepStream(self._request_iter())
         self._reader = threading.Thread(target=self._read, name="nightjar-stream", daemon=True)
@@ -117,14 +130,14 @@ class StepStream:
         pending = PendingReply()
         with self._lock:
             if not self.alive:
-                pending.resolve(error=ConnectionError("stream closed"))
+                pending.resolve(error=self._ended or StreamEnded())
                 return pending
             self._pending[request.seq] = pending
         self._requests.put(request)
         return pending
 
     def _read(self) -> None:
-        error: BaseException = ConnectionError("stream ended")
+        error = StreamEnded()
         try:
             for reply in self._call:
                 if reply.seq == 0 and reply.policy_version:
@@ -135,9 +148,10 @@ class StepStream:
                 if pending is not None:
                     pending.resolve(reply)
         except grpc.RpcError as exc:
-            error = ConnectionError(f"stream broken: {exc.code().name}")
+            error = StreamEnded(exc.code(), str(exc.details()))
         with self._lock:
             self.alive = False
+            self._ended = error
             unanswered, self._pending = self._pending, {}
         for pending in unanswered.values():
             pending.resolve(error=error)

@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from nightjar_proto.v1 import admin_pb2, admin_pb2_grpc, policy_pb2
 
 from nightjar_common import tls, wire
-from nightjar_common.sidecar_stream import SyncStream
+from nightjar_common.sidecar_stream import StreamEnded, SyncStream
 from nightjar_common.types import BinType, RanStep, StepContext, StepOutcome
 from policy_server import fleet
 from policy_server.policies import DEFAULT_POLICY
@@ -457,8 +457,7 @@ def _decide(args: argparse.Namespace, channel: grpc.Channel) -> int:
         previous_gamma=args.previous_gamma,
     )
     with SyncStream(channel, args.timeout) as stream:
-        reply = stream.send(policy_pb2.StepRequest(context=wire.context_to_pb(ctx)))
-        _raise_step_error(reply)
+        reply = _send(stream, policy_pb2.StepRequest(context=wire.context_to_pb(ctx)))
         table = wire.table_from_pb(reply.table)
         index = ctx.batch_size - table.first_batch_size
         gamma, decision_id = table.gammas[index], f"{table.table_id}.1"
@@ -483,23 +482,30 @@ def _decide(args: argparse.Namespace, channel: grpc.Channel) -> int:
                 step_seconds=args.report_step_seconds,
                 generated_tokens=args.report_tokens,
             )
-            reply = stream.send(
+            reply = _send(
+                stream,
                 policy_pb2.StepRequest(
                     ran_steps=[wire.ran_step_to_pb(RanStep(decision_id, ctx, gamma))],
                     outcomes=[wire.outcome_to_pb(outcome)],
-                )
+                ),
             )
-            _raise_step_error(reply)
             print(json.dumps({"reported": True, "applied": reply.skipped == 0}))
     return 0
 
 
-def _raise_step_error(reply: policy_pb2.StepReply) -> None:
-    """A StepReply.error as the gRPC error a unary call would have raised (one way of
-    reporting the sidecar's refusals for every command)."""
+def _send(stream: SyncStream, request: policy_pb2.StepRequest) -> policy_pb2.StepReply:
+    """``request``'s reply; a refusal (StepReply.error) or the stream's end status as the
+    gRPC error a unary call would have raised, so every command reports them one way."""
+    try:
+        reply = stream.send(request)
+    except StreamEnded as exc:
+        if exc.code is None:
+            raise
+        raise StepRefused(exc.code, exc.details) from None
     if reply.HasField("error"):
         code = next(c for c in grpc.StatusCode if c.value[0] == reply.error.code)
         raise StepRefused(code, reply.error.message)
+    return reply
 
 
 class StepRefused(grpc.RpcError):

@@ -268,3 +268,14 @@ def test_each_schedule_writes_its_own_section_unless_one_is_named() -> None:
     assert section_of(parse_args(["--temperatures", "0,1"])) == "bench-vllm-mixed"
     named = parse_args(["--policies", "off,static-1", "--section", "bench-vllm-fixed"])
     assert section_of(named) == "bench-vllm-fixed"
+
+
+def test_the_report_states_the_command_that_ran() -> None:
+    """A run of the make target is named as the target; any other, with the options that
+    set its conditions (not where its results went)."""
+    assert parse_args(["--out", "x.md"]).command == "make bench-vllm"
+    assert parse_args(["--dataset", "random"]).command == "make bench-vllm (--dataset random)"
+    subset = parse_args(["--dataset", "random", "--policies", "off,goodput", "--section", "s"])
+    assert (
+        subset.command == "python -m benchmarks.vllm_serve --dataset random --policies off,goodput"
+    )

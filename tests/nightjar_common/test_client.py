@@ -201,7 +201,7 @@ def test_a_stream_that_ends_at_once_is_reopened_even_behind_a_slow_log(tmp_path)
     server.add_insecure_port(target)
     server.start()
     sink = _SlowLogSink()
-    client_log = logging.getLogger("nightjar_common.client")
+    client_log = logging.getLogger("nightjar_common.sidecar_connection")
     client_log.addHandler(sink)
     level = client_log.level
     client_log.setLevel(logging.INFO)  # the connection lines are INFO

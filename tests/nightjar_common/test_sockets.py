@@ -181,7 +181,7 @@ def test_plugin_warns_once_when_it_cannot_connect_and_once_when_it_does(
 ) -> None:
     server = make_server(start=False)
     stale_socket(server.uds)  # a socket file nobody listens on: connection refused
-    caplog.set_level(logging.INFO, logger="nightjar_common.client")
+    caplog.set_level(logging.INFO, logger="nightjar_common.sidecar_connection")
     client = NightjarClient(ClientConfig(target=server.target, engine_id="e"))
     try:
         assert wait_until(lambda: any("cannot connect" in r.message for r in caplog.records))
@@ -202,7 +202,7 @@ def test_plugin_warns_once_when_it_cannot_connect_and_once_when_it_does(
 
 
 def test_plugin_names_a_missing_socket(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="nightjar_common.client")
+    caplog.set_level(logging.INFO, logger="nightjar_common.sidecar_connection")
     target = f"unix:{tmp_path}/absent.sock"
     client = NightjarClient(ClientConfig(target=target, engine_id="e"))
     try:
@@ -218,7 +218,7 @@ def test_plugin_logs_a_quiet_first_connection_at_info(
     make_server: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     server = make_server()
-    caplog.set_level(logging.INFO, logger="nightjar_common.client")
+    caplog.set_level(logging.INFO, logger="nightjar_common.sidecar_connection")
     client = NightjarClient(ClientConfig(target=server.target, engine_id="e", connect_timeout_s=5))
     try:
         assert client.connected
