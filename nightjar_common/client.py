@@ -285,11 +285,14 @@ class NightjarClient:
         stats.sidecar_decisions += 1
         return taken
 
-    def ran(self, step: TableStep, ctx: StepContext) -> None:
-        """Report a step run from a table's entry, with its context (unless its table came
-        on a connection since lost: that sidecar is gone)."""
+    def ran(self, step: TableStep, ctx: StepContext, gamma: int | None = None) -> None:
+        """Report a step run from a table's entry, with its context and the γ the engine
+        ran (the entry's unless given: less where the engine clamped it, 0 while its draft
+        is away), unless its table came on a connection since lost: that sidecar is
+        gone."""
         if self._tables.current(step.held):
-            self._reports.ran(RanStep(step.decision_id, ctx, step.gamma))
+            ran = step.gamma if gamma is None else gamma
+            self._reports.ran(RanStep(step.decision_id, ctx, ran))
 
     def ask_ahead(self, step: AheadStep, always: bool = False) -> None:
         """Have the sender thread ask for a new table for ``step`` (whose context it then

@@ -191,7 +191,7 @@ class StepJournal:
         if decision.table_step is not None:
             if ctx is None:
                 ctx = self._contexts.build(view, step_index, previous)
-            self._client.ran(decision.table_step, ctx)
+            self._client.ran(decision.table_step, ctx, gamma)
         ran = decision if gamma == decision.gamma else dataclasses.replace(decision, gamma=gamma)
         self._pending.append(_InFlight(ran, started, view.prefill_tokens))
         self.gammas[gamma] += 1

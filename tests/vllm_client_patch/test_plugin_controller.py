@@ -229,6 +229,31 @@ def test_a_policy_swapped_in_while_the_engine_idles_decides_its_next_step(
     assert versions[-1] == reply.policy_version
 
 
+def test_a_step_run_without_the_draft_is_reported_at_the_gamma_it_ran(
+    make_server: Any, tmp_path: Path
+) -> None:
+    """The held table says γ = 2, but with the draft offloaded the engine runs γ = 0: the
+    step is reported at 0 (the sidecar refuses a γ > 0 run without the draft), so nothing
+    the engine reports is skipped."""
+    server, _ = static_sidecar_logging(make_server, tmp_path)
+    controller = GammaController(
+        PluginConfig(sidecar=server.target, engine_id="away", deadline_ms=500)
+    )
+    wait_for(lambda: controller.client.connected)
+    assert controller.decide(view(4)) == 2
+    controller.end_step(VerifiedStep(0, 0, 4))
+    assert controller.decide(dataclasses.replace(view(4), draft_resident=False)) == 0
+    controller.end_step(VerifiedStep(8, 4, 12))
+    assert controller.decide(view(4)) == 2
+    controller.end_step(VerifiedStep(0, 0, 4))
+    controller.idle()
+    wait_for(lambda: server.state()["reports"] == 2)
+    stats = controller.stats()
+    assert stats["sources"] == {"sidecar": 2, "forced": 1}
+    assert stats["rejected_reports"] == 0
+    controller.close()
+
+
 def test_fails_open_to_the_fallback_table_without_a_sidecar(tmp_path: Path) -> None:
     config = PluginConfig(sidecar=f"unix:{tmp_path}/none.sock", engine_id="alone")
     controller = GammaController(config, fallback_table=((1, 2, 3), (3, 64, 1)))
