@@ -77,7 +77,7 @@ AGENT_OFF = re.compile(r"nightjar memory: agent off: (.*)")
 STATS_INTERVAL_S = 1.0  # the plugin rewrites its stats file this often
 ORDER_TIMEOUT_S = 120.0
 # The draft stays offloaded until the engine ran this many steps without it (at γ = 0,
-# source "forced") or this long has passed; a generation that ends first just stops it.
+# source "forced") or this long has passed (the engine keeps generating meanwhile).
 HOLD_STEPS, HOLD_S = 4, 3.0
 EXIT_GRACE_S = 60.0  # an engine process's exit after its last result
 MAX_DETAIL = 600  # characters of a verdict's detail (the engine's log has the rest)
@@ -497,18 +497,24 @@ def phase_memory(llm: Any, spec: Mapping[str, Any], stats: StatsFile) -> dict[st
         thread = threading.Thread(target=memory_orders, args=(agent, stats, orders), daemon=True)
         thread.start()
         lengths = [LONG_RUN] * len(PROMPTS)
-        # More generations while an order waits for a step boundary (a fast engine may
-        # finish the first before the orders land).
-        for attempt in range(4):
+        # Orders land only at step boundaries and the hold waits for the stats file
+        # (rewritten each second), so the engine keeps generating until both orders are
+        # done: a fast engine finishes a generation well within one stats period.
+        deadline = time.monotonic() + ORDER_TIMEOUT_S
+        while True:
             tokens = generate(llm, lengths)
             result["generations"].append(
-                {"name": f"generation {attempt + 1}", "lengths": lengths, "tokens": tokens}
+                {
+                    "name": f"generation {len(result['generations']) + 1}",
+                    "lengths": lengths,
+                    "tokens": tokens,
+                }
             )
-            if not thread.is_alive():
+            if not thread.is_alive() or time.monotonic() > deadline:
                 break
             lengths = [SHORT] * len(PROMPTS)
-        thread.join(timeout=ORDER_TIMEOUT_S)
-        result["orders"] = orders if not thread.is_alive() else {"error": "orders hang"}
+        thread.join(timeout=1.0)
+        result["orders"] = orders if not thread.is_alive() else {"error": "orders hang", **orders}
         result["reloaded"] = stats.read()
         lengths = [SHORT] * len(PROMPTS)
         tokens = generate(llm, lengths)
