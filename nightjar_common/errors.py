@@ -38,12 +38,28 @@ class PermissionDeniedError(NightjarError):
     directory (PERMISSION_DENIED)."""
 
 
+class ResourceExhaustedError(NightjarError):
+    """A bounded queue or budget is full; the caller may retry later (RESOURCE_EXHAUSTED)."""
+
+
+class DeadlineExceededError(NightjarError):
+    """The caller's deadline passed before the work could start; it will not run
+    (DEADLINE_EXCEEDED)."""
+
+
+class CancelledError(NightjarError):
+    """The work was withdrawn (by an operator or its caller) before it started (CANCELLED)."""
+
+
 STATUS_OF: dict[type[NightjarError], grpc.StatusCode] = {
     InvalidArgumentError: grpc.StatusCode.INVALID_ARGUMENT,
     NotFoundError: grpc.StatusCode.NOT_FOUND,
     FailedPreconditionError: grpc.StatusCode.FAILED_PRECONDITION,
     UnauthenticatedError: grpc.StatusCode.UNAUTHENTICATED,
     PermissionDeniedError: grpc.StatusCode.PERMISSION_DENIED,
+    ResourceExhaustedError: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    DeadlineExceededError: grpc.StatusCode.DEADLINE_EXCEEDED,
+    CancelledError: grpc.StatusCode.CANCELLED,
 }
 
 
