@@ -47,6 +47,11 @@ class DeadlineExceededError(NightjarError):
     (DEADLINE_EXCEEDED)."""
 
 
+class AbortedError(NightjarError):
+    """The work failed part-way and was undone: everything is as before it, and a retry may
+    succeed (ABORTED)."""
+
+
 class CancelledError(NightjarError):
     """The work was withdrawn (by an operator or its caller) before it started (CANCELLED)."""
 
@@ -59,6 +64,7 @@ STATUS_OF: dict[type[NightjarError], grpc.StatusCode] = {
     PermissionDeniedError: grpc.StatusCode.PERMISSION_DENIED,
     ResourceExhaustedError: grpc.StatusCode.RESOURCE_EXHAUSTED,
     DeadlineExceededError: grpc.StatusCode.DEADLINE_EXCEEDED,
+    AbortedError: grpc.StatusCode.ABORTED,
     CancelledError: grpc.StatusCode.CANCELLED,
 }
 
