@@ -119,6 +119,8 @@ def check_context(ctx: StepContext, limits: Limits) -> None:
             raise InvalidArgumentError(f"request {req.request_id!r}: negative token counts")
         if req.kl_divergence is not None or req.draft_entropy is not None:
             _check_distances(req)
+    if ctx.requests:
+        check_request_ids([req.request_id for req in ctx.requests], "the context")
 
 
 def _check_distances(req: RequestSignals) -> None:
@@ -185,6 +187,38 @@ def check_outcome(outcome: StepOutcome, limits: Limits) -> None:
         raise InvalidArgumentError(
             f"a request_id is longer than {limits.max_engine_id_length} characters"
         )
+    if outcome.request_ids:
+        check_request_ids(outcome.request_ids, f"the outcome of {outcome.decision_id}")
+
+
+# What a request id must not hold: ids are logged, kept as keys of learned state and written
+# to line-based files, where a NUL or a line break passes for the end of a string or record.
+_BREAKING_CHARACTERS = ("\0", "\n", "\r")
+
+
+def check_request_ids(ids: Sequence[str], where: str) -> None:
+    """The request ids of one step (its context's or its outcome's): each names one request
+    of the batch once, and none holds a NUL or a line break (INVALID_ARGUMENT)."""
+    joined = "".join(ids)  # one scan of all ids, not a loop per request
+    if any(character in joined for character in _BREAKING_CHARACTERS):
+        bad = next(i for i in ids if any(c in i for c in _BREAKING_CHARACTERS))
+        raise InvalidArgumentError(
+            f"request id {bad[:64]!r} in {where} holds a NUL or a line break"
+        )
+    if len(set(ids)) != len(ids):
+        raise InvalidArgumentError(
+            f"request id {_first_repeated(ids)[:64]!r} appears more than once in {where}: "
+            "a step's requests are distinct"
+        )
+
+
+def _first_repeated(ids: Sequence[str]) -> str:
+    seen: set[str] = set()
+    for request_id in ids:
+        if request_id in seen:
+            return request_id
+        seen.add(request_id)
+    raise ValueError("no id is repeated")
 
 
 def check_batch_size(ran_steps: Sequence[RanStep], outcomes: Sequence[StepOutcome]) -> None:

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from nightjar_common.json_input import MAX_JSON_DEPTH, JsonError, load_json
+from nightjar_common.json_input import MAX_JSON_DEPTH, MAX_KEY_LENGTH, JsonError, load_json
+from nightjar_common.validation import MAX_ID_LENGTH
+from policy_server.policies.base import learner_id_of_key, own_learner
 
 
 @pytest.mark.parametrize(
@@ -22,6 +24,8 @@ from nightjar_common.json_input import MAX_JSON_DEPTH, JsonError, load_json
         ('{"a": ' * 40 + "1" + "}" * 40, "nested more than"),
         (b'{"x": "\xff"}', "can't decode"),
         ("{]", "Expecting"),
+        ('{"learners": {"shared:' + "k" * 300_000 + '": {}}}', "an object key of 300,007"),
+        ('[{"a": {"' + "r" * (MAX_KEY_LENGTH + 1) + '": 1}}]', f"at most {MAX_KEY_LENGTH}"),
     ],
 )
 def test_refused(text: str | bytes, fragment: str) -> None:
@@ -35,3 +39,9 @@ def test_accepted() -> None:
     assert load_json(nested) is not None
     assert load_json('{"x": 1.5e300, "n": ' + "9" * 4000 + "}")["x"] == 1.5e300
     assert load_json(b'{"a": [1, 2.5, "s", null, true]}') == {"a": [1, 2.5, "s", None, True]}
+
+
+def test_the_key_bound_is_the_longest_id_the_sidecar_makes() -> None:
+    longest = max(len(learner_id_of_key("k" * MAX_ID_LENGTH)), len(own_learner("e" * MAX_ID_LENGTH)))
+    assert MAX_KEY_LENGTH == longest
+    assert load_json('{"' + learner_id_of_key("k" * MAX_ID_LENGTH) + '": 1}')

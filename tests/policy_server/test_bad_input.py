@@ -16,6 +16,7 @@ import grpc
 import pytest
 from nightjar_proto.v1 import admin_pb2, policy_pb2
 
+from nightjar_common.types import RequestSignals
 from tests.policy_server.test_server import context, outcome
 from tests.rigs.sidecar import EngineStream, RanDecision, StepRejected
 
@@ -88,6 +89,12 @@ def ran_and_open(engine: EngineStream) -> RanDecision:
         (context(learner_key="k" * 257), "learner_key is longer than 256 characters"),
         (context(max_gamma=3, min_draft_passes=4), "min_draft_passes must be in 0..3"),
         (context(min_draft_passes=-1), "min_draft_passes must be in 0..64"),
+        (
+            context(requests=(RequestSignals("r1"), RequestSignals("r2"), RequestSignals("r1"))),
+            "request id 'r1' appears more than once in the context",
+        ),
+        (context(requests=(RequestSignals("r\0x"),)), "holds a NUL or a line break"),
+        (context(requests=(RequestSignals("r1\nr2"),)), "holds a NUL or a line break"),
     ],
 )
 def test_bad_contexts(
@@ -133,6 +140,19 @@ def test_nan_signal_in_request_section(server: Any, engine: EngineStream) -> Non
         (
             {"requests": [policy_pb2.RequestAccepts(request_id="r" * 300, accepted_tokens=1)]},
             "a request_id is longer than",
+        ),
+        (
+            {
+                "requests": [
+                    policy_pb2.RequestAccepts(request_id=rid, accepted_tokens=0)
+                    for rid in ("a", "b", "a")
+                ]
+            },
+            "request id 'a' appears more than once in the outcome of",
+        ),
+        (
+            {"requests": [policy_pb2.RequestAccepts(request_id="a\nb", accepted_tokens=0)]},
+            "holds a NUL or a line break",
         ),
         # Implausible for the decision (batch 4, Γmax 4), as reported in issue 28.
         (
