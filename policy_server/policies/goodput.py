@@ -56,6 +56,7 @@ from policy_server.policies.base import (
 )
 from policy_server.policies.engine_state import EngineCheckpoint, EngineStatePolicy, EngineStates
 from policy_server.policies.fixed import TablePolicy
+from policy_server.policies.fleet_stats import FleetShare, GoodputPooling
 from policy_server.policies.models import (
     FEATURES,
     MAX_OCTAVE,
@@ -197,6 +198,8 @@ class Learner:
     context_per_request: float = 0.0
     # StepContext.min_draft_passes of the latest step (for the summary in the state).
     min_draft_passes: int = 0
+    # What of the models is the fleet's evidence (fleet_stats.py; None: never merged).
+    fleet: FleetShare | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -306,7 +309,7 @@ class Estimate:
         return offsets
 
 
-class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner]):
+class GoodputModelPolicy(GoodputPooling, EngineStatePolicy[GoodputParams, EngineState, Learner]):
     name: ClassVar[str] = "goodput"
     state_schema: ClassVar[str] = STATE_SCHEMA
 
@@ -857,6 +860,7 @@ class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner])
             "min_draft_passes": learner.min_draft_passes,
             # Derived, for people (nightjarctl state): not read back by load_state.
             "best_gamma": self._summary(learner) if learner.steps else {},
+            **({"fleet": learner.fleet.to_json(learner)} if learner.fleet else {}),
         }
 
     def _summary(self, learner: Learner) -> dict[str, list[float]]:
@@ -896,6 +900,7 @@ class GoodputModelPolicy(EngineStatePolicy[GoodputParams, EngineState, Learner])
             context_per_request=float(data.get("context_per_request", 0.0)),
             # Absent from states written before v1.6's field: an engine that sent none.
             min_draft_passes=int(data.get("min_draft_passes", 0)),
+            fleet=FleetShare.from_json(data.get("fleet"), p.gamma_max),
         )
         if not 0 <= learner.min_draft_passes <= p.gamma_max:
             raise ValueError(f"min_draft_passes must be in 0..{p.gamma_max}")

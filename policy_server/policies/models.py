@@ -218,6 +218,9 @@ class AcceptanceModel:
     failures: float
     # Forgetting per observed step: counts are multiplied by it before each update.
     decay: float
+    # The product of the decays applied since the fleet's evidence was folded in: what it
+    # is worth now (fleet_stats.py; not state: reset to 1 wherever it is marked or loaded).
+    forgotten: float = 1.0
 
     @classmethod
     def with_prior(cls, alpha: float, weight: float, decay: float) -> AcceptanceModel:
@@ -247,6 +250,7 @@ class AcceptanceModel:
             return
         self.successes *= self.decay
         self.failures *= self.decay
+        self.forgotten *= self.decay
         if request_accepts:
             self.successes += sum(request_accepts)
             if verified:
@@ -364,6 +368,8 @@ class StepTimeModel:
         # Observations since that fit, and their summed step time.
         self._stale = 0
         self._stale_ms = 0.0
+        # Decays since the fleet's evidence was folded in (AcceptanceModel.forgotten).
+        self.forgotten = 1.0
 
     def observe(self, x: FloatArray, milliseconds: float) -> None:
         """Add one step: ``x`` its feature row, ``milliseconds`` its wall time."""
@@ -379,6 +385,7 @@ class StepTimeModel:
                 self._stale = self.refit_every
             self.squared_error = self.decay * self.squared_error + squared
         self.gram *= self.decay
+        self.forgotten *= self.decay
         outer = x[:, None] * x  # np.outer's product, without its argument handling
         outer *= weight
         self.gram += outer
@@ -529,6 +536,9 @@ class LocalCorrection:
         # Octave → its γ never run, as last asked for (every table asks): a cell once run
         # stays run (its count is scaled only by its own updates, which add 1 each).
         self._unrun: dict[int, tuple[int, ...]] = {}
+        # Octave → per γ, the decays of the cell since the fleet's evidence was folded in
+        # (AcceptanceModel.forgotten); a cell absent or never updated since: 1.
+        self.forgotten: dict[int, FloatArray] = {}
 
     def observe(self, batch_size: int, gamma: int, x: FloatArray, milliseconds: float) -> None:
         if not 0 <= gamma <= self.gamma_max:
@@ -540,6 +550,10 @@ class LocalCorrection:
         row = block[gamma]
         if row[0] == 0.0:  # the cell's first run
             self._unrun.pop(octave, None)
+        forgotten = self.forgotten.get(octave)
+        if forgotten is None:
+            forgotten = self.forgotten[octave] = np.ones(self.gamma_max + 1)
+        forgotten[gamma] *= self.decay
         row *= self.decay
         row[0] += 1.0
         row[1] += milliseconds
