@@ -366,6 +366,7 @@ def _print_learner(learner: str, data: Any) -> None:
             f"learner {learner}: α={data['alpha']:.3f} over {data['steps']} steps; "
             "batch size -> best γ (predicted goodput tok/s)"
         )
+        _print_fleet(data.get("fleet"))
         for key, (gamma, goodput) in sorted(data["best_gamma"].items(), key=lambda kv: int(kv[0])):
             print(f"  B={int(key):>4}  γ={gamma} ({goodput:.1f})")
         return
@@ -379,6 +380,21 @@ def _print_learner(learner: str, data: Any) -> None:
             print(f"  B={int(key):>4}  {best_text:<18} pulls {counts}")
         return
     print(f"learner {learner}: {json.dumps(data, sort_keys=True)}")
+
+
+def _print_fleet(share: Any) -> None:
+    """Where a pooled learner's evidence came from: this sidecar's engines or the fleet's
+    (fleet learning, docs/OPERATIONS.md); nothing for a learner that never pooled."""
+    if not isinstance(share, dict) or not isinstance(share.get("evidence"), dict):
+        return
+    parts = []
+    for source in ("local", "fleet"):
+        evidence = share["evidence"].get(source, {})
+        parts.append(
+            f"{source} {evidence.get('steps', 0)} steps, "
+            f"{evidence.get('acceptance_tokens', 0):,.0f} acceptance tokens"
+        )
+    print(f"  evidence: {'; '.join(parts)} (member {share.get('member', '?')})")
 
 
 def _policies(args: argparse.Namespace, channel: grpc.Channel) -> int:

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from nightjar_common import wire
 from nightjar_common.types import StepContext
-from tests.policy_server.test_fleet import KEY, serve_steps
+from tests.policy_server.test_fleet import KEY, ctl, serve_steps
 from tests.rigs.redis_server import RedisRig
 
 LEARNER = f"shared:{KEY}"
@@ -121,6 +121,9 @@ def test_a_new_sidecar_starts_warm_and_a_restart_counts_nothing_twice(
     assert new["fleet"]["evidence"]["fleet"]["steps"] == 100
     assert new["fleet"]["evidence"]["local"]["steps"] == 0
     assert metric(c, "nightjar_fleet_members") == 3
+    shown = ctl(c, "state")
+    assert shown.returncode == 0, shown.stderr
+    assert "  evidence: local 0 steps, 0 acceptance tokens; fleet 100 steps" in shown.stdout
     # c's first decisions are a warm sidecar's (a new engine of the same id on each: the
     # same random stream), not the prior table's.
     batches = (1, 8, 32, 64)
