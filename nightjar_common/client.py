@@ -21,7 +21,6 @@ import collections
 import dataclasses
 import itertools
 import logging
-import math
 import queue
 import threading
 import time
@@ -84,10 +83,12 @@ class ClientConfig:
     table_refresh_steps: int = TABLE_REFRESH_STEPS
     table_refresh_ms: float = TABLE_REFRESH_MS
     # A simulation replaying a trace (nightjar-sim --sidecar), not an engine: each step
-    # waits for the table it is due (up to the deadline), and tables age by steps only, not
-    # by the wall clock. Every step then runs from the table an engine would hold if each
-    # refresh arrived in time, however fast the simulation steps, and a replay with the
-    # same trace, seed and policy decides the same.
+    # waits for the table it is due (up to the deadline), and tables age on the
+    # simulation's clock (the time each step gives :meth:`NightjarClient.decide`), not the
+    # wall clock: refreshed every table_refresh_steps steps or table_refresh_ms simulated
+    # ms, void after their valid_steps / valid_ms. Every step then runs from the table an
+    # engine would hold if each refresh arrived in time, however fast the simulation steps,
+    # and a replay with the same trace, seed and policy decides the same.
     replay: bool = False
 
 
@@ -191,8 +192,9 @@ class NightjarClient:
         self.config = config
         self.stats = ClientStats()
         self._fallback = BatchSizeTable(config.fallback_schedule, config.fallback_default_gamma)
-        # Tables' ages: the wall clock, or none in a replay (0 always: they never age).
-        self._clock: Callable[[], float] = _never if config.replay else time.monotonic
+        # Tables' ages: the wall clock, or a replay's simulated time (set by decide).
+        self._replay_s = 0.0
+        self._clock: Callable[[], float] = self._replay_time if config.replay else time.monotonic
         self._seq = itertools.count(1)
         self._lock = threading.Lock()
         self._directives: list[MemoryDirective] = []
@@ -240,11 +242,14 @@ class NightjarClient:
     def wait_connected(self, timeout: float) -> bool:
         return self._connection.wait_connected(timeout)
 
-    def decide(self, ctx: StepContext) -> GammaDecision:
+    def decide(self, ctx: StepContext, now_s: float | None = None) -> GammaDecision:
         """γ for the step described by ``ctx``, reported as run (:meth:`take`); the next
         step is taken to be like this one, after this γ (:meth:`ask_ahead`). In a replay
-        the table due for this step is asked for and waited for first."""
+        the step starts at ``now_s`` simulated seconds (the time its tables age by; None:
+        the last step's), and the table due for it is asked for and waited for first."""
         if self.config.replay:
+            if now_s is not None:
+                self._replay_s = now_s
             self._refresh_before(ctx)
             return self.take(ctx)
         decision = self.take(ctx)
@@ -392,13 +397,22 @@ class NightjarClient:
             return self._fall_back(ctx, "rejected")
         return None
 
+    def _replay_time(self) -> float:
+        """A replay's clock: the simulated time of its step."""
+        return self._replay_s
+
     def _refresh_before(self, ctx: StepContext) -> None:
         """A replay's refresh: when the held table is due for ``ctx``'s step, a new one
         asked for with it and waited for (what failed falls back at :meth:`take`)."""
         config = self.config
         held = self._tables.held
         if held is None or not refresh_due(
-            held, ctx.batch_size, ctx.previous_gamma == 0, 0.0, config.table_refresh_steps, math.inf
+            held,
+            ctx.batch_size,
+            ctx.previous_gamma == 0,
+            self._clock(),
+            config.table_refresh_steps,
+            config.table_refresh_ms,
         ):
             return  # none held: take() asks (a miss), as an engine's first step does
         self.stats.refresh_requests += 1
@@ -519,6 +533,8 @@ class NightjarClient:
         held, step = self._tables.held, self._next_step
         if self._refreshing or held is None or held.started is None or step is None:
             return None
+        if self.config.replay:  # a replay's steps ask for their tables themselves
+            return None
         if held.age_ms(self._clock()) < self.config.table_refresh_ms:
             return None
         return step
@@ -623,8 +639,3 @@ class NightjarClient:
         them, and the engine falls back until one answers), the reports too."""
         self._tables.forget()
         self._reports.clear()
-
-
-def _never() -> float:
-    """A replay's clock: its tables never age."""
-    return 0.0

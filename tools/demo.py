@@ -1,13 +1,15 @@
 """`make demo`: a real sidecar deciding γ for a simulated engine replaying the Azure trace.
 
 Starts `nightjar-server` on a Unix socket, then replays a slice of the Azure LLM
-conversation trace through the serving simulator (`policy_server/sim/`), which asks the
-sidecar for γ every step through the real fail-open client — exactly the plugin's
-path — and reports every outcome back. Live lines show the simulated clock, the decode
-batch, the queue and the sidecar's decisions. Afterwards it replays the same requests
-under the other policies in process, prints a summary table (throughput, latency, ratio
-to the oracle, regret), the learned best γ per batch size read back over the admin API
-and the Prometheus decision counter, and writes plots.
+conversation trace through the serving simulator (`policy_server/sim/`), whose steps take
+their γ from the sidecar's decision tables through the real fail-open client, as the
+plugin's do, and report every step run and its outcome back. The client runs in replay
+mode: each step waits for the table it is due, and tables age on the simulated clock, so
+the simulation's pace costs no fallback and the run is reproducible. Live lines show the
+simulated clock, the decode batch, the queue and the sidecar's decisions. Afterwards it
+replays the same requests under the other policies in process, prints a summary table
+(throughput, latency, ratio to the oracle, regret), the learned best γ per batch size read
+back over the admin API and the Prometheus decision counter, and writes plots.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from policy_server.sim.runs import (
     summary_table,
 )
 from policy_server.sim.sources import ClientSource
-from policy_server.sim.workload import read_trace, scale_to_qps, window
+from policy_server.sim.workload import RequestSpec, read_trace, scale_to_qps, window
 
 ENGINE = "demo-engine"
 COMPARED = ("nightjar", "off", "static-1", "static-3", "table", "ema", "dsd", "oracle")
@@ -138,10 +140,7 @@ def run(
 ) -> dict[str, Any]:
     say: Callable[[str], None] = (lambda line: None) if quiet else print
     profile = builtin_profiles(data / "calibration")[profile_name]
-    trace = read_trace(data / "traces" / "azure_llm_2023_conv.csv")
-    native_qps = len(trace) / trace[-1].arrival_s
-    # The slice of the trace that lasts `seconds` once rescaled to `qps`.
-    specs = scale_to_qps(window(trace, 0, seconds * qps / native_qps), qps)
+    specs = trace_slice(data, seconds, qps)
     say(
         f"replaying {len(specs)} requests of the Azure conv trace at {qps:g} req/s "
         f"on the {profile_name} profile"
@@ -203,6 +202,13 @@ def run(
         "decided_steps": sum(1 for step in sidecar_run.steps if step.batch_size > 0),
         "figures": figures,
     }
+
+
+def trace_slice(data: Path, seconds: float, qps: float) -> list[RequestSpec]:
+    """The slice of the Azure conv trace that lasts ``seconds`` once rescaled to ``qps``."""
+    trace = read_trace(data / "traces" / "azure_llm_2023_conv.csv")
+    native_qps = len(trace) / trace[-1].arrival_s
+    return scale_to_qps(window(trace, 0, seconds * qps / native_qps), qps)
 
 
 def learned_best_gamma(target: str) -> dict[int, tuple[int, float]]:

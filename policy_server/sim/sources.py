@@ -46,16 +46,20 @@ class PolicySource:
 
 
 class TableSource:
-    """A policy served through decision tables (nightjar.v1.7; docs/DECISION_TABLES.md) in
-    process: the sidecar's own DecisionService decides the tables and applies the report
-    batches, and the client's own TableCache answers each step, so the simulator runs
-    exactly the wire protocol's logic, without the transport. A table is asked for when the
-    held one cannot answer a step or has served ``refresh_steps`` steps, and carries the
-    steps run and outcomes since the last one, all of them known (an answer that always
-    arrives in time: on a real engine the refresh is asked for one step ahead). Tables carry
-    one γ per batch size, no per-request γ."""
+    """A policy served through decision tables (docs/DECISION_TABLES.md) in process: the
+    sidecar's own DecisionService decides the tables and applies the report batches, and
+    the client's own TableCache answers each step, so the simulator runs exactly the wire
+    protocol's logic, without the transport. A table is asked for when the held one cannot
+    answer a step or has served ``refresh_steps`` steps, and carries the steps run and
+    outcomes since the last one, all of them known (an answer that always arrives in time:
+    on a real engine the refresh is asked for one step ahead).
 
-    per_request = False
+    ``refresh_ms`` None: tables age by steps only (``make bench-tables``). A number: also
+    by the simulated clock, as the plugin's client ages them by the wall clock (and a
+    replay's, ClientSource, by the simulated one): refreshed once that old, void after
+    their ``valid_ms``. Steps carry per-request signals while the last table's policy reads
+    them (``GammaTable.reads_request_signals``, the plugin's rule), and a table's
+    per-request γ run (each under its step's entry)."""
 
     def __init__(
         self,
@@ -63,9 +67,13 @@ class TableSource:
         params: Mapping[str, Any] | None = None,
         refresh_steps: int = TABLE_REFRESH_STEPS,
         half_width: int = DEFAULT_HALF_WIDTH,
+        refresh_ms: float | None = None,
     ) -> None:
         self.service = DecisionService(policy, params, tables=TableOptions(half_width))
         self.refresh_steps = refresh_steps
+        self.refresh_ms = math.inf if refresh_ms is None else refresh_ms
+        self.timed = refresh_ms is not None
+        self.per_request = False
         self.refreshes = 0
         self._cache = TableCache()
         self._reports = ReportBatch()
@@ -73,24 +81,32 @@ class TableSource:
 
     @classmethod
     def named(
-        cls, name: str, params: Mapping[str, Any] | None = None, **options: int
+        cls, name: str, params: Mapping[str, Any] | None = None, **options: Any
     ) -> TableSource:
         return cls(name, params, **options)
 
     def decide(self, ctx: StepContext, sim: Simulator) -> Decided:
         speculation_off = ctx.previous_gamma == 0
+        now = sim.now if self.timed else 0.0
         if refresh_due(
-            self._cache.held, ctx.batch_size, speculation_off, 0.0, self.refresh_steps, math.inf
+            self._cache.held,
+            ctx.batch_size,
+            speculation_off,
+            now,
+            self.refresh_steps,
+            self.refresh_ms,
         ):
             self._refresh(ctx)
-        taken = self._cache.take_size(ctx.batch_size, speculation_off, 0.0)
+        taken = self._cache.take_size(ctx.batch_size, speculation_off, now)
         if isinstance(taken, str):  # an exploring entry of a fresh table ran already
             self._refresh(ctx)
-            taken = self._cache.take_size(ctx.batch_size, speculation_off, 0.0)
+            taken = self._cache.take_size(ctx.batch_size, speculation_off, now)
             assert not isinstance(taken, str), taken
         decision_id = taken.decision_id  # formatted once: a step's own cost
         self._reports.ran(RanStep(decision_id, ctx, taken.gamma))
-        return Decided(taken.gamma, decision_id)
+        table = taken.held.table
+        self.per_request = table.reads_request_signals
+        return Decided(taken.gamma, decision_id, table.request_gammas)
 
     def report(self, ctx: StepContext, decision_id: str, outcome: StepOutcome) -> None:
         self._reports.outcome(outcome)
@@ -110,15 +126,16 @@ REPLAY_WAIT_S = 10.0
 
 class ClientSource:
     """Asks a running sidecar through the fail-open client, over decision tables as the
-    plugin does (which sends no per-request signals). A client in replay mode
-    (:meth:`connect`) waits for each table it is due: the steps then run from the tables
-    :class:`TableSource` would hold, whatever the simulation's pace."""
-
-    per_request = False
+    plugin does: its steps carry per-request signals while the policy that decided the
+    last table reads them (and a table's per-request γ run). A client in replay mode
+    (:meth:`connect`) waits for each table it is due and ages tables on the simulated
+    clock: the steps then run from the tables :class:`TableSource` with the client's
+    refresh period would hold, whatever the simulation's pace."""
 
     def __init__(self, client: NightjarClient) -> None:
         self.client = client
         self.last: GammaDecision | None = None  # for live displays
+        self.per_request = False
 
     @staticmethod
     def connect(target: str, engine_id: str, connect_timeout_s: float = 0.0) -> NightjarClient:
@@ -133,7 +150,10 @@ class ClientSource:
         return NightjarClient(config)
 
     def decide(self, ctx: StepContext, sim: Simulator) -> Decided:
-        decision = self.last = self.client.decide(ctx)
+        decision = self.last = self.client.decide(ctx, sim.now)
+        reads = decision.reads_request_signals
+        if reads is not None:  # a fallback says nothing of the sidecar's policy
+            self.per_request = reads
         return Decided(decision.gamma, decision.decision_id or "", decision.request_gammas)
 
     def report(self, ctx: StepContext, decision_id: str, outcome: StepOutcome) -> None:

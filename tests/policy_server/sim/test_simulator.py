@@ -6,21 +6,27 @@ import dataclasses
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 import nightjar_data
 import pytest
 
+from nightjar_common.client import TABLE_REFRESH_MS, ClientStats
+from nightjar_common.types import StepContext
 from policy_server.prefill_cost import PrefillCostTable
 from policy_server.sim import plots
 from policy_server.sim.acceptance import (
+    MIXES,
     WORKLOADS,
+    Acceptance,
     AcceptanceModel,
     accepted_run,
     alpha_for_acceptance_length,
     expected_tokens,
 )
-from policy_server.sim.engine import SimConfig, Simulator
+from policy_server.sim.engine import Decided, SimConfig, SimResult, Simulator
 from policy_server.sim.profile import builtin_profiles, calibration_points
+from policy_server.sim.runs import summarise
 from policy_server.sim.sources import ClientSource, OracleSource, PolicySource, TableSource
 from policy_server.sim.workload import (
     SCHEDULES,
@@ -167,22 +173,87 @@ def test_trace_readers_and_time_scaling(tmp_path: Path) -> None:
         read_trace(bad)
 
 
-def test_grpc_path_gives_the_same_decisions_as_in_process(make_server, busy_specs) -> None:
-    """A replay through a sidecar process decides every step as the table protocol does in
-    process: the same tables, refreshed at the same steps, with the same reports learned
-    from (a replay waits for each table it is due)."""
-    specs = busy_specs[:60]
-    params = {"seed": 2}
-    in_process = run(TableSource.named("goodput", params), specs, engine_id="parity")
+def replay(
+    make_server: Any,
+    specs: list[RequestSpec],
+    params: dict[str, Any],
+    engine_id: str = "replay",
+    acceptance: Acceptance = SPS,
+) -> tuple[SimResult, ClientStats]:
+    """``specs`` replayed through a fresh sidecar serving goodput with ``params``; the
+    result and the client's counters."""
     server = make_server("--policy", "goodput", "--params", json.dumps(params))
-    client = ClientSource.connect(server.target, "parity", connect_timeout_s=10)
+    client = ClientSource.connect(server.target, engine_id, connect_timeout_s=10)
     try:
-        over_grpc = run(ClientSource(client), specs, engine_id="parity")
+        source = ClientSource(client)
+        config = SimConfig(engine_id=engine_id)
+        result = Simulator(PROFILES["llama2-7b-a100"], acceptance, specs, source, config).run()
     finally:
         client.close()
-    assert client.stats.fallbacks_total == 0 and client.stats.tables > 1
+    return result, client.stats
+
+
+def test_grpc_path_gives_the_same_decisions_as_in_process(
+    make_server: Any, busy_specs: list[RequestSpec]
+) -> None:
+    """A replay through a sidecar process decides every step as the table protocol does in
+    process: the same tables, refreshed at the same steps (every 32 steps or 200 ms of
+    simulated time, as the plugin's client refreshes on the wall clock), with the same
+    reports learned from (a replay waits for each table it is due)."""
+    specs = busy_specs[:60]
+    params = {"seed": 2}
+    timed = TableSource.named("goodput", params, refresh_ms=TABLE_REFRESH_MS)
+    in_process = run(timed, specs, engine_id="parity")
+    over_grpc, stats = replay(make_server, specs, params, engine_id="parity")
+    assert stats.fallbacks_total == 0 and stats.tables > 1
     assert [s.gamma for s in over_grpc.steps] == [s.gamma for s in in_process.steps]
     assert over_grpc.steps == in_process.steps
+    # The simulated clock refreshed tables: by steps alone there are fewer.
+    by_steps = TableSource.named("goodput", params)
+    run(by_steps, specs, engine_id="parity")
+    assert stats.tables == timed.refreshes > by_steps.refreshes
+
+
+def test_a_replay_through_two_fresh_sidecars_gives_the_same_figures(
+    make_server: Any, busy_specs: list[RequestSpec]
+) -> None:
+    """The same trace, seed, policy and parameters: the same steps and figures to the
+    digit, whatever the wall-clock pace of each run (tables age on the simulated clock)."""
+    specs = busy_specs[:150]
+    first, _ = replay(make_server, specs, {"seed": 4})
+    second, _ = replay(make_server, specs, {"seed": 4})
+    assert first.steps == second.steps
+    assert summarise("p", "w", "g", first) == summarise("p", "w", "g", second)
+
+
+def test_a_replay_sends_per_request_signals_while_the_policy_reads_them(
+    make_server: Any, busy_specs: list[RequestSpec]
+) -> None:
+    """goodput with per_request=true through the sidecar: once a table says its policy
+    reads per-request signals, the steps carry them (and outcomes their requests' accepts),
+    and the tables' per-request plans run, step for step as in process."""
+    specs = busy_specs[:60]
+    params = {"seed": 3, "per_request": True}
+    easy_hard = MIXES["easy-hard"]
+    timed = PlansSeen("goodput", params, refresh_ms=TABLE_REFRESH_MS)
+    in_process = Simulator(
+        PROFILES["llama2-7b-a100"], easy_hard, specs, timed, SimConfig(engine_id="pr")
+    ).run()
+    over_grpc, stats = replay(make_server, specs, params, engine_id="pr", acceptance=easy_hard)
+    assert stats.fallbacks_total == 0
+    assert over_grpc.steps == in_process.steps
+    assert timed.per_request and timed.planned > 0
+
+
+class PlansSeen(TableSource):
+    """Counts the steps whose table planned a request below the step's γ."""
+
+    planned = 0
+
+    def decide(self, ctx: StepContext, sim: Simulator) -> Decided:
+        decided = super().decide(ctx, sim)
+        self.planned += any(g < decided.gamma for _, g in decided.request_gammas)
+        return decided
 
 
 def test_profile_writes_a_prefill_cost_table_the_policy_reads(tmp_path: Path) -> None:
