@@ -187,38 +187,42 @@ class DraftWeights:
             self.state = DraftState.OFFLOADED
             nbytes = sum(t.numel() * t.element_size() for t in self._host.values())
             return Transfer(len(self._host), nbytes, time.perf_counter() - started)
-        total = 0
-        self._aliases = self._alias_groups()
+        aliases = self._alias_groups()
         tensors = _tensors(self.module)
         movable = self.movable_tensors()
         prints = fingerprints(movable)
-        kept, self._host = self._host, {}
+        # Every host copy first (what can fail: pinned memory runs out), then the release:
+        # a failed offload leaves the draft resident and this object as it was.
+        copies = {
+            name: self._host_copy(name, tensor, prints[name]) for name, tensor in movable.items()
+        }
+        self._aliases, self._host, self._prints = aliases, copies, prints
         for name, tensor in movable.items():
             self._device[name] = tensor.device
-            host = kept.get(name)
-            # The copy of an earlier offload still holds these bytes (weights do not change
-            # while serving; the fingerprint says whether they did): no copy.
-            if (
-                host is None
-                or prints[name] != self._prints.get(name)
-                or (host.shape, host.dtype) != (tensor.shape, tensor.dtype)
-            ):
-                host = torch.empty(
-                    tensor.shape,
-                    dtype=tensor.dtype,
-                    device="cpu",
-                    pin_memory=torch.cuda.is_available(),
-                )
-                host.copy_(tensor.detach())
-            self._host[name] = host
-            total += host.numel() * host.element_size()
             # Release the device memory (under every name); the module keeps its structure.
             empty = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
-            for alias in self._aliases[name]:
+            for alias in aliases[name]:
                 tensors[alias].data = empty
-        self._prints = prints
         self.state = DraftState.OFFLOADED
-        return Transfer(len(self._host), total, time.perf_counter() - started)
+        total = sum(host.numel() * host.element_size() for host in copies.values())
+        return Transfer(len(copies), total, time.perf_counter() - started)
+
+    def _host_copy(self, name: str, tensor: torch.Tensor, print_: int) -> torch.Tensor:
+        """The host copy of ``tensor``: the copy of an earlier offload while it still holds
+        these bytes (weights do not change while serving; the fingerprint says whether
+        they did), else a new one."""
+        host = self._host.get(name)
+        if (
+            host is not None
+            and print_ == self._prints.get(name)
+            and (host.shape, host.dtype) == (tensor.shape, tensor.dtype)
+        ):
+            return host
+        host = torch.empty(
+            tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=torch.cuda.is_available()
+        )
+        host.copy_(tensor.detach())
+        return host
 
     def start_reload(self) -> Transfer:
         """Begin copying the host copy back; returns after dispatch on CUDA."""
@@ -226,26 +230,46 @@ class DraftWeights:
             raise RuntimeError(f"cannot reload a draft that is {self.state.value}")
         started = time.perf_counter()
         on_cuda = any(device.type == "cuda" for device in self._device.values())
-        # Allocate on the calling stream, which uses the weights afterwards: memory taken
-        # on the side stream would go back to that stream's cache when freed.
-        for name, host in self._host.items():
-            target = self._home.get(name)
-            if target is None:
-                target = torch.empty(host.shape, dtype=host.dtype, device=self._device[name])
-            self._incoming[name] = target
-        stream = torch.cuda.Stream() if on_cuda else None
-        if stream is not None:
-            # Work queued before (a KV migration out of the home) must finish first.
-            stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        self.state = DraftState.RELOADING  # from here a failure is undone as a reload's
+        stream = None
+        try:
+            # Allocate on the calling stream, which uses the weights afterwards: memory
+            # taken on the side stream would go back to that stream's cache when freed.
             for name, host in self._host.items():
-                self._incoming[name].copy_(host, non_blocking=on_cuda)
+                target = self._home.get(name)
+                if target is None:
+                    target = torch.empty(host.shape, dtype=host.dtype, device=self._device[name])
+                self._incoming[name] = target
+            stream = torch.cuda.Stream() if on_cuda else None
             if stream is not None:
-                self._done = torch.cuda.Event()
-                self._done.record(stream)
-        self.state = DraftState.RELOADING
+                # Work queued before (a KV migration out of the home) must finish first.
+                stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                for name, host in self._host.items():
+                    self._incoming[name].copy_(host, non_blocking=on_cuda)
+                if stream is not None:
+                    self._done = torch.cuda.Event()
+                    self._done.record(stream)
+        except BaseException:
+            if stream is not None:
+                stream.synchronize()  # copies queued before the failure still write
+            self.abandon_reload()
+            raise
         nbytes = sum(t.numel() * t.element_size() for t in self._host.values())
         return Transfer(len(self._host), nbytes, time.perf_counter() - started)
+
+    def abandon_reload(self) -> None:
+        """Drop a reload that failed before it verified: the draft stays offloaded (its host
+        copy kept). A copy still running is waited for first: its targets are freed."""
+        if self.state is not DraftState.RELOADING:
+            return
+        done, self._done = self._done, None
+        try:
+            if done is not None:
+                done.synchronize()
+        finally:
+            self._incoming.clear()
+            self.state = DraftState.OFFLOADED
 
     def finish_reload(self) -> Transfer:
         """Wait for the copies, verify them, and make the draft resident again."""

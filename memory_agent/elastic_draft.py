@@ -57,8 +57,12 @@ class ElasticDraft:
     def offload(self) -> Transfer:
         """The draft's chunks go to the KV buffer (nothing is copied)."""
         started = time.perf_counter()
-        self.memory.to_kv()
-        moved = self.weights.offload()
+        self.memory.to_kv()  # undoes itself when a driver call fails (VmmError)
+        try:
+            moved = self.weights.offload()
+        except BaseException:
+            self.memory.to_draft()
+            raise
         return Transfer(moved.tensors, moved.bytes, time.perf_counter() - started)
 
     def start_reload(self) -> Transfer:
@@ -72,6 +76,13 @@ class ElasticDraft:
 
     def finish_reload(self) -> Transfer:
         return self.weights.finish_reload()
+
+    def abandon_reload(self) -> None:
+        """After a failed reload: the draft offloaded, its chunks back under the KV
+        buffer's top blocks (VmmError when a driver call fails: they stay where they are)."""
+        self.weights.abandon_reload()
+        if self.memory.residence is Residence.DRAFT and not self.resident:
+            self.memory.to_kv()
 
     @property
     def resident(self) -> bool:

@@ -16,13 +16,18 @@ from memory_agent.orders import Action
 # How long an order held the engine at step boundaries: a resize without copies takes
 # µs, a draft offload or a block migration ms, a synchronous reload up to seconds.
 ORDER_BUCKETS = (1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2, 0.1, 0.5, 1.0, 5.0)
+# How an order ended: carried out, failed (and undone), expired unrun (its caller's
+# deadline passed while it was queued) or cancelled unrun.
+RESULTS = ("ok", "failed", "expired", "cancelled")
+# Why an order was refused before it was queued.
+REFUSALS = ("queue_full",)
 
 
 class AgentMetrics:
     def __init__(self) -> None:
         orders = Counter(
             "nightjar_memory_agent_orders",
-            "Memory orders carried out, by action and result (ok|failed).",
+            "Memory orders by action and how they ended (ok|failed|expired|cancelled).",
             ["action", "result"],
             registry=None,
         )
@@ -30,8 +35,21 @@ class AgentMetrics:
         self.orders = {
             (action.value, result): orders.labels(action.value, result)
             for action in Action
-            for result in ("ok", "failed")
+            for result in RESULTS
         }
+        refused = Counter(
+            "nightjar_memory_agent_orders_refused",
+            "Memory orders refused before they were queued, by reason (queue_full).",
+            ["reason"],
+            registry=None,
+        )
+        self.refused = {reason: refused.labels(reason) for reason in REFUSALS}
+        self.queued = Gauge(
+            "nightjar_memory_agent_queued_orders",
+            "Memory orders waiting for a step boundary (bounded; the running one not counted).",
+            registry=None,
+            multiprocess_mode="mostrecent",
+        )
         self.order_seconds = Histogram(
             "nightjar_memory_agent_order_seconds",
             "Time an order held the engine at step boundaries.",
@@ -45,6 +63,8 @@ class AgentMetrics:
             multiprocess_mode="mostrecent",
         )
 
-    def order_done(self, action: Action, failed: bool, held_s: float) -> None:
-        self.orders[action.value, "failed" if failed else "ok"].inc()
-        self.order_seconds.observe(held_s)
+    def order_done(self, action: Action, result: str, held_s: float | None) -> None:
+        """``held_s``: None for an order that never ran (expired, cancelled)."""
+        self.orders[action.value, result].inc()
+        if held_s is not None:
+            self.order_seconds.observe(held_s)

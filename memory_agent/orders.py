@@ -1,5 +1,6 @@
 """What the memory agent is ordered to do: the four actions, an order as the sidecar or an
-operator gives it, and the half of it the worker carries out."""
+operator gives it, the half of it the worker carries out, and an order as the agent's
+status shows it while it waits or runs."""
 
 from __future__ import annotations
 
@@ -27,6 +28,9 @@ class Order:
     # "sidecar" or "operator", and why — for logs.
     source: str = "operator"
     reason: str = ""
+    # time.monotonic() after which the order must not start (its caller's deadline);
+    # None: it waits as long as it takes.
+    deadline: float | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -39,3 +43,16 @@ class WorkerOrder:
     remap: Mapping[int, int] = dataclasses.field(default_factory=dict)
     offload_draft: bool = False
     reload_draft: bool = False
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PendingOrder:
+    """An order queued for a step boundary, or running at one (the agent's status)."""
+
+    order_id: int
+    action: str
+    source: str
+    # True once its pool half has run: it completes or is undone, it can no longer be cancelled.
+    running: bool
+    # Seconds until it expires if still queued (0 when running or without a deadline).
+    expires_in_s: float

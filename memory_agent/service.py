@@ -2,15 +2,20 @@
 
 Operators inspect the agent and force its actions here. A mutating call queues an order
 for the engine's next step boundary and waits for it — at most the call's deadline, capped
-at :data:`MAX_WAIT_S`; an engine with no requests reaches no boundary, so the call then
-returns the status with the order in ``pending_action`` (it still runs with the next
-step). Mutating calls need the admin token when one is configured, as on the sidecar's
-AdminService. Health reports SERVING for the service while the agent is up.
+at :data:`MAX_WAIT_S`. The order carries that deadline: if no boundary comes in time (an
+engine with no requests reaches none), or the caller goes away, it is withdrawn and never
+runs (DEADLINE_EXCEEDED); once running it completes, and the call returns the status with
+it in ``pending_orders``. CancelOrder withdraws queued orders. Mutating calls need the
+admin token when one is configured, as on the sidecar's AdminService; the token file is
+re-read when it changes (rotation without a restart). Health reports SERVING for the
+service while the agent is up.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
 from collections.abc import Callable
 from concurrent import futures
 from typing import Any
@@ -22,13 +27,15 @@ from nightjar_proto.v1 import memory_pb2, memory_pb2_grpc
 from memory_agent.agent import MemoryAgent, MemoryStatus
 from memory_agent.orders import Action, Order
 from nightjar_common import decode_guard, reflection, uds
-from nightjar_common.admin_token import check_admin_token
-from nightjar_common.errors import NightjarError, status_of
+from nightjar_common.admin_token import AdminTokenFile, check_admin_token
+from nightjar_common.errors import CancelledError, DeadlineExceededError, NightjarError, status_of
 
 log = logging.getLogger(__name__)
 
 MEMORY_SERVICE = memory_pb2.DESCRIPTOR.services_by_name["MemoryAgentService"].full_name
 MAX_WAIT_S = 30.0
+# Of the caller's deadline, kept back to answer before it passes.
+REPLY_MARGIN_S = 0.05
 
 
 def status_to_pb(status: MemoryStatus) -> memory_pb2.MemoryStatus:
@@ -47,11 +54,15 @@ def status_to_pb(status: MemoryStatus) -> memory_pb2.MemoryStatus:
         failed_reloads=status.failed_reloads,
         migrated_blocks=status.migrated_blocks,
         last_order_ms=status.last_order_ms,
+        pending_orders=[
+            memory_pb2.PendingOrder(**dataclasses.asdict(order)) for order in status.pending_orders
+        ],
+        queue_limit=status.queue_limit,
     )
 
 
 class MemoryAgentServicer(memory_pb2_grpc.MemoryAgentServiceServicer):  # type: ignore[misc]
-    def __init__(self, agent: MemoryAgent, admin_token: str | None) -> None:
+    def __init__(self, agent: MemoryAgent, admin_token: str | AdminTokenFile | None) -> None:
         self.agent = agent
         self._token = admin_token
 
@@ -72,15 +83,42 @@ class MemoryAgentServicer(memory_pb2_grpc.MemoryAgentServiceServicer):  # type: 
         target = request.target_kv_blocks
         return self._order(context, lambda: Order(Action.COMPACT_KV, target_kv_blocks=target))
 
-    def _order(self, context: grpc.ServicerContext, make: Callable[[], Order]) -> Any:
+    def CancelOrder(self, request: Any, context: grpc.ServicerContext) -> Any:
         try:
             check_admin_token(context, self._token)
-            ticket = self.agent.submit(make())
+            cancelled = self.agent.cancel(request.order_id)
         except NightjarError as exc:
             context.abort(status_of(exc), str(exc))
+        return memory_pb2.CancelOrderResponse(
+            cancelled_order_ids=cancelled, status=status_to_pb(self.agent.status())
+        )
+
+    def _order(self, context: grpc.ServicerContext, make: Callable[[], Order]) -> Any:
         remaining = context.time_remaining()
-        wait = MAX_WAIT_S if remaining is None else max(0.0, min(MAX_WAIT_S, remaining - 0.05))
-        if self.agent.wait(ticket, wait) and ticket.error is not None:
+        wait = MAX_WAIT_S if remaining is None else min(MAX_WAIT_S, remaining - REPLY_MARGIN_S)
+        try:
+            check_admin_token(context, self._token)
+            # The order must not start once its caller has stopped waiting for it.
+            order = dataclasses.replace(make(), deadline=time.monotonic() + max(0.0, wait))
+            ticket = self.agent.submit(order)
+        except NightjarError as exc:
+            context.abort(status_of(exc), str(exc))
+        # A caller that goes away (cancelled, disconnected) takes its queued order along.
+        gone = CancelledError(f"{order.action.value}: its caller went away before it ran")
+
+        def on_done() -> None:  # any end of the call; a no-op once the order ran
+            self.agent.withdraw(ticket, gone)
+
+        context.add_callback(on_done)
+        if not self.agent.wait(ticket, max(0.0, wait)):
+            expired = DeadlineExceededError(
+                f"{order.action.value}: no step boundary within {wait:.1f} s (an idle engine "
+                "reaches none): the order was withdrawn and will not run"
+            )
+            if self.agent.withdraw(ticket, expired):
+                context.abort(status_of(expired), str(expired))
+            # Running already: it completes; the status shows it in pending_orders.
+        elif ticket.error is not None:
             context.abort(status_of(ticket.error), str(ticket.error))
         return status_to_pb(self.agent.status())
 
@@ -88,11 +126,12 @@ class MemoryAgentServicer(memory_pb2_grpc.MemoryAgentServiceServicer):  # type: 
 def serve(
     agent: MemoryAgent,
     uds_path: str,
-    admin_token: str | None = None,
+    admin_token: str | AdminTokenFile | None = None,
     mode: int = uds.DEFAULT_MODE,
 ) -> grpc.Server:
     """Start the service on ``unix:uds_path`` (a few threads: operators, not the hot path).
 
+    ``admin_token``: a token, or the file it is read from (re-read when it changes).
     The socket file gets ``mode`` (group-writable by default: operators' tools in the
     engine's group connect). Raises SocketPathError when a live server already listens
     on the path (nightjar_common/uds.py).

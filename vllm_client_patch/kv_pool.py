@@ -53,6 +53,34 @@ class ElasticBlockPool:
         self._set_usable(num_blocks)
         return plan
 
+    def restore(self, plan: MigrationPlan, num_blocks: int) -> None:
+        """Undo a shrink by ``plan`` whose copies did not run (the worker's block tables
+        still name the old ids, whose contents are intact): every moved block goes back to
+        its old id with its reference count and prefix-cache entries, and the pool grows
+        back to ``num_blocks``."""
+        pool, blocks = self.pool, self.pool.blocks
+        back = {dst: src for src, dst in plan.mapping.items()}
+        for dst, src in back.items():
+            moved, home = blocks[dst], blocks[src]
+            if moved.ref_cnt == 0:
+                # Freed since (its request finished): it holds no copy, so it must not stay a
+                # prefix-cache entry; it is free already and its old home becomes free below.
+                pool._maybe_evict_cached_block(moved)
+                continue
+            home.ref_cnt, moved.ref_cnt = moved.ref_cnt, 0
+            if moved.block_hash is not None:
+                pool.move_block_hashes(moved, home)
+            pool.free_block_queue.append(moved)
+        for manager in self.managers:
+            for table in manager.req_to_blocks.values():
+                for i, block in enumerate(table):
+                    if block.block_id in back and not block.is_null:
+                        table[i] = blocks[back[block.block_id]]
+        # The ids above the shrunk size that hold nothing (a restored block's home is live).
+        grown = [block for block in blocks[self.usable : num_blocks] if block.ref_cnt == 0]
+        pool.free_block_queue.append_n(grown)
+        self._set_usable(num_blocks)
+
     def _set_usable(self, num_blocks: int) -> None:
         # vLLM reads the pool's size from num_gpu_blocks (KV usage, prefix-cache reset's
         # "all blocks free" check, admission sentinels): it is the usable size; ``blocks``

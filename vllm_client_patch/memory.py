@@ -102,6 +102,7 @@ def install_worker_hooks() -> None:
     def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
         agent, memory = _Published.agent, _Published.runner_memory
         if agent is not None and memory is not None and memory.runner is self:
+            # Never raises: a failed order is undone and fails (agent.py), the step runs.
             agent.worker_step(memory, getattr(scheduler_output, ORDER_ATTR, None))
         return execute(self, scheduler_output, *args, **kwargs)
 
@@ -279,9 +280,11 @@ class SchedulerMemory:
         self.server: Any = None
         if config.memory_socket:
             from memory_agent.service import serve
-            from nightjar_common.admin_token import read_token
+            from nightjar_common.admin_token import AdminTokenFile
 
-            token = read_token(config.admin_token_file)
+            # Re-read when the file changes: a rotated token works without a restart.
+            path = config.admin_token_file
+            token = AdminTokenFile(path) if path else None
             self.server = serve(agent, config.memory_socket, token, config.memory_socket_mode)
 
     @classmethod

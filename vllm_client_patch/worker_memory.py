@@ -175,19 +175,29 @@ class RunnerMemory:
     def finish_reload(self) -> Transfer:
         return self._draft.finish_reload()
 
+    def abandon_reload(self) -> None:
+        self._draft.abandon_reload()
+
     def migrate(self, waves: tuple[tuple[Move, ...], ...], remap: Mapping[int, int]) -> None:
         if not self.can_compact:
             raise RuntimeError("KV compaction with split kernel blocks is not supported")
+        # Copies first: a failed one leaves the tables naming the sources, which a
+        # compaction never overwrites (they lie above the new size, the targets below).
         for flat, layout in self.buffers:
             self.backend = migrate(flat, layout, waves)
         lookup = np.arange(self.num_blocks, dtype=np.int64)
         lookup[np.fromiter(remap.keys(), dtype=np.int64)] = np.fromiter(remap.values(), np.int64)
-        for table in self.runner.input_batch.block_table.block_tables:
-            rows = table.block_table.np
-            rows[:] = lookup[rows]
-        for state in self.runner.requests.values():
-            for ids in state.block_ids:
-                ids[:] = lookup[np.asarray(ids, dtype=np.int64)].tolist()
+        tables = [
+            table.block_table.np for table in self.runner.input_batch.block_table.block_tables
+        ]
+        ids = [ids for state in self.runner.requests.values() for ids in state.block_ids]
+        # Every new table computed before any is written: they change together or not at all.
+        new_rows = [lookup[rows] for rows in tables]
+        new_ids = [lookup[np.asarray(row, dtype=np.int64)].tolist() for row in ids]
+        for rows, new in zip(tables, new_rows, strict=True):
+            rows[:] = new
+        for row, new_row in zip(ids, new_ids, strict=True):
+            row[:] = new_row
 
     def guard_drafter(self, allowed: Callable[[], bool]) -> None:
         """Skip the drafter while ``allowed()`` is false (no drafts: a [batch, 0] tensor)."""

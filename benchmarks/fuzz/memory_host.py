@@ -69,13 +69,13 @@ class HostedAgent:
 
 def main(argv: Sequence[str] | None = None) -> int:
     from memory_agent import service
-    from nightjar_common.admin_token import read_token
+    from nightjar_common.admin_token import AdminTokenFile
 
     parser = argparse.ArgumentParser(prog="memory_host", description=__doc__.splitlines()[0])
     parser.add_argument("--uds", required=True, help="Unix socket to serve on")
     parser.add_argument("--admin-token-file", help="admin token for mutating calls")
     args = parser.parse_args(argv)
-    token = read_token(args.admin_token_file or "")
+    token = AdminTokenFile(args.admin_token_file) if args.admin_token_file else None
     hosted = HostedAgent()
     server = service.serve(hosted.agent, args.uds, admin_token=token)
     hosted.thread.start()

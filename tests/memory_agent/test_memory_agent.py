@@ -89,8 +89,14 @@ class Engine:
         self.agent.worker_step(self.memory, self.agent.begin_step(self.elastic))
 
     def run(self, order: Order) -> Any:
+        """Submit ``order`` and reach boundaries until it ends: one, or two for an order
+        that owes the pool a step (an offload grows the pool at the next boundary, a failed
+        order's pool half is undone there)."""
         ticket = self.agent.submit(order)
-        self.step()
+        for _ in range(2):
+            self.step()
+            if ticket.done.is_set():
+                break
         assert ticket.done.is_set()
         return ticket.error
 
@@ -248,8 +254,12 @@ def test_sidecar_directives_are_deduplicated_and_skipped_when_already_done() -> 
         agent.offer_directive(Order(Action.OFFLOAD_DRAFT, source="sidecar"))
     agent.offer_directive(Order(Action.RELOAD_DRAFT, source="sidecar"))  # draft is resident
     assert agent.status().pending_action == "offload_draft"
-    engine.step()
-    assert not agent.draft_resident and agent.status().pending_action == ""
+    engine.step()  # the draft leaves ...
+    assert not agent.draft_resident and agent.status().pending_action == "offload_draft"
+    agent.offer_directive(Order(Action.OFFLOAD_DRAFT, source="sidecar"))  # still running
+    assert [o.running for o in agent.status().pending_orders] == [True]
+    engine.step()  # ... and the pool grows over its memory at the next boundary
+    assert agent.kv_blocks == BLOCKS and agent.status().pending_action == ""
     agent.offer_directive(Order(Action.OFFLOAD_DRAFT, source="sidecar"))  # already offloaded
     assert agent.status().pending_action == ""
 
@@ -320,17 +330,20 @@ def test_grpc_service_guards_waits_for_the_boundary_and_maps_errors(
         stub.OffloadDraft(memory_pb2.OffloadDraftRequest(expand_kv=True))
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert engine.agent.status().pending_action == ""  # nothing queued by a refused call
-    # No step boundary comes (an idle engine): the call returns with its order pending.
-    status = stub.OffloadDraft(
-        memory_pb2.OffloadDraftRequest(expand_kv=True), metadata=auth, timeout=0.5
-    )
-    assert status.pending_action == "offload_draft" and status.draft_resident
+    # No step boundary comes (an idle engine): the order expires with the call's deadline.
+    with pytest.raises(grpc.RpcError) as err:
+        stub.OffloadDraft(
+            memory_pb2.OffloadDraftRequest(expand_kv=True), metadata=auth, timeout=0.5
+        )
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert engine.agent.status().pending_orders == ()
+    engine.step()  # a boundary after the call gave up: the order does not run
+    assert engine.agent.draft_resident and engine.agent.offloads == 0
     stop = steps_in_background(engine)
     try:
-        deadline = time.monotonic() + 5
-        while engine.agent.offloads == 0 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        status = stub.GetStatus(memory_pb2.MemoryStatusRequest())
+        status = stub.OffloadDraft(
+            memory_pb2.OffloadDraftRequest(expand_kv=True), metadata=auth, timeout=5
+        )
         assert status.draft_state == "offloaded" and status.offloads == 1
         assert status.total_kv_blocks == BLOCKS
         with pytest.raises(grpc.RpcError) as err:

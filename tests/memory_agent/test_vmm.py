@@ -14,6 +14,7 @@ torch = pytest.importorskip("torch", reason="needs torch (make test installs vll
 from memory_agent.vmm import ElasticMemory, Residence, VmmError, scratch_pieces  # noqa: E402
 from memory_agent.vmm_host import HostDriver  # noqa: E402
 from memory_agent.vmm_plan import KVGeometry, plan_elastic  # noqa: E402
+from tests.rigs.failing_driver import FailingDriver  # noqa: E402
 
 GRANULE = 64 << 10
 LAYERS, BLOCKS, PAGE = 4, 64, 8 << 10  # layer-outermost: 512 KiB = 8 granules a layer
@@ -80,21 +81,6 @@ def test_a_transition_in_the_wrong_state_is_refused(memory: ElasticMemory) -> No
         memory.to_kv()
 
 
-class FailingDriver(HostDriver):
-    """The host driver, failing its n-th map call from when it is armed."""
-
-    def __init__(self, granularity: int) -> None:
-        super().__init__(granularity)
-        self.fail_at: int | None = None
-
-    def map(self, address: int, nbytes: int, handle: int) -> None:
-        if self.fail_at is not None:
-            self.fail_at -= 1
-            if self.fail_at == 0:
-                raise OSError(12, "out of memory (injected)")
-        super().map(address, nbytes, handle)
-
-
 @pytest.mark.parametrize("fail_at", [1, 2, 4])
 def test_a_failed_offload_or_reload_is_undone(fail_at: int) -> None:
     driver = FailingDriver(GRANULE)
@@ -103,15 +89,14 @@ def test_a_failed_offload_or_reload_is_undone(fail_at: int) -> None:
         weights = torch.randint(0, 256, (memory.draft_nbytes,), dtype=torch.uint8)
         memory.draft_tensor().copy_(weights)
         before = memory.mappings()
-        driver.fail_at = fail_at
+        driver.arm(fail_at)
         with pytest.raises(VmmError, match="injected"):
             memory.to_kv()
         assert memory.residence is Residence.DRAFT and memory.mappings() == before
         assert torch.equal(memory.draft_tensor(), weights), "the draft's bytes are untouched"
-        driver.fail_at = None
         memory.to_kv()
         offloaded = memory.mappings()
-        driver.fail_at = fail_at
+        driver.arm(fail_at)
         with pytest.raises(VmmError):
             memory.to_draft()
         assert memory.residence is Residence.KV and memory.mappings() == offloaded

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1enightjar_proto/v1/memory.proto\x12\x0bnightjar.v1\"\x15\n\x13MemoryStatusRequest\"\xcd\x02\n\x0cMemoryStatus\x12\x16\n\x0e\x64raft_resident\x18\x01 \x01(\x08\x12\x13\n\x0b\x64raft_state\x18\x02 \x01(\t\x12\x17\n\x0ftotal_kv_blocks\x18\x03 \x01(\x03\x12\x16\n\x0e\x66ree_kv_blocks\x18\x04 \x01(\x03\x12\x13\n\x0b\x64raft_bytes\x18\x05 \x01(\x03\x12\x17\n\x0f\x64raft_kv_blocks\x18\x06 \x01(\x03\x12\x1a\n\x12kv_capacity_blocks\x18\x07 \x01(\x03\x12\x16\n\x0epending_action\x18\x08 \x01(\t\x12\x12\n\nlast_error\x18\t \x01(\t\x12\x10\n\x08offloads\x18\n \x01(\x03\x12\x0f\n\x07reloads\x18\x0b \x01(\x03\x12\x16\n\x0e\x66\x61iled_reloads\x18\x0c \x01(\x03\x12\x17\n\x0fmigrated_blocks\x18\r \x01(\x03\x12\x15\n\rlast_order_ms\x18\x0e \x01(\x01\"(\n\x13OffloadDraftRequest\x12\x11\n\texpand_kv\x18\x01 \x01(\x08\"(\n\x12ReloadDraftRequest\x12\x12\n\ncompact_kv\x18\x01 \x01(\x08\"+\n\x0f\x45xpandKvRequest\x12\x18\n\x10target_kv_blocks\x18\x01 \x01(\x03\",\n\x10\x43ompactKvRequest\x12\x18\n\x10target_kv_blocks\x18\x01 \x01(\x03\x32\x82\x03\n\x12MemoryAgentService\x12H\n\tGetStatus\x12 .nightjar.v1.MemoryStatusRequest\x1a\x19.nightjar.v1.MemoryStatus\x12K\n\x0cOffloadDraft\x12 .nightjar.v1.OffloadDraftRequest\x1a\x19.nightjar.v1.MemoryStatus\x12I\n\x0bReloadDraft\x12\x1f.nightjar.v1.ReloadDraftRequest\x1a\x19.nightjar.v1.MemoryStatus\x12\x43\n\x08\x45xpandKv\x12\x1c.nightjar.v1.ExpandKvRequest\x1a\x19.nightjar.v1.MemoryStatus\x12\x45\n\tCompactKv\x12\x1d.nightjar.v1.CompactKvRequest\x1a\x19.nightjar.v1.MemoryStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1enightjar_proto/v1/memory.proto\x12\x0bnightjar.v1\"\x15\n\x13MemoryStatusRequest\"\x95\x03\n\x0cMemoryStatus\x12\x16\n\x0e\x64raft_resident\x18\x01 \x01(\x08\x12\x13\n\x0b\x64raft_state\x18\x02 \x01(\t\x12\x17\n\x0ftotal_kv_blocks\x18\x03 \x01(\x03\x12\x16\n\x0e\x66ree_kv_blocks\x18\x04 \x01(\x03\x12\x13\n\x0b\x64raft_bytes\x18\x05 \x01(\x03\x12\x17\n\x0f\x64raft_kv_blocks\x18\x06 \x01(\x03\x12\x1a\n\x12kv_capacity_blocks\x18\x07 \x01(\x03\x12\x16\n\x0epending_action\x18\x08 \x01(\t\x12\x12\n\nlast_error\x18\t \x01(\t\x12\x10\n\x08offloads\x18\n \x01(\x03\x12\x0f\n\x07reloads\x18\x0b \x01(\x03\x12\x16\n\x0e\x66\x61iled_reloads\x18\x0c \x01(\x03\x12\x17\n\x0fmigrated_blocks\x18\r \x01(\x03\x12\x15\n\rlast_order_ms\x18\x0e \x01(\x01\x12\x31\n\x0epending_orders\x18\x0f \x03(\x0b\x32\x19.nightjar.v1.PendingOrder\x12\x13\n\x0bqueue_limit\x18\x10 \x01(\x03\"g\n\x0cPendingOrder\x12\x10\n\x08order_id\x18\x01 \x01(\x04\x12\x0e\n\x06\x61\x63tion\x18\x02 \x01(\t\x12\x0e\n\x06source\x18\x03 \x01(\t\x12\x0f\n\x07running\x18\x04 \x01(\x08\x12\x14\n\x0c\x65xpires_in_s\x18\x05 \x01(\x01\"(\n\x13OffloadDraftRequest\x12\x11\n\texpand_kv\x18\x01 \x01(\x08\"(\n\x12ReloadDraftRequest\x12\x12\n\ncompact_kv\x18\x01 \x01(\x08\"+\n\x0f\x45xpandKvRequest\x12\x18\n\x10target_kv_blocks\x18\x01 \x01(\x03\",\n\x10\x43ompactKvRequest\x12\x18\n\x10target_kv_blocks\x18\x01 \x01(\x03\"&\n\x12\x43\x61ncelOrderRequest\x12\x10\n\x08order_id\x18\x01 \x01(\x04\"]\n\x13\x43\x61ncelOrderResponse\x12\x1b\n\x13\x63\x61ncelled_order_ids\x18\x01 \x03(\x04\x12)\n\x06status\x18\x02 \x01(\x0b\x32\x19.nightjar.v1.MemoryStatus2\xd4\x03\n\x12MemoryAgentService\x12H\n\tGetStatus\x12 .nightjar.v1.MemoryStatusRequest\x1a\x19.nightjar.v1.MemoryStatus\x12K\n\x0cOffloadDraft\x12 .nightjar.v1.OffloadDraftRequest\x1a\x19.nightjar.v1.MemoryStatus\x12I\n\x0bReloadDraft\x12\x1f.nightjar.v1.ReloadDraftRequest\x1a\x19.nightjar.v1.MemoryStatus\x12\x43\n\x08\x45xpandKv\x12\x1c.nightjar.v1.ExpandKvRequest\x1a\x19.nightjar.v1.MemoryStatus\x12\x45\n\tCompactKv\x12\x1d.nightjar.v1.CompactKvRequest\x1a\x19.nightjar.v1.MemoryStatus\x12P\n\x0b\x43\x61ncelOrder\x12\x1f.nightjar.v1.CancelOrderRequest\x1a .nightjar.v1.CancelOrderResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,15 +34,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MEMORYSTATUSREQUEST']._serialized_start=47
   _globals['_MEMORYSTATUSREQUEST']._serialized_end=68
   _globals['_MEMORYSTATUS']._serialized_start=71
-  _globals['_MEMORYSTATUS']._serialized_end=404
-  _globals['_OFFLOADDRAFTREQUEST']._serialized_start=406
-  _globals['_OFFLOADDRAFTREQUEST']._serialized_end=446
-  _globals['_RELOADDRAFTREQUEST']._serialized_start=448
-  _globals['_RELOADDRAFTREQUEST']._serialized_end=488
-  _globals['_EXPANDKVREQUEST']._serialized_start=490
-  _globals['_EXPANDKVREQUEST']._serialized_end=533
-  _globals['_COMPACTKVREQUEST']._serialized_start=535
-  _globals['_COMPACTKVREQUEST']._serialized_end=579
-  _globals['_MEMORYAGENTSERVICE']._serialized_start=582
-  _globals['_MEMORYAGENTSERVICE']._serialized_end=968
+  _globals['_MEMORYSTATUS']._serialized_end=476
+  _globals['_PENDINGORDER']._serialized_start=478
+  _globals['_PENDINGORDER']._serialized_end=581
+  _globals['_OFFLOADDRAFTREQUEST']._serialized_start=583
+  _globals['_OFFLOADDRAFTREQUEST']._serialized_end=623
+  _globals['_RELOADDRAFTREQUEST']._serialized_start=625
+  _globals['_RELOADDRAFTREQUEST']._serialized_end=665
+  _globals['_EXPANDKVREQUEST']._serialized_start=667
+  _globals['_EXPANDKVREQUEST']._serialized_end=710
+  _globals['_COMPACTKVREQUEST']._serialized_start=712
+  _globals['_COMPACTKVREQUEST']._serialized_end=756
+  _globals['_CANCELORDERREQUEST']._serialized_start=758
+  _globals['_CANCELORDERREQUEST']._serialized_end=796
+  _globals['_CANCELORDERRESPONSE']._serialized_start=798
+  _globals['_CANCELORDERRESPONSE']._serialized_end=891
+  _globals['_MEMORYAGENTSERVICE']._serialized_start=894
+  _globals['_MEMORYAGENTSERVICE']._serialized_end=1362
 # @@protoc_insertion_point(module_scope)

@@ -26,11 +26,18 @@ if _version_not_supported:
 
 
 class MemoryAgentServiceStub(object):
-    """Node-local memory actions (draft offload/reload, KV expand/compact). Each mutating call queues an order that the
-    engine carries out at its next step boundary and waits for it (at most the
-    call's deadline, capped at 30 s); an order that cannot run fails with
-    FAILED_PRECONDITION (wrong draft state, live blocks that do not fit) and a
-    malformed target with INVALID_ARGUMENT, leaving the engine as it was.
+    """Node-local memory actions (draft offload/reload, KV expand/compact). Each
+    ordering call queues an order that the engine carries out at a step boundary
+    and waits for it, at most the call's deadline (capped at 30 s). Every order
+    is a transaction: it completes, or fails and leaves the engine as it was.
+    An order that cannot run fails with FAILED_PRECONDITION (wrong draft state,
+    live blocks that do not fit, a reload that does not verify), a malformed
+    target with INVALID_ARGUMENT, and one whose device work failed part-way
+    (a driver call, a copy) with ABORTED, undone. A full queue refuses the order
+    with RESOURCE_EXHAUSTED. An order still queued when its call's deadline
+    passes, or when its caller goes away, is withdrawn and never runs
+    (DEADLINE_EXCEEDED); one already running completes, and the call returns
+    the status with it in pending_orders.
     """
 
     def __init__(self, channel):
@@ -64,14 +71,26 @@ class MemoryAgentServiceStub(object):
                 request_serializer=nightjar__proto_dot_v1_dot_memory__pb2.CompactKvRequest.SerializeToString,
                 response_deserializer=nightjar__proto_dot_v1_dot_memory__pb2.MemoryStatus.FromString,
                 _registered_method=True)
+        self.CancelOrder = channel.unary_unary(
+                '/nightjar.v1.MemoryAgentService/CancelOrder',
+                request_serializer=nightjar__proto_dot_v1_dot_memory__pb2.CancelOrderRequest.SerializeToString,
+                response_deserializer=nightjar__proto_dot_v1_dot_memory__pb2.CancelOrderResponse.FromString,
+                _registered_method=True)
 
 
 class MemoryAgentServiceServicer(object):
-    """Node-local memory actions (draft offload/reload, KV expand/compact). Each mutating call queues an order that the
-    engine carries out at its next step boundary and waits for it (at most the
-    call's deadline, capped at 30 s); an order that cannot run fails with
-    FAILED_PRECONDITION (wrong draft state, live blocks that do not fit) and a
-    malformed target with INVALID_ARGUMENT, leaving the engine as it was.
+    """Node-local memory actions (draft offload/reload, KV expand/compact). Each
+    ordering call queues an order that the engine carries out at a step boundary
+    and waits for it, at most the call's deadline (capped at 30 s). Every order
+    is a transaction: it completes, or fails and leaves the engine as it was.
+    An order that cannot run fails with FAILED_PRECONDITION (wrong draft state,
+    live blocks that do not fit, a reload that does not verify), a malformed
+    target with INVALID_ARGUMENT, and one whose device work failed part-way
+    (a driver call, a copy) with ABORTED, undone. A full queue refuses the order
+    with RESOURCE_EXHAUSTED. An order still queued when its call's deadline
+    passes, or when its caller goes away, is withdrawn and never runs
+    (DEADLINE_EXCEEDED); one already running completes, and the call returns
+    the status with it in pending_orders.
     """
 
     def GetStatus(self, request, context):
@@ -109,6 +128,15 @@ class MemoryAgentServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CancelOrder(self, request, context):
+        """Withdraw queued orders (an operator's or a sidecar directive) before they
+        run: NOT_FOUND when the order is not queued, FAILED_PRECONDITION when it is
+        already running. Mutating: needs the admin token.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MemoryAgentServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -137,6 +165,11 @@ def add_MemoryAgentServiceServicer_to_server(servicer, server):
                     request_deserializer=nightjar__proto_dot_v1_dot_memory__pb2.CompactKvRequest.FromString,
                     response_serializer=nightjar__proto_dot_v1_dot_memory__pb2.MemoryStatus.SerializeToString,
             ),
+            'CancelOrder': grpc.unary_unary_rpc_method_handler(
+                    servicer.CancelOrder,
+                    request_deserializer=nightjar__proto_dot_v1_dot_memory__pb2.CancelOrderRequest.FromString,
+                    response_serializer=nightjar__proto_dot_v1_dot_memory__pb2.CancelOrderResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'nightjar.v1.MemoryAgentService', rpc_method_handlers)
@@ -146,11 +179,18 @@ def add_MemoryAgentServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class MemoryAgentService(object):
-    """Node-local memory actions (draft offload/reload, KV expand/compact). Each mutating call queues an order that the
-    engine carries out at its next step boundary and waits for it (at most the
-    call's deadline, capped at 30 s); an order that cannot run fails with
-    FAILED_PRECONDITION (wrong draft state, live blocks that do not fit) and a
-    malformed target with INVALID_ARGUMENT, leaving the engine as it was.
+    """Node-local memory actions (draft offload/reload, KV expand/compact). Each
+    ordering call queues an order that the engine carries out at a step boundary
+    and waits for it, at most the call's deadline (capped at 30 s). Every order
+    is a transaction: it completes, or fails and leaves the engine as it was.
+    An order that cannot run fails with FAILED_PRECONDITION (wrong draft state,
+    live blocks that do not fit, a reload that does not verify), a malformed
+    target with INVALID_ARGUMENT, and one whose device work failed part-way
+    (a driver call, a copy) with ABORTED, undone. A full queue refuses the order
+    with RESOURCE_EXHAUSTED. An order still queued when its call's deadline
+    passes, or when its caller goes away, is withdrawn and never runs
+    (DEADLINE_EXCEEDED); one already running completes, and the call returns
+    the status with it in pending_orders.
     """
 
     @staticmethod
@@ -278,6 +318,33 @@ class MemoryAgentService(object):
             '/nightjar.v1.MemoryAgentService/CompactKv',
             nightjar__proto_dot_v1_dot_memory__pb2.CompactKvRequest.SerializeToString,
             nightjar__proto_dot_v1_dot_memory__pb2.MemoryStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CancelOrder(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/nightjar.v1.MemoryAgentService/CancelOrder',
+            nightjar__proto_dot_v1_dot_memory__pb2.CancelOrderRequest.SerializeToString,
+            nightjar__proto_dot_v1_dot_memory__pb2.CancelOrderResponse.FromString,
             options,
             channel_credentials,
             insecure,
