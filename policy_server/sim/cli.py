@@ -122,6 +122,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 profile, POPULATIONS[args.acceptance], specs, source, bench.sim(args.seed)
             )
             results["sidecar"] = sim.run()
+        print(
+            f"sidecar: {source.steps} steps decided, {source.signalled} sent per-request "
+            f"signals, {source.planned} ran per-request γ; {client.stats.tables} tables, "
+            f"{client.stats.fallbacks_total} fallbacks",
+            file=sys.stderr,
+        )
     cells: dict[str, Cell] = {
         name: summarise(args.profile, str(args.trace), name, result)
         for name, result in results.items()

@@ -136,6 +136,9 @@ class ClientSource:
         self.client = client
         self.last: GammaDecision | None = None  # for live displays
         self.per_request = False
+        # Steps decided, those whose context carried per-request signals, and those that
+        # ran a request below the step's γ (a per-request plan): what nightjar-sim shows.
+        self.steps = self.signalled = self.planned = 0
 
     @staticmethod
     def connect(target: str, engine_id: str, connect_timeout_s: float = 0.0) -> NightjarClient:
@@ -154,11 +157,20 @@ class ClientSource:
         reads = decision.reads_request_signals
         if reads is not None:  # a fallback says nothing of the sidecar's policy
             self.per_request = reads
-        return Decided(decision.gamma, decision.decision_id or "", decision.request_gammas)
+        decided = Decided(decision.gamma, decision.decision_id or "", decision.request_gammas)
+        self.steps += 1
+        self.signalled += bool(ctx.requests)
+        self.planned += plans_per_request(decided)
+        return decided
 
     def report(self, ctx: StepContext, decision_id: str, outcome: StepOutcome) -> None:
         if decision_id:
             self.client.report(outcome)
+
+
+def plans_per_request(decided: Decided) -> bool:
+    """Whether a step runs a request below its γ (a per-request plan)."""
+    return any(gamma < decided.gamma for _, gamma in decided.request_gammas)
 
 
 class RequestOracleSource:

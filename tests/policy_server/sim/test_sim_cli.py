@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import nightjar_data
@@ -65,6 +66,26 @@ def test_bad_input_is_reported_with_exit_code_2(trace: Path, capsys, args, messa
     argv = [str(trace) if a == "TRACE" else a for a in args] + ["--data", str(DATA)]
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_sidecar_planning_per_request_gets_the_signals_it_reads(make_server, capsys) -> None:
+    """`nightjar-sim TRACE --acceptance easy-hard --sidecar ...` against goodput with
+    per_request=true: the steps send per-request signals once a table says the policy reads
+    them, and the sidecar's per-request plans run."""
+    server = make_server("--policy", "goodput", "--params", json.dumps({"per_request": True}))
+    trace = DATA / "traces" / "azure_llm_2023_conv.csv"
+    argv = [str(trace), "--seconds", "20", "--qps", "8", "--policies", "oracle"]
+    argv += ["--acceptance", "easy-hard"]
+    assert main([*argv, "--data", str(DATA), "--sidecar", server.target]) == 0
+    shown = re.search(
+        r"sidecar: (\d+) steps decided, (\d+) sent per-request signals, (\d+) ran per-request γ;"
+        r" \d+ tables, 0 fallbacks",
+        capsys.readouterr().err,
+    )
+    assert shown is not None
+    steps, signalled, planned = map(int, shown.groups())
+    assert steps - 1 <= signalled < steps  # all but the first: no table had said so yet
+    assert planned > 0
 
 
 def test_a_mixed_population_is_selectable_and_dsde_runs_on_it(trace: Path, tmp_path: Path) -> None:

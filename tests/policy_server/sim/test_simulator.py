@@ -27,7 +27,13 @@ from policy_server.sim.acceptance import (
 from policy_server.sim.engine import Decided, SimConfig, SimResult, Simulator
 from policy_server.sim.profile import builtin_profiles, calibration_points
 from policy_server.sim.runs import summarise
-from policy_server.sim.sources import ClientSource, OracleSource, PolicySource, TableSource
+from policy_server.sim.sources import (
+    ClientSource,
+    OracleSource,
+    PolicySource,
+    TableSource,
+    plans_per_request,
+)
 from policy_server.sim.workload import (
     SCHEDULES,
     RatePhase,
@@ -252,7 +258,7 @@ class PlansSeen(TableSource):
 
     def decide(self, ctx: StepContext, sim: Simulator) -> Decided:
         decided = super().decide(ctx, sim)
-        self.planned += any(g < decided.gamma for _, g in decided.request_gammas)
+        self.planned += plans_per_request(decided)
         return decided
 
 
