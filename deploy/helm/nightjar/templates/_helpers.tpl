@@ -63,3 +63,19 @@ httpGet: {path: /health, port: http}
 {{- end -}}
 {{- with $annotations }}{{ toYaml . }}{{ end -}}
 {{- end -}}
+
+{{/* Fleet learning's Redis URL: sidecar.fleet.url, else the chart's own Redis when
+     redis.enabled, else "" (off). */}}
+{{- define "nightjar.fleetUrl" -}}
+{{- if .Values.sidecar.fleet.url -}}
+{{- .Values.sidecar.fleet.url -}}
+{{- else if .Values.redis.enabled -}}
+{{- printf "redis://%s-redis:6379/0" (include "nightjar.fullname" .) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The fleet's deployment name: sidecar.fleet.deployment, else <namespace>.<fullname>
+     (releases of one name in two namespaces do not pool). */}}
+{{- define "nightjar.fleetDeployment" -}}
+{{- .Values.sidecar.fleet.deployment | default (printf "%s.%s" .Release.Namespace (include "nightjar.fullname" .)) -}}
+{{- end -}}
