@@ -206,9 +206,13 @@ def hardening_rows(
     return [
         {
             "test": f"fuzz, hardening: {result.name}",
-            "what": result.what + "; after each: alive, SERVING, γ within 0..Γmax and the "
-            "engine's max_gamma, no number beyond what a policy learns, a refusal changes "
-            "nothing",
+            "what": result.what
+            + "; "
+            + (
+                result.checked
+                or "after each: alive, SERVING, γ within 0..Γmax and the engine's max_gamma, "
+                "no number beyond what a policy learns, a refusal changes nothing"
+            ),
             "figure": (
                 f"{result.cases:,} cases, {result.refused:,} refused, "
                 f"{len(result.failures)} failures"

@@ -63,6 +63,8 @@ class ClassResult:
     cases: int = 0
     refused: int = 0
     failures: list[str] = dataclasses.field(default_factory=list)
+    # What is checked after each case ("": a sidecar's, as the classes here check it).
+    checked: str = ""
 
     def fail(self, case: str, why: str) -> None:
         self.failures.append(f"{case}: {why}")
@@ -542,6 +544,8 @@ def refused_outcome(reply: policy_pb2.StepReply) -> str:
 
 
 def run(workdir: Path, quick: bool, seed: int) -> list[ClassResult]:
+    from benchmarks.fuzz import failing_drivers  # it builds on ClassResult
+
     token_file = workdir / "hardening-token"
     token_file.write_text(secrets.token_hex(16))
     return [
@@ -549,4 +553,5 @@ def run(workdir: Path, quick: bool, seed: int) -> list[ClassResult]:
         file_kinds(workdir, token_file),
         parameter_values(workdir, token_file),
         implausible_outcomes(workdir, token_file),
+        failing_drivers.run(quick, seed),
     ]

@@ -59,14 +59,17 @@ def test_quick_fuzz_slice_finds_no_crash_wrong_code_or_state_change(tmp_path: Pa
     assert stream["tables"] > 100 and stream["applied items"] > 300
     assert stream["skipped items"] > 0 and stream["notices"] > 100
     assert {"test", "what", "figure", "passed", "date", "machine", "command"} <= set(result)
-    # The hardening classes of issue 28: every case ran, none failed.
+    # The hardening classes of issues 28 and 54: every case ran, none failed.
     rows = json.loads(hardened.read_text())
     assert [row["test"].split(": ", 1)[1] for row in rows] == [
         "snapshot documents",
         "snapshot file kinds",
         "parameter values",
         "implausible outcomes",
+        "failing drivers",
     ]
+    drivers = rows[-1]
+    assert "were undone" in drivers["what"] and "(0 orders" not in drivers["what"]
     assert all(row["passed"] and " 0 failures" in row["figure"] for row in rows), rows
 
 

