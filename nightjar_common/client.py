@@ -82,13 +82,12 @@ class ClientConfig:
     # answer arrives while the engine runs on the held one.
     table_refresh_steps: int = TABLE_REFRESH_STEPS
     table_refresh_ms: float = TABLE_REFRESH_MS
-    # A simulation replaying a trace (nightjar-sim --sidecar), not an engine: each step
-    # waits for the table it is due (up to the deadline), and tables age on the
-    # simulation's clock (the time each step gives :meth:`NightjarClient.decide`), not the
-    # wall clock: refreshed every table_refresh_steps steps or table_refresh_ms simulated
-    # ms, void after their valid_steps / valid_ms. Every step then runs from the table an
-    # engine would hold if each refresh arrived in time, however fast the simulation steps,
-    # and a replay with the same trace, seed and policy decides the same.
+    # A simulation replaying a trace (nightjar-sim --sidecar), not an engine: tables age
+    # on the simulation's clock (the time each step gives NightjarClient.decide), not the
+    # wall clock, and each refresh, asked for a step ahead as an engine's is, is waited for
+    # (up to the deadline). Every step then runs from the table an engine would hold if
+    # the sidecar answered within its step, however fast the simulation steps, and a
+    # replay with the same trace, seed and policy decides the same.
     replay: bool = False
 
 
@@ -174,7 +173,7 @@ class ClientStats:
     tables: int = 0
     table_misses: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
     # Table requests sent by steps that missed: one in flight at a time, later misses
-    # wait for it.
+    # wait for it (in a replay, its refreshes too: each is waited for).
     miss_requests: int = 0
     # Table requests sent ahead of need: the held table due for a refresh, or outlived
     # (one may follow a miss's unanswered request: the next step's, behind it).
@@ -246,14 +245,16 @@ class NightjarClient:
         """γ for the step described by ``ctx``, reported as run (:meth:`take`); the next
         step is taken to be like this one, after this γ (:meth:`ask_ahead`). In a replay
         the step starts at ``now_s`` simulated seconds (the time its tables age by; None:
-        the last step's), and the table due for it is asked for and waited for first."""
-        if self.config.replay:
-            if now_s is not None:
-                self._replay_s = now_s
-            self._refresh_before(ctx)
-            return self.take(ctx)
+        the last step's), and the table asked for ahead is waited for: it is there for the
+        next step, as an engine's is when the sidecar answers within its step."""
+        if self.config.replay and now_s is not None:
+            self._replay_s = now_s
         decision = self.take(ctx)
-        self._refresh_if_due(NextStep(ctx, decision.gamma))
+        step = NextStep(ctx, decision.gamma)
+        if self.config.replay:
+            self._refresh_ahead_now(step)
+        else:
+            self._refresh_if_due(step)
         return decision
 
     def take(self, ctx: StepContext, report_ran: bool = True) -> GammaDecision:
@@ -377,46 +378,53 @@ class NightjarClient:
 
     def _ask_now(self, ctx: StepContext) -> GammaDecision | None:
         """Ask for a table for ``ctx``'s step and wait for it, within the deadline: None
-        once it is installed, else the fallback decision (and why).
+        once it is installed, else the fallback decision (and why)."""
+        failed = self._request_table(ctx)
+        return None if failed is None else self._fall_back(ctx, failed)
+
+    def _request_table(self, ctx: StepContext) -> str | None:
+        """Ask for a table for ``ctx``'s step and wait for it, within the deadline: None
+        once it is installed, else why not (a fallback reason).
 
         The sender thread gathers the reports, builds and sends the request (the engine's
         thread, which waits for the answer anyway, only hands it the step); the reply's
         callback installs the table before this thread wakes."""
         if self._connection.live(self.config.deadline_s) is None:
-            return self._fall_back(ctx, "disconnected")
+            return "disconnected"
         reply_to = self._miss_request = PendingReply()
         self._miss_step = (ctx, reply_to)
         self._refresh_wanted.set()
-        reply = self._await(ctx, reply_to)
-        if isinstance(reply, GammaDecision):
+        reply = self._await(reply_to)
+        if isinstance(reply, str):
             return reply
         if reply.HasField("error"):
             if reply.error.code == _ABORTED:
-                return self._fall_back(ctx, "superseded")  # its reports were applied
+                return "superseded"  # its reports were applied
             log.warning("sidecar rejected a step context: %s", reply.error.message)
-            return self._fall_back(ctx, "rejected")
+            return "rejected"
         return None
 
     def _replay_time(self) -> float:
         """A replay's clock: the simulated time of its step."""
         return self._replay_s
 
-    def _refresh_before(self, ctx: StepContext) -> None:
-        """A replay's refresh: when the held table is due for ``ctx``'s step, a new one
-        asked for with it and waited for (what failed falls back at :meth:`take`)."""
+    def _refresh_ahead_now(self, step: NextStep) -> None:
+        """A replay's refresh: asked for as an engine's is (:meth:`_refresh_if_due`, for
+        the next step, when the held table is due) and waited for, so that it is there for
+        that step whatever the simulation's pace. One not answered is no fallback: the
+        next step asks again if the held table cannot answer it."""
         config = self.config
-        held = self._tables.held
-        if held is None or not refresh_due(
-            held,
-            ctx.batch_size,
-            ctx.previous_gamma == 0,
+        if not refresh_due(
+            self._tables.held,
+            step.batch_size,
+            step.speculation_off,
             self._clock(),
             config.table_refresh_steps,
             config.table_refresh_ms,
         ):
-            return  # none held: take() asks (a miss), as an engine's first step does
+            return
         self.stats.refresh_requests += 1
-        self._ask_now(ctx)
+        self._request_table(step.context())
 
     def _wait_for_outstanding(
         self, ctx: StepContext, pending: PendingReply
@@ -458,20 +466,18 @@ class NightjarClient:
             self._refresh_step = step
         self._refreshing = True
 
-    def _await(
-        self, ctx: StepContext, pending: PendingReply
-    ) -> policy_pb2.StepReply | GammaDecision:
-        """The reply to ``ctx``'s request within the deadline, else the fallback (why:
-        disconnected, deadline, unavailable)."""
+    def _await(self, pending: PendingReply) -> policy_pb2.StepReply | str:
+        """The reply to a table request within the deadline, else why not (disconnected,
+        deadline, unavailable)."""
         try:
             return pending.result(timeout=self.config.deadline_s)
         except TimeoutError:
             pending.add_done_callback(self._count_late)
-            return self._fall_back(ctx, "deadline")
+            return "deadline"
         except NotSent:
-            return self._fall_back(ctx, "disconnected")
+            return "disconnected"
         except ConnectionError:
-            return self._fall_back(ctx, "unavailable")
+            return "unavailable"
 
     def _fall_back(self, ctx: StepContext, reason: str) -> GammaDecision:
         self.stats.fallbacks[reason] += 1

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from nightjar_common.client import TABLE_REFRESH_STEPS, ClientConfig, GammaDecision, NightjarClient
-from nightjar_common.tables import ReportBatch, TableCache, refresh_due
+from nightjar_common.tables import NextStep, ReportBatch, TableCache, refresh_due
 from nightjar_common.types import Choice, RanStep, StepContext, StepOutcome
 from nightjar_common.validation import MAX_BATCHED
 from policy_server.policies import Policy, create_policy
@@ -49,17 +49,21 @@ class TableSource:
     """A policy served through decision tables (docs/DECISION_TABLES.md) in process: the
     sidecar's own DecisionService decides the tables and applies the report batches, and
     the client's own TableCache answers each step, so the simulator runs exactly the wire
-    protocol's logic, without the transport. A table is asked for when the held one cannot
-    answer a step or has served ``refresh_steps`` steps, and carries the steps run and
-    outcomes since the last one, all of them known (an answer that always arrives in time:
-    on a real engine the refresh is asked for one step ahead).
+    protocol's logic, without the transport. Steps carry per-request signals while the last
+    table's policy reads them (``GammaTable.reads_request_signals``, the plugin's rule),
+    and a table's per-request γ run (each under its step's entry).
 
-    ``refresh_ms`` None: tables age by steps only (``make bench-tables``). A number: also
-    by the simulated clock, as the plugin's client ages them by the wall clock (and a
-    replay's, ClientSource, by the simulated one): refreshed once that old, void after
-    their ``valid_ms``. Steps carry per-request signals while the last table's policy reads
-    them (``GammaTable.reads_request_signals``, the plugin's rule), and a table's
-    per-request γ run (each under its step's entry)."""
+    When a table is asked for:
+
+    - ``refresh_ms`` None (``make bench-tables``): at a step the held table cannot answer
+      or that finds it has served ``refresh_steps`` steps, with that step's context and
+      every outcome before it (an idealised refresh; tables age by steps only);
+    - ``refresh_ms`` a number: as the plugin's client asks (and a replay's, ClientSource):
+      right after a step, for the next one (this step's context after its γ; its outcome
+      not known yet), when the held table has served ``refresh_steps`` steps, is
+      ``refresh_ms`` old on the simulated clock or will not answer the next step; tables
+      are void after their ``valid_steps`` / ``valid_ms``, and a step the held table
+      cannot answer asks with its own context (an engine's miss)."""
 
     def __init__(
         self,
@@ -88,25 +92,34 @@ class TableSource:
     def decide(self, ctx: StepContext, sim: Simulator) -> Decided:
         speculation_off = ctx.previous_gamma == 0
         now = sim.now if self.timed else 0.0
-        if refresh_due(
-            self._cache.held,
-            ctx.batch_size,
-            speculation_off,
-            now,
-            self.refresh_steps,
-            self.refresh_ms,
+        if not self.timed and refresh_due(
+            self._cache.held, ctx.batch_size, speculation_off, 0.0, self.refresh_steps, math.inf
         ):
             self._refresh(ctx)
         taken = self._cache.take_size(ctx.batch_size, speculation_off, now)
-        if isinstance(taken, str):  # an exploring entry of a fresh table ran already
+        if isinstance(taken, str):  # a miss (untimed: an exploring entry ran already)
             self._refresh(ctx)
             taken = self._cache.take_size(ctx.batch_size, speculation_off, now)
             assert not isinstance(taken, str), taken
         decision_id = taken.decision_id  # formatted once: a step's own cost
         self._reports.ran(RanStep(decision_id, ctx, taken.gamma))
+        if self.timed:
+            self._refresh_ahead(NextStep(ctx, taken.gamma), now)
         table = taken.held.table
         self.per_request = table.reads_request_signals
         return Decided(taken.gamma, decision_id, table.request_gammas)
+
+    def _refresh_ahead(self, step: NextStep, now: float) -> None:
+        """The plugin's refresh: for the next step, when the held table is due for it."""
+        if refresh_due(
+            self._cache.held,
+            step.batch_size,
+            step.speculation_off,
+            now,
+            self.refresh_steps,
+            self.refresh_ms,
+        ):
+            self._refresh(step.context())
 
     def report(self, ctx: StepContext, decision_id: str, outcome: StepOutcome) -> None:
         self._reports.outcome(outcome)
@@ -128,9 +141,9 @@ class ClientSource:
     """Asks a running sidecar through the fail-open client, over decision tables as the
     plugin does: its steps carry per-request signals while the policy that decided the
     last table reads them (and a table's per-request γ run). A client in replay mode
-    (:meth:`connect`) waits for each table it is due and ages tables on the simulated
-    clock: the steps then run from the tables :class:`TableSource` with the client's
-    refresh period would hold, whatever the simulation's pace."""
+    (:meth:`connect`) ages tables on the simulated clock and waits for each refresh it
+    asks for ahead: the steps then run from the tables :class:`TableSource` with the
+    client's refresh period (``refresh_ms``) would hold, whatever the simulation's pace."""
 
     def __init__(self, client: NightjarClient) -> None:
         self.client = client

@@ -203,9 +203,9 @@ def test_grpc_path_gives_the_same_decisions_as_in_process(
     make_server: Any, busy_specs: list[RequestSpec]
 ) -> None:
     """A replay through a sidecar process decides every step as the table protocol does in
-    process: the same tables, refreshed at the same steps (every 32 steps or 200 ms of
-    simulated time, as the plugin's client refreshes on the wall clock), with the same
-    reports learned from (a replay waits for each table it is due)."""
+    process: the same tables, asked for at the same steps as the plugin's client asks
+    (a step ahead, every 32 steps or 200 ms, here of simulated time), with the same reports
+    learned from (a replay waits for each refresh)."""
     specs = busy_specs[:60]
     params = {"seed": 2}
     timed = TableSource.named("goodput", params, refresh_ms=TABLE_REFRESH_MS)
