@@ -20,6 +20,9 @@ After each case the server must be alive and SERVING, answer a table within 0..Î
 within an engine's max_gamma), hold no number beyond what a policy can learn, and, when
 the case was refused, hold the learned state it held before.
 
+A fifth class, failing drivers (issue 54, failing_drivers.py), runs memory orders against
+a virtual-memory driver that fails, in this process, and checks what they leave behind.
+
 The steps go over StepStream as an engine sends them (nightjar.v1): a table for a context,
 the step run from it, its outcome.
 """
