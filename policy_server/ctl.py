@@ -140,16 +140,18 @@ def build_parser() -> argparse.ArgumentParser:
         "memory",
         help="the memory agent in a vLLM engine (--target its NIGHTJAR_MEMORY_SOCKET)",
         description="Show or force the engine's elastic-memory state. A forcing call waits "
-        "(up to --timeout) for the engine's next step boundary; an idle engine has none, and "
-        "the order is then reported as pending and runs with the next step.",
+        "(up to --timeout, at most 30 s) for the engine's step boundary; an order still queued "
+        "when it gives up (an idle engine reaches none) is withdrawn and never runs "
+        "(DEADLINE_EXCEEDED). A failed order is undone (ABORTED). `cancel ID` withdraws a "
+        "queued order (status lists them in pending_orders; 0 or none: every queued order).",
     )
-    s.add_argument("action", choices=("status", "offload", "reload", "expand", "compact"))
+    s.add_argument("action", choices=("status", "offload", "reload", "expand", "compact", "cancel"))
     s.add_argument(
         "blocks",
         nargs="?",
         type=int,
         default=0,
-        help="expand/compact: the KV pool size to reach, in blocks",
+        help="expand/compact: the KV pool size to reach, in blocks; cancel: the order's id",
     )
     s.add_argument(
         "--keep-kv",
@@ -612,12 +614,15 @@ def _memory(args: argparse.Namespace, channel: grpc.Channel) -> int:
     stub = memory_pb2_grpc.MemoryAgentServiceStub(channel)
     if args.action in ("expand", "compact") and args.blocks <= 0:
         raise ValueError(f"memory {args.action} needs the pool size in blocks")
+    if args.action == "cancel" and args.blocks < 0:
+        raise ValueError("memory cancel needs an order id (0: every queued order)")
     calls: dict[str, tuple[Any, Any]] = {
         "status": (stub.GetStatus, memory_pb2.MemoryStatusRequest()),
         "offload": (stub.OffloadDraft, memory_pb2.OffloadDraftRequest(expand_kv=not args.keep_kv)),
         "reload": (stub.ReloadDraft, memory_pb2.ReloadDraftRequest(compact_kv=not args.keep_kv)),
         "expand": (stub.ExpandKv, memory_pb2.ExpandKvRequest(target_kv_blocks=args.blocks)),
         "compact": (stub.CompactKv, memory_pb2.CompactKvRequest(target_kv_blocks=args.blocks)),
+        "cancel": (stub.CancelOrder, memory_pb2.CancelOrderRequest(order_id=args.blocks)),
     }
     method, request = calls[args.action]
     md = [] if args.action == "status" else _auth(args)

@@ -410,5 +410,10 @@ def test_nightjarctl_memory_commands(
         assert document["draft_state"] == "offloaded" and document["offloads"] == "1"
         too_small = ctl("compact", "1", token_file=token_file)
         assert too_small.returncode == 1 and "INVALID_ARGUMENT" in too_small.stderr
+        unknown = ctl("cancel", "999", token_file=token_file)
+        assert unknown.returncode == 1 and "NOT_FOUND" in unknown.stderr
+        cancelled = ctl("cancel", token_file=token_file)  # every queued order: none now
+        assert cancelled.returncode == 0, cancelled.stderr
+        assert json.loads(cancelled.stdout)["status"]["draft_state"] == "offloaded"
     finally:
         stop.set()
