@@ -14,7 +14,7 @@ APT_PACKAGES := prometheus redis-server
 APT_STAMP := $(VENV)/.apt-installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: help install install-vllm install-apt demo test lint proto check-proto k8s dashboard dashboard-screenshot bench bench-quick bench-sim-paired bench-traces bench-tables bench-rpc bench-instructions bench-vllm bench-vllm-mixed bench-memory bench-memory-gpu gpu-check contract bench-load soak fuzz chaos reliability-report reliability-durable reliability-security bounds-check clean
+.PHONY: help install install-vllm install-apt demo test lint proto check-proto k8s dashboard dashboard-screenshot bench bench-quick bench-sim-paired bench-traces bench-tables bench-fleet bench-rpc bench-instructions bench-vllm bench-vllm-mixed bench-memory bench-memory-gpu gpu-check contract bench-load soak fuzz chaos reliability-report reliability-durable reliability-security bounds-check clean
 
 help:
 	@echo "make demo       start the sidecar and drive it with a synthetic engine loop"
@@ -29,6 +29,7 @@ help:
 	@echo "make bench-sim-paired  the per-sequence mode against the default, and its ceiling, seed by seed (PAIRED_SEEDS=10) -> docs/BENCHMARKS.md"
 	@echo "make bench-traces  the same policies on two traces they were not tuned on (Azure code, Mooncake) -> docs/BENCHMARKS.md"
 	@echo "make bench-tables  goodput per step against decision tables (every 8 / 32 steps) in the simulator -> docs/BENCHMARKS.md"
+	@echo "make bench-fleet  late-joining engines' sidecars with and without fleet learning (time-to-good-γ, TPOT), and the CPU cost of pooling -> docs/BENCHMARKS.md"
 	@echo "make bench-rpc  measure decide cost and RPC round trips -> docs/BENCHMARKS.md"
 	@echo "make bench-instructions  count a decision-table step's instructions with callgrind (valgrind) -> docs/BENCHMARKS.md"
 	@echo "make bounds-check  flood the sidecar with 100,000 engine ids; RSS must stay flat"
@@ -131,6 +132,12 @@ bench-traces: $(STAMP)
 # goodput per step against decision tables refreshed every 8 / 32 steps (docs/DECISION_TABLES.md).
 bench-tables: $(STAMP)
 	$(PY) -m benchmarks.sim_tables --out docs/BENCHMARKS.md
+
+# N simulated engines, each with its own sidecar, joining one after another on one trace,
+# pooling through the fleet link's algorithm or alone; the real link's round against a
+# local redis-server (install-apt) for its CPU cost. Options: BENCH_FLEET_ARGS (--help).
+bench-fleet: $(STAMP)
+	$(PY) -m benchmarks.sim_fleet --out docs/BENCHMARKS.md $(BENCH_FLEET_ARGS)
 
 # Options of benchmarks/vllm_serve.py (--help), e.g. BENCH_VLLM_ARGS="--repetitions 3".
 bench-vllm: $(VLLM_STAMP)

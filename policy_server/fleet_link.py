@@ -345,13 +345,13 @@ class FleetLink:
         report.published = len(records)
         try:
             alive = self._publish(prefix, records, now)
-        except redis.RedisError as exc:
+        except (redis.RedisError, OSError) as exc:  # OSError: the password file
             self._failed("publish", exc)
             report.ok = False
             return report
         try:
             fleet = self._read(prefix, pool, alive, report)
-        except redis.RedisError as exc:
+        except (redis.RedisError, OSError) as exc:  # OSError: the password file
             self._failed("read", exc)
             report.ok = False
             return report

@@ -170,6 +170,13 @@ class GoodputStats:
             self.steps,
         )
 
+    @property
+    def empty(self) -> bool:
+        """Whether this holds no evidence at all."""
+        return not (
+            self.steps or self.correction or self.acceptance.any() or self.sums.any()
+        ) and not (self.gram.any() or self.moment.any())
+
     def summary(self) -> dict[str, float]:
         """Steps and acceptance tokens (forgotten): how much evidence this is."""
         return {"steps": self.steps, "acceptance_tokens": round(float(self.acceptance.sum()), 3)}
@@ -341,6 +348,11 @@ class GoodputPooling:
         if share is not None and share.member not in ("", member) and share.member in alive:
             # Its owner publishes it: counted through the fleet, not again here.
             local = GoodputStats.zero()
+        elif fleet.empty and (share is None or share.fleet.empty):
+            # Nothing of the fleet's before or now (a first member): the models stay as
+            # they are, decisions too; only the share is marked.
+            _mark(learner, prior_now, member, fleet)
+            return
         _fold(learner, prior_now, local.plus(fleet), member, fleet)
 
     def stats_from_json(self: PoolingHost, data: Any) -> GoodputStats:
@@ -415,6 +427,15 @@ def _fold(
     correction.blocks = evidence.correction
     learner.correction = correction
     learner.steps = evidence.steps
+    learner.fleet = FleetShare(member, prior.copy(), fleet)
+
+
+def _mark(learner: PooledLearner, prior: FloatArray, member: str, fleet: GoodputStats) -> None:
+    """The share of a learner whose models stay as they are: what of them is not its own
+    as of now, and the models' decay products counted from now."""
+    learner.acceptance.forgotten = 1.0
+    learner.step_time.forgotten = 1.0
+    learner.correction.forgotten = {}
     learner.fleet = FleetShare(member, prior.copy(), fleet)
 
 
