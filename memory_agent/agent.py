@@ -381,14 +381,15 @@ class MemoryAgent:
         if ticket is None:
             return None
         self._half_started = time.perf_counter()
-        ticket.pool_before = self.kv_blocks
+        ticket.pool_before, state_before = self.kv_blocks, self.state
         try:
             work = self._pool_half(ticket, pool)
-        except NightjarError as exc:
+        except NightjarError as exc:  # raised before anything changed
             self._complete_current(exc)
             return None
         except Exception as exc:  # a bug: the order fails, vLLM's scheduler goes on
             log.exception("nightjar memory: %s failed in its pool half", ticket.order.action)
+            self.state = state_before
             self._complete_current(AbortedError(f"{ticket.order.action.value} failed: {exc}"))
             return None
         if work is None:
