@@ -27,6 +27,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import os
 import shutil
 import socket
 import statistics
@@ -326,6 +327,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         profiles = {n: profiles[n] for n in args.profiles.split(",")}
     trace = read_trace(args.data / "traces" / "azure_llm_2023_conv.csv")
     rows, cost_rows = [], []
+    # The in-process and link CPU figures share the host: its load is said beside them.
+    load = os.getloadavg()[0]
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="nightjar-bench-fleet-") as scratch:
         for name, profile in profiles.items():
@@ -344,7 +347,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             redis = redis_round_cost(board_records, rounds=20)
             cost_rows.append(cost_row(name, last, redis, setup))
     took = time.monotonic() - started
-    write_section(args.out, SECTION, render(rows, cost_rows, setup, len(setups), took))
+    host = f"{os.cpu_count()} CPUs, load average {load:.1f} at the start"
+    write_section(args.out, SECTION, render(rows, cost_rows, setup, len(setups), took, host))
     return 0
 
 
@@ -402,15 +406,18 @@ def cost_row(name: str, last: FleetSource, redis: tuple[float, float] | None, se
     return f"| {name} | {members} | {1000 * cpu:.2f} | {share:.3f} % | {link} |"
 
 
-def render(rows: list[str], cost_rows: list[str], setup: Setup, seeds: int, took_s: float) -> str:
+def render(
+    rows: list[str], cost_rows: list[str], setup: Setup, seeds: int, took_s: float, host: str
+) -> str:
     return "\n".join(
         [
             "## Fleet learning: late joiners with and without the fleet (`make bench-fleet`)",
             "",
             f"Simulated {datetime.date.today().isoformat()} by `make bench-fleet` "
-            f"(`benchmarks/sim_fleet.py`, {took_s:.0f} s): {setup.engines} engines of one "
-            f"profile, each with its own `goodput` sidecar (Γmax = {GAMMA_MAX}, `chat-sps` "
-            f"acceptance, chunked prefill), joining every {setup.join_gap_s:.0f} s and each "
+            f"(`benchmarks/sim_fleet.py`, {took_s:.0f} s on {host}): {setup.engines} "
+            f"engines of one profile, each with its own `goodput` sidecar (Γmax = {GAMMA_MAX}, "
+            "`chat-sps` acceptance, chunked prefill), joining every "
+            f"{setup.join_gap_s:.0f} s and each "
             f"serving a {setup.seconds:.0f} s window of the Azure conv trace from its join at "
             f"{setup.qps:g} req/s; {seeds} runs (seeds 1..{seeds}), each fleet on the next "
             "stretch of the trace. With the fleet, each sidecar runs the "
