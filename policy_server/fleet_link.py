@@ -103,6 +103,8 @@ class FleetOptions:
             raise PolicyError("tls_ca, tls_cert and tls_key need a rediss:// url")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise PolicyError("a client certificate needs both tls_cert and tls_key")
+        if self.password_file and urllib.parse.urlsplit(self.url).password:
+            raise PolicyError("give the password in the url or in password_file, not both")
         for name in ("deployment", "member"):
             value = getattr(self, name)
             if (value or name == "deployment") and not _NAME.fullmatch(value):
@@ -315,6 +317,8 @@ class FleetLink:
         pool = pooling(active.policy)
         self.metrics.poolable.set(0 if pool is None else 1)
         if pool is None:
+            # Nothing to merge is not a stale merge (NightjarFleetLinkDown reads the age).
+            self._last_merge = time.monotonic()
             if self._said_cannot_pool != active.name:
                 self._said_cannot_pool = active.name
                 log.warning(

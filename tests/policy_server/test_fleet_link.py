@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 import redis
 
+from nightjar_common.errors import ConfigError
+from policy_server.cli import load_config, parse_args
 from policy_server.fleet_link import (
     FleetConfigError,
     FleetLink,
@@ -38,6 +40,11 @@ def _sidecar(url: str, member: str, policy: str = "goodput", **options: Any) -> 
     service = DecisionService(policy, metrics=metrics)
     settings = {"url": url, "member": member, "interval_s": 0.2, "ttl_s": 30.0, **options}
     return FleetLink(service, FleetOptions.parse(settings), metrics)
+
+
+def _text(value: Any) -> str:
+    assert isinstance(value, bytes), value
+    return value.decode()
 
 
 def _learner(link: FleetLink) -> Any:
@@ -73,14 +80,14 @@ def test_sidecars_pool_through_redis_and_count_each_step_once(rig: RedisRig) -> 
     assert _sample(a, "nightjar_fleet_evidence_steps", source="fleet") == 50
     # Only learned statistics are stored: one record per member and learner key.
     client = rig.client()
-    keys = sorted(k.decode() for k in client.keys("*"))
+    keys = sorted(_text(k) for k in client.keys("*"))
     scope = a.service.active.policy.pool_scope
     assert keys == [
         f"nightjar:default:{scope}:member:a",
         f"nightjar:default:{scope}:member:b",
         f"nightjar:default:{scope}:members",
     ]
-    record = json.loads(client.hget(keys[0], LEARNER))
+    record = json.loads(_text(client.hget(keys[0], LEARNER)))
     assert set(record) == {"format", "scope", "member", "learner", "published_unix", "stats"}
 
 
@@ -112,7 +119,7 @@ def test_garbage_in_redis_is_refused_with_its_reason(rig: RedisRig) -> None:
     a.round()
     scope = a.service.active.policy.pool_scope
     prefix = f"nightjar:default:{scope}"
-    good = json.loads(rig.client().hget(f"{prefix}:member:a", LEARNER))
+    good = json.loads(_text(rig.client().hget(f"{prefix}:member:a", LEARNER)))
 
     def signed(reason: str, **changes: Any) -> str:
         return json.dumps({**good, "member": f"evil-{reason}", **changes})
@@ -206,9 +213,12 @@ def test_a_full_redis_is_a_failed_publish_not_a_failure_of_the_sidecar(tmp_path:
 
 def test_a_policy_that_cannot_pool_says_so_and_writes_nothing(rig: RedisRig) -> None:
     link = _sidecar(rig.url, "a", policy="nightjar")
+    link._last_merge = -1e9  # as if the last merge were long ago
     assert link.round().published == 0
     assert _sample(link, "nightjar_fleet_poolable") == 0
     assert rig.client().keys("*") == []
+    # Nothing to merge is not a link that is down: the age starts again.
+    assert _sample(link, "nightjar_fleet_last_merge_age_seconds") < 1e8
 
 
 def test_the_password_comes_from_its_file(tmp_path: Path) -> None:
@@ -238,7 +248,31 @@ def test_settings_that_do_not_fit_are_refused(settings: dict[str, Any]) -> None:
         FleetOptions.parse(settings)
 
 
-def test_a_password_in_both_places_is_refused(tmp_path: Path) -> None:
-    options = FleetOptions.parse({"url": "redis://u:p@r:6379", "password_file": "/p"})
-    with pytest.raises(FleetConfigError):
-        connect(options)
+def test_a_password_in_both_places_is_refused() -> None:
+    with pytest.raises(FleetConfigError, match="not both"):
+        FleetOptions.parse({"url": "redis://u:p@r:6379", "password_file": "/p"})
+
+
+def test_the_password_file_keeps_the_urls_user_name(tmp_path: Path) -> None:
+    secret = tmp_path / "password"
+    secret.write_text("pw\n")
+    options = FleetOptions.parse({"url": "redis://nightjar@r:6379/0", "password_file": str(secret)})
+    provider = connect(options).connection_pool.connection_kwargs["credential_provider"]
+    assert provider.get_credentials() == ("nightjar", "pw")
+
+
+def test_the_config_files_fleet_table_and_flags_merge_key_by_key(tmp_path: Path) -> None:
+    config = tmp_path / "nightjar.toml"
+    config.write_text(
+        'uds = "/tmp/x.sock"\n[fleet]\nurl = "redis://r:6379/0"\ndeployment = "llama"\n'
+        "interval_s = 2.0\n"
+    )
+    args = parse_args(["--config", str(config), "--fleet-deployment", "llama-canary"])
+    options = FleetOptions.parse(load_config(args).fleet)
+    assert (options.url, options.deployment, options.interval_s) == (
+        "redis://r:6379/0",
+        "llama-canary",
+        2.0,
+    )
+    with pytest.raises(ConfigError, match="fleet"):
+        load_config(parse_args(["--uds", "/tmp/x.sock", "--fleet", "http://r"]))

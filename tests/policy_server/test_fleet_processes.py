@@ -165,8 +165,11 @@ def test_garbage_in_redis_is_refused_and_counted(make_server: Any, rig: RedisRig
     serve_steps(a, "pod-a", 20)
     wait_for(lambda: rig.client().keys("nightjar:default:*:member:a") != [], "a to publish")
     (key,) = rig.client().keys("nightjar:default:*:member:a")
+    assert isinstance(key, bytes)
     prefix = key.decode().rpartition(":member:")[0]
-    record = json.loads(rig.client().hget(key, LEARNER))
+    stored = rig.client().hget(key, LEARNER)
+    assert isinstance(stored, bytes)
+    record = json.loads(stored)
     record["member"] = "mallory"
     record["stats"]["gram"][0][0] = "NaN"
     client = rig.client()
