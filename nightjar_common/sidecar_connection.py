@@ -65,6 +65,9 @@ class SidecarConnection:
         self._stream: StepStream | None = None
         self._closed = threading.Event()
         self._broken = threading.Event()
+        # The sidecar closed the last stream for being idle: the next is opened quietly,
+        # and the owner keeps its tables (the same sidecar still holds them).
+        self._idle_closed = False
         # Start-up diagnostics: one warning while the sidecar cannot be reached, one line
         # when it first answers.
         self._started = time.monotonic()
@@ -120,9 +123,14 @@ class SidecarConnection:
         self._channel.close()
 
     def _stream_broken(self, stream: StepStream) -> None:
-        if not self._closed.is_set():
-            log.warning("lost the sidecar stream; falling back and reconnecting")
-        self._on_lost()
+        ended = stream.ended
+        if ended is not None and ended.idle:
+            log.debug("the sidecar closed the idle stream; opening a new one")
+            self._idle_closed = True
+        else:
+            if not self._closed.is_set():
+                log.warning("lost the sidecar stream; falling back and reconnecting")
+            self._on_lost()
         self._broken.set()
 
     def _supervise(self) -> None:
@@ -150,6 +158,11 @@ class SidecarConnection:
             self._broken.clear()
             stream = StepStream(self._channel, self._stream_broken, self._on_notice)
             reconnected = self._stream is not None
+            if self._idle_closed:  # a normal end: no reconnect to count or tell the owner
+                self._idle_closed = False
+                self._stream = stream
+                backoff = FIRST_BACKOFF_S
+                continue
             if reconnected:
                 self.reconnects += 1
                 log.info("nightjar: reconnected to the sidecar at %s", self.target)

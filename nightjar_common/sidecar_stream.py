@@ -14,6 +14,12 @@ from collections.abc import Callable, Iterator
 import grpc
 from nightjar_proto.v1 import policy_pb2, policy_pb2_grpc
 
+# Trailing metadata of a stream the sidecar closed because it sent nothing for its idle
+# timeout (nightjar-server --stream-idle-timeout-s): a normal end, not a lost sidecar,
+# which still holds the engine's tables.
+STREAM_END_KEY = "nightjar-stream-end"
+STREAM_END_IDLE = "idle"
+
 
 class NotSent(ConnectionError):
     """No connection to the sidecar was up to send the request on."""
@@ -21,13 +27,17 @@ class NotSent(ConnectionError):
 
 class StreamEnded(ConnectionError):
     """The stream ended: ``code`` and ``details`` are the gRPC status it ended with
-    (UNAVAILABLE: the sidecar went away; UNIMPLEMENTED: the target serves no
-    PolicyService), or None when it ended without one."""
+    (UNAVAILABLE: the sidecar went away, or with ``idle`` closed the stream for sending
+    nothing for a while; UNIMPLEMENTED: the target serves no PolicyService), or None when
+    it ended without one."""
 
-    def __init__(self, code: grpc.StatusCode | None = None, details: str = "") -> None:
+    def __init__(
+        self, code: grpc.StatusCode | None = None, details: str = "", idle: bool = False
+    ) -> None:
         super().__init__(f"stream broken: {code.name}" if code is not None else "stream ended")
         self.code = code
         self.details = details
+        self.idle = idle
 
 
 class PendingReply:
@@ -148,7 +158,7 @@ class StepStream:
                 if pending is not None:
                     pending.resolve(reply)
         except grpc.RpcError as exc:
-            error = StreamEnded(exc.code(), str(exc.details()))
+            error = StreamEnded(exc.code(), str(exc.details()), _closed_idle(exc))
         with self._lock:
             self.alive = False
             self._ended = error
@@ -157,11 +167,23 @@ class StepStream:
             pending.resolve(error=error)
         self._on_broken(self)
 
+    @property
+    def ended(self) -> StreamEnded | None:
+        """Why the stream ended; None while it is open."""
+        return self._ended
+
     def close(self) -> None:
         with self._lock:
             self.alive = False
         self._requests.put(None)
         self._call.cancel()
+
+
+def _closed_idle(error: grpc.RpcError) -> bool:
+    """Whether the sidecar ended the stream for being idle (STREAM_END_KEY)."""
+    trailing = getattr(error, "trailing_metadata", None)
+    metadata = trailing() if callable(trailing) else None
+    return any(key == STREAM_END_KEY and value == STREAM_END_IDLE for key, value in metadata or ())
 
 
 class SyncStream:

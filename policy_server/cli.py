@@ -20,7 +20,7 @@ from policy_server import __version__, fleet_link, native_log, snapshot, startup
 from policy_server.config import LOG_FORMATS, LOG_LEVELS, ServerConfig
 from policy_server.decision_log import DecisionLog
 from policy_server.engines import Bounds
-from policy_server.grpc_server import build_server
+from policy_server.grpc_server import StreamLimits, build_server
 from policy_server.memory import MemoryController, MemoryParams
 from policy_server.metrics import Metrics
 from policy_server.policies import DEFAULT_POLICY
@@ -45,6 +45,8 @@ FLAG_SETTINGS = (
     "decision_log",
     "decision_log_max_bytes",
     "decision_log_backups",
+    "max_streams",
+    "stream_idle_timeout_s",
     "log_level",
     "log_format",
     "tls_cert",
@@ -126,6 +128,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--decision-log-backups",
         type=int,
         help="rotated decision-log files kept, PATH.1 ... PATH.N (default 5, at least 1)",
+    )
+    p.add_argument(
+        "--max-streams",
+        type=int,
+        help="engines' streams open at once; one more is refused (default 2048)",
+    )
+    p.add_argument(
+        "--stream-idle-timeout-s",
+        type=float,
+        dest="stream_idle_timeout_s",
+        help="close a stream that sends nothing for this long; the plugin reopens it (default 300)",
     )
     p.add_argument(
         "--log-level",
@@ -284,6 +297,7 @@ def main(argv: list[str] | None = None) -> int:
             uds_mode=config.uds_mode,
             tls=credentials,
             max_receive_bytes=config.max_receive_bytes,
+            streams=StreamLimits(config.max_streams, config.stream_idle_timeout_s),
         )
     except (uds.SocketPathError, RuntimeError, OSError) as exc:
         # RuntimeError: gRPC could not bind (a TCP port in use).

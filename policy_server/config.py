@@ -13,6 +13,27 @@ from nightjar_common.uds import parse_mode
 from policy_server.policies import DEFAULT_POLICY
 from policy_server.snapshot import MAX_BYTES
 
+# What an admin message carries beside a state of snapshot size: GetState's engine ids,
+# runtimes and memory states (a few hundred bytes an engine), Restore's other fields.
+ADMIN_ENVELOPE_BYTES = 8 << 20
+
+
+def admin_message_bytes(snapshot_max_bytes: int = MAX_BYTES) -> int:
+    """The largest admin message (GetState's reply, Restore's request) for a sidecar whose
+    snapshots may take ``snapshot_max_bytes``: any state it can snapshot fits. The server
+    refuses larger ones naming this; nightjarctl accepts up to the bound of any sidecar
+    (the default, snapshot.MAX_BYTES)."""
+    return snapshot_max_bytes + ADMIN_ENVELOPE_BYTES
+
+
+# Engines' StepStreams open at once (each holds ~31 KB): twice the engine bound, since a
+# reconnecting engine's old stream may stay open until its connection is seen closed.
+DEFAULT_MAX_STREAMS = 2048
+# A stream that sends nothing this long is closed. An engine sends at least a table
+# request every few dozen steps, so only an idle engine or an abandoned stream gets there.
+DEFAULT_STREAM_IDLE_TIMEOUT_S = 300.0
+# A day: an abandoned stream is freed eventually whatever the setting.
+MAX_STREAM_IDLE_TIMEOUT_S = 86400.0
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 LOG_FORMATS = ("text", "json")
 # Settings that are tables: merged key by key (ServerConfig.merged).
@@ -66,8 +87,14 @@ class ServerConfig:
     max_engines: int = 1024
     max_learner_keys: int = 256
     max_pending_per_engine: int = 64
-    # Largest request gRPC accepts (bytes); larger ones get RESOURCE_EXHAUSTED.
+    # Largest request (bytes) of every method but Restore (whose bound follows
+    # snapshot_max_bytes, admin_message_bytes): larger ones get RESOURCE_EXHAUSTED unread.
     max_receive_bytes: int = 4 << 20
+    # Engines' StepStreams open at once; one more is refused with RESOURCE_EXHAUSTED.
+    max_streams: int = DEFAULT_MAX_STREAMS
+    # A stream that sends nothing for this long (s) is closed with UNAVAILABLE ("idle");
+    # the plugin opens a new one by itself.
+    stream_idle_timeout_s: float = DEFAULT_STREAM_IDLE_TIMEOUT_S
     log_level: str = "INFO"
     # The server's own log on stderr: "text" lines or "json" objects, one a line.
     log_format: str = "text"
@@ -147,6 +174,13 @@ class ServerConfig:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 1024 <= self.max_receive_bytes <= 1 << 30:
             raise ConfigError(f"max_receive_bytes must be in 1024..{1 << 30}")
+        if self.max_streams < 1:
+            raise ConfigError(f"max_streams must be >= 1, got {self.max_streams}")
+        if not 0 < self.stream_idle_timeout_s <= MAX_STREAM_IDLE_TIMEOUT_S:
+            raise ConfigError(
+                f"stream_idle_timeout_s must be in (0, {MAX_STREAM_IDLE_TIMEOUT_S:g}], "
+                f"got {self.stream_idle_timeout_s}"
+            )
         if self.snapshot_interval_s <= 0:
             raise ConfigError("snapshot_interval_s must be > 0")
         if not 1024 <= self.snapshot_max_bytes <= MAX_BYTES:

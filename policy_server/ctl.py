@@ -22,9 +22,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from nightjar_proto.v1 import admin_pb2, admin_pb2_grpc, policy_pb2
 
 from nightjar_common import tls, wire
+from nightjar_common.json_input import JsonError, load_json
 from nightjar_common.sidecar_stream import StreamEnded, SyncStream
 from nightjar_common.types import BinType, RanStep, StepContext, StepOutcome
-from policy_server import fleet
+from nightjar_common.validation import MAX_ID_LENGTH
+from policy_server import fleet, snapshot
+from policy_server.config import admin_message_bytes
 from policy_server.policies import DEFAULT_POLICY
 
 DEFAULT_TARGET = "unix:/run/nightjar/nightjar.sock"
@@ -36,6 +39,13 @@ DESCRIPTION = (
 )
 # 128 + SIGPIPE: what a shell reports for a writer whose reader went away.
 EXIT_BROKEN_PIPE = 141
+# The largest admin message any sidecar sends or takes (its state at the most a snapshot
+# may be, config.admin_message_bytes): gRPC's default of 4 MiB stopped states past it.
+MAX_MESSAGE_BYTES = admin_message_bytes()
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+]
 
 
 def _global_flags(parser: argparse.ArgumentParser, *, defaults: bool) -> None:
@@ -236,7 +246,7 @@ def _run(args: argparse.Namespace) -> int:
         )
         return 2
     try:
-        with tls.open_channel(args.target, _client_tls(args)) as channel:
+        with tls.open_channel(args.target, _client_tls(args), CHANNEL_OPTIONS) as channel:
             return COMMANDS[args.command](args, channel)
     except grpc.RpcError as exc:
         if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
@@ -260,7 +270,14 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _hint(code: grpc.StatusCode, args: argparse.Namespace) -> str:
-    """What to check when the sidecar could not be reached at all."""
+    """What to check when the sidecar could not be reached at all, or refused a message
+    for its size with gRPC's own words (past the largest any of its methods takes)."""
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return (
+            " (a sidecar takes a Restore of at most its snapshot_max_bytes plus "
+            f"{MAX_MESSAGE_BYTES - snapshot.MAX_BYTES:,} bytes, other requests of at most "
+            "its max_receive_bytes)"
+        )
     if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         return ""
     return (
@@ -411,6 +428,12 @@ def _policies(args: argparse.Namespace, channel: grpc.Channel) -> int:
 def _restore_request(args: argparse.Namespace) -> Any:
     if args.server_path:
         return admin_pb2.RestoreRequest(path=args.file)
+    size = Path(args.file).stat().st_size
+    if size > snapshot.MAX_BYTES:
+        raise ValueError(
+            f"{args.file} is {size:,} bytes, more than the {snapshot.MAX_BYTES:,} a sidecar "
+            "restores (snapshot_max_bytes is at most that): no sidecar could write it back"
+        )
     return admin_pb2.RestoreRequest(snapshot_json=Path(args.file).read_text())
 
 
@@ -649,8 +672,29 @@ def _export(args: argparse.Namespace, channel: grpc.Channel) -> int:
     return 0
 
 
+def _learner_document(path: str) -> dict[str, Any]:
+    """The document `nightjarctl export` wrote at ``path``; ValueError saying what is
+    wrong with anything else (not JSON as the sidecar reads it, no learner id of ours)."""
+    try:
+        document = load_json(Path(path).read_bytes())
+    except JsonError as exc:
+        raise ValueError(f"{path} is not a learner document: {exc}") from None
+    if not isinstance(document, dict):
+        raise ValueError(f"{path} is not a learner document: not a JSON object")
+    learner = document.get("learner")
+    prefix, _, learner_id = str(learner).partition(":")
+    if not isinstance(learner, str) or prefix not in ("shared", "engine") or not learner_id:
+        raise ValueError(f"{path}: learner must be 'shared:<learner key>' or 'engine:<id>'")
+    if len(learner_id) > MAX_ID_LENGTH:
+        raise ValueError(
+            f"{path}: the learner's id is {len(learner_id):,} characters, more than the "
+            f"{MAX_ID_LENGTH} of any learner key or engine id"
+        )
+    return document
+
+
 def _import(args: argparse.Namespace, channel: grpc.Channel) -> int:
-    document = json.loads(Path(args.file).read_text())
+    document = _learner_document(args.file)
     admin = _admin(channel)
     reply = admin.GetState(admin_pb2.GetStateRequest(), metadata=_auth(args), timeout=args.timeout)
     merged = fleet.import_learner(
@@ -662,7 +706,8 @@ def _import(args: argparse.Namespace, channel: grpc.Channel) -> int:
     )
     # Learning between the read and the restore is lost: import before the engine serves.
     restored = admin.Restore(
-        admin_pb2.RestoreRequest(snapshot_json=json.dumps(merged)),
+        # Encoded as snapshots are: a state that fits a snapshot fits the request.
+        admin_pb2.RestoreRequest(snapshot_json=snapshot.encode_text(merged)),
         metadata=_auth(args),
         timeout=args.timeout,
     )

@@ -38,9 +38,12 @@ from nightjar_common.errors import (
     UnauthenticatedError,
     status_of,
 )
+from nightjar_common.sidecar_stream import STREAM_END_IDLE, STREAM_END_KEY
 from nightjar_common.types import StepOutcome
+from policy_server import config
 from policy_server.aio import AioDecodeGuard, InThreads, LoopServer
 from policy_server.audit import AdminAudit
+from policy_server.message_limits import Bound, MessageLimits
 from policy_server.metrics import Metrics
 from policy_server.policies import PolicyError, parse_params_json
 from policy_server.service import ActivePolicy, DecisionService, StateView
@@ -55,8 +58,17 @@ T = TypeVar("T")
 # state, a path, the token), counts in nightjar_policy_swaps_total{result="failed"}.
 ACTIVATING = frozenset({"SwapPolicy", "SetParameters", "Restore"})
 # gRPC's own default, stated: a StepContext with its per-request sections at their bounds
-# (validation.Limits) is far smaller; snapshot_json restores of large states fit.
+# (validation.Limits) is far smaller. Restore's bound follows the snapshot's (build_server).
 DEFAULT_MAX_RECEIVE_BYTES = 4 << 20
+RESTORE_METHOD = f"/{ADMIN_SERVICE}/Restore"
+
+
+@dataclass(frozen=True, slots=True)
+class StreamLimits:
+    """Engines' streams: how many may be open at once, and how long one may send nothing."""
+
+    max_streams: int = config.DEFAULT_MAX_STREAMS
+    idle_timeout_s: float = config.DEFAULT_STREAM_IDLE_TIMEOUT_S
 
 
 class _Servicer:
@@ -112,9 +124,15 @@ class _StreamInbox:
     # control pushes back on the client as without read-ahead (memory stays bounded).
     MAX_READ_AHEAD = 16
 
-    def __init__(self, requests: AsyncIterator[policy_pb2.StepRequest]) -> None:
+    def __init__(
+        self,
+        requests: AsyncIterator[policy_pb2.StepRequest],
+        idle_timeout_s: float = config.DEFAULT_STREAM_IDLE_TIMEOUT_S,
+    ) -> None:
         self._queue: collections.deque[policy_pb2.StepRequest | _PolicyNotice] = collections.deque()
         self.loop = asyncio.get_running_loop()
+        self._idle_timeout_s = idle_timeout_s
+        self._last_request = self.loop.time()
         self._arrived = asyncio.Event()
         self._room = asyncio.Event()
         self._ended = False
@@ -124,6 +142,7 @@ class _StreamInbox:
     async def _read(self, requests: AsyncIterator[policy_pb2.StepRequest]) -> None:
         try:
             async for request in requests:
+                self._last_request = self.loop.time()
                 self._queue.append(request)
                 self._arrived.set()
                 while len(self._queue) >= self.MAX_READ_AHEAD:
@@ -142,14 +161,20 @@ class _StreamInbox:
         self._arrived.set()
 
     async def next(self) -> policy_pb2.StepRequest | _PolicyNotice | None:
-        """The oldest unanswered request or notice; None once the client half-closed."""
+        """The oldest unanswered request or notice; None once the client half-closed;
+        StreamIdle once no request came for the idle timeout."""
         while not self._queue:
             if self._ended:
                 if self._error is not None and not isinstance(self._error, asyncio.CancelledError):
                     raise self._error
                 return None
             self._arrived.clear()
-            await self._arrived.wait()
+            left = self._last_request + self._idle_timeout_s - self.loop.time()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), timeout=max(left, 0.0))
+            except TimeoutError:
+                if not self._queue and not self._ended:
+                    raise StreamIdle(self._idle_timeout_s) from None
         self._room.set()
         return self._queue.popleft()
 
@@ -169,11 +194,23 @@ class _StreamInbox:
         self._reader.cancel()
 
 
+class StreamIdle(Exception):
+    """A stream sent nothing for its idle timeout."""
+
+    def __init__(self, idle_timeout_s: float) -> None:
+        super().__init__(
+            f"stream closed: no request for {idle_timeout_s:g} s (stream_idle_timeout_s, "
+            "--stream-idle-timeout-s); open a new stream to go on (the plugin does by itself)"
+        )
+
+
 class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):  # type: ignore[misc]
     """The engines' streams, answered on the event loop (the service call takes µs)."""
 
-    def __init__(self, service: DecisionService) -> None:
+    def __init__(self, service: DecisionService, limits: StreamLimits | None = None) -> None:
         self.service = service
+        self._limits = limits or StreamLimits()
+        self._open_streams = 0  # changed on the loop only
         # Open streams, told of every policy activation; the set is changed on the loop,
         # read from the admin threads that activate policies.
         self._subscribers: set[_StreamInbox] = set()
@@ -198,7 +235,34 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):  # type: ignore[mis
     async def StepStream(
         self, request_iterator: AsyncIterator[policy_pb2.StepRequest], context: Any
     ) -> AsyncIterator[policy_pb2.StepReply]:
-        inbox = _StreamInbox(request_iterator)
+        metrics = self.service.metrics
+        if self._open_streams >= self._limits.max_streams:
+            metrics.streams_refused.inc()
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{self._open_streams} streams are open, the most this sidecar serves "
+                "(max_streams, --max-streams): close unused streams or raise the bound",
+            )
+        self._open_streams += 1
+        metrics.streams_open.set(self._open_streams)
+        try:
+            async for reply in self._serve(request_iterator):
+                yield reply
+        except StreamIdle as idle:
+            metrics.streams_idle_closed.inc()
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                str(idle),
+                trailing_metadata=((STREAM_END_KEY, STREAM_END_IDLE),),
+            )
+        finally:
+            self._open_streams -= 1
+            metrics.streams_open.set(self._open_streams)
+
+    async def _serve(
+        self, request_iterator: AsyncIterator[policy_pb2.StepRequest]
+    ) -> AsyncIterator[policy_pb2.StepReply]:
+        inbox = _StreamInbox(request_iterator, self._limits.idle_timeout_s)
         self._subscribe(inbox)
         try:
             while (request := await inbox.next()) is not None:
@@ -267,6 +331,8 @@ class AdminServicer(_Servicer, admin_pb2_grpc.AdminServiceServicer):  # type: ig
     def __init__(self, service: DecisionService, admin_token: str | AdminTokenFile | None) -> None:
         super().__init__(service)
         self._token = admin_token
+        # The largest GetState reply: any state a snapshot may hold, with its envelope.
+        self._max_reply_bytes = config.admin_message_bytes(service.snapshot_max_bytes)
 
     def _mutate(self, method: str, context: grpc.ServicerContext, fn: Callable[[], T]) -> T:
         def guarded() -> T:
@@ -304,7 +370,7 @@ class AdminServicer(_Servicer, admin_pb2_grpc.AdminServiceServicer):  # type: ig
                 "note": SUMMARY_NOTE,
             }
             state_json = json.dumps(state, sort_keys=True)
-        return admin_pb2.GetStateResponse(
+        reply = admin_pb2.GetStateResponse(
             policy_name=view.policy_name,
             policy_version=view.policy_version,
             params_json=json.dumps(view.params, sort_keys=True),
@@ -316,6 +382,19 @@ class AdminServicer(_Servicer, admin_pb2_grpc.AdminServiceServicer):  # type: ig
             memory_json=json.dumps(view.memory, sort_keys=True),
             engines_json=json.dumps(view.engines, sort_keys=True),
         )
+        size = reply.ByteSize()
+        if size > self._max_reply_bytes:
+            self._abort(
+                "GetState",
+                context,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the state is {size:,} bytes, more than the {self._max_reply_bytes:,} a "
+                f"GetState reply may carry (snapshot_max_bytes = "
+                f"{self.service.snapshot_max_bytes:,}, plus {config.ADMIN_ENVELOPE_BYTES:,} "
+                "for engine ids and runtimes): ask for one engine (engine_id, nightjarctl "
+                "state --engine)",
+            )
+        return reply
 
     def _holds_token(self, context: grpc.ServicerContext) -> bool:
         """Whether a read-only call may read the whole state: no admin token is configured,
@@ -421,6 +500,26 @@ class RunningServer:
             self.server.run(self.health.set(name, status))
 
 
+def _message_limits(
+    service: DecisionService, max_receive_bytes: int, admin_bytes: int
+) -> MessageLimits:
+    """Every method's requests held to max_receive_bytes, Restore's to what a snapshot
+    may take; refusals counted as invalid requests."""
+    restore = Bound(
+        admin_bytes,
+        f"snapshot_max_bytes = {service.snapshot_max_bytes:,} plus "
+        f"{config.ADMIN_ENVELOPE_BYTES:,} for the request's other fields: a larger "
+        "snapshot could not be written back",
+    )
+    default = Bound(max_receive_bytes, "max_receive_bytes in the server's config file")
+
+    def refused(method: str) -> None:
+        name = method.rsplit("/", 1)[-1]
+        service.metrics.invalid_requests.labels(name, "RESOURCE_EXHAUSTED").inc()
+
+    return MessageLimits(default, {RESTORE_METHOD: restore}, refused)
+
+
 def bind_ports(
     server: Any,
     uds_path: str | None,
@@ -453,12 +552,16 @@ def build_server(
     uds_mode: int = uds.DEFAULT_MODE,
     tls: grpc.ServerCredentials | None = None,
     max_receive_bytes: int = DEFAULT_MAX_RECEIVE_BYTES,
+    streams: StreamLimits | None = None,
 ) -> RunningServer:
     """Create, bind and start the gRPC server; health turns SERVING once a policy is active.
 
     ``uds_mode``: the Unix socket's file mode (nightjar_common/uds.py), set before serving.
     ``tls``: credentials for the TCP port (nightjar_common/tls.py); None = plaintext.
-    ``max_receive_bytes``: larger requests are refused (RESOURCE_EXHAUSTED) unread.
+    ``max_receive_bytes``: larger requests are refused (RESOURCE_EXHAUSTED) unread, but
+    Restore's, bounded by the snapshot's size (admin_message_bytes: any state a snapshot
+    holds can be restored, and read with GetState).
+    ``streams``: the engines' streams' cap and idle timeout.
     """
     if not uds_path and not tcp_address:
         raise ValueError("need a Unix socket path or a TCP address to listen on")
@@ -469,16 +572,27 @@ def build_server(
     thread = threading.Thread(target=loop.run_forever, name="grpc-loop", daemon=True)
     thread.start()
 
+    limits = _message_limits(
+        service, max_receive_bytes, config.admin_message_bytes(service.snapshot_max_bytes)
+    )
+    # gRPC's own bound, for every method: the most any sidecar's Restore takes, so that a
+    # request past this one's (a smaller snapshot_max_bytes) is refused with its setting
+    # named (MessageLimits), not with gRPC's bare message. Nothing is parsed before that.
+    transport_bytes = max(max_receive_bytes, config.admin_message_bytes())
+
     async def create() -> tuple[grpc.aio.Server, AioHealthServicer, list[str]]:
         server = grpc.aio.server(
             options=[
                 ("grpc.so_reuseport", 0),
-                ("grpc.max_receive_message_length", max_receive_bytes),
+                ("grpc.max_receive_message_length", transport_bytes),
+                ("grpc.max_send_message_length", transport_bytes),
             ],
-            # The audit outermost: it logs the decode guard's refusals too.
-            interceptors=[AdminAudit(ADMIN_SERVICE), AioDecodeGuard()],
+            # The audit outermost: it logs the size and decode guards' refusals too.
+            interceptors=[AdminAudit(ADMIN_SERVICE), limits, AioDecodeGuard()],
         )
-        policy_pb2_grpc.add_PolicyServiceServicer_to_server(PolicyServicer(service), server)
+        policy_pb2_grpc.add_PolicyServiceServicer_to_server(
+            PolicyServicer(service, streams), server
+        )
         admin = InThreads(AdminServicer(service, admin_token))
         admin_pb2_grpc.add_AdminServiceServicer_to_server(admin, server)
         health_servicer = AioHealthServicer()

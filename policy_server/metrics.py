@@ -216,6 +216,22 @@ class Metrics:
             ["policy", "kind"],
             registry=r,
         )
+        self.streams_open = Gauge(
+            "nightjar_streams_open",
+            "Engines' StepStreams open now (at most max_streams).",
+            registry=r,
+        )
+        self.streams_refused = Counter(
+            "nightjar_streams_refused",
+            "StepStreams refused with RESOURCE_EXHAUSTED: max_streams were open.",
+            registry=r,
+        )
+        self.streams_idle_closed = Counter(
+            "nightjar_streams_idle_closed",
+            "StepStreams closed (UNAVAILABLE) after sending nothing for "
+            "stream_idle_timeout_s; the plugin opens a new one.",
+            registry=r,
+        )
         for kind in ("engine", "learner_key", "pending"):
             self.evictions.labels(kind)
         for result in ("committed", "dropped", "unknown"):
