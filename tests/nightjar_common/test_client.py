@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import threading
@@ -274,5 +275,36 @@ def test_a_step_the_table_cannot_answer_is_sent_by_the_sender_thread(make_server
         assert gathered_on and threading.current_thread().name not in gathered_on
         assert "nightjar-tables" in gathered_on
         assert wait_until(lambda: server.state()["reports"] == 1)
+    finally:
+        client.close()
+
+
+def test_a_replay_ages_its_tables_on_the_simulated_clock(make_server) -> None:
+    """A replay's tables are refreshed by the simulated time each step gives, not by the
+    wall clock: wall time passing refreshes nothing, 200 simulated ms do (a step ahead),
+    and a table past its valid_ms of simulated time serves no step."""
+    server = make_server("--policy", "static", "--params", '{"gamma": 2}')
+    client = make_client(server.target, deadline_s=10.0, connect_timeout_s=10, replay=True)
+    try:
+        ctx = StepContext("eng", batch_size=4, step_index=0, previous_gamma=2)
+
+        def decide(index: int, now_s: float) -> GammaDecision:
+            return client.decide(dataclasses.replace(ctx, step_index=index), now_s)
+
+        assert decide(0, 0.0).source == "sidecar"
+        tables = client.stats.tables
+        time.sleep(0.3)  # longer than the refresh period on the wall clock
+        decide(1, 0.01)
+        assert client.stats.tables == tables  # the same table serves
+        decide(2, 0.2)  # 200 simulated ms old: refreshed ahead of the next step
+        assert client.stats.tables == tables + 1
+        taken = decide(3, 0.21).table_step
+        assert taken is not None and taken.use == 1  # the new table's first step
+        # It started at 0.21 s; past its valid_ms (1 s) of simulated time it serves no
+        # step: the step misses and asks, and is still answered by the sidecar.
+        assert not client.stats.table_misses["expired"]
+        assert decide(4, 1.3).source == "sidecar"
+        assert client.stats.table_misses["expired"] == 1
+        assert client.stats.fallbacks_total == 0
     finally:
         client.close()
