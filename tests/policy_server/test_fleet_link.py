@@ -276,3 +276,26 @@ def test_the_config_files_fleet_table_and_flags_merge_key_by_key(tmp_path: Path)
     )
     with pytest.raises(ConfigError, match="fleet"):
         load_config(parse_args(["--uds", "/tmp/x.sock", "--fleet", "http://r"]))
+
+
+def test_mutual_tls_to_redis(tmp_path: Path, pki: dict[str, Any]) -> None:
+    """rediss:// with the CA that verifies Redis and a client certificate of the CA Redis
+    trusts; without the certificate, or with another CA's, the round fails (fail-open)."""
+    with RedisRig(tmp_path / "tls", tls=pki) as rig:
+        ca = str(pki["ca"].files.cert)
+        client, intruder = pki["client"], pki["intruder"]
+        good = _sidecar(rig.url, "a", tls_ca=ca, tls_cert=str(client.cert), tls_key=str(client.key))
+        _run(good.service.active.policy, "ea", 30, seed=11, alpha=0.8)
+        assert good.round().ok
+        stranger = _sidecar(
+            rig.url, "b", tls_ca=ca, tls_cert=str(intruder.cert), tls_key=str(intruder.key)
+        )
+        assert not stranger.round().ok
+        anonymous = _sidecar(rig.url, "c", tls_ca=ca)
+        assert not anonymous.round().ok
+        assert [
+            _text(m)
+            for m in rig.client().zrange(
+                f"nightjar:default:{good.service.active.policy.pool_scope}:members", 0, -1
+            )
+        ] == ["a"]

@@ -6,8 +6,10 @@
         rig.start()          # back on the same port, empty
 
 It starts `redis-server` on a free loopback port with no persistence (its files in the
-work directory), optionally with a password or a memory limit, and waits until it answers
-PING. A missing binary is an error, never a skip: the tests need the real thing.
+work directory), optionally with a password, a memory limit or TLS (with ``tls``: the
+server's certificate and its CA, clients must present one of that CA: mutual TLS), and
+waits until it answers PING. A missing binary is an error, never a skip: the tests need
+the real thing.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import subprocess
 import time
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import redis
 
@@ -38,11 +41,14 @@ class RedisRig:
         *,
         password: str = "",
         maxmemory: str = "",
+        tls: dict[str, Any] | None = None,
         binary: str = "redis-server",
     ) -> None:
         self.workdir = Path(workdir)
         self.password = password
         self.maxmemory = maxmemory
+        # The conftest pki's "ca", "server" and "client": TLS only, mutual.
+        self.tls = tls
         self.binary = shutil.which(binary) or ""
         if not self.binary:
             raise RuntimeError(f"{binary} not found: run `make install-apt` (Debian redis-server)")
@@ -51,17 +57,34 @@ class RedisRig:
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        scheme = "rediss" if self.tls else "redis"
+        return f"{scheme}://127.0.0.1:{self.port}/0"
 
     def client(self) -> redis.Redis:
-        return redis.Redis(host="127.0.0.1", port=self.port, password=self.password or None)
+        extra: dict[str, Any] = {}
+        if self.tls:
+            extra = {
+                "ssl": True,
+                "ssl_ca_certs": str(self.tls["ca"].files.cert),
+                "ssl_certfile": str(self.tls["client"].cert),
+                "ssl_keyfile": str(self.tls["client"].key),
+            }
+        return redis.Redis(
+            host="127.0.0.1", port=self.port, password=self.password or None, **extra
+        )
 
     def start(self, timeout: float = 15.0) -> RedisRig:
         self.workdir.mkdir(parents=True, exist_ok=True)
+        ports = ["--port", str(self.port)]
+        if self.tls:
+            ports = ["--port", "0", "--tls-port", str(self.port)]
+            ports += ["--tls-cert-file", str(self.tls["server"].cert)]
+            ports += ["--tls-key-file", str(self.tls["server"].key)]
+            ports += ["--tls-ca-cert-file", str(self.tls["ca"].files.cert)]
+            ports += ["--tls-auth-clients", "yes"]
         args = [
             self.binary,
-            "--port",
-            str(self.port),
+            *ports,
             "--bind",
             "127.0.0.1",
             "--save",
