@@ -69,7 +69,7 @@ def learned_state(engines: int, seed: int = 0) -> dict[str, Any]:
     """A snapshot document of a nightjar policy that has seen ``engines`` engines."""
     service = DecisionService("nightjar", {"seed": seed})
     for engine in range(engines):
-        grow(lambda e, b: service.decide(StepContext(e, batch_size=b)), engine)
+        grow(lambda e, b: service.run_step(StepContext(e, batch_size=b)), engine)
     return service.snapshot_document()
 
 
@@ -81,7 +81,7 @@ def _writer(state_dir: str, journal: str, base: dict[str, Any]) -> None:
     path = Path(state_dir) / snapshot.SNAPSHOT_NAME
     with open(journal, "ab") as log:
         for step in range(1 << 30):
-            service.decide(StepContext(f"writer-{step % 97}", batch_size=1 + step % 64))
+            service.run_step(StepContext(f"writer-{step % 97}", batch_size=1 + step % 64))
             data = snapshot.encode(service.snapshot_document())
             log.write(hashlib.sha256(data).hexdigest().encode() + b"\n")
             log.flush()

@@ -25,7 +25,7 @@ from nightjar_proto.v1 import admin_pb2, admin_pb2_grpc
 
 from benchmarks.host import free_port, stop
 from policy_server import snapshot
-from policy_server.policies import create_policy
+from policy_server.policies import create_policy, learned_state
 
 # Soak: each swap activates the next of these, then the sidecar's own starting policy
 # twice (its defaults); the learned state is kept whenever the new policy reads the active
@@ -184,7 +184,7 @@ def swap_plan(starting_policy: str) -> list[tuple[str, dict[str, Any]]]:
 
 
 def state_schema(name: str) -> str:
-    return str(create_policy(name, {}).state_schema)
+    return str(learned_state(create_policy(name, {})).state_schema)
 
 
 def swap(server: Sidecar, index: int, plan: list[tuple[str, dict[str, Any]]]) -> AdminEvent:
@@ -227,7 +227,7 @@ def check_snapshot(path: Path) -> str | None:
     try:
         document = snapshot.read(path)
         spec = document["policy"]
-        create_policy(spec["name"], spec["params"]).load_state(spec["state"])
+        learned_state(create_policy(spec["name"], spec["params"])).load_state(spec["state"])
     except Exception as exc:  # anything wrong with the file is the finding
         return f"{type(exc).__name__}: {exc}"
     return None

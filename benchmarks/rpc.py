@@ -1,9 +1,9 @@
 """`make bench-rpc`: what a decision costs, in process and over the wire.
 
 Measures (p50/p99):
-1. in-process: the Nightjar policy's decide alone, DecisionService.decide (ids,
-   bookkeeping, Prometheus), and a decide + report pair; steps through decision tables
-   (their amortised mean too), in rounds spread over the run;
+1. in-process: the Nightjar policy's decide alone, DecisionService.run_step (a table
+   a step, its entry run: ids, bookkeeping, Prometheus), and a run_step + report pair;
+   steps through decision tables (their amortised mean too), in rounds spread over the run;
 2. the round trip of a step the held table cannot answer (a miss: the client asks for
    a table, carrying the reports queued, and waits for it) to a real `nightjar-server`
    process over a Unix socket and loopback TCP, 1 and 8 concurrent client processes;
@@ -124,10 +124,10 @@ def request_outcome(ctx: StepContext, choice: Choice) -> StepOutcome:
 
 
 def measure_in_process(samples: int = 20_000) -> list[Measurement]:
-    """The default policy's decide alone and through the service (as the sidecar serves
-    it), the paper's Nightjar policy's decide for reference, and the default's
-    per-request mode deciding steps whose requests are named (issue 30's decision
-    cost)."""
+    """The default policy's decide alone and through the service (a table decided and
+    its entry run and reported, every step), the paper's Nightjar policy's decide for
+    reference, and the default's per-request mode deciding steps whose requests are
+    named (issue 30's decision cost)."""
     ctxs = contexts("bench", samples)
     warm = min(2_000, samples)
     measured = [
@@ -142,9 +142,9 @@ def measure_in_process(samples: int = 20_000) -> list[Measurement]:
     decide_ns, pair_ns = [], []
     for i, ctx in enumerate(ctxs):
         start = time.perf_counter_ns()
-        decision = service.decide(ctx)
+        ran = service.run_step(ctx)
         middle = time.perf_counter_ns()
-        service.report(outcome_for("bench", decision.decision_id, ctx, decision.gamma))
+        service.report(outcome_for("bench", ran.decision_id, ctx, ran.gamma))
         end = time.perf_counter_ns()
         decide_ns.append(middle - start)
         pair_ns.append(end - start)
@@ -153,8 +153,8 @@ def measure_in_process(samples: int = 20_000) -> list[Measurement]:
             pair_ns.clear()
     return [
         measured[0],
-        summarise(f"DecisionService.decide ({DEFAULT_POLICY})", decide_ns),
-        summarise(f"DecisionService.decide + report ({DEFAULT_POLICY})", pair_ns),
+        summarise(f"DecisionService.run_step, a table a step ({DEFAULT_POLICY})", decide_ns),
+        summarise(f"DecisionService.run_step + report ({DEFAULT_POLICY})", pair_ns),
         measured[1],
         planning,
     ]

@@ -28,9 +28,9 @@ from typing import Any
 import numpy as np
 
 from nightjar_common.types import BinType, Choice, StepContext, StepOutcome
+from policy_server.decision_log import context_from_json, outcome_from_json
 from policy_server.policies import create_policy
 from policy_server.policies.goodput import GoodputModelPolicy
-from policy_server.service import context_from_json, outcome_from_json
 
 # Batch-size buckets: the fallback table's rows, then the saturated engine's sizes.
 BUCKETS = ((1, 8), (9, 24), (25, 48), (49, 4096))

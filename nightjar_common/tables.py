@@ -173,9 +173,7 @@ class NextStep:
         if self.gamma is None:
             return self.ctx
         ctx = self.ctx
-        return dataclasses.replace(
-            ctx, step_index=ctx.step_index + 1, previous_gamma=self.gamma, candidate_batch_sizes=()
-        )
+        return dataclasses.replace(ctx, step_index=ctx.step_index + 1, previous_gamma=self.gamma)
 
 
 @dataclasses.dataclass(slots=True)

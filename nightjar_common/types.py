@@ -4,7 +4,7 @@ These mirror the nightjar.v1 wire messages but carry no gRPC or protobuf
 dependency, so the algorithms can be used (and tested) on their own.
 
 The per-step types an engine builds on its own thread every step (StepContext,
-RequestSignals, StepOutcome, Decision, RanStep) are plain slotted dataclasses, as vLLM's per-step
+RequestSignals, StepOutcome, RanStep) are plain slotted dataclasses, as vLLM's per-step
 outputs are: a frozen one's construction sets each field through object.__setattr__ and
 costs four times as much. They are values all the same: nothing changes one once built.
 """
@@ -68,11 +68,6 @@ class StepContext:
     requests: tuple[RequestSignals, ...] = ()
     # Tokens in the decode batch's context (KV read by the step); 0 = unknown.
     context_tokens: int = 0
-    # Asking ahead: other batch sizes the step may run with, each decided tentatively;
-    # the engine later names the one it ran (ran_decision_id). Policies never see these:
-    # the server decides each candidate on a context with its batch size and none.
-    candidate_batch_sizes: tuple[int, ...] = ()
-    ran_decision_id: str = ""
     # Draft passes the engine runs in a step whatever γ is (vLLM's model drafters: 1; the
     # V2 runner's draft model drafts Γmax always).
     min_draft_passes: int = 0
@@ -132,32 +127,6 @@ class MemoryDirective:
     action: str = ""  # "", "offload_draft_expand_kv", "compact_kv_reload_draft"
     target_kv_blocks: int = 0
     reason: str = ""
-
-
-@dataclass(slots=True)
-class Decision:
-    """A choice stamped by the server: what goes back on the wire."""
-
-    gamma: int
-    decision_id: str
-    bin_type: BinType
-    exploration_probability: float
-    policy_name: str
-    policy_version: str
-    step_index: int = 0
-    request_gammas: tuple[tuple[str, int], ...] = ()
-    memory_directive: MemoryDirective = field(default_factory=MemoryDirective)
-    # The batch size decided for; with candidates, one tentative decision per other size.
-    batch_size: int = 0
-    candidates: tuple[Decision, ...] = ()
-    # Waits for the engine to name the decision it ran (StepContext.ran_decision_id).
-    tentative: bool = False
-    # The policy reads per-request signals: the engine sends them from now on.
-    reads_request_signals: bool = False
-
-    @property
-    def exploration(self) -> bool:
-        return self.bin_type is BinType.EXPLORE
 
 
 class DraftState(enum.StrEnum):

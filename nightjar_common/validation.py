@@ -17,8 +17,6 @@ from nightjar_common.types import RanStep, RequestSignals, StepContext, StepOutc
 HARD_GAMMA_LIMIT = 64
 # Longest engine id and learner key the sidecar accepts.
 MAX_ID_LENGTH = 256
-# Candidate batch sizes one context may ask for (StepContext.candidate_batch_sizes).
-MAX_CANDIDATES = 16
 # Ran steps and outcomes one request may carry (StepRequest.ran_steps, .outcomes): a
 # client reports every few steps, so a few dozen; bounded so one message stays small.
 MAX_BATCHED = 256
@@ -86,20 +84,6 @@ def check_context(ctx: StepContext, limits: Limits) -> None:
                 raise InvalidArgumentError(
                     f"runtime.{name} is longer than {limits.max_engine_id_length} characters"
                 )
-    if len(ctx.candidate_batch_sizes) > MAX_CANDIDATES:
-        raise InvalidArgumentError(
-            f"candidate_batch_sizes has {len(ctx.candidate_batch_sizes)} entries, more than "
-            f"{MAX_CANDIDATES}"
-        )
-    for size in ctx.candidate_batch_sizes:
-        if not 1 <= size <= limits.max_batch_size:
-            raise InvalidArgumentError(
-                f"candidate_batch_sizes must be in 1..{limits.max_batch_size}, got {size}"
-            )
-    if len(ctx.ran_decision_id) > limits.max_engine_id_length:
-        raise InvalidArgumentError(
-            f"ran_decision_id is longer than {limits.max_engine_id_length} characters"
-        )
     if len(ctx.requests) > limits.max_requests:
         raise InvalidArgumentError(
             f"{len(ctx.requests)} per-request sections, more than {limits.max_requests}"

@@ -32,9 +32,8 @@ from typing import Any
 import numpy as np
 
 from nightjar_common.types import BinType, Choice, StepContext, StepOutcome
-from policy_server.decision_log import read_logs
+from policy_server.decision_log import context_from_json, outcome_from_json, read_logs
 from policy_server.policies import create_policy
-from policy_server.service import context_from_json, outcome_from_json
 
 # Logged steps a draw picks among (the nearest batch sizes), and that price a γ's decode
 # part of a prefill step where no step is near its batch size.
@@ -291,11 +290,9 @@ def _run(
     rng = np.random.default_rng(seed)
     values: list[float | None] = []
     for step in steps:
-        # The candidate decides alone: no asking ahead, γ_prev its own, γ ≤ what was logged.
+        # The candidate decides alone: γ_prev its own, γ ≤ what was logged.
         ctx = dataclasses.replace(
             step.context,
-            candidate_batch_sizes=(),
-            ran_decision_id="",
             previous_gamma=None,
             max_gamma=min(top, step.context.max_gamma or top),
         )

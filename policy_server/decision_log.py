@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from nightjar_common.types import StepContext, StepOutcome
+from nightjar_common.types import Choice, RequestSignals, StepContext, StepOutcome
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +89,73 @@ def outcome_fields(outcome: StepOutcome) -> dict[str, Any]:
     fields["request_accepts"] = outcome.request_accepts[:RECORD_REQUESTS]
     fields["request_ids"] = outcome.request_ids[:RECORD_REQUESTS]
     return {"outcome": fields, "requests_cut": cut}
+
+
+def decision_record(
+    ts: float,
+    decision_id: str,
+    choice: Choice,
+    policy: str,
+    policy_version: str,
+    ctx: StepContext,
+) -> dict[str, Any]:
+    """The record of a decision an engine ran."""
+    return {
+        "kind": "decision",
+        "ts": ts,
+        "decision_id": decision_id,
+        "engine_id": ctx.engine_id,
+        "policy": policy,
+        "policy_version": policy_version,
+        **context_fields(ctx),
+        "gamma": choice.gamma,
+        "bin_type": choice.bin_type.value,
+        "exploration": choice.exploration,
+        "exploration_probability": choice.exploration_probability,
+    }
+
+
+def outcome_record(ts: float, outcome: StepOutcome) -> dict[str, Any]:
+    """The record of a step's outcome (joined to its decision by ``decision_id``)."""
+    return {
+        "kind": "outcome",
+        "ts": ts,
+        "decision_id": outcome.decision_id,
+        **outcome_fields(outcome),
+    }
+
+
+def policy_record(
+    policy: str, policy_version: str, params: Mapping[str, Any], event: str, state: str
+) -> dict[str, Any]:
+    """The record of a policy activation: ``event`` (start, swap, set_params, reset,
+    restore) and ``state`` (fresh, kept, restored)."""
+    return {
+        "kind": "policy",
+        "ts": time.time(),
+        "event": event,
+        "policy": policy,
+        "policy_version": policy_version,
+        "params": dict(params),
+        "state": state,
+    }
+
+
+def context_from_json(data: Mapping[str, Any]) -> StepContext:
+    """A decision record's ``context`` as the StepContext it was."""
+    fields = dict(data)
+    fields["requests"] = tuple(
+        RequestSignals(**{**r, "recent_accepts": tuple(r.get("recent_accepts", ()))})
+        for r in fields.get("requests", ())
+    )
+    return StepContext(**fields)
+
+
+def outcome_from_json(data: Mapping[str, Any]) -> StepOutcome:
+    """An outcome record's ``outcome`` as the StepOutcome it was."""
+    fields = dict(data)
+    fields["request_accepts"] = tuple(int(x) for x in fields.get("request_accepts", ()))
+    return StepOutcome(**fields)
 
 
 def _shallow(flat: Any) -> dict[str, Any]:

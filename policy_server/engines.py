@@ -1,6 +1,6 @@
 """Per-engine bookkeeping of the decision service, one shard per engine, bounded.
 
-Each engine's pending decisions, its open set of tentative candidates and its last
+Each engine's pending decisions, the decision tables it was sent and its last
 activity live in its own shard with its own lock, so engines do not wait on each other
 for bookkeeping (the policy's part an engine changes is under its learner's lock,
 learner_locks.py: engines of one learner key share it).
@@ -51,27 +51,6 @@ class PendingDecision:
     choice: Choice
     revision: int
     gamma_max: int
-    # False for tentative candidates until the engine names the one it ran.
-    committed: bool = True
-
-
-@dataclasses.dataclass(slots=True)
-class Candidate:
-    pending: PendingDecision
-    # The policy's checkpoint right after deciding this candidate (LearnedState).
-    after: object
-
-
-@dataclasses.dataclass(slots=True)
-class CandidateSet:
-    """Tentative decisions for the batch sizes the engine's next step may have."""
-
-    revision: int
-    members: dict[str, Candidate]
-    # An outcome of this engine was applied while the set was open (the plugin sends
-    # none then, except when it idles and drops the set): the chosen candidate's
-    # checkpoint could undo what it taught, so the choice is decided afresh instead.
-    touched: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -102,6 +81,8 @@ class KnownTable:
     gammas: bytes
     # Bit n set: step n was run and committed; reported again, it is a replay.
     ran: int = 0
+    # Bit n set: step n's outcome was learned from; sent again, it is a replay.
+    learned: int = 0
 
     @classmethod
     def of(cls, table: IssuedTable) -> KnownTable:
@@ -117,6 +98,12 @@ class KnownTable:
 
     def mark_run(self, step: int) -> None:
         self.ran |= 1 << step
+
+    def has_learned(self, step: int) -> bool:
+        return step > 0 and bool(self.learned >> step & 1)
+
+    def mark_learned(self, step: int) -> None:
+        self.learned |= 1 << step
 
 
 def step_number(decision_id: str) -> int:
@@ -144,7 +131,6 @@ class EngineShard:
     pending: collections.OrderedDict[str, PendingDecision] = dataclasses.field(
         default_factory=collections.OrderedDict
     )
-    open: CandidateSet | None = None
     # Decision tables issued to the engine, oldest first (at most KEPT_TABLES), and what
     # is remembered of the last KNOWN_TABLES.
     tables: collections.OrderedDict[str, IssuedTable] = dataclasses.field(
@@ -180,9 +166,6 @@ class EngineTable:
         self._lock = threading.Lock()
         self._shards: collections.OrderedDict[str, EngineShard] = collections.OrderedDict()
         self._learner_keys: collections.OrderedDict[str, None] = collections.OrderedDict()
-        # decision id → engine, for every pending or tentative decision: tells "made for
-        # another engine" from "unknown" (dict operations are atomic under the GIL).
-        self.decision_engine: dict[str, str] = {}
 
     def get(self, engine_id: str) -> EngineShard | None:
         return self._shards.get(engine_id)
@@ -211,7 +194,6 @@ class EngineTable:
                 shard = self._shards[engine_id] = EngineShard(engine_id)
                 while len(self._shards) > self.bounds.max_engines:
                     _, old = self._shards.popitem(last=False)
-                    self._forget_decisions(old)
                     evicted.append(old.engine_id)
             else:
                 self._shards.move_to_end(engine_id)
@@ -238,44 +220,22 @@ class EngineTable:
 
     def remove(self, engine_id: str) -> EngineShard | None:
         with self._lock:
-            shard = self._shards.pop(engine_id, None)
-            if shard is not None:
-                self._forget_decisions(shard)
-            return shard
+            return self._shards.pop(engine_id, None)
 
     def clear(self) -> None:
         with self._lock:
             self._shards.clear()
             self._learner_keys.clear()
-            self.decision_engine.clear()
 
     def add_pending(self, shard: EngineShard, decision_id: str, pending: PendingDecision) -> None:
         """Under the shard's lock: a committed decision awaits its outcome."""
         shard.pending[decision_id] = pending
-        self.decision_engine[decision_id] = shard.engine_id
         if len(shard.pending) > self.bounds.max_pending_per_engine:
-            old, _ = shard.pending.popitem(last=False)
-            self.decision_engine.pop(old, None)
+            shard.pending.popitem(last=False)
             self._count(PENDING, 1)
 
     def take_pending(self, shard: EngineShard, decision_id: str) -> None:
         del shard.pending[decision_id]
-        self.decision_engine.pop(decision_id, None)
-
-    def open_set(self, shard: EngineShard, candidates: CandidateSet) -> None:
-        shard.open = candidates
-        for decision_id in candidates.members:
-            self.decision_engine[decision_id] = shard.engine_id
-
-    def close_set(self, shard: EngineShard, keep: str | None = None) -> CandidateSet | None:
-        """Under the shard's lock: end the open set; the ids of all but ``keep`` are
-        forgotten. The set, or None when none was open."""
-        candidates, shard.open = shard.open, None
-        if candidates is not None:
-            for decision_id in candidates.members:
-                if decision_id != keep:
-                    self.decision_engine.pop(decision_id, None)
-        return candidates
 
     def keep_table(self, shard: EngineShard, table_id: str, table: IssuedTable) -> None:
         """Under the shard's lock: remember a table issued to the engine."""
@@ -290,10 +250,3 @@ class EngineTable:
         """Engines seen at or after ``since`` (perf_counter)."""
         with self._lock:
             return sum(1 for shard in self._shards.values() if shard.last_seen >= since)
-
-    def _forget_decisions(self, shard: EngineShard) -> None:
-        for decision_id in shard.pending:
-            self.decision_engine.pop(decision_id, None)
-        if shard.open is not None:
-            for decision_id in shard.open.members:
-                self.decision_engine.pop(decision_id, None)

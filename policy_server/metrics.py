@@ -187,14 +187,6 @@ class Metrics:
             "or behind); answered ABORTED, their outcome applied.",
             registry=r,
         )
-        self.tentative = Counter(
-            "nightjar_tentative_decisions",
-            "Tentative candidate decisions (StepContext.candidate_batch_sizes), by what "
-            "became of them: committed (the engine ran it), dropped (it ran another "
-            "batch size), unknown (the engine named one no longer open).",
-            ["result"],
-            registry=r,
-        )
         self.tables = Counter(
             "nightjar_tables",
             "Decision tables issued (one per StepRequest with a context): each holds "
@@ -234,8 +226,6 @@ class Metrics:
         )
         for kind in ("engine", "learner_key", "pending"):
             self.evictions.labels(kind)
-        for result in ("committed", "dropped", "unknown"):
-            self.tentative.labels(result)
         # Zero series from the start, so that increase() sees the first failure.
         for result in ("ok", "failed"):
             self.policy_swaps.labels(result)

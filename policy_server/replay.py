@@ -17,14 +17,18 @@ from typing import Any
 
 from nightjar_common.types import BinType, Choice
 from policy_server import snapshot
-from policy_server.decision_log import last_activation, read_logs
-from policy_server.policies import DEFAULT_POLICY, ServedPolicy, create_policy
-from policy_server.service import context_from_json, outcome_from_json
+from policy_server.decision_log import (
+    context_from_json,
+    last_activation,
+    outcome_from_json,
+    read_logs,
+)
+from policy_server.policies import DEFAULT_POLICY, Policy, create_policy, learned_state
 
 
 @dataclasses.dataclass(slots=True)
 class ReplayResult:
-    policy: ServedPolicy
+    policy: Policy
     decisions: int = 0
     outcomes: int = 0
     # (batch_size, gamma) -> [steps, summed goodput]
@@ -40,9 +44,9 @@ class ReplayResult:
                 "name": self.policy.name,
                 "version": "replay",
                 "params": self.policy.params(),
-                "state": self.policy.state(),
+                "state": learned_state(self.policy).state(),
             },
-            "engines": sorted(self.policy.state().get("engines", {})),
+            "engines": sorted(learned_state(self.policy).state().get("engines", {})),
         }
 
     def table(self) -> list[tuple[int, int, int, float]]:

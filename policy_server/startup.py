@@ -22,7 +22,13 @@ from typing import Any
 from nightjar_common.errors import FailedPreconditionError
 from policy_server import snapshot
 from policy_server.config import ServerConfig
-from policy_server.policies import REGISTRY, PolicyError, UnknownPolicyError, create_policy
+from policy_server.policies import (
+    REGISTRY,
+    PolicyError,
+    UnknownPolicyError,
+    create_policy,
+    learned_state,
+)
 from policy_server.service import DecisionService
 
 log = logging.getLogger("nightjar.server")
@@ -130,7 +136,7 @@ def _restore(
         )
         service.restore_document(merged, from_client=False, keep_state=False)
         return dict(saved["params"])
-    service.last_snapshot_unix = float(document.get("created_unix", 0.0))
+    service.store.last_snapshot_unix = float(document.get("created_unix", 0.0))
     log.info("restored %s (%s) from %s", active.name, active.version, path)
     return dict(saved["params"])
 
@@ -143,7 +149,7 @@ def _fits(saved: Mapping[str, Any]) -> bool:
     level = policies_log.level
     policies_log.setLevel(logging.ERROR)
     try:
-        create_policy(saved["name"], saved["params"]).load_state(saved["state"])
+        learned_state(create_policy(saved["name"], saved["params"])).load_state(saved["state"])
     except (PolicyError, UnknownPolicyError):
         return False
     finally:

@@ -8,7 +8,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from nightjar_common.json_input import JsonError, load_json
-from policy_server.policies.base import LearnedState, Policy, PolicyError, ServedPolicy
+from policy_server.policies.base import (
+    LearnedState,
+    Policy,
+    PolicyError,
+    TentativeDecisions,
+    learned_state,
+    tentative_decisions,
+)
 from policy_server.policies.dsd import DsdParams, DsdPolicy
 from policy_server.policies.dsde import DsdeParams, DsdePolicy
 from policy_server.policies.ema import EmaParams, EmaPolicy
@@ -33,9 +40,11 @@ __all__ = [
     "Policy",
     "PolicyError",
     "PolicySpec",
-    "ServedPolicy",
+    "TentativeDecisions",
     "UnknownPolicyError",
     "create_policy",
+    "learned_state",
+    "tentative_decisions",
 ]
 
 
@@ -51,7 +60,7 @@ class PolicySpec:
     name: str
     description: str
     # Every registered policy is served: it has the learned-state protocol too.
-    factory: Callable[[Mapping[str, Any] | None], ServedPolicy]
+    factory: Callable[[Mapping[str, Any] | None], Policy]
     params_type: type[Any]
 
     def default_params(self) -> dict[str, Any]:
@@ -129,7 +138,7 @@ REGISTRY: dict[str, PolicySpec] = {
 DEFAULT_POLICY = "goodput"
 
 
-def create_policy(name: str, params: Mapping[str, Any] | None = None) -> ServedPolicy:
+def create_policy(name: str, params: Mapping[str, Any] | None = None) -> Policy:
     """Instantiate a registered policy; UnknownPolicyError / PolicyError on bad input."""
     spec = REGISTRY.get(name)
     if spec is None:

@@ -1,4 +1,5 @@
-"""The protocols every γ policy implements (Policy, LearnedState), and helpers they share.
+"""The protocol every γ policy implements (Policy), the optional capabilities the server
+discovers in one (LearnedState, TentativeDecisions), and helpers they share.
 
 A policy is a small, engine-agnostic object: it sees a StepContext, returns a
 Choice, and learns from StepOutcomes. It knows nothing of gRPC or vLLM.
@@ -104,34 +105,21 @@ def trim_state(policy: object, state: dict[str, Any], excess_bytes: int) -> str:
     return str(trim(state, excess_bytes)) if trim is not None else ""
 
 
+@typing.runtime_checkable
 class LearnedState(Protocol):
-    """What the server does with what a policy has learned; every registered policy has
-    it (one that learns nothing trivially, fixed._StatelessPolicy).
-
-    Tentative decisions: an engine asking ahead does not know its next batch size, so it
-    asks for several (StepContext.candidate_batch_sizes) and later names the one it ran;
-    only that decision may count. With ``checkpoints_decide`` the server decides each
-    candidate between ``checkpoint`` and ``restore``, and at the engine's word restores the
-    chosen candidate's after-decide checkpoint, so schedules, RNG draws and γ_prev advance
-    exactly as if only that decision had been asked for. ``decide_candidates`` decides a
-    whole set with these checkpoints (CheckpointedDecide: one candidate after the other;
-    goodput: in one pass). Without ``checkpoints_decide`` (a decide() that changes state no
-    checkpoint holds, such as new entries of shared learner tables) the server decides each
-    candidate on a deep copy of the policy and the chosen one again on the live policy when
-    the engine names it; checkpoint, restore and decide_candidates are then not called.
-    """
+    """Optional capability: what the server does with what a policy has learned (reads,
+    snapshots, restores, resets, evictions; learner locks). A policy without it learns
+    nothing the server keeps (learned_state gives NOTHING_LEARNED for it)."""
 
     # Policies with the same schema can carry learned state across a swap.
     state_schema: ClassVar[str]
-    # True: checkpoint(ctx) holds everything decide(ctx) may change (see above).
-    checkpoints_decide: ClassVar[bool]
 
     def state(self, engine_id: str | None = None) -> dict[str, Any]:
         """Learned state as JSON-serialisable data: all of it, or one engine's part (its
         record and the learner it updates), or with UNOWNED the part no engine's shows
         (learners no engine updates now). The parts of all engines and UNOWNED, merged by
         merge_state_parts, are the whole state: the server reads it so, an engine at a
-        time (policy_server/service.py). One engine's part costs what that part holds,
+        time (policy_server/state_store.py). One engine's part costs what that part holds,
         whatever the number of engines."""
         ...
 
@@ -154,25 +142,29 @@ class LearnedState(Protocol):
         own record: the one its record updates, or for an engine without a record the one
         a step sending ``learner_key`` would create (own_learner(engine_id) when nothing is
         shared). Steps of one learner are serialised by the server, those of others not
-        (a lock per learner, policy_server/service.py)."""
+        (a lock per learner, policy_server/learner_locks.py)."""
         ...
 
-    def checkpoint(self, ctx: StepContext) -> object:
-        """A copy of everything decide(ctx) may change (opaque to the server)."""
-        ...
 
-    def restore(self, ctx: StepContext, saved: object) -> None:
-        """Put back what checkpoint(ctx) returned (for a context of the same engine and
-        batch size)."""
-        ...
+@typing.runtime_checkable
+class TentativeDecisions(Protocol):
+    """Optional capability: deciding for batch sizes the engine may run, then keeping
+    only the one it ran. A decision table holds γ for several batch sizes and the engine
+    runs one entry a step; only that decision may count, so schedules, RNG draws and
+    γ_prev advance exactly as if only it had been asked for. A policy without it is
+    decided on a deep copy per batch size and asked again, live, for the entry that ran
+    (policy_server/decisions.py): correct, and as costly as the copy."""
 
     def decide_candidates(
         self, ctx: StepContext, batch_sizes: Sequence[int]
     ) -> list[tuple[Choice, object]]:
-        """The choice for ``ctx`` at each batch size (in order), each with the checkpoint
-        its decision would leave (what ``restore`` takes to commit it, with a context of
-        that engine and batch size); the policy's state is left unchanged. Only where
-        ``checkpoints_decide``."""
+        """The choice for ``ctx`` at each batch size (in order), each with what committing
+        it takes (opaque to the server); the policy's state is left unchanged."""
+        ...
+
+    def commit(self, ctx: StepContext, decided: object) -> None:
+        """The engine ran the candidate decided with ``decided`` (for a context of that
+        engine and batch size): leave the policy as deciding it alone would have."""
         ...
 
 
@@ -201,8 +193,40 @@ def merge_state_parts(parts: Iterable[Mapping[str, Any]]) -> dict[str, Any]:
     }
 
 
-class ServedPolicy(Policy, LearnedState, Protocol):
-    """What the server holds: a policy together with its learned state."""
+class NothingLearned:
+    """LearnedState of a policy without one: an empty state of schema ``stateless/1``
+    (what every policy that learns nothing reads and writes, so they swap keeping it)."""
+
+    state_schema: ClassVar[str] = "stateless/1"
+
+    def state(self, engine_id: str | None = None) -> dict[str, Any]:
+        return {"schema": self.state_schema}
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        if state.get("schema") != self.state_schema:
+            raise PolicyError(f"state schema {state.get('schema')!r} is not {self.state_schema}")
+
+    def reset(self, engine_id: str | None = None) -> None:
+        return None
+
+    def forget_learner(self, learner_key: str) -> None:
+        return None
+
+    def learner_for(self, engine_id: str, learner_key: str) -> str:
+        return own_learner(engine_id)
+
+
+NOTHING_LEARNED = NothingLearned()
+
+
+def learned_state(policy: Policy) -> LearnedState:
+    """The policy's LearnedState capability, NOTHING_LEARNED where it has none."""
+    return policy if isinstance(policy, LearnedState) else NOTHING_LEARNED
+
+
+def tentative_decisions(policy: Policy) -> TentativeDecisions | None:
+    """The policy's TentativeDecisions capability, None where it has none."""
+    return policy if isinstance(policy, TentativeDecisions) else None
 
 
 class GammaParams(Protocol):
@@ -242,11 +266,9 @@ class Checkpointed(Protocol):
 
 
 class CheckpointedDecide:
-    """LearnedState.decide_candidates of a policy whose checkpoint(ctx) holds everything
-    decide(ctx) may change (``checkpoints_decide``): each candidate is decided between a
-    checkpoint and its restore, and keeps the checkpoint taken right after deciding."""
-
-    checkpoints_decide: ClassVar[bool] = True
+    """TentativeDecisions of a policy whose checkpoint(ctx) holds everything decide(ctx)
+    may change: each candidate is decided between a checkpoint and its restore, and keeps
+    the checkpoint taken right after deciding, which committing restores."""
 
     def decide_candidates(
         self: Checkpointed, ctx: StepContext, batch_sizes: Sequence[int]
@@ -259,6 +281,22 @@ class CheckpointedDecide:
             decided.append((choice, self.checkpoint(candidate)))
             self.restore(candidate, before)
         return decided
+
+    def commit(self: Checkpointed, ctx: StepContext, decided: object) -> None:
+        self.restore(ctx, decided)
+
+
+class DecideChangesNothing:
+    """TentativeDecisions of a policy whose decide() changes nothing (static, off, table):
+    every candidate is just decided, and committing has nothing to do."""
+
+    def decide_candidates(
+        self: Policy, ctx: StepContext, batch_sizes: Sequence[int]
+    ) -> list[tuple[Choice, object]]:
+        return [(self.decide(at_batch_size(ctx, size)), None) for size in batch_sizes]
+
+    def commit(self, ctx: StepContext, decided: object) -> None:
+        return None
 
 
 def at_batch_size(ctx: StepContext, batch_size: int) -> StepContext:

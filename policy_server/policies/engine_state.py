@@ -188,7 +188,7 @@ class EngineStates(LearnerBook[R, L]):
 
 class EngineStatePolicy(ParamsPolicy[G], CheckpointedDecide, Generic[G, R, L]):
     """LearnedState plumbing of a policy whose state is EngineStates (``_book``): goodput
-    and nightjar. Its checkpoints hold all its decide() changes (``checkpoints_decide``)."""
+    and nightjar. Its checkpoints hold all its decide() changes (CheckpointedDecide)."""
 
     _book: EngineStates[R, L]
     # c_prefill, the catch-up of turning speculation back on (None: no table given).

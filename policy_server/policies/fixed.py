@@ -16,9 +16,10 @@ from nightjar_common.fallback import DEFAULT_SCHEDULE, BatchSizeTable, ScheduleE
 from nightjar_common.types import BinType, Choice, StepContext, StepOutcome
 from policy_server.policies.base import (
     CheckpointedDecide,
+    DecideChangesNothing,
+    NothingLearned,
     ParamsPolicy,
     PolicyError,
-    StatePerEngine,
     feasible_gamma_max,
     forced_choice_if_no_speculation,
     parse_params,
@@ -27,28 +28,11 @@ from policy_server.policies.engine_state import engine_rng
 from policy_server.policies.rng import SplitMix64
 
 
-class _StatelessPolicy(CheckpointedDecide, StatePerEngine):  # random: an RNG per engine
-    """LearnedState of policies that learn nothing."""
-
-    state_schema: ClassVar[str] = "stateless/1"
+class _LearnsNothing(DecideChangesNothing):
+    """A policy that learns nothing and whose decide() changes nothing: no LearnedState
+    (the server keeps none for it), every tentative decision the one it would make."""
 
     def observe(self, ctx: StepContext, choice: Choice, outcome: StepOutcome) -> None:
-        return None
-
-    def state(self, engine_id: str | None = None) -> dict[str, Any]:
-        return {"schema": self.state_schema}
-
-    def load_state(self, state: Mapping[str, Any]) -> None:
-        if state.get("schema") != self.state_schema:
-            raise PolicyError(f"state schema {state.get('schema')!r} is not {self.state_schema}")
-
-    def reset(self, engine_id: str | None = None) -> None:
-        return None
-
-    def checkpoint(self, ctx: StepContext) -> object:
-        return None  # decide() changes nothing
-
-    def restore(self, ctx: StepContext, saved: object) -> None:
         return None
 
 
@@ -61,7 +45,7 @@ class StaticParams:
             raise PolicyError(f"gamma must be in 0..64, got {self.gamma}")
 
 
-class StaticPolicy(_StatelessPolicy):
+class StaticPolicy(_LearnsNothing):
     """Always the same γ (vLLM's default behaviour with num_speculative_tokens = γ)."""
 
     name: ClassVar[str] = "static"
@@ -89,7 +73,7 @@ class OffParams:
     pass
 
 
-class OffPolicy(_StatelessPolicy):
+class OffPolicy(_LearnsNothing):
     """Never speculate (γ = 0): plain decoding, the baseline."""
 
     name: ClassVar[str] = "off"
@@ -124,7 +108,7 @@ class TableParams:
             raise PolicyError(str(exc)) from None
 
 
-class TablePolicy(_StatelessPolicy):
+class TablePolicy(_LearnsNothing):
     """γ looked up from a batch-size table (vLLM's dynamic-SD schedule)."""
 
     name: ClassVar[str] = "table"
@@ -166,10 +150,11 @@ class RandomParams:
             raise PolicyError(f"gamma_max must be in 0..64, got {self.gamma_max}")
 
 
-class RandomPolicy(ParamsPolicy[RandomParams], _StatelessPolicy):
+class RandomPolicy(ParamsPolicy[RandomParams], CheckpointedDecide, NothingLearned):
     """γ uniform in 0..gamma_max every step, seeded per engine.
 
-    Learns nothing: a canary for losslessness (outputs must not depend on γ) and a
+    Learns nothing (its LearnedState: an empty state; a reset restarts the engines' RNGs):
+    a canary for losslessness (outputs must not depend on γ) and a
     uniform-propensity logging policy for off-policy evaluation of the decision log.
     """
 
@@ -189,6 +174,9 @@ class RandomPolicy(ParamsPolicy[RandomParams], _StatelessPolicy):
         return Choice(
             gamma=rng.randint(0, top), bin_type=BinType.EXPLORE, exploration_probability=1.0
         )
+
+    def observe(self, ctx: StepContext, choice: Choice, outcome: StepOutcome) -> None:
+        return None
 
     def checkpoint(self, ctx: StepContext) -> object:
         """decide(ctx) only draws from (or creates) the engine's RNG."""

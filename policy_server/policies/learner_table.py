@@ -7,10 +7,10 @@ batch bucket) and, per engine, only which learner it updates.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, Generic, TypeVar
 
-from nightjar_common.types import Choice, StepContext
+from nightjar_common.types import StepContext
 from policy_server.policies.base import (
     UNOWNED,
     WHOLE_POLICY,
@@ -80,12 +80,11 @@ class LearnerTablePolicy(ParamsPolicy[G], Generic[G, L]):
     """LearnedState of a policy whose whole state is a LearnerTable (dsd, ucb).
 
     Their decide() creates table entries (an engine's learner, a batch bucket's arms) that
-    no checkpoint holds, so the server decides their tentative candidates on a copy and
-    the chosen one again on the live policy (``checkpoints_decide`` False)."""
+    no checkpoint holds: they have no TentativeDecisions, so the server decides their
+    candidates on a copy and the entry that ran again on the live policy."""
 
     name: ClassVar[str]
     state_schema: ClassVar[str]
-    checkpoints_decide: ClassVar[bool] = False
     _table: LearnerTable[L]
 
     def _learner_to_json(self, learned: L) -> Any:
@@ -114,21 +113,9 @@ class LearnerTablePolicy(ParamsPolicy[G], Generic[G, L]):
         self._table.forget_learner(learner_key)
 
     def learner_for(self, engine_id: str, learner_key: str) -> str:
-        # One for all engines: without checkpoints_decide the server decides candidates on
+        # One for all engines: without TentativeDecisions the server decides candidates on
         # a copy of the whole policy, which must not change meanwhile.
         return WHOLE_POLICY
 
     def reset(self, engine_id: str | None = None) -> None:
         self._table.reset(engine_id)
-
-    def checkpoint(self, ctx: StepContext) -> object:
-        return None  # not used: checkpoints_decide is False
-
-    def restore(self, ctx: StepContext, saved: object) -> None:
-        return None
-
-    def decide_candidates(
-        self, ctx: StepContext, batch_sizes: Sequence[int]
-    ) -> list[tuple[Choice, object]]:
-        # Checkpoints would not hold the table entries decide() adds.
-        raise NotImplementedError(f"{self.name}: checkpoints_decide is False")

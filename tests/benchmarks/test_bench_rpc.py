@@ -26,8 +26,8 @@ def test_in_process_measurement_is_sane() -> None:
     results = [*measure_in_process(samples=300), *tables.medians()]
     assert [m.case for m in results] == [
         "GoodputModelPolicy.decide (goodput)",
-        "DecisionService.decide (goodput)",
-        "DecisionService.decide + report (goodput)",
+        "DecisionService.run_step, a table a step (goodput)",
+        "DecisionService.run_step + report (goodput)",
         "NightjarPolicy.decide (nightjar)",
         "GoodputModelPolicy.decide (goodput, per_request: requests named)",
         *(

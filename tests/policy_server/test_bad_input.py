@@ -271,7 +271,7 @@ def test_unknown_and_duplicate_decision_ids(self_checked_server: Any) -> None:
         assert reported == before["reports"] + 1
         reply = engine.report(outcome(decision))  # again: already reported
         assert reply.skipped == 1
-        assert f"outcome of {decision.decision_id}: its step was already reported" in (
+        assert f"outcome of {decision.decision_id}: it was already learned from" in (
             reply.skipped_reason
         )
         assert server.state()["reports"] == reported

@@ -13,7 +13,7 @@ import pytest
 from nightjar_proto.v1 import admin_pb2, policy_pb2
 
 from benchmarks import bounds_check
-from nightjar_common.errors import InvalidArgumentError, NotFoundError
+from nightjar_common.errors import InvalidArgumentError
 from nightjar_common.types import RequestSignals, StepContext, StepOutcome
 from policy_server.engines import Bounds
 from policy_server.service import DecisionService
@@ -29,24 +29,24 @@ def ctx(engine: str, key: str = "", **extra: Any) -> StepContext:
 
 def test_engines_beyond_the_bound_evict_the_least_recently_used() -> None:
     service = DecisionService("nightjar", bounds=Bounds(max_engines=3))
-    first = service.decide(ctx("a"))
-    decided = {engine: service.decide(ctx(engine)) for engine in ("b", "c", "a", "d")}
+    first = service.run_step(ctx("a"))
+    decided = {engine: service.run_step(ctx(engine)) for engine in ("b", "c", "a", "d")}
     # "a" was used again, so "b" was the least recently used.
     assert sorted(service.state_view().engine_ids) == ["a", "c", "d"]
     assert evicted(service, "engine") == 1
     assert "b" not in service.state_view().state["engines"]  # its policy state went too
-    assert service.report(StepOutcome(first.decision_id, "a", first.gamma, 0.01, 4))
-    service.decide(ctx("e"))  # evicts "c", with its pending decision
+    assert service.report(StepOutcome(first.decision_id, "a", first.gamma, 0.01, 4)).skipped == 0
+    service.run_step(ctx("e"))  # evicts "c", with its pending decision
     assert evicted(service, "engine") == 2
     gone = decided["c"]
-    with pytest.raises(NotFoundError):
-        service.report(StepOutcome(gone.decision_id, "c", gone.gamma, 0.01, 4))
+    lost = service.report(StepOutcome(gone.decision_id, "c", gone.gamma, 0.01, 4))
+    assert "unknown decision" in lost.skipped_reason
 
 
 def test_learner_keys_beyond_the_bound_are_forgotten_and_counted() -> None:
     service = DecisionService("nightjar", bounds=Bounds(max_learner_keys=2))
     for i, key in enumerate(("k1", "k2", "k3")):
-        decision = service.decide(ctx(f"e{i}", key))
+        decision = service.run_step(ctx(f"e{i}", key))
         service.report(StepOutcome(decision.decision_id, f"e{i}", decision.gamma, 0.01, 4))
     learners = service.state_view().state["learners"]
     assert "shared:k1" not in learners and {"shared:k2", "shared:k3"} <= set(learners)
@@ -55,26 +55,22 @@ def test_learner_keys_beyond_the_bound_are_forgotten_and_counted() -> None:
 
 def test_pending_decisions_per_engine_are_bounded() -> None:
     service = DecisionService("static", bounds=Bounds(max_pending_per_engine=4))
-    decisions = [service.decide(ctx("e")) for _ in range(6)]
+    decisions = [service.run_step(ctx("e")) for _ in range(6)]
     assert evicted(service, "pending") == 2
-    with pytest.raises(NotFoundError):  # the oldest two were evicted
-        service.report(StepOutcome(decisions[0].decision_id, "e", 1, 0.01, 4))
-    assert service.report(StepOutcome(decisions[-1].decision_id, "e", 1, 0.01, 4))
+    oldest = service.report(StepOutcome(decisions[0].decision_id, "e", 1, 0.01, 4))
+    assert "(evicted)" in oldest.skipped_reason  # the oldest two were evicted
+    assert service.report(StepOutcome(decisions[-1].decision_id, "e", 1, 0.01, 4)).skipped == 0
 
 
-def test_per_request_sections_and_candidates_are_bounded() -> None:
+def test_per_request_sections_are_bounded() -> None:
     service = DecisionService("static")
     limits = service.limits
     many = tuple(RequestSignals(f"r{i}") for i in range(limits.max_requests + 1))
     with pytest.raises(InvalidArgumentError, match="per-request sections"):
-        service.decide(ctx("e", requests=many))
+        service.run_step(ctx("e", requests=many))
     long = (RequestSignals("r", recent_accepts=(1,) * (limits.max_recent_accepts + 1)),)
     with pytest.raises(InvalidArgumentError, match="recent_accepts"):
-        service.decide(ctx("e", requests=long))
-    with pytest.raises(InvalidArgumentError, match="candidate_batch_sizes"):
-        service.decide(ctx("e", candidate_batch_sizes=tuple(range(1, 18))))
-    with pytest.raises(InvalidArgumentError, match="candidate_batch_sizes"):
-        service.decide(ctx("e", candidate_batch_sizes=(0,)))
+        service.run_step(ctx("e", requests=long))
     assert service.state_view().decisions_total == 0
 
 
@@ -95,8 +91,8 @@ def test_each_bad_request_section_is_refused_after_good_ones(
     service = DecisionService("static")
     good = (RequestSignals("a", 10, (0, 3), 0.2, 1.5), RequestSignals("b"))
     with pytest.raises(InvalidArgumentError, match=message):
-        service.decide(ctx("e", requests=(*good, request_)))
-    assert service.decide(ctx("e", requests=good)).gamma >= 0
+        service.run_step(ctx("e", requests=(*good, request_)))
+    assert service.run_step(ctx("e", requests=good)).gamma >= 0
     assert service.state_view().decisions_total == 1
 
 
@@ -112,7 +108,7 @@ def test_each_bad_per_request_outcome_is_refused(
     accepts: tuple[int, ...], ids: tuple[str, ...], message: str
 ) -> None:
     service = DecisionService("static")
-    decision = service.decide(ctx("e"))
+    decision = service.run_step(ctx("e"))
     bad = StepOutcome(
         decision.decision_id,
         "e",
@@ -124,10 +120,10 @@ def test_each_bad_per_request_outcome_is_refused(
         request_accepts=accepts,
         request_ids=ids,
     )
-    with pytest.raises(InvalidArgumentError, match=message):
-        service.report(bad)
+    refused = service.report(bad)
+    assert refused.malformed == 1 and message in refused.skipped_reason
     good = dataclasses.replace(bad, request_accepts=(2, 2), request_ids=("a", "b"))
-    assert service.report(good)
+    assert service.report(good).skipped == 0
 
 
 def test_oversized_message_is_refused_by_the_server(make_server: Any) -> None:

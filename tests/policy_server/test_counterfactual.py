@@ -25,7 +25,7 @@ def write_log(path: Path, policy: str, params: dict[str, object], steps: int) ->
     service = DecisionService(policy, params, decision_log=log)
     for i in range(steps):
         ctx = context(BATCHES[i % len(BATCHES)], i)
-        decision = service.decide(ctx)
+        decision = service.run_step(ctx)
         service.report(env.outcome(ctx, decision.gamma, decision.decision_id))
     log.close()
     return env

@@ -71,7 +71,7 @@ def test_nightjarctl_replay_reads_the_rotated_files(tmp_path: Path) -> None:
     service = DecisionService("nightjar", {"seed": 3}, decision_log=decision_log)
     for step in range(60):
         ctx = StepContext("e", batch_size=(1, 4, 16)[step % 3], step_index=step)
-        decision = service.decide(ctx)
+        decision = service.run_step(ctx)
         tokens = ctx.batch_size * (1 + decision.gamma)
         service.report(StepOutcome(decision.decision_id, "e", decision.gamma, 0.02, tokens))
     decision_log.close()

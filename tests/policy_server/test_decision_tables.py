@@ -26,6 +26,7 @@ from nightjar_common.errors import InvalidArgumentError
 from nightjar_common.tables import SPENT, NextStep, TableCache, refresh_due
 from nightjar_common.types import GammaTable, RanStep, StepContext, StepOutcome
 from policy_server.metrics import REPORTS, TABLE_STEPS
+from policy_server.policies import create_policy
 from policy_server.service import DecisionService
 from tests.rigs.outcomes import step_outcome
 from tests.rigs.sidecar import StepRejected
@@ -47,21 +48,17 @@ def outcome(decision_id: str, gamma: int, batch: int) -> StepOutcome:
     return step_outcome(decision_id, "e0", gamma, batch)
 
 
-def test_a_table_holds_the_decisions_candidates_would_get() -> None:
-    """The table for a context is what asking for its batch sizes as candidates decides:
-    the same policy, the same draw, one entry per size."""
+def test_a_table_holds_the_policys_tentative_decisions() -> None:
+    """The table for a context is what the policy decides for its batch sizes at once
+    (TentativeDecisions): the same policy, the same draw, one entry per size."""
     ctx = context(0, 20, previous=2)
     table = DecisionService("goodput", {"seed": 5}).table_step([], [], ctx).table
     assert table is not None
     assert (table.first_batch_size, len(table.gammas), table.speculation_off) == (12, 17, False)
-    asked = DecisionService("goodput", {"seed": 5}).decide(
-        dataclasses.replace(ctx, candidate_batch_sizes=tuple(range(12, 28)))
-    )
-    by_size = {d.batch_size: d for d in (asked, *asked.candidates)}
-    assert [by_size[b].gamma for b in range(12, 29) if b in by_size] == [
-        table.gammas[b - 12] for b in range(12, 29) if b in by_size
-    ]
-    assert [by_size[b].exploration for b in range(12, 28)] == list(table.exploring[:16])
+    policy = create_policy("goodput", {"seed": 5})
+    decided = policy.decide_candidates(ctx, range(12, 29))  # type: ignore[attr-defined]
+    assert [choice.gamma for choice, _ in decided] == list(table.gammas)
+    assert [choice.exploration for choice, _ in decided] == list(table.exploring)
     assert table.policy_name == "goodput" and table.policy_version
 
 

@@ -26,9 +26,9 @@ def test_the_runtime_survives_the_wire() -> None:
 
 def test_state_shows_each_engines_runtime_as_it_last_said() -> None:
     service = DecisionService("static", {"gamma": 2})
-    service.decide(context("gpu-0", V2))
-    service.decide(context("old-plugin", None))
-    service.decide(context("gpu-0", None))  # saying nothing keeps what it said
+    service.run_step(context("gpu-0", V2))
+    service.run_step(context("old-plugin", None))
+    service.run_step(context("gpu-0", None))  # saying nothing keeps what it said
     engines = service.state_view().engines
     assert engines == {
         "gpu-0": {
@@ -47,5 +47,5 @@ def test_an_oversized_runtime_is_refused() -> None:
     service = DecisionService("static", {"gamma": 2})
     runtime = EngineRuntime("0.33.0", "v2" * 1000, True, "draft_model")
     with pytest.raises(InvalidArgumentError, match=r"runtime\.model_runner is longer"):
-        service.decide(context("gpu-0", runtime))
+        service.run_step(context("gpu-0", runtime))
     assert service.state_view().engines == {}

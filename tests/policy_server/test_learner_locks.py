@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from nightjar_common.types import StepContext
-from policy_server.policies import create_policy
+from policy_server.policies import create_policy, tentative_decisions
 from policy_server.policies.base import WHOLE_POLICY
 from policy_server.service import DecisionService
 
@@ -20,7 +20,7 @@ def decide_in_thread(service: DecisionService, engine: str, key: str) -> threadi
     done = threading.Event()
 
     def run() -> None:
-        service.decide(StepContext(engine, 8, step_index=1, learner_key=key))
+        service.run_step(StepContext(engine, 8, step_index=1, learner_key=key))
         done.set()
 
     threading.Thread(target=run, daemon=True).start()
@@ -29,8 +29,8 @@ def decide_in_thread(service: DecisionService, engine: str, key: str) -> threadi
 
 def test_a_held_learner_holds_up_its_own_engines_only() -> None:
     service = DecisionService("goodput", {"seed": 1})
-    policy = service.active.policy
-    locks = service._learner_locks
+    policy = service.active.learned
+    locks = service.activation.learner_locks
     held = locks.of(policy.learner_for("a", "model-a"))
     # A learner key whose lock is another (64 locks: the first few keys find one).
     other = next(
@@ -47,7 +47,7 @@ def test_a_held_learner_holds_up_its_own_engines_only() -> None:
 
 def test_an_activation_waits_for_every_learner() -> None:
     service = DecisionService("goodput", {"seed": 1})
-    held = service._learner_locks.of(service.active.policy.learner_for("a", ""))
+    held = service.activation.learner_locks.of(service.active.learned.learner_for("a", ""))
     swapped = threading.Event()
 
     def swap() -> None:
@@ -58,7 +58,7 @@ def test_an_activation_waits_for_every_learner() -> None:
         threading.Thread(target=swap, daemon=True).start()
         assert not swapped.wait(0.3)
     assert swapped.wait(5.0)
-    assert service.decide(StepContext("a", 8)).gamma == 2
+    assert service.run_step(StepContext("a", 8)).gamma == 2
 
 
 @pytest.mark.parametrize("name", ["goodput", "nightjar"])
@@ -76,8 +76,8 @@ def test_an_engine_changes_the_learner_of_its_record(name: str) -> None:
 
 
 def test_a_policy_that_decides_on_a_copy_of_itself_is_one_learner() -> None:
-    """Without checkpoints_decide the server decides candidates on a copy of the whole
+    """Without TentativeDecisions the server decides candidates on a copy of the whole
     policy: every engine's steps take one lock."""
     policy = create_policy("ucb")
-    assert not policy.checkpoints_decide
+    assert tentative_decisions(policy) is None
     assert policy.learner_for("e", "k") == policy.learner_for("f", "") == WHOLE_POLICY

@@ -90,13 +90,13 @@ def test_every_alert_is_documented_and_unit_tested_both_ways() -> None:
 def test_engines_gauge_counts_recent_engines_and_goes_down() -> None:
     service = DecisionService("static", {"gamma": 1}, engine_idle_s=0.5)
     for engine in ("a", "b", "c"):
-        service.decide(StepContext(engine_id=engine, batch_size=2))
+        service.run_step(StepContext(engine_id=engine, batch_size=2))
     gauge = service.metrics.registry.get_sample_value
     assert gauge("nightjar_engines") == 3
     service.reset("a")  # forgotten by the gauge (its state too)
     assert gauge("nightjar_engines") == 2
     time.sleep(0.6)
-    service.decide(StepContext(engine_id="b", batch_size=2))
+    service.run_step(StepContext(engine_id="b", batch_size=2))
     assert gauge("nightjar_engines") == 1  # c went quiet
     assert service.state_view().engine_ids == ["a", "b", "c"]  # still known for its state
     service.reset()

@@ -35,7 +35,7 @@ def learned_snapshot(state_dir: Path, policy: str = "goodput", **params: Any) ->
     """A snapshot of ``policy`` after some steps, written where a restart finds it."""
     service = DecisionService(policy, params, state_dir=state_dir)
     for step in range(30):
-        decision = service.decide(StepContext("e", batch_size=4, step_index=step))
+        decision = service.run_step(StepContext("e", batch_size=4, step_index=step))
         service.report(
             StepOutcome(decision.decision_id, "e", decision.gamma, 0.01, 4 * (1 + decision.gamma))
         )
@@ -235,7 +235,7 @@ def test_learned_ema_state_out_of_range_is_refused(
     service = assert_fresh_start(tmp_path, state_dir, caplog)
     assert reason in caplog.text
     # Decisions stay within 0..Γmax: nothing of the refused state was loaded.
-    assert 0 <= service.decide(StepContext("e", batch_size=4)).gamma <= 7
+    assert 0 <= service.run_step(StepContext("e", batch_size=4)).gamma <= 7
 
 
 def test_ema_load_state_is_all_or_nothing(tmp_path: Path) -> None:

@@ -16,17 +16,17 @@ from typing import Any
 import pytest
 from nightjar_proto.v1 import admin_pb2, policy_pb2
 
-from nightjar_common.types import Decision, StepContext, StepOutcome
+from nightjar_common.types import StepContext, StepOutcome
 from policy_server.engines import Bounds
 from policy_server.grpc_server import SUMMARY_ENGINES
 from policy_server.policies import REGISTRY
 from policy_server.policies.base import UNOWNED, merge_state_parts
-from policy_server.service import DecisionService
+from policy_server.service import DecisionService, RanEntry
 from policy_server.state_text import StateText
 from tests.rigs.outcomes import step_outcome
 
 
-def outcome(decision: Decision, ctx: StepContext) -> StepOutcome:
+def outcome(decision: RanEntry, ctx: StepContext) -> StepOutcome:
     return step_outcome(decision.decision_id, ctx.engine_id, decision.gamma, ctx.batch_size)
 
 
@@ -35,7 +35,7 @@ def drive(service: DecisionService, engine: str, steps: int, key: str = "") -> N
         ctx = StepContext(
             engine_id=engine, learner_key=key, batch_size=1 + step % 5, step_index=step
         )
-        service.report(outcome(service.decide(ctx), ctx))
+        service.report(outcome(service.run_step(ctx), ctx))
 
 
 @pytest.mark.parametrize("policy", sorted(REGISTRY))
@@ -44,7 +44,7 @@ def test_the_parts_of_all_engines_are_the_whole_state(policy: str) -> None:
     for index in range(6):
         drive(service, f"e{index}", 12, key="m@gpu" if index % 2 else "")
     service.reset("e1")  # its shared learner stays, no engine updating it (UNOWNED's)
-    learned = service.active.policy
+    learned = service.active.learned
     engines = sorted(service.engines.engine_ids())
     parts = [learned.state(e) for e in [*engines, UNOWNED]]
     whole = learned.state()
@@ -67,7 +67,7 @@ def test_a_snapshot_read_an_engine_at_a_time_restores(policy: str) -> None:
     restored = DecisionService("off")
     restored.restore_document(document, from_client=False)
     assert restored.active.name == policy
-    assert restored.active.policy.state() == service.active.policy.state()
+    assert restored.active.learned.state() == service.active.learned.state()
     assert sorted(restored.engines.engine_ids()) == document["engines"]
 
 
@@ -91,7 +91,7 @@ def pauses_while(service: DecisionService, work: Any) -> tuple[float, float]:
         step = 0
         while not stop.is_set():
             start = time.perf_counter()
-            service.decide(StepContext(engine_id="probe", batch_size=4, step_index=step))
+            service.run_step(StepContext(engine_id="probe", batch_size=4, step_index=step))
             longest[0] = max(longest[0], time.perf_counter() - start)
             step += 1
             time.sleep(0.0002)  # an engine's step between decisions

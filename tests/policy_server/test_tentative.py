@@ -1,15 +1,16 @@
-"""Multi-candidate prefetch: the engine asks ahead for every batch size its next step may
-have, runs one, and the sidecar learns from that one only.
+"""Tentative decisions: a table decides γ for every batch size the engine's next steps
+may have, the engine runs one entry a step, and the sidecar learns from that one only.
 
-Checked against a blocking run with the same seed and the same information (each request
-carries the outcome of two steps back, as a pipelined engine would): the γ of every step
-and the whole learned state (schedules, RNG, goodput tables) must be identical, for every
-registered policy. Also, through a real server process: a stream used a step at a time
-learns exactly what the service learns in process from the same requests.
+Checked against the policy asked for each step alone with the same seed and the same
+information: the γ of every step and the whole learned state (schedules, RNG, goodput
+tables) must be identical, for every registered policy. Also, through a real server
+process: a stream used a step at a time learns exactly what the service learns in
+process from the same requests.
 """
 
 from __future__ import annotations
 
+import itertools
 import random
 from typing import Any
 
@@ -17,19 +18,13 @@ import pytest
 from nightjar_proto.v1 import policy_pb2
 
 from nightjar_common import wire
-from nightjar_common.errors import NotFoundError
 from nightjar_common.sidecar_stream import SyncStream
-from nightjar_common.types import Decision, RanStep, StepContext, StepOutcome
-from policy_server.policies import REGISTRY
+from nightjar_common.types import Choice, RanStep, StepContext, StepOutcome
+from policy_server.policies import REGISTRY, create_policy, learned_state
 from policy_server.service import DecisionService
 from tests.rigs.outcomes import step_outcome
 
 STEPS = 400
-
-
-def candidate_window(batch: int) -> tuple[int, ...]:
-    """The batch sizes around ``batch`` a step may turn out to have."""
-    return tuple(size for size in range(batch - 6, batch + 9) if size >= 1 and size != batch)
 
 
 def batch_walk(seed: int, steps: int) -> list[int]:
@@ -43,11 +38,7 @@ def batch_walk(seed: int, steps: int) -> list[int]:
     return sizes
 
 
-def outcome(decision: Decision, ctx: StepContext) -> StepOutcome:
-    return step_outcome(decision.decision_id, ctx.engine_id, decision.gamma, ctx.batch_size)
-
-
-def context(step: int, batch: int, **extra: Any) -> StepContext:
+def context(step: int, batch: int) -> StepContext:
     return StepContext(
         engine_id="e0",
         learner_key="tiny@cpu",
@@ -55,91 +46,74 @@ def context(step: int, batch: int, **extra: Any) -> StepContext:
         step_index=step,
         free_kv_blocks=500,
         total_kv_blocks=1000,
-        **extra,
     )
 
 
-def blocking_run(policy: str, sizes: list[int]) -> tuple[list[int], DecisionService]:
-    service = DecisionService(policy, {"seed": 7} if "seed" in _defaults(policy) else None)
-    gammas: list[int] = []
-    ran: list[tuple[Decision, StepContext]] = []
+def made(policy: str) -> dict[str, Any] | None:
+    return {"seed": 7} if "seed" in REGISTRY[policy].default_params() else None
+
+
+def outcome_of(decision_id: str, gamma: int, ctx: StepContext) -> StepOutcome:
+    return step_outcome(decision_id, ctx.engine_id, gamma, ctx.batch_size)
+
+
+def alone_run(policy: str, sizes: list[int]) -> tuple[list[int], dict[str, Any]]:
+    """The policy asked for each step alone, learning each outcome three steps late (as
+    the table run below does)."""
+    decider = create_policy(policy, made(policy))
+    ran: list[tuple[StepContext, Choice]] = []
     for step, batch in enumerate(sizes):
-        report = outcome(*ran[step - 3]) if step >= 3 else None
+        if step >= 3:
+            ctx, choice = ran[step - 3]
+            decider.observe(ctx, choice, outcome_of("-", choice.gamma, ctx))
         ctx = context(step, batch)
-        decision = service.step(report, ctx)
-        assert decision is not None and not decision.tentative
-        gammas.append(decision.gamma)
-        ran.append((decision, ctx))
-    service.report(outcome(*ran[-3]))  # what the prefetch run's last request carries
-    return gammas, service
+        ran.append((ctx, decider.decide(ctx)))
+    return [choice.gamma for _, choice in ran], learned_state(decider).state()
 
 
-def prefetch_run(policy: str, sizes: list[int]) -> tuple[list[int], DecisionService, int]:
-    """What the pipelined client does: ask for step t while step t-1 runs, for the batch
-    of step t-1 and its candidate window; take the answer for the batch that ran."""
-    service = DecisionService(policy, {"seed": 7} if "seed" in _defaults(policy) else None)
+def table_run(policy: str, sizes: list[int]) -> tuple[list[int], DecisionService, int]:
+    """A table per step asked for with the previous step's batch size (what the engine
+    knows when it asks ahead); the step runs the entry for the batch size it turned out
+    to have (a table asked for afresh when it is outside), reported with the next request
+    with the outcome of three steps back."""
+    service = DecisionService(policy, made(policy))
     gammas: list[int] = []
-    ran: list[tuple[Decision, StepContext]] = []
-    hits, ran_id = 0, ""
-    asked: Decision | None = None
+    ran: list[tuple[str, int, StepContext]] = []
+    pending: list[RanStep] = []
+    off_table = 0
     for step, batch in enumerate(sizes):
-        chosen = None
-        if asked is not None:
-            chosen = next((d for d in (asked, *asked.candidates) if d.batch_size == batch), None)
-        if chosen is None:  # outside the window: ask for this batch, and wait
-            chosen = service.decide(context(step, batch))
-        else:
-            hits += 1
-            ran_id = chosen.decision_id if chosen.tentative else ""
-        gammas.append(chosen.gamma)
-        ran.append((chosen, context(step, batch)))
-        # Ask ahead for step+1 now, carrying the name of what runs now and the outcome of
-        # two steps back (so step t is decided knowing outcomes up to t-3, as above).
-        report = outcome(*ran[step - 2]) if step >= 2 else None
-        window = candidate_window(batch)
-        asked = service.step(
-            report,
-            context(step + 1, batch, candidate_batch_sizes=window, ran_decision_id=ran_id),
-        )
-        ran_id = ""
-    return gammas, service, hits
-
-
-def _defaults(policy: str) -> dict[str, Any]:
-    return REGISTRY[policy].default_params()
+        report = [outcome_of(*ran[step - 3])] if step >= 3 else []
+        asked = context(step, sizes[step - 1] if step else batch)
+        table = service.table_step(pending, report, asked).table
+        assert table is not None
+        index = batch - table.first_batch_size
+        if not 0 <= index < len(table.gammas):
+            off_table += 1
+            table = service.table_step((), (), context(step, batch)).table
+            assert table is not None
+            index = batch - table.first_batch_size
+        decision_id, gamma = f"{table.table_id}.1", table.gammas[index]
+        gammas.append(gamma)
+        ran.append((decision_id, gamma, context(step, batch)))
+        pending = [RanStep(decision_id, context(step, batch), gamma)]
+    assert service.table_step(pending, (), None).skipped == 0
+    return gammas, service, off_table
 
 
 @pytest.mark.parametrize("policy", sorted(REGISTRY))
-def test_prefetch_learns_exactly_what_a_blocking_run_learns(policy: str) -> None:
+def test_tables_learn_exactly_what_deciding_each_step_alone_learns(policy: str) -> None:
+    """Of a table's entries only the one a step ran may count: schedules, RNG draws and
+    γ_prev advance as if the policy had been asked for that step alone, for every
+    registered policy (TentativeDecisions, or the copies of a policy without it)."""
     sizes = batch_walk(seed=3, steps=STEPS)
-    blocking_gammas, blocking = blocking_run(policy, sizes)
-    prefetch_gammas, prefetch, hits = prefetch_run(policy, sizes)
-    assert prefetch_gammas == blocking_gammas
-    assert prefetch.state_view().state == blocking.state_view().state
-    assert prefetch.state_view().decisions_total == blocking.state_view().decisions_total
-    assert prefetch.state_view().reports_total == blocking.state_view().reports_total
-    # Most steps moved within the window and found their answer ahead (policies without
-    # checkpoints too: their candidates are decided on a copy).
-    assert hits >= 0.8 * STEPS
-    dropped = prefetch.metrics.tentative.labels("dropped")._value.get()
-    assert dropped > STEPS  # the other candidates were decided, and dropped
-
-
-def test_a_dropped_candidate_cannot_be_reported() -> None:
-    service = DecisionService("nightjar", {"seed": 1})
-    asked = service.decide(context(0, 4, candidate_batch_sizes=(3, 5)))
-    assert asked.tentative and sorted(c.batch_size for c in asked.candidates) == [3, 5]
-    ran, other = asked.candidates
-    service.decide(context(1, ran.batch_size, ran_decision_id=ran.decision_id))
-    with pytest.raises(NotFoundError):
-        service.report(outcome(other, context(0, other.batch_size)))
-    assert service.report(outcome(ran, context(0, ran.batch_size)))
-    # An outcome naming a still-open candidate commits it (the report names what ran).
-    ahead = service.decide(context(2, 4, candidate_batch_sizes=(6,)))
-    named = ahead.candidates[0]
-    before = service.state_view().decisions_total
-    assert service.report(outcome(named, context(2, 6)))
-    assert service.state_view().decisions_total == before + 1
+    alone_gammas, alone_state = alone_run(policy, sizes)
+    table_gammas, service, off_table = table_run(policy, sizes)
+    assert table_gammas == alone_gammas
+    assert service.state_view().state == alone_state
+    assert service.state_view().decisions_total == STEPS
+    # Most steps ran an entry decided for another batch size than the table's context.
+    moved = sum(1 for a, b in itertools.pairwise(sizes) if a != b)
+    assert off_table < moved / 2
 
 
 def test_over_grpc_a_step_at_a_time_learns_what_the_service_learns_in_process(

@@ -56,9 +56,9 @@ def test_the_bin_type_panel_says_what_forced_and_fixed_cover() -> None:
 
     ctx = StepContext("e", batch_size=2)
     for name, params in (("static", {"gamma": 0}), ("off", {})):
-        assert DecisionService(name, params).decide(ctx).bin_type is BinType.FIXED
+        assert DecisionService(name, params).run_step(ctx).table.reason is BinType.FIXED
     away = StepContext("e", batch_size=2, draft_resident=False)
-    assert DecisionService("static", {"gamma": 2}).decide(away).bin_type is BinType.FORCED
+    assert DecisionService("static", {"gamma": 2}).run_step(away).table.reason is BinType.FORCED
     board: dict[str, Any] = json.loads(DASHBOARD.read_text())
     panel = next(p for p in board["panels"] if p.get("title") == "Decisions by bin type")
     assert "static γ = 0" in panel["description"] and "not resident" in panel["description"]

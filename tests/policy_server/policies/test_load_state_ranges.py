@@ -29,7 +29,7 @@ def learned(policy: str) -> DecisionService:
         for step in range(14):
             batch = 1 + step % 4
             ctx = StepContext(engine_id=engine, batch_size=batch, step_index=step)
-            decision = service.decide(ctx)
+            decision = service.run_step(ctx)
             gamma = decision.gamma
             service.report(
                 StepOutcome(
@@ -155,13 +155,13 @@ def test_an_impossible_value_is_refused_and_nothing_changes(
     active = service.active
     with pytest.raises(InvalidArgumentError):
         service.restore_document(document)
-    assert service.active is active and service.active.policy.state() == before
+    assert service.active is active and service.active.learned.state() == before
 
 
 @pytest.mark.parametrize("policy", sorted({p for p, _, _ in CASES}))
 def test_a_learned_state_loads_as_it_was(policy: str) -> None:
     service = learned(policy)
-    state = service.active.policy.state()
+    state = service.active.learned.state()
     fresh = DecisionService(policy).active.policy
     fresh.load_state(state)
     assert fresh.state() == state

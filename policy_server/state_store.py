@@ -1,0 +1,411 @@
+"""The learned state: reads (GetState), snapshots and restores.
+
+A read holds no more than one engine's learner at a time (_read_state says why that is
+enough for a snapshot); a snapshot is written only in the form a start reads (the
+reader's own checks and size limit); a restore activates a snapshot's policy, params
+and state atomically, refusing a state the next snapshot could not hold.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from nightjar_common.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NightjarError,
+    NotFoundError,
+    PermissionDeniedError,
+)
+from nightjar_common.validation import check_client_path
+from policy_server import snapshot
+from policy_server.activation import ActivePolicy, PolicyActivation, load_state
+from policy_server.engines import EngineTable
+from policy_server.memory import MemoryController
+from policy_server.metrics import DECISIONS, REPORTS, Metrics
+from policy_server.policies import Policy, learned_state
+from policy_server.policies.base import UNOWNED, trim_state, with_room_to_count
+from policy_server.state_text import StateText
+
+log = logging.getLogger(__name__)
+
+# How long a read of learned state (state_view, snapshots; see _read_state) reads engines'
+# parts before it encodes them and hands the GIL over (goodput's part of an engine takes
+# about 0.2 ms to build, so about 10 engines a chunk).
+STATE_HOLD_S = 0.002
+# Reads of the whole state a policy activation may restart before one holds every lock.
+STATE_READ_ATTEMPTS = 3
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StateView:
+    policy_name: str
+    policy_version: str
+    params: dict[str, Any]
+    # The learned state as JSON text (read and encoded an engine at a time, _read_state).
+    state_json: str
+    decisions_total: int
+    reports_total: int
+    engine_ids: list[str]
+    last_snapshot_unix: float
+    memory: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # Engines the sidecar holds; engine_ids may show fewer (a summary, state_view).
+    engines_total: int = 0
+    # How each engine shown runs speculation (EngineShard.runtime_view).
+    engines: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def state(self) -> dict[str, Any]:
+        """The learned state (state_json, parsed)."""
+        state: dict[str, Any] = json.loads(self.state_json)
+        return state
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StateRead:
+    """What _read_state read: the policy, its state's JSON, engines' memory states."""
+
+    active: ActivePolicy
+    state_json: str
+    memory: dict[str, Any]
+
+
+class StateStore:
+    """Reads, snapshots and restores the active policy's learned state."""
+
+    def __init__(
+        self,
+        activation: PolicyActivation,
+        engines: EngineTable,
+        *,
+        metrics: Metrics,
+        memory: MemoryController,
+        state_dir: Path | None,
+        snapshot_max_bytes: int,
+    ) -> None:
+        self.activation = activation
+        self.engines = engines
+        self.metrics = metrics
+        self.memory = memory
+        self.state_dir = state_dir
+        # The most a snapshot may take; never past what a start reads (snapshot.MAX_BYTES).
+        self.snapshot_max_bytes = snapshot_max_bytes
+        self.last_snapshot_unix = 0.0
+        # Whole-state reads (GetState with the token, snapshots) one at a time: each costs
+        # CPU in proportion to the engines, taken from the decisions (the GIL).
+        self._whole_reads = threading.Lock()
+        # A policy as a start builds it, with its empty state, to check snapshots with
+        # (_readable): built once per policy version (building one reads its files).
+        self._snapshot_checker: tuple[str, Policy, dict[str, Any]] | None = None
+        self._snapshot_checks = threading.Lock()
+
+    # -- reads --------------------------------------------------------------------------
+
+    def state_view(
+        self, engine_id: str | None = None, *, max_engines: int | None = None
+    ) -> StateView:
+        """The active policy and its learned state: one engine's part, or the whole, read
+        an engine at a time while decisions go on (_read_state), or with ``max_engines`` a
+        summary: the parts of the first ``max_engines`` engines by id and as many ids, with
+        the count of all in ``engines_total`` (what GetState answers a caller without the
+        admin token). Whole reads take turns (``_whole_reads``)."""
+        all_ids = sorted(self.engines.engine_ids())
+        shown = all_ids if max_engines is None else all_ids[:max_engines]
+        if engine_id:
+            if engine_id not in self.engines:
+                raise NotFoundError(f"unknown engine {engine_id!r}")
+            read = self._read_state([engine_id], whole=False, allow_nan=True)
+        elif max_engines is not None:
+            read = self._read_state(shown, whole=False, allow_nan=True)
+        else:
+            with self._whole_reads:
+                read = self._read_state(shown, whole=True, allow_nan=True)
+        active = read.active
+        return StateView(
+            policy_name=active.name,
+            policy_version=active.version,
+            params=active.policy.params(),
+            state_json=read.state_json,
+            decisions_total=int(self.metrics.steps.total(DECISIONS)),
+            reports_total=int(self.metrics.steps.total(REPORTS)),
+            engine_ids=shown,
+            last_snapshot_unix=self.last_snapshot_unix,
+            memory={"params": dataclasses.asdict(self.memory.params), "engines": read.memory},
+            engines_total=len(all_ids),
+            engines=self._runtimes(shown if not engine_id else [engine_id]),
+        )
+
+    def _runtimes(self, engine_ids: Sequence[str]) -> dict[str, Any]:
+        views = {}
+        for engine_id in engine_ids:
+            shard = self.engines.get(engine_id)
+            view = shard.runtime_view() if shard is not None else None
+            if view is not None:
+                views[engine_id] = view
+        return views
+
+    def _read_state(
+        self, engine_ids: Sequence[str], whole: bool, allow_nan: bool, memory: bool = True
+    ) -> StateRead:
+        """The active policy, the learned state of ``engine_ids`` as JSON text (``whole``:
+        with the part no engine's shows, LearnedState.state) and, with ``memory``, their
+        memory-controller states. ``allow_nan`` False: ValueError for a NaN or infinity.
+
+        Each engine's part is read holding its learner's lock only (the part no engine
+        owns, every learner's), in chunks of STATE_HOLD_S with the GIL handed over between
+        them, so a decision waits for one part of its own learner at most, never for the
+        whole state (with 10,000 engines of goodput that takes seconds); each chunk is
+        encoded as JSON outside the locks (state_text.py). So the result is not one point in
+        time: each engine's part (its record and the learner it updates) is read at once
+        and is consistent on its own, a learner engines share is the one read last, and an
+        engine that comes or goes during the read may be missing. That is all a snapshot
+        needs: an engine's decisions read its own part only, so a restored engine goes on
+        from a state it was in, as if the snapshot had been taken a moment earlier or later
+        for it. A policy activated during the read makes it start again; the last of
+        STATE_READ_ATTEMPTS holds every lock throughout (activations are admin calls)."""
+        ids = [*engine_ids, UNOWNED] if whole else list(engine_ids)
+        for attempt in range(1, STATE_READ_ATTEMPTS + 1):
+            read = self._read_chunks(ids, allow_nan, memory, attempt == STATE_READ_ATTEMPTS)
+            if read is not None:
+                return read
+        raise AssertionError("unreachable: the last attempt holds the lock throughout")
+
+    def _read_chunks(
+        self, ids: Sequence[str], allow_nan: bool, memory: bool, throughout: bool
+    ) -> StateRead | None:
+        """One attempt of _read_state; None when a policy was activated meanwhile."""
+        activation = self.activation
+        text = StateText(allow_nan)
+        memories: dict[str, Any] = {}
+        held = activation.whole_policy() if throughout else contextlib.nullcontext()
+        with held:
+            active = activation.active
+            done = 0
+            while done < len(ids):
+                parts: list[dict[str, Any]] = []
+                until = time.perf_counter() + STATE_HOLD_S
+                while done < len(ids) and (throughout or not parts or _before(until)):
+                    engine_id = ids[done]
+                    done += 1
+                    with contextlib.ExitStack() as holding:
+                        if not throughout:  # the engine's learner only, or all for UNOWNED
+                            holding.enter_context(self._engine_part(engine_id))
+                        if activation.active is not active:
+                            return None
+                        # state() builds new JSON data: nothing of it changes once unlocked.
+                        parts.append(active.learned.state(engine_id))
+                        engine_memory = self.memory.engines.get(engine_id) if memory else None
+                        if engine_memory is not None:
+                            memories[engine_id] = engine_memory.as_dict()
+                for part in parts:
+                    text.add(part)
+                if not throughout:
+                    # Hand the GIL over: a decision woken by the release takes the lock
+                    # before this thread takes it again (CPython's locks are not fair).
+                    time.sleep(0)
+        state_json = text.text() if text else json.dumps({"schema": active.learned.state_schema})
+        return StateRead(active, state_json, dict(sorted(memories.items())))
+
+    def _engine_part(self, engine_id: str) -> contextlib.AbstractContextManager[None]:
+        """What reading ``engine_id``'s part of the state holds (UNOWNED: every learner)."""
+        if engine_id == UNOWNED:
+            return self.activation.learner_locks.every()
+        return self.activation.learner_part(engine_id, "")
+
+    # -- snapshots ----------------------------------------------------------------------
+
+    def snapshot_document(self) -> dict[str, Any]:
+        """The snapshot of the active policy (snapshot_text, parsed)."""
+        text, _ = self.snapshot_text()
+        document: dict[str, Any] = json.loads(text)
+        return document
+
+    def snapshot_text(self) -> tuple[str, float]:
+        """The snapshot document of the active policy as JSON text (what snapshot.parse
+        reads), and its created_unix: its params and whole learned state, read an engine
+        at a time while decisions go on (_read_state says why each engine's part is
+        consistent, the whole not one point in time, and why that is enough). ValueError
+        for a NaN or infinity in the state."""
+        engines = sorted(self.engines.engine_ids())
+        created = time.time()
+        with self._whole_reads:
+            read = self._read_state(engines, whole=True, allow_nan=False, memory=False)
+        active = read.active
+        head = {"format": snapshot.FORMAT, "created_unix": created}
+        policy = {"name": active.name, "version": active.version, "params": active.policy.params()}
+        text = (
+            snapshot.encode_text(head)[:-1]
+            + ',"policy":'
+            + snapshot.encode_text(policy)[:-1]
+            + f',"state":{read.state_json}}}'
+            + f',"engines":{snapshot.encode_text(engines)}}}'
+        )
+        return text, created
+
+    def write_snapshot(self) -> Path:
+        if self.state_dir is None:
+            raise FailedPreconditionError("no state directory configured (--state-dir)")
+        path = self.state_dir / snapshot.SNAPSHOT_NAME
+        try:
+            # ValueError: a NaN or infinity in the state (refused when it comes in; this
+            # keeps one that slipped through from ending the snapshot loop).
+            text, created = self.snapshot_text()
+            snapshot.write_bytes_atomic(path, self._readable(text.encode()))
+        except (OSError, ValueError, TypeError, NightjarError) as exc:
+            self.metrics.snapshots.labels("failed").inc()
+            raise FailedPreconditionError(
+                f"cannot write snapshot {path}: {exc}; the last snapshot is kept"
+            ) from exc
+        self.last_snapshot_unix = created
+        self.metrics.snapshot_written(self.last_snapshot_unix)
+        return path
+
+    def _readable(self, data: bytes) -> bytes:
+        """``data`` (a snapshot document) as a start will read it: checked by the reader's
+        own checks (snapshot.parse, then the policy's load_state as a start loads it) and
+        within the reader's size limit, trimmed of what the policy can lose (base.
+        trim_state, with a WARNING) when it is larger; SnapshotError when nothing makes it
+        fit, InvalidArgumentError or FailedPreconditionError when a start would refuse it."""
+        limit = min(self.snapshot_max_bytes, snapshot.MAX_BYTES)
+        document = snapshot.parse(data, "the snapshot to write")
+        spec = document["policy"]
+        with self._snapshot_checks:
+            checker, empty = self._checker(spec)
+            data = self._within(limit, data, document, checker)
+            try:
+                load_state(checker, spec["state"])
+            finally:
+                learned_state(checker).load_state(empty)  # no copy kept between snapshots
+        return data
+
+    def _checker(self, spec: Mapping[str, Any]) -> tuple[Policy, dict[str, Any]]:
+        """The policy a start would build for a snapshot's ``spec``, and its empty state."""
+        version = str(spec.get("version", ""))
+        if self._snapshot_checker is None or self._snapshot_checker[0] != version:
+            checker = self.activation.build(spec["name"], spec["params"])
+            self._snapshot_checker = (version, checker, learned_state(checker).state())
+        _, checker, empty = self._snapshot_checker
+        return checker, empty
+
+    def _within(self, limit: int, data: bytes, document: dict[str, Any], policy: Policy) -> bytes:
+        """``data`` (``document`` encoded) if it is at most ``limit`` bytes, else
+        ``document`` trimmed of what ``policy`` can lose and encoded again (SnapshotError
+        when that is still larger)."""
+        spec = document["policy"]
+        if len(data) > limit:
+            size = len(data)
+            dropped = trim_state(policy, spec["state"], size - limit)
+            data = snapshot.encode(document)
+            if len(data) > limit:
+                trimmed = f" after dropping {dropped}" if dropped else ""
+                raise snapshot.SnapshotError(
+                    f"the snapshot is {len(data):,} bytes{trimmed}, more than the "
+                    f"{limit:,} bytes a start reads"
+                )
+            log.warning(
+                "snapshot trimmed from %s to %s bytes to fit the %s a start reads; dropped: %s",
+                f"{size:,}",
+                f"{len(data):,}",
+                f"{limit:,}",
+                dropped,
+            )
+        return data
+
+    # -- restores -------------------------------------------------------------------------
+
+    def restore_document(
+        self, document: Mapping[str, Any], *, from_client: bool = True, keep_state: bool = True
+    ) -> ActivePolicy:
+        """Activate the policy, params and state of a snapshot; all-or-nothing.
+
+        ``from_client``: file paths in its params are confined to the state directory
+        (False only for the server's own snapshot at start). ``keep_state`` False: the
+        policy and params only, with fresh state (a state that does not fit them, at start)."""
+        activation = self.activation
+        spec = document["policy"]
+        params = spec["params"]
+        if from_client and isinstance(params, Mapping):
+            params = activation.confine_paths(spec["name"], params)
+        candidate = activation.build(spec["name"], params)
+        # Read whole before the engine table is cleared: a malformed one must not wipe it.
+        engines = [str(e) for e in document.get("engines", [])] if keep_state else []
+        if keep_state and from_client:
+            self._load_restored(candidate, spec["state"])
+        elif keep_state:
+            load_state(candidate, spec["state"])
+        with activation.whole_policy():
+            self.engines.clear()
+            for engine_id in engines:
+                shard, _ = self.engines.shard(str(engine_id))
+                shard.last_seen = -math.inf  # known (its state is restored), not active
+            return activation.activate(candidate, "restore", "restored" if keep_state else "fresh")
+
+    def _load_restored(self, candidate: Policy, state: Any) -> None:
+        """A client's state into ``candidate``, refused (INVALID_ARGUMENT, naming the
+        field) unless the snapshots that follow can be written and read at start: its
+        floats within snapshot.MAX_RESTORED_FLOAT and its counts half their limit (room to
+        grow), and what the policy then holds encodes as JSON, fits a snapshot (trimmed as
+        the writer trims) and loads again."""
+        try:
+            snapshot.check_numbers(state, "policy.state", snapshot.MAX_RESTORED_FLOAT)
+        except snapshot.SnapshotError as exc:
+            raise InvalidArgumentError(f"snapshot state is out of range: {exc}") from exc
+        with with_room_to_count():
+            load_state(candidate, state)
+        learned = learned_state(candidate)
+        try:
+            held = learned.state()
+            text = snapshot.encode_text(held)
+        except (ArithmeticError, ValueError, TypeError) as exc:
+            raise InvalidArgumentError(
+                f"snapshot state could not be written back: {_unwritable(candidate, exc)}"
+            ) from exc
+        limit = min(self.snapshot_max_bytes, snapshot.MAX_BYTES)
+        if len(text) > limit:  # ASCII: encode_text escapes the rest
+            trim_state(candidate, held, len(text) - limit)
+            if len(snapshot.encode_text(held)) > limit:
+                raise InvalidArgumentError(
+                    f"snapshot state takes {len(text):,} bytes, more than the {limit:,} a "
+                    "snapshot may take, after dropping what can be dropped"
+                )
+        load_state(self.activation.build(candidate.name, candidate.params()), json.loads(text))
+
+    def restore_path(self, given: str) -> ActivePolicy:
+        """Restore a snapshot file inside the state directory (relative paths start there)."""
+        check_client_path(given)
+        try:
+            path = snapshot.confine(self.state_dir, given)
+        except snapshot.OutsideStateDirError as exc:
+            raise PermissionDeniedError(str(exc)) from exc
+        if not path.exists():
+            raise NotFoundError(f"snapshot file {path} does not exist")
+        try:
+            document = snapshot.read(path)
+        except snapshot.SnapshotError as exc:
+            raise InvalidArgumentError(str(exc)) from exc
+        return self.restore_document(document)
+
+
+def _unwritable(policy: Policy, exc: Exception) -> str:
+    """Why ``policy``'s state cannot be written: the field that is not finite if there is
+    one, else ``exc``."""
+    try:
+        snapshot.check_numbers(learned_state(policy).state(), "policy.state")
+    except snapshot.SnapshotError as named:
+        return str(named)
+    except (ArithmeticError, ValueError, TypeError):
+        pass
+    return repr(exc)
+
+
+def _before(deadline: float) -> bool:
+    return time.perf_counter() < deadline
