@@ -115,6 +115,36 @@ BINDING: tuple[Symbol, ...] = (
         why="the step's batch, its drafts and the γ the plugin sets",
     ),
     Symbol(
+        "vllm.v1.core.sched.output",
+        "SchedulerOutput",
+        attributes=(
+            "scheduled_new_reqs",
+            "scheduled_cached_reqs",
+            "new_block_ids_to_zero",
+            "kv_cache_block_copies",
+        ),
+        why="every block id a step hands the worker: a failed KV compaction points them "
+        "back at the blocks' old ids (worker_memory.unmove_step)",
+    ),
+    Symbol(
+        "vllm.v1.core.sched.output",
+        "NewRequestData",
+        attributes=("block_ids",),
+        why="a new request's block ids (worker_memory.unmove_step)",
+    ),
+    Symbol(
+        "vllm.v1.core.sched.output",
+        "CachedRequestData",
+        attributes=("new_block_ids",),
+        why="blocks a running or resumed request gains (worker_memory.unmove_step)",
+    ),
+    Symbol(
+        "vllm.v1.core.kv_cache_utils",
+        "KVCacheBlockCopy",
+        attributes=("src_block_id", "dst_block_id"),
+        why="copy-on-write block copies of a step (worker_memory.unmove_step)",
+    ),
+    Symbol(
         "vllm.v1.outputs",
         "ModelRunnerOutput",
         attributes=("sampled_token_ids", "req_id_to_index"),

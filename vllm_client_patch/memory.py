@@ -103,7 +103,11 @@ def install_worker_hooks() -> None:
         agent, memory = _Published.agent, _Published.runner_memory
         if agent is not None and memory is not None and memory.runner is self:
             # Never raises: a failed order is undone and fails (agent.py), the step runs.
-            agent.worker_step(memory, getattr(scheduler_output, ORDER_ATTR, None))
+            memory.step_output = scheduler_output
+            try:
+                agent.worker_step(memory, getattr(scheduler_output, ORDER_ATTR, None))
+            finally:
+                memory.step_output = None
         return execute(self, scheduler_output, *args, **kwargs)
 
     patched: Any

@@ -82,6 +82,36 @@ def _graph_blocker(runner: Any) -> str:
     return ""
 
 
+def unmove_step(output: Any, remap: Mapping[int, int]) -> None:
+    """After a compaction's copies failed (the agent moves the scheduler's blocks back to
+    their old ids at the next boundary): the block ids this step's scheduler output hands
+    the worker name the old ids too. A moved block appears there under its new id only as
+    a prefix-cache hit on it, or freed by a preemption and handed out again, in this step."""
+    if output is None or not remap:
+        return
+    back = {new: old for old, new in remap.items()}
+
+    def point_back(ids: list[int]) -> None:
+        ids[:] = [back.get(block, block) for block in ids]
+
+    for request in output.scheduled_new_reqs:
+        for ids in request.block_ids:
+            point_back(ids)
+    for groups in output.scheduled_cached_reqs.new_block_ids:
+        for ids in groups or ():
+            point_back(ids)
+    if output.new_block_ids_to_zero:
+        point_back(output.new_block_ids_to_zero)
+    if output.kv_cache_block_copies:
+        output.kv_cache_block_copies = [
+            copy._replace(
+                src_block_id=back.get(copy.src_block_id, copy.src_block_id),
+                dst_block_id=back.get(copy.dst_block_id, copy.dst_block_id),
+            )
+            for copy in output.kv_cache_block_copies
+        ]
+
+
 class RunnerMemory:
     def __init__(
         self, runner: Any, evicted: DraftWeights | None = None, elastic: ElasticDraft | None = None
@@ -91,6 +121,9 @@ class RunnerMemory:
         ``elastic``: the draft and the KV buffer in virtual memory (kv_vmm.py) instead."""
         self.runner = runner
         self.elastic = elastic
+        # The scheduler's output of the step being run (the execute_model hook sets it):
+        # the block ids it hands the worker, which a failed compaction points back.
+        self.step_output: Any = None
         self.weights = elastic.weights if elastic is not None else evicted or draft_weights(runner)
         self.buffers = kv_buffers(list(runner.kv_caches))
         config = runner.kv_cache_config
@@ -183,8 +216,12 @@ class RunnerMemory:
             raise RuntimeError("KV compaction with split kernel blocks is not supported")
         # Copies first: a failed one leaves the tables naming the sources, which a
         # compaction never overwrites (they lie above the new size, the targets below).
-        for flat, layout in self.buffers:
-            self.backend = migrate(flat, layout, waves)
+        try:
+            for flat, layout in self.buffers:
+                self.backend = migrate(flat, layout, waves)
+        except BaseException:
+            unmove_step(self.step_output, remap)
+            raise
         lookup = np.arange(self.num_blocks, dtype=np.int64)
         lookup[np.fromiter(remap.keys(), dtype=np.int64)] = np.fromiter(remap.values(), np.int64)
         tables = [

@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import grpc
@@ -149,6 +150,58 @@ def test_a_failed_kv_copy_undoes_the_compaction_in_both_views(
     engine.check_tables_agree()
     after = engine.pages()
     assert all(torch.equal(x, y) for x, y in zip(after["b"], pages["b"], strict=True))
+
+
+def test_a_block_handed_out_under_its_new_id_in_the_failed_step_is_pointed_back(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The step whose compaction copy fails may hand the worker a moved block under its
+    new id (here a new request's prefix-cache hit on it): the worker gets the old id, and
+    after the undo both views name the old id, which holds the KV."""
+    engine = Engine()
+    agent = engine.agent
+    engine.add_request("a", 12)
+    engine.add_request("b", 14)
+    engine.finish("a")
+    engine.write_pages()
+    before = engine.pages()["b"]
+    old_ids = [b.block_id for b in engine.tables["b"]]
+    ticket = agent.submit(Order(Action.COMPACT_KV, target_kv_blocks=16))
+    work = agent.begin_step(engine.elastic)  # the scheduler's blocks now at their new ids
+    assert work is not None and work.remap
+    shared = engine.tables["b"][-1]  # moved: a new request's prefix-cache hit on it
+    assert old_ids[-1] in work.remap and shared.block_id == work.remap[old_ids[-1]]
+    shared.ref_cnt += 1
+    engine.tables["c"] = [shared]
+    output = SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(block_ids=([shared.block_id],))],
+        scheduled_cached_reqs=SimpleNamespace(new_block_ids=[None]),
+        new_block_ids_to_zero=[shared.block_id],
+        kv_cache_block_copies=None,
+    )
+
+    def failing_copy(*args: Any) -> str:
+        raise RuntimeError("KV copy kernel failed (injected)")
+
+    monkeypatch.setattr(worker_memory, "migrate", failing_copy)
+    engine.memory.step_output = output
+    agent.worker_step(engine.memory, work)
+    engine.memory.step_output = None
+    handed = output.scheduled_new_reqs[0].block_ids[0]
+    assert handed == [old_ids[-1]] and output.new_block_ids_to_zero == [old_ids[-1]]
+    # The worker takes the new request in, as vLLM's _update_states does.
+    row = len(engine.runner.requests)
+    engine.rows[row, :1] = handed
+    engine.runner.requests["c"] = SimpleNamespace(block_ids=(list(handed),), row=row)
+    engine.step()  # the undo: the scheduler's blocks back at their old ids
+    assert isinstance(ticket.error, AbortedError)
+    assert [b.block_id for b in engine.tables["b"]] == old_ids
+    assert [b.block_id for b in engine.tables["c"]] == [old_ids[-1]]
+    assert engine.tables["c"][0].ref_cnt == 2
+    engine.check_tables_agree()
+    after = engine.pages()
+    assert all(torch.equal(x, y) for x, y in zip(after["b"], before, strict=True))
+    assert torch.equal(after["c"][0], before[-1])
 
 
 def test_a_failing_order_never_raises_into_the_step_and_the_next_one_runs() -> None:
