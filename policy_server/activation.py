@@ -47,6 +47,7 @@ from policy_server.policies import (
     tentative_decisions,
 )
 from policy_server.policies.base import MalformedStateError, file_path_params
+from policy_server.policies.fleet_stats import Pooling, pooling
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,8 @@ class ActivePolicy:
     learned: LearnedState
     # The policy's TentativeDecisions; None: decided on copies (decisions.py).
     tentative: TentativeDecisions | None
+    # The policy's Pooling (fleet learning, fleet_link.py); None: it cannot pool.
+    pooling: Pooling | None
 
 
 class PolicyActivation:
@@ -116,6 +119,14 @@ class PolicyActivation:
                     return
 
     @contextlib.contextmanager
+    def holding_learner(self, learner_id: str) -> Iterator[ActivePolicy]:
+        """Hold the lock of one learner by its id (LearnedState.learner_for's answer), the
+        one engines' steps that change it take; the active policy, which no activation can
+        replace while the lock is held."""
+        with self.learner_locks.of(learner_id):
+            yield self._active
+
+    @contextlib.contextmanager
     def whole_policy(self) -> Iterator[None]:
         """The activation lock and every learner's: no step is in the policy meanwhile."""
         with self._lock, self.learner_locks.every():
@@ -155,6 +166,7 @@ class PolicyActivation:
             f"r{revision}-{digest}",
             learned_state(policy),
             tentative_decisions(policy),
+            pooling(policy),
         )
         self._active = active
         self.metrics.policy_swaps.labels("ok").inc()

@@ -47,7 +47,7 @@ from redis.credentials import CredentialProvider
 from nightjar_common.json_input import JsonError, load_json
 from policy_server.metrics import Metrics
 from policy_server.policies.base import PolicyError, parse_params
-from policy_server.policies.fleet_stats import GoodputStats, Pooling, pooling
+from policy_server.policies.fleet_stats import GoodputStats, Pooling
 
 log = logging.getLogger("nightjar.fleet")
 
@@ -314,7 +314,7 @@ class FleetLink:
         report = RoundReport()
         started = time.perf_counter()
         active = self.service.active
-        pool = pooling(active.policy)
+        pool = active.pooling
         self.metrics.poolable.set(0 if pool is None else 1)
         if pool is None:
             # Nothing to merge is not a stale merge (NightjarFleetLinkDown reads the age).
@@ -487,17 +487,8 @@ class FleetLink:
         """Hold ``learner``'s lock, the one the service's steps of it hold; whether
         ``active`` is still the active policy (an activation holds every learner's lock,
         so it cannot change while this is held)."""
-        with _learner_lock(self.service, learner):
-            yield self.service.active is active
-
-
-def _learner_lock(service: Any, learner: str) -> contextlib.AbstractContextManager[Any]:
-    # HOOK: the service has no public "lock of one learner by id" yet; this is the lock
-    # its steps of that learner take (learner_locks.py), held by the activation part.
-    activation = getattr(service, "activation", None)
-    locks = getattr(activation, "learner_locks", None) or service._learner_locks
-    lock: contextlib.AbstractContextManager[Any] = locks.of(learner)
-    return lock
+        with self.service.holding_learner(learner) as now:
+            yield now is active
 
 
 def _text(value: bytes | str) -> str:

@@ -14,6 +14,7 @@ codecs decision_log.py; the policies policies/.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -188,6 +189,11 @@ class DecisionService:
             active.learned.reset(engine_id)
             shard.last_seen = -math.inf
             return active
+
+    def holding_learner(self, learner_id: str) -> contextlib.AbstractContextManager[ActivePolicy]:
+        """PolicyActivation.holding_learner: one learner's lock, for a change to it from
+        outside the decision path (fleet learning's merges)."""
+        return self.activation.holding_learner(learner_id)
 
     def on_activate(self, listener: Callable[[ActivePolicy], None]) -> None:
         """PolicyActivation.on_activate."""

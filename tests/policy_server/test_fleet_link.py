@@ -20,7 +20,6 @@ from policy_server.fleet_link import (
     FleetConfigError,
     FleetLink,
     FleetOptions,
-    _learner_lock,
     connect,
 )
 from policy_server.metrics import Metrics
@@ -188,9 +187,9 @@ def test_a_redis_that_never_answers_never_holds_a_learner(tmp_path: Path) -> Non
     worker = threading.Thread(target=lambda: reports.append(link.round()))
     worker.start()
     assert connected.wait(10)
-    lock = _learner_lock(link.service, LEARNER)
-    assert lock.acquire(blocking=False)  # type: ignore[attr-defined]
-    lock.release()  # type: ignore[attr-defined]
+    lock = link.service.activation.learner_locks.of(LEARNER)
+    assert lock.acquire(blocking=False)  # the round holds no learner's lock meanwhile
+    lock.release()
     worker.join(30)
     assert reports and not reports[0].ok
     listener.close()
