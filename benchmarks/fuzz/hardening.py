@@ -20,8 +20,10 @@ After each case the server must be alive and SERVING, answer a table within 0..Î
 within an engine's max_gamma), hold no number beyond what a policy can learn, and, when
 the case was refused, hold the learned state it held before.
 
-A fifth class, failing drivers (issue 54, failing_drivers.py), runs memory orders against
-a virtual-memory driver that fails, in this process, and checks what they leave behind.
+Three classes of issue 54 (heavy.py) send what is large, repeated or concurrent: sizes,
+replays, concurrent heavy requests. Another, failing drivers (issue 54,
+failing_drivers.py), runs memory orders against a virtual-memory driver that fails, in
+this process, and checks what they leave behind.
 
 The steps go over StepStream as an engine sends them (nightjar.v1): a table for a context,
 the step run from it, its outcome.
@@ -547,7 +549,7 @@ def refused_outcome(reply: policy_pb2.StepReply) -> str:
 
 
 def run(workdir: Path, quick: bool, seed: int) -> list[ClassResult]:
-    from benchmarks.fuzz import failing_drivers  # it builds on ClassResult
+    from benchmarks.fuzz import failing_drivers, heavy  # they build on ClassResult
 
     token_file = workdir / "hardening-token"
     token_file.write_text(secrets.token_hex(16))
@@ -556,5 +558,6 @@ def run(workdir: Path, quick: bool, seed: int) -> list[ClassResult]:
         file_kinds(workdir, token_file),
         parameter_values(workdir, token_file),
         implausible_outcomes(workdir, token_file),
+        *heavy.run(workdir, token_file, quick, seed),
         failing_drivers.run(quick, seed),
     ]

@@ -66,6 +66,9 @@ def test_quick_fuzz_slice_finds_no_crash_wrong_code_or_state_change(tmp_path: Pa
         "snapshot file kinds",
         "parameter values",
         "implausible outcomes",
+        "sizes",
+        "replays",
+        "concurrent heavy requests",
         "failing drivers",
     ]
     drivers = rows[-1]
