@@ -120,6 +120,36 @@ def bucket_of(batch: int) -> str:
     return "?"
 
 
+# Batch sizes whose decode-only steps are shown cell by cell (batch, γ): where low load
+# runs, and where a request's token time (TPOT) is decided.
+CELL_BATCHES = 4
+
+
+def cells(steps: Sequence[Step]) -> dict[str, dict[str, float]]:
+    """Decode-only steps of batch ≤ CELL_BATCHES by (batch, γ run): their count, mean step
+    time, tokens a step, a request's time per token (step time × batch / tokens: what
+    TPOT averages) and, where the pass was replayed, the model's mean prediction."""
+    grouped: dict[tuple[int, int], list[Step]] = collections.defaultdict(list)
+    for step in steps:
+        if step.outcome.prefill_tokens == 0 and step.ctx.batch_size <= CELL_BATCHES:
+            grouped[(step.ctx.batch_size, step.outcome.gamma)].append(step)
+    shown: dict[str, dict[str, float]] = {}
+    for (batch, gamma), group in sorted(grouped.items()):
+        ms = 1000 * sum(s.outcome.step_seconds for s in group)
+        tokens = sum(s.outcome.generated_tokens for s in group)
+        cell = {
+            "steps": len(group),
+            "step_ms": ms / len(group),
+            "tokens_per_step": tokens / len(group),
+            "request_ms_per_token": ms * batch / tokens,
+        }
+        predicted = [s.predicted_ms for s in group if s.predicted_ms]
+        if predicted:
+            cell["predicted_step_ms"] = float(np.mean(predicted))
+        shown[f"B{batch} γ{gamma}"] = cell
+    return shown
+
+
 def summarize(steps: Iterable[Step]) -> dict[str, Any]:
     steps = list(steps)
     if not steps:
@@ -154,6 +184,7 @@ def summarize(steps: Iterable[Step]) -> dict[str, Any]:
             }
             for key, values in errors.items()
         },
+        "cells": cells(steps),
     }
 
 

@@ -143,9 +143,11 @@ def policy_record(
 
 def context_from_json(data: Mapping[str, Any]) -> StepContext:
     """A decision record's ``context`` as the StepContext it was."""
-    fields = dict(data)
+    fields = _known(StepContext, data)
     fields["requests"] = tuple(
-        RequestSignals(**{**r, "recent_accepts": tuple(r.get("recent_accepts", ()))})
+        RequestSignals(
+            **{**_known(RequestSignals, r), "recent_accepts": tuple(r.get("recent_accepts", ()))}
+        )
         for r in fields.get("requests", ())
     )
     return StepContext(**fields)
@@ -153,9 +155,16 @@ def context_from_json(data: Mapping[str, Any]) -> StepContext:
 
 def outcome_from_json(data: Mapping[str, Any]) -> StepOutcome:
     """An outcome record's ``outcome`` as the StepOutcome it was."""
-    fields = dict(data)
+    fields = _known(StepOutcome, data)
     fields["request_accepts"] = tuple(int(x) for x in fields.get("request_accepts", ()))
     return StepOutcome(**fields)
+
+
+def _known(kind: type[Any], data: Mapping[str, Any]) -> dict[str, Any]:
+    """The members of a record's ``data`` that ``kind`` has: a log outlives the version
+    that wrote it, and a field since dropped must not make the whole log unreadable."""
+    names = {field.name for field in dataclasses.fields(kind)}
+    return {key: value for key, value in data.items() if key in names}
 
 
 def _shallow(flat: Any) -> dict[str, Any]:

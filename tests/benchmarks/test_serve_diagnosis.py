@@ -16,7 +16,9 @@ START = 1_795_000_000.0
 
 def decision(step: int, ts: float, policy: str, version: str, batch: int, gamma: int) -> list[Any]:
     decision_id = f"d{version}-{step}"
+    # A field this version's StepContext does not have (a log outlives its writer).
     ctx = {"engine_id": "e", "batch_size": batch, "step_index": step, "max_gamma": 3}
+    ctx["dropped_since"] = 1
     ms = 20.0 + 2.0 * batch * (gamma + 1) + 5.0 * max(gamma, 1)
     prefill = 64 if step % 10 == 0 else 0
     return [
@@ -101,3 +103,12 @@ def test_each_pass_and_phase_is_summarized(tmp_path: Path) -> None:
     assert static["r0-static-p0"]["model_error"]["decode"]["n"] == 0
     errors = high["model_error"]["decode"]
     assert errors["n"] == 54 and abs(errors["mean"]) < 0.25
+    # Low load cell by cell: 36 decode-only steps of batch 2 at γ = 3, each 2 × 2 tokens
+    # in 20 + 2·2·4 + 15 = 51 ms: a request's token every 51 × 2 / 4 ms.
+    cell = low["cells"]["B2 γ3"]
+    assert cell["steps"] == 36 and cell["tokens_per_step"] == 4.0
+    assert abs(cell["step_ms"] - 51.0) < 1e-6 and abs(cell["request_ms_per_token"] - 25.5) < 1e-6
+    assert "predicted_step_ms" in cell and "predicted_step_ms" not in (
+        static["r0-static-p0"]["cells"]["B2 γ1"]
+    )
+    assert high["cells"] == {}  # batch 48: not a low-load cell
