@@ -42,6 +42,8 @@ EXIT_BROKEN_PIPE = 141
 # The largest admin message any sidecar sends or takes (its state at the most a snapshot
 # may be, config.admin_message_bytes): gRPC's default of 4 MiB stopped states past it.
 MAX_MESSAGE_BYTES = admin_message_bytes()
+# How gRPC itself words a message over its bound.
+GRPC_SIZE_REFUSAL = "larger than max"
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -258,7 +260,7 @@ def _run(args: argparse.Namespace) -> int:
             )
         else:
             print(
-                f"nightjarctl: {exc.code().name}: {exc.details()}{_hint(exc.code(), args)}",
+                f"nightjarctl: {exc.code().name}: {exc.details()}{_hint(exc, args)}",
                 file=sys.stderr,
             )
         return 1
@@ -269,10 +271,12 @@ def _run(args: argparse.Namespace) -> int:
         return 2
 
 
-def _hint(code: grpc.StatusCode, args: argparse.Namespace) -> str:
+def _hint(error: grpc.RpcError, args: argparse.Namespace) -> str:
     """What to check when the sidecar could not be reached at all, or refused a message
-    for its size with gRPC's own words (past the largest any of its methods takes)."""
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+    for its size with gRPC's own words (past the largest any of its methods takes; below
+    it the sidecar's own message names the bound)."""
+    code = error.code()
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and GRPC_SIZE_REFUSAL in str(error.details()):
         return (
             " (a sidecar takes a Restore of at most its snapshot_max_bytes plus "
             f"{MAX_MESSAGE_BYTES - snapshot.MAX_BYTES:,} bytes, other requests of at most "

@@ -172,3 +172,16 @@ def test_restore_refuses_an_overlong_learner_id(make_server_module: Any) -> None
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "an object key of 300,007 characters" in str(info.value.details())
     assert server.state() == before
+
+
+def test_nightjarctl_refuses_a_file_no_sidecar_restores(
+    make_server_module: Any, tmp_path: Path
+) -> None:
+    """Past the most any sidecar restores, nightjarctl says so without sending it."""
+    server = make_server_module()
+    huge = tmp_path / "huge.json"
+    with huge.open("wb") as out:  # sparse: nothing is written but its size
+        out.truncate(snapshot.MAX_BYTES + 1)
+    result = ctl(server, "restore", str(huge))
+    assert result.returncode == 2
+    assert f"more than the {snapshot.MAX_BYTES:,} a sidecar restores" in result.stderr
