@@ -45,5 +45,5 @@ def test_the_key_bound_is_the_longest_id_the_sidecar_makes() -> None:
     longest = max(
         len(learner_id_of_key("k" * MAX_ID_LENGTH)), len(own_learner("e" * MAX_ID_LENGTH))
     )
-    assert MAX_KEY_LENGTH == longest
+    assert longest == MAX_KEY_LENGTH
     assert load_json('{"' + learner_id_of_key("k" * MAX_ID_LENGTH) + '": 1}')
