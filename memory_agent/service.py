@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Callable
 from concurrent import futures
@@ -36,6 +37,10 @@ MEMORY_SERVICE = memory_pb2.DESCRIPTOR.services_by_name["MemoryAgentService"].fu
 MAX_WAIT_S = 30.0
 # Of the caller's deadline, kept back to answer before it passes.
 REPLY_MARGIN_S = 0.05
+# Ordering calls that may wait for a boundary at once (one server thread each); one more
+# is refused (RESOURCE_EXHAUSTED). The server has threads beyond these, so GetStatus and
+# CancelOrder always answer.
+MAX_WAITING_CALLS = 4
 
 
 def status_to_pb(status: MemoryStatus) -> memory_pb2.MemoryStatus:
@@ -65,6 +70,7 @@ class MemoryAgentServicer(memory_pb2_grpc.MemoryAgentServiceServicer):  # type: 
     def __init__(self, agent: MemoryAgent, admin_token: str | AdminTokenFile | None) -> None:
         self.agent = agent
         self._token = admin_token
+        self._waiting = threading.BoundedSemaphore(MAX_WAITING_CALLS)
 
     def GetStatus(self, request: Any, context: grpc.ServicerContext) -> Any:
         return status_to_pb(self.agent.status())
@@ -94,6 +100,18 @@ class MemoryAgentServicer(memory_pb2_grpc.MemoryAgentServiceServicer):  # type: 
         )
 
     def _order(self, context: grpc.ServicerContext, make: Callable[[], Order]) -> Any:
+        if not self._waiting.acquire(blocking=False):
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{MAX_WAITING_CALLS} ordering calls already wait for a step boundary: retry "
+                "once they have returned, or cancel their orders (CancelOrder)",
+            )
+        try:
+            return self._queue_and_wait(context, make)
+        finally:
+            self._waiting.release()
+
+    def _queue_and_wait(self, context: grpc.ServicerContext, make: Callable[[], Order]) -> Any:
         remaining = context.time_remaining()
         wait = MAX_WAIT_S if remaining is None else min(MAX_WAIT_S, remaining - REPLY_MARGIN_S)
         try:
@@ -129,7 +147,8 @@ def serve(
     admin_token: str | AdminTokenFile | None = None,
     mode: int = uds.DEFAULT_MODE,
 ) -> grpc.Server:
-    """Start the service on ``unix:uds_path`` (a few threads: operators, not the hot path).
+    """Start the service on ``unix:uds_path`` (a few threads: operators, not the hot path;
+    at most :data:`MAX_WAITING_CALLS` of them wait for step boundaries).
 
     ``admin_token``: a token, or the file it is read from (re-read when it changes).
     The socket file gets ``mode`` (group-writable by default: operators' tools in the
@@ -138,7 +157,9 @@ def serve(
     """
     uds.claim(uds_path)
     server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="nightjar-memory"),
+        futures.ThreadPoolExecutor(
+            max_workers=MAX_WAITING_CALLS + 4, thread_name_prefix="nightjar-memory"
+        ),
         options=[("grpc.so_reuseport", 0)],
         interceptors=[decode_guard.DecodeGuard()],
     )

@@ -330,6 +330,37 @@ def test_cancel_rpc_withdraws_queued_orders_and_their_callers_learn_it(
     assert engine.agent.draft_resident and engine.agent.offloads == 0
 
 
+def test_waiting_calls_are_bounded_and_status_and_cancel_still_answer(
+    served: tuple[Any, Engine, Path],
+) -> None:
+    stub, engine, _ = served
+    auth = bearer("first-token-0123456789")
+    request = memory_pb2.ExpandKvRequest(target_kv_blocks=ENGINE_BLOCKS - 6)
+    waiting = [
+        stub.ExpandKv.future(request, metadata=auth, timeout=20)
+        for _ in range(service.MAX_WAITING_CALLS)
+    ]
+    deadline = time.monotonic() + 10
+    while len(engine.agent.status().pending_orders) < len(waiting):
+        assert time.monotonic() < deadline, "the calls' orders were not queued"
+        time.sleep(0.01)
+    with pytest.raises(grpc.RpcError) as err:
+        stub.ExpandKv(request, metadata=auth, timeout=5)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    status = stub.GetStatus(memory_pb2.MemoryStatusRequest(), timeout=5)  # a thread is free
+    assert len(status.pending_orders) == len(waiting)
+    reply = stub.CancelOrder(memory_pb2.CancelOrderRequest(order_id=0), metadata=auth, timeout=5)
+    assert len(reply.cancelled_order_ids) == len(waiting)
+    for call in waiting:
+        with pytest.raises(grpc.RpcError) as err:
+            call.result()
+        assert err.value.code() == grpc.StatusCode.CANCELLED
+    # The slots are free again: a new call is taken and waits (an idle engine: it expires).
+    with pytest.raises(grpc.RpcError) as err:
+        stub.ExpandKv(request, metadata=auth, timeout=0.5)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
 def test_a_full_queue_is_resource_exhausted_on_the_service(
     served: tuple[Any, Engine, Path],
 ) -> None:

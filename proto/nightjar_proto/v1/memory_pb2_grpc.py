@@ -34,10 +34,11 @@ class MemoryAgentServiceStub(object):
     live blocks that do not fit, a reload that does not verify), a malformed
     target with INVALID_ARGUMENT, and one whose device work failed part-way
     (a driver call, a copy) with ABORTED, undone. A full queue refuses the order
-    with RESOURCE_EXHAUSTED. An order still queued when its call's deadline
-    passes, or when its caller goes away, is withdrawn and never runs
-    (DEADLINE_EXCEEDED); one already running completes, and the call returns
-    the status with it in pending_orders.
+    with RESOURCE_EXHAUSTED, as it does a fifth ordering call while four wait for
+    a boundary (GetStatus and CancelOrder always answer). An order still queued
+    when its call's deadline passes, or when its caller goes away, is withdrawn
+    and never runs (DEADLINE_EXCEEDED); one already running completes, and the
+    call returns the status with it in pending_orders.
     """
 
     def __init__(self, channel):
@@ -87,10 +88,11 @@ class MemoryAgentServiceServicer(object):
     live blocks that do not fit, a reload that does not verify), a malformed
     target with INVALID_ARGUMENT, and one whose device work failed part-way
     (a driver call, a copy) with ABORTED, undone. A full queue refuses the order
-    with RESOURCE_EXHAUSTED. An order still queued when its call's deadline
-    passes, or when its caller goes away, is withdrawn and never runs
-    (DEADLINE_EXCEEDED); one already running completes, and the call returns
-    the status with it in pending_orders.
+    with RESOURCE_EXHAUSTED, as it does a fifth ordering call while four wait for
+    a boundary (GetStatus and CancelOrder always answer). An order still queued
+    when its call's deadline passes, or when its caller goes away, is withdrawn
+    and never runs (DEADLINE_EXCEEDED); one already running completes, and the
+    call returns the status with it in pending_orders.
     """
 
     def GetStatus(self, request, context):
@@ -187,10 +189,11 @@ class MemoryAgentService(object):
     live blocks that do not fit, a reload that does not verify), a malformed
     target with INVALID_ARGUMENT, and one whose device work failed part-way
     (a driver call, a copy) with ABORTED, undone. A full queue refuses the order
-    with RESOURCE_EXHAUSTED. An order still queued when its call's deadline
-    passes, or when its caller goes away, is withdrawn and never runs
-    (DEADLINE_EXCEEDED); one already running completes, and the call returns
-    the status with it in pending_orders.
+    with RESOURCE_EXHAUSTED, as it does a fifth ordering call while four wait for
+    a boundary (GetStatus and CancelOrder always answer). An order still queued
+    when its call's deadline passes, or when its caller goes away, is withdrawn
+    and never runs (DEADLINE_EXCEEDED); one already running completes, and the
+    call returns the status with it in pending_orders.
     """
 
     @staticmethod
