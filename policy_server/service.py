@@ -18,7 +18,7 @@ import contextlib
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -109,6 +109,9 @@ class DecisionService:
             decision_log=decision_log,
             options=tables or TableOptions(),
         )
+        # The decision path itself (TableDecisions.table_step): a report batch applied, the
+        # engine's next table decided.
+        self.table_step = self.decisions.table_step
         self.store = StateStore(
             self.activation,
             self.engines,
@@ -128,27 +131,17 @@ class DecisionService:
     def table_options(self) -> TableOptions:
         return self.decisions.options
 
-    def table_step(
-        self,
-        ran_steps: Sequence[RanStep],
-        outcomes: Sequence[StepOutcome],
-        ctx: StepContext | None,
-        decide: bool = True,
-    ) -> TableStepResult:
-        """TableDecisions.table_step: a report batch applied, the next table decided."""
-        return self.decisions.table_step(ran_steps, outcomes, ctx, decide)
-
     def run_step(self, ctx: StepContext) -> RanEntry:
         """One step as an engine runs it, in process (benchmarks, embedding, tests): a
         table for ``ctx``, and its entry for ``ctx``'s batch size run and reported at once;
         the step's outcome goes to ``report``. Engines on the wire do the same through
         the plugin's client, a table serving many steps."""
-        table = self.decisions.table_step((), (), ctx).table
+        table = self.table_step((), (), ctx).table
         assert table is not None
         index = ctx.batch_size - table.first_batch_size
         gamma = table.gammas[index]
         ran = RanStep(f"{table.table_id}.1", ctx, gamma)
-        refused = self.decisions.table_step((ran,), (), None)
+        refused = self.table_step((ran,), (), None)
         if refused.skipped:
             raise AssertionError(f"a step run from its own table was refused: {refused}")
         return RanEntry(table, ran.decision_id, gamma, table.exploring[index])
@@ -156,7 +149,7 @@ class DecisionService:
     def report(self, outcome: StepOutcome) -> TableStepResult:
         """The outcome of a step run_step ran (skipped, with the reason, when it does not
         fit its step or the step is no longer held)."""
-        return self.decisions.table_step((), (outcome,), None)
+        return self.table_step((), (outcome,), None)
 
     def active_engines(self) -> int:
         """Engines that asked for a table within the last ``engine_idle_s`` (and were
