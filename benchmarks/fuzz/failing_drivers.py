@@ -53,7 +53,7 @@ def run(quick: bool, seed: int) -> ClassResult:
     level = agent_log.level
     agent_log.setLevel(logging.CRITICAL)  # every order's failure is logged: thousands here
     try:
-        for case in range(25 if quick else 300):
+        for case in range(15 if quick else 300):
             rng = random.Random(f"{seed}:{case}")
             try:
                 run_case(rng, result, f"case {case}", undone)
