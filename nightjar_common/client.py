@@ -250,11 +250,7 @@ class NightjarClient:
         if self.config.replay and now_s is not None:
             self._replay_s = now_s
         decision = self.take(ctx)
-        step = NextStep(ctx, decision.gamma)
-        if self.config.replay:
-            self._refresh_ahead_now(step)
-        else:
-            self._refresh_if_due(step)
+        self._refresh_if_due(NextStep(ctx, decision.gamma))
         return decision
 
     def take(self, ctx: StepContext, report_ran: bool = True) -> GammaDecision:
@@ -408,21 +404,10 @@ class NightjarClient:
         """A replay's clock: the simulated time of its step."""
         return self._replay_s
 
-    def _refresh_ahead_now(self, step: NextStep) -> None:
-        """A replay's refresh: asked for as an engine's is (:meth:`_refresh_if_due`, for
-        the next step, when the held table is due) and waited for, so that it is there for
-        that step whatever the simulation's pace. One not answered is no fallback: the
-        next step asks again if the held table cannot answer it."""
-        config = self.config
-        if not refresh_due(
-            self._tables.held,
-            step.batch_size,
-            step.speculation_off,
-            self._clock(),
-            config.table_refresh_steps,
-            config.table_refresh_ms,
-        ):
-            return
+    def _refresh_now(self, step: AheadStep) -> None:
+        """A replay's refresh, asked for and waited for, so that it is there for the next
+        step whatever the simulation's pace. One not answered is no fallback: the next
+        step asks again if the held table cannot answer it."""
         self.stats.refresh_requests += 1
         self._request_table(step.context())
 
@@ -442,7 +427,8 @@ class NightjarClient:
 
     def _refresh_if_due(self, step: AheadStep, always: bool = False) -> None:
         """Have the sender thread ask for a new table if the held one is due (``always``:
-        whatever the held one; either way not while a refresh is in flight)."""
+        whatever the held one; either way not while a refresh is in flight); a replay
+        asks and waits (:meth:`_refresh_now`)."""
         config = self.config
         self._next_step = step
         if self._refreshing:
@@ -455,6 +441,9 @@ class NightjarClient:
             config.table_refresh_steps,
             config.table_refresh_ms,
         ):
+            return
+        if config.replay:
+            self._refresh_now(step)
             return
         self._hand_over(step)
         self._refresh_wanted.set()
