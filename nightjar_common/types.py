@@ -38,6 +38,15 @@ class EngineRuntime:
     # The speculative method: draft_model, eagle, eagle3, mtp, ngram, ...
     method: str = ""
 
+    @property
+    def request_gammas_applied(self) -> bool:
+        """Whether a per-request γ runs as the policy plans it. Under async scheduling the
+        drafts never reach the scheduler: the plugin can only shorten the next step's draft
+        slots (verification, not drafting), a path never run on a GPU, so a policy that
+        chooses per-request plans by itself does not plan for such an engine
+        (docs/VLLM_PLUGIN.md, "Per-request γ")."""
+        return not self.async_scheduling
+
 
 @dataclass(slots=True)
 class RequestSignals:

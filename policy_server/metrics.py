@@ -8,7 +8,7 @@ Labels stay low-cardinality: no request or decision ids. The served exposition h
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import (
@@ -23,6 +23,7 @@ from prometheus_client import (
     disable_created_metrics,
     start_http_server,
 )
+from prometheus_client.core import GaugeMetricFamily
 
 from nightjar_common.buckets import GAMMA_BUCKETS
 from policy_server.step_series import CounterSeries, HistogramSeries, StepSeries
@@ -92,6 +93,33 @@ GAMMA_CHOSEN = HistogramSeries(
 STEP_DURATION = HistogramSeries(
     "nightjar_step_duration_seconds", "Engine step wall time as reported.", (), STEP_BUCKETS
 )
+
+
+class RequestModes:
+    """``nightjar_request_mode{engine, mode, reason}`` = 1 for each engine of the active
+    policy that says its engines' per-request modes (goodput's ``request_modes``: engine
+    id → (mode, reason)), read from the policy at scrape time; none for other policies."""
+
+    def __init__(self) -> None:
+        self._policy: Callable[[], object] = lambda: None
+
+    def watch(self, policy: Callable[[], object]) -> None:
+        """Read the modes from what ``policy()`` returns (the active policy) at each scrape."""
+        self._policy = policy
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "nightjar_request_mode",
+            "1 per engine for the mode its policy decides γ in: mode=per-request (a γ per "
+            "request) or batch, reason=why (forced_on, forced_off, engine_cannot_apply, "
+            "tpot_slo, learning, gain_above_margin, gain_below_margin).",
+            labels=("engine", "mode", "reason"),
+        )
+        modes = getattr(self._policy(), "request_modes", None)
+        shown: Mapping[str, tuple[str, str]] = modes() if callable(modes) else {}
+        for engine_id, (mode, reason) in sorted(shown.items()):
+            family.add_metric((engine_id, mode, reason), 1.0)
+        yield family
 
 
 def batch_bucket(batch_size: int) -> int:
@@ -173,6 +201,9 @@ class Metrics:
             registry=r,
         )
         self.policy_info = Info("nightjar_policy", "The active policy.", registry=r)
+        # Read from the active policy at scrape time (the server calls watch()).
+        self.request_modes = RequestModes()
+        r.register(self.request_modes)
         self.evictions = Counter(
             "nightjar_evictions",
             "Entries evicted to keep memory bounded (least recently used first), by kind: "

@@ -51,6 +51,7 @@ from policy_server.policies.base import (
     MalformedStateError,
     PolicyError,
     count_limit,
+    feasible_gamma_max,
     load_prefill_cost,
     parse_params,
 )
@@ -74,6 +75,7 @@ from policy_server.policies.models import (
     verify_features,
 )
 from policy_server.policies.per_request import (
+    Plan,
     PlanPricer,
     PlanRows,
     RequestRecord,
@@ -87,6 +89,7 @@ from policy_server.policies.per_request import (
     touch,
     trim_records,
 )
+from policy_server.policies.request_mode import ModeParams, Reason, RequestMode, sure_alphas
 from policy_server.policies.rng import SplitMix64
 
 # 2: the step-time statistics are weighted for relative error (models.StepTimeModel).
@@ -149,10 +152,22 @@ class GoodputParams:
     # Per-sequence mode (per_request.py): a γ per request from its own acceptance, shrunk
     # to the pooled α by ``request_prior_weight`` pseudo-tokens while it is young; the
     # engine then sends per-request signals. Requests not in a step for
-    # ``request_idle_steps`` of the engine's steps are forgotten.
-    per_request: bool = False
+    # ``request_idle_steps`` of the engine's steps are forgotten. "auto": each engine
+    # plans per request only while the plans are predicted to beat the batch γ by a
+    # margin the model is sure of (request_mode.py); true / false force it.
+    per_request: bool | str = "auto"
     request_prior_weight: float = 12.0
     request_idle_steps: int = 64
+    # "auto": an engine plans per request once its plans' predicted gain over the batch γ
+    # (a fraction of goodput, each request's α pulled ``request_sure_z`` standard errors
+    # towards the pooled α) is surely above ``request_gain_on``, and stops once it is
+    # surely below ``request_gain_off``; checked every ``request_check_steps`` steps, the
+    # last ``request_gain_window`` checks averaged (docs/POLICIES.md, "Per-request mode").
+    request_gain_on: float = 0.0015
+    request_gain_off: float = 0.0005
+    request_sure_z: float = 1.0
+    request_check_steps: int = 16
+    request_gain_window: int = 64
 
     def __post_init__(self) -> None:
         if not 1 <= self.gamma_max <= 64:
@@ -179,9 +194,20 @@ class GoodputParams:
             raise PolicyError("request_prior_weight must be in (0, 1e6]")
         if not 1 <= self.request_idle_steps <= 1_000_000:
             raise PolicyError("request_idle_steps must be in 1..1000000")
-        if self.per_request and self.tpot_slo_ms > 0:
+        if self.per_request is True and self.tpot_slo_ms > 0:
             # The SLO filter is per batch γ; a per-request plan would need one per request.
             raise PolicyError("per_request does not combine with tpot_slo_ms")
+        if isinstance(self.per_request, str) and self.per_request != "auto":
+            raise PolicyError(
+                f'per_request must be true, false or "auto", got {self.per_request!r}'
+            )
+        if not 0.0 <= self.request_gain_off <= self.request_gain_on <= 1.0:
+            raise PolicyError("request_gain_off and request_gain_on need 0 <= off <= on <= 1")
+        if not 0.0 <= self.request_sure_z <= 10.0:
+            raise PolicyError("request_sure_z must be in 0..10")
+        for name in ("request_check_steps", "request_gain_window"):
+            if not 1 <= getattr(self, name) <= 1_000_000:
+                raise PolicyError(f"{name} must be in 1..1000000")
 
 
 @dataclasses.dataclass(slots=True)
@@ -216,6 +242,8 @@ class EngineState:
     # observed (what a record's last_seen counts). Only observe() changes them.
     requests: dict[str, RequestRecord] = dataclasses.field(default_factory=dict)
     observed_steps: int = 0
+    # Whether the engine plans per request, and why (request_mode.py); set by observe().
+    mode: RequestMode = dataclasses.field(default_factory=RequestMode)
 
     @property
     def stream(self) -> np.random.BitGenerator:
@@ -324,12 +352,24 @@ class GoodputModelPolicy(GoodputPooling, EngineStatePolicy[GoodputParams, Engine
         self._book: EngineStates[EngineState, Learner] = EngineStates(
             p.seed, p.share_learner, _new_engine, self._new_learner
         )
+        self._mode_params = ModeParams(
+            p.request_gain_on,
+            p.request_gain_off,
+            p.request_gain_window,
+            # Enough checks that the bounds rest on more than a lucky few.
+            min(16, p.request_gain_window),
+            p.request_sure_z,
+        )
 
     @property
     def reads_request_signals(self) -> bool:
-        """Engines send per-request signals (base.reads_request_signals) only to the
-        per-sequence mode: the batch decision has no use for them."""
-        return self._params.per_request
+        """Engines send per-request signals (base.reads_request_signals) unless the
+        per-sequence mode is forced off: "auto" learns from them whether to plan."""
+        return self._params.per_request is not False
+
+    @property
+    def _auto(self) -> bool:
+        return self._params.per_request == "auto"
 
     # -- Policy protocol -------------------------------------------------------------
 
@@ -401,6 +441,39 @@ class GoodputModelPolicy(GoodputPooling, EngineStatePolicy[GoodputParams, Engine
         learner.min_draft_passes = min(ctx.min_draft_passes, self._params.gamma_max)
         if engine.previous_gamma == choice.gamma:
             engine.previous_gamma = outcome.gamma
+        if self._auto:
+            self._check_mode(engine, learner, ctx)
+
+    def _check_mode(self, engine: EngineState, learner: Learner, ctx: StepContext) -> None:
+        """ "auto": every ``request_check_steps`` observed steps of a batch its context
+        names whole, price the best per-request plan against the best batch γ for its
+        requests and let the gain move the engine's mode (request_mode.py)."""
+        mode, p = engine.mode, self._params
+        if ctx.runtime is not None and not ctx.runtime.request_gammas_applied:
+            mode.engaged, mode.reason = False, Reason.ENGINE_CANNOT_APPLY
+            return
+        if p.tpot_slo_ms > 0:
+            mode.engaged, mode.reason = False, Reason.TPOT_SLO
+            return
+        if engine.observed_steps % p.request_check_steps or learner.steps < p.warmup_steps:
+            return
+        top = feasible_gamma_max(ctx, p.gamma_max)
+        if top == 0 or len(ctx.requests) != ctx.batch_size or ctx.batch_size < 2:
+            return  # nothing to plan: one γ, or requests the context does not name
+        plan = self._sure_plan(engine, learner, ctx, top)
+        mode.check(plan.goodput / plan.batch_goodput - 1.0, self._mode_params)
+
+    def _sure_plan(self, engine: EngineState, learner: Learner, ctx: StepContext, top: int) -> Plan:
+        """The best plan for ``ctx``'s requests under the point estimate, each request's α
+        only as far from the pooled α as its counts make sure of (request_mode.sure_alphas),
+        with the best batch γ's goodput under the same α beside it."""
+        point = self._estimate(learner, ctx, top)
+        records = [engine.requests.get(r.request_id) for r in ctx.requests]
+        p = self._params
+        alphas = sure_alphas(records, point.alpha, p.request_prior_weight, p.request_sure_z)
+        contexts = [r.context_tokens for r in ctx.requests]
+        pricer = point.plan_pricer(ctx.batch_size, np.zeros(top + 1))
+        return best_plan(alphas, contexts, top, pricer)
 
     def _observe_requests(
         self,
@@ -412,12 +485,14 @@ class GoodputModelPolicy(GoodputPooling, EngineStatePolicy[GoodputParams, Engine
         """Per-sequence mode: add the step's labelled accepts to the requests' records and
         forget idle requests; the γ each accept verified (() when off or unlabelled: the
         pooled model then takes every request at the step's γ)."""
-        if not self._params.per_request:
+        if self._params.per_request is False:
             return ()
         engine.observed_steps += 1
         step = engine.observed_steps
         labelled = len(outcome.request_ids) == len(outcome.request_accepts)
+        # Accepts without ids (an engine that does not name requests) teach no record.
         ids = outcome.request_ids if labelled else ()
+        accepts = outcome.request_accepts if labelled else ()
         cap = outcome.gamma
         if planned:
             verified = tuple(min(planned.get(rid, cap), cap) for rid in ids)
@@ -426,7 +501,7 @@ class GoodputModelPolicy(GoodputPooling, EngineStatePolicy[GoodputParams, Engine
         records = engine.requests
         observe_requests(
             records,
-            zip(ids, outcome.request_accepts, verified, strict=True),
+            zip(ids, accepts, verified, strict=True),
             self._acceptance_decay,
             step,
         )
@@ -494,11 +569,37 @@ class GoodputModelPolicy(GoodputPooling, EngineStatePolicy[GoodputParams, Engine
                     "rng": e.rng.bit_generator.state,
                     "requests": records_to_json(e.requests),
                     "observed_steps": e.observed_steps,
+                    "request_mode": self._mode_json(e),
                 }
                 for eid, e in engines.items()
             },
             "learners": {lid: self._learner_to_json(v) for lid, v in learners.items()},
         }
+
+    def _mode_json(self, engine: EngineState) -> dict[str, Any]:
+        """The engine's per-request mode as the state shows it: "per-request" or "batch",
+        why (request_mode.Reason), and under "auto" what decides it (read back by
+        load_state; "mode" and "gain_mean" are for people)."""
+        per_request = self._params.per_request
+        if per_request is True or per_request is False:
+            forced = Reason.FORCED_ON if per_request else Reason.FORCED_OFF
+            return {"mode": "per-request" if per_request else "batch", "reason": forced.value}
+        mode = engine.mode
+        low, high = mode.gains.bounds(self._params.request_sure_z)
+        return {
+            "mode": "per-request" if mode.engaged else "batch",
+            "gain_mean": mode.gains.mean,
+            "gain_bounds": [low, high] if math.isfinite(low) else None,
+            **mode.to_json(),
+        }
+
+    def request_modes(self) -> dict[str, tuple[str, str]]:
+        """Engine id → (mode, reason) of every engine, for the server's metric."""
+        out: dict[str, tuple[str, str]] = {}
+        for engine_id, engine in self._book.engines.items():
+            view = self._mode_json(engine)
+            out[engine_id] = (view["mode"], view["reason"])
+        return out
 
     @staticmethod
     def trim_state(state: dict[str, Any], excess_bytes: int) -> str:
@@ -620,7 +721,7 @@ class GoodputModelPolicy(GoodputPooling, EngineStatePolicy[GoodputParams, Engine
                 chosen = [exploit[g] for g in greedy_gammas]
             for row, gamma in tried.items():
                 chosen[row] = self._trial_choice(trials, rows.octaves[row], gamma)
-            planned = self._request_row(ctx, rows, tried)
+            planned = self._request_row(engine, ctx, rows, tried)
             if planned is not None and chosen[planned][0].bin_type is BinType.EXPLOIT:
                 plan = self._plan_choice(engine, ctx, point, switch[planned], top)
                 chosen[planned] = (plan, trials, True)
@@ -629,18 +730,29 @@ class GoodputModelPolicy(GoodputPooling, EngineStatePolicy[GoodputParams, Engine
         return [self._trial_choice(trials, octaves[row], gamma) for row, gamma in tried.items()]
 
     def _request_row(
-        self, ctx: StepContext, rows: BatchRows, tried: Mapping[int, int]
+        self, engine: EngineState, ctx: StepContext, rows: BatchRows, tried: Mapping[int, int]
     ) -> int | None:
-        """Per-sequence mode: the row a per-request plan decides, the one of the batch size
-        the context's requests make up (all of them named), unless it runs a trial (a
-        trial pins the step-time fit at a batch γ)."""
-        if not (self._params.per_request and ctx.requests):
+        """Per-sequence mode (forced, or engaged on this engine by "auto"): the row a
+        per-request plan decides, the one of the batch size the context's requests make up
+        (all of them named), unless it runs a trial (a trial pins the step-time fit at a
+        batch γ)."""
+        if not (ctx.requests and self._plans(engine, ctx)):
             return None
         size = len(ctx.requests)
         if size != ctx.batch_size or size not in rows.sizes:
             return None
         row = rows.sizes.index(size)
         return None if row in tried else row
+
+    def _plans(self, engine: EngineState, ctx: StepContext) -> bool:
+        """Whether ``engine`` plans per request for ``ctx``: forced on, or "auto" with the
+        mode engaged on an engine that applies per-request γ."""
+        per_request = self._params.per_request
+        if per_request is True:
+            return True
+        if per_request is False or not engine.mode.engaged:
+            return False
+        return ctx.runtime is None or ctx.runtime.request_gammas_applied
 
     def _plan_choice(
         self,
@@ -846,6 +958,8 @@ class GoodputModelPolicy(GoodputPooling, EngineStatePolicy[GoodputParams, Engine
             trials=_trials_from_json(data.get("trials", []), self._params.gamma_max),
             requests=records_from_json(data.get("requests", {}), observed),
             observed_steps=observed,
+            # Absent from states before "auto", and forced modes keep none: batch, learning.
+            mode=_mode_from_json(data.get("request_mode")),
         )
 
     def _learner_to_json(self, learner: Learner) -> dict[str, Any]:
@@ -964,6 +1078,14 @@ def _trials_from_json(data: Any, gamma_max: int) -> Trials:
     if not all(0 <= o <= MAX_OCTAVE and 0 <= g <= gamma_max for o, g in trials):
         raise ValueError(f"trials need octave in 0..{MAX_OCTAVE} and γ in 0..{gamma_max}")
     return trials
+
+
+def _mode_from_json(data: Any) -> RequestMode:
+    """An engine's "auto" mode from its state; a fresh one where it holds none (a state
+    written before it, or under a forced mode)."""
+    if not isinstance(data, Mapping) or "checks" not in data:
+        return RequestMode()
+    return RequestMode.from_json(data)
 
 
 def _new_engine(rng: SplitMix64, learner_id: str) -> EngineState:

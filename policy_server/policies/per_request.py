@@ -50,6 +50,12 @@ class PlanRows:
     caps: IntArray
     verified: FloatArray
 
+    @functools.cached_property
+    def uniform(self) -> IntArray:
+        """Each cap's last row: every request verifying the cap (a batch γ)."""
+        ends: IntArray = np.flatnonzero(np.diff(self.caps, append=self.top + 1))
+        return ends
+
 
 # (the rows' caps and Σγ_i, the rows' γ̄) → predicted step ms per row, switch cost included.
 PlanPricer = Callable[[PlanRows, FloatArray], FloatArray]
@@ -99,11 +105,13 @@ class RequestRecord:
 @dataclasses.dataclass(frozen=True, slots=True)
 class Plan:
     """A step's γ per request (in the context's order) under ``cap``, and its predicted
-    goodput (tokens per ms) under the estimate it was searched with."""
+    goodput (tokens per ms) under the estimate it was searched with, beside the best
+    batch γ's (every request verifying one cap) under the same estimate."""
 
     cap: int
     gammas: tuple[int, ...]
     goodput: float
+    batch_goodput: float
 
     @property
     def uniform(self) -> bool:
@@ -196,7 +204,9 @@ def best_plan(
     row = int(goodput.argmax())
     cap = int(rows.caps[row])
     counts = np.bincount(requests[kept[cap, 1:]][: int(rows.verified[row])], minlength=batch)
-    return Plan(cap, tuple(counts.tolist()), float(goodput[row]))
+    # A cap's last row verifies all its drafts: the batch γ of that cap.
+    batch_goodput = float(goodput[rows.uniform].max())
+    return Plan(cap, tuple(counts.tolist()), float(goodput[row]), batch_goodput)
 
 
 def _gains(alphas: Sequence[float], top: int) -> FloatArray:

@@ -119,7 +119,10 @@ def per_request(**params: Any) -> GoodputModelPolicy:
 
 def test_the_flag_says_whether_the_engine_should_send_request_signals() -> None:
     assert per_request().reads_request_signals
-    assert not GoodputModelPolicy({"gamma_max": GAMMA_MAX}).reads_request_signals
+    # "auto" (the default) learns from them whether to plan per request.
+    assert GoodputModelPolicy({"gamma_max": GAMMA_MAX}).reads_request_signals
+    off = GoodputModelPolicy({"gamma_max": GAMMA_MAX, "per_request": False})
+    assert not off.reads_request_signals
 
 
 @pytest.mark.parametrize(
@@ -201,7 +204,8 @@ def test_a_decision_searches_one_plan_and_explores_as_a_batch_gamma(
 def test_off_the_engines_request_signals_change_no_decision() -> None:
     """The per-batch default, bit for bit: contexts with requests and labelled accepts
     decide and learn exactly as contexts without them."""
-    policies = [GoodputModelPolicy({"gamma_max": GAMMA_MAX, "seed": 5}) for _ in range(2)]
+    params = {"gamma_max": GAMMA_MAX, "seed": 5, "per_request": False}
+    policies = [GoodputModelPolicy(params) for _ in range(2)]
     rng = [random.Random(2), random.Random(2)]
     ids = list(MIXED)
     for step in range(400):

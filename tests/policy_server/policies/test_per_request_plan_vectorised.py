@@ -77,7 +77,7 @@ def test_the_plan_is_the_best_assignment_and_takes_the_largest_gains(price: Plan
         assert 0 <= plan.cap <= (top if batch else 0)
         assert all(0 <= g <= plan.cap for g in plan.gammas)
         best = max(
-            goodput_of(Plan(cap, gammas, 0.0), alphas, contexts, price)
+            goodput_of(Plan(cap, gammas, 0.0, 0.0), alphas, contexts, price)
             for cap in range((top if batch else 0) + 1)
             for gammas in itertools.product(range(cap + 1), repeat=batch)
         )
@@ -109,7 +109,7 @@ def test_ties_go_to_the_fewer_verified_drafts() -> None:
     alphas, contexts = [0.0, 0.7, 0.0, 0.4], [100, 0, 300, 50]
     for top in range(5):
         plan = best_plan(alphas, contexts, top, constant_price)
-        assert plan == Plan(top, (0, top, 0, top), plan.goodput)
+        assert plan == Plan(top, (0, top, 0, top), plan.goodput, plan.batch_goodput)
     assert best_plan([0.0, 0.0], [1, 2], 4, constant_price).cap == 0
 
 
