@@ -27,6 +27,19 @@ class SpeculationRuntime:
     min_draft_passes: int
 
 
+def request_gammas_note(runtime: EngineRuntime) -> str:
+    """What the start-up line says of per-request γ on this engine: under async scheduling
+    the drafts never reach the scheduler, so a request's γ only shortens its next draft
+    slots (a path not yet run on a GPU), and the default policy plans none for it
+    (EngineRuntime.request_gammas_applied, which the sidecar reads from every context)."""
+    if runtime.request_gammas_applied:
+        return "per-request γ applied (drafts cut per request)"
+    return (
+        "per-request γ not applied under async scheduling: the default policy plans per "
+        "batch for this engine (a policy forcing per-request γ shortens only draft slots)"
+    )
+
+
 def describe(vllm_config: Any) -> SpeculationRuntime:
     """The engine's runner, scheduling and method, and the draft passes a step always runs."""
     import vllm

