@@ -137,11 +137,13 @@ SLO_ONLY: dict[str, SourceFactory] = {
 TABLE_MODE: dict[str, SourceFactory] = {
     f"goodput-tables-{steps}": _learning("goodput", tables=steps) for steps in (8, 32)
 }
-# The default policy's per-sequence mode (a γ per request from its own acceptance, under
-# the batch cap; docs/POLICIES.md, "Per-request mode"): only in the mixed-population
-# section until it wins there.
+# The default policy's per-sequence mode forced on (a γ per request from its own
+# acceptance, under the batch cap; docs/POLICIES.md, "Per-request mode"), and forced off
+# (the batch γ alone, the default before it planned per request by itself): what
+# `make bench-sim-paired` sets the default against.
 PER_REQUEST_MODE: dict[str, SourceFactory] = {
     "goodput-per-request": _learning("goodput", per_request=True),
+    "goodput-batch": _learning("goodput", per_request=False),
 }
 # The limit of per-request γ (each step's best plan from the requests' true α): the
 # ceiling of the per-sequence mode on the mixed populations.

@@ -7,6 +7,7 @@ import pytest
 
 from benchmarks.sim_mixed import DEFAULT, MODE, comparison_rows
 from benchmarks.sim_paired import (
+    BATCH,
     COMPARISONS,
     Comparison,
     PairedRatio,
@@ -86,3 +87,17 @@ def test_a_policy_in_two_comparisons_runs_once_per_cell_and_seed() -> None:
     cells = len(list(comparison_rows(["p", "q"])))
     assert len(jobs) == cells * 3 * 2
     assert {policy for _, _, policy, _ in jobs} == {"a", "b", "base"}
+
+
+def test_the_first_table_sets_the_default_against_the_batch_gamma() -> None:
+    """Issue 57's yardstick: the default as it ships against its per-request mode forced
+    off, both the simulator's named runs."""
+    from policy_server.sim.runs import PER_REQUEST_MODE, POLICIES, ProfileAssets
+
+    first = COMPARISONS[0]
+    assert (first.mine, first.theirs) == (DEFAULT, BATCH)
+    assets = ProfileAssets()
+    default = POLICIES[DEFAULT](1, assets).policy  # type: ignore[attr-defined]
+    batch = PER_REQUEST_MODE[BATCH](1, assets).policy  # type: ignore[attr-defined]
+    assert default.params()["per_request"] == "auto"
+    assert batch.params()["per_request"] is False
