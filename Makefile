@@ -31,7 +31,8 @@ help:
 	@echo "make bench-tables  goodput per step against decision tables (every 8 / 32 steps) in the simulator -> docs/BENCHMARKS.md"
 	@echo "make bench-fleet  late-joining engines' sidecars with and without fleet learning (time-to-good-γ, TPOT), and the CPU cost of pooling -> docs/BENCHMARKS.md"
 	@echo "make bench-rpc  measure decide cost and RPC round trips -> docs/BENCHMARKS.md"
-	@echo "make bench-instructions  count a decision-table step's instructions with callgrind (valgrind) -> docs/BENCHMARKS.md"
+	@echo "make bench-instructions  count a decision-table step's instructions, and the plugin hook's, with callgrind (valgrind;"
+	@echo "                HOOK_BASELINE=<commit>: the hook at that commit too) -> docs/BENCHMARKS.md"
 	@echo "make bounds-check  flood the sidecar with 100,000 engine ids; RSS must stay flat"
 	@echo "make bench-load engine processes on one sidecar, 10 min per shape: pod (1 x 200 steps/s), node (8 x 125/s), node-fast (8 x 500/s), stress (8 x 1,000/s),"
 	@echo "                each beside a bare stream server run the same way (CPU per step, ratio, fallbacks <= 0.1 %) -> docs/BENCHMARKS.md,"
@@ -194,13 +195,17 @@ reliability-security: $(STAMP)
 bench-rpc: $(STAMP)
 	$(PY) -m benchmarks.rpc --out docs/BENCHMARKS.md
 
-# The instructions of a step through decision tables, counted by callgrind (independent
-# of a shared host's speed; benchmarks/step_instructions.py). About 6 minutes.
+# The instructions of a step through decision tables, and of the plugin's hook on the
+# engine's thread, counted by callgrind (independent of a shared host's speed;
+# benchmarks/step_instructions.py). About 12 minutes. HOOK_BASELINE=<commit> counts the
+# hook at that commit too, beside this tree's (a change's before and after).
+HOOK_BASELINE ?=
 bench-instructions: $(STAMP)
 	@command -v valgrind >/dev/null || { $(SUDO) apt-get update && \
 		$(SUDO) env DEBIAN_FRONTEND=noninteractive \
 			apt-get install -y --no-install-recommends valgrind; }
-	$(PY) -m benchmarks.step_instructions --out docs/BENCHMARKS.md
+	$(PY) -m benchmarks.step_instructions --out docs/BENCHMARKS.md \
+		$(if $(HOOK_BASELINE),--baseline $(HOOK_BASELINE))
 
 # 100,000 distinct engine ids against a real sidecar: RSS stays flat, evictions counted;
 # writes docs/reliability/bounded-memory.json (benchmarks/bounds_check.py).

@@ -9,25 +9,40 @@ twice: steps back to back (warm) and steps separated by a workload that evicts t
 one queue append, under the same eviction. The per-request walks of the vLLM scheduler
 hook (scheduler.py) are not in it: they need vLLM's request objects (`make bench-vllm`
 measures the whole hook).
+
+The same driver (:class:`HookDriver`) runs under callgrind for `make bench-instructions`'
+count of the hook's instructions per step (benchmarks/step_instructions.py): there the
+steps are separated by a sleep, a forward pass's wall time in which the client's threads
+receive the table asked for ahead, as an engine's do.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
+import json
 import time
 from collections.abc import Callable
 
 import numpy as np
 
 from benchmarks.rpc_report import Measurement, summarise
+from nightjar_common.client import ClientConfig, NightjarClient
 from vllm_client_patch.config import PluginConfig
 from vllm_client_patch.controller import GammaController, HookTime
 from vllm_client_patch.step_journal import EngineView, VerifiedStep
 
+# The batch's requests, named to a policy that reads per-request signals.
+REQUEST_IDS = tuple(f"request-{i}" for i in range(32))
 # Larger than the last-level cache a share of a host gets: the copy evicts it all.
 EVICT_BYTES = 64 << 20
-BATCH = 32
+BATCH = len(REQUEST_IDS)
 CONNECT_S = 20.0
+# The counted walk's forward pass (wall seconds between hooks): long enough for the
+# sidecar's answer to a refresh to be installed before the next step, even under callgrind.
+FORWARD_S = 0.005
+# Tables of the counted walk are not refreshed for their age (an hour: never).
+NO_AGE_REFRESH_MS = 3_600_000.0
 
 
 def evicting_workload() -> Callable[[], None]:
@@ -41,45 +56,113 @@ def _idle() -> None:
     """Steps back to back: the caches stay warm."""
 
 
+def _forward_pass() -> None:
+    """A forward pass's wall time, the engine's thread off the GIL."""
+    time.sleep(FORWARD_S)
+
+
+def connected_controller(
+    target: str, client_factory: Callable[[ClientConfig], NightjarClient] = NightjarClient
+) -> GammaController:
+    """The plugin's controller against the sidecar at ``target``, once connected."""
+    controller = GammaController(
+        PluginConfig(sidecar=target, engine_id="hook"), client_factory=client_factory
+    )
+    deadline = time.monotonic() + CONNECT_S
+    while not controller.client.connected and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return controller
+
+
+class HookDriver:
+    """Steps a controller as the scheduler hook does: ``decide`` with the step's view (its
+    drafting requests named while the policy reads per-request signals, as the default
+    does) and the per-request γ asked for, then, after the forward pass, ``end_step`` with
+    what the step verified (every request accepting half the drafts) and the time spent
+    building it."""
+
+    def __init__(self, controller: GammaController) -> None:
+        self.controller = controller
+        self._drafted = 0  # γ of the decision a step verifies: the one before it
+
+    def step(self, between: Callable[[], None]) -> float:
+        """One step, ``between`` standing for the forward passes around the hooks; the
+        engine thread's CPU seconds in the controller (decide + end_step)."""
+        controller = self.controller
+        between()
+        started = HookTime.now()
+        named = REQUEST_IDS if controller.wants_request_ids else ()
+        view = EngineView(
+            batch_size=BATCH,
+            waiting=0,
+            free_kv_blocks=500,
+            total_kv_blocks=1000,
+            max_gamma=3,
+            context_tokens=300 * BATCH,
+            min_draft_passes=1,
+            request_ids=named,
+        )
+        gamma = controller.decide(view, started)
+        if gamma:
+            controller.request_gammas()
+        decided = started.elapsed()
+        between()
+        begun = HookTime.now()
+        drafted = self._drafted
+        accepts = (drafted // 2,) * BATCH if drafted else ()
+        named = REQUEST_IDS if accepts and controller.wants_request_ids else ()
+        verified = VerifiedStep(drafted * BATCH, sum(accepts), BATCH + sum(accepts), accepts, named)
+        controller.end_step(verified, begun.elapsed())  # as the scheduler passes its walk's
+        self._drafted = gamma
+        return decided.cpu + begun.elapsed().cpu
+
+
 def measure_hook(target: str, steps: int, evict: bool) -> Measurement:
     """Hook CPU per step (the controller's own decide + end_step accounting, as the stats
     file of `make bench-vllm` reports it) against the sidecar at ``target``."""
     between = evicting_workload() if evict else _idle
-    controller = GammaController(PluginConfig(sidecar=target, engine_id="hook"))
-    deadline = time.monotonic() + CONNECT_S
-    while not controller.client.connected and time.monotonic() < deadline:
-        time.sleep(0.01)
-    view = EngineView(
-        batch_size=BATCH,
-        waiting=0,
-        free_kv_blocks=500,
-        total_kv_blocks=1000,
-        max_gamma=3,
-        context_tokens=300 * BATCH,
-        min_draft_passes=1,
-    )
+    controller = connected_controller(target)
+    driver = HookDriver(controller)
     cpu_ns: list[int] = []
     warm_up = steps // 5
-    drafted = 0  # γ of the decision a step verifies: the one before it
     try:
         for step in range(steps + warm_up):
-            between()
-            started = HookTime.now()
-            gamma = controller.decide(view, started)
-            decided = started.elapsed()
-            between()
-            begun = HookTime.now()
-            accepts = (drafted // 2,) * BATCH if drafted else ()
-            verified = VerifiedStep(drafted * BATCH, sum(accepts), BATCH + sum(accepts), accepts)
-            controller.end_step(verified)
-            drafted = gamma
+            cpu = driver.step(between)
             if step >= warm_up:
-                cpu_ns.append(int(1e9 * (decided.cpu + begun.elapsed().cpu)))
+                cpu_ns.append(int(1e9 * cpu))
         fallbacks = controller.client.stats.fallbacks_total
     finally:
         controller.close()
     regime = "after a cache-evicting step" if evict else "warm caches"
     return summarise(f"controller, {regime}", cpu_ns, fallbacks)
+
+
+def _count_client(config: ClientConfig) -> NightjarClient:
+    """The counted walk's client: tables refreshed by steps (every TABLE_REFRESH_STEPS),
+    not by age, which under callgrind would follow the host's speed."""
+    return NightjarClient(dataclasses.replace(config, table_refresh_ms=NO_AGE_REFRESH_MS))
+
+
+def walk_hook(target: str, steps: int, warm_up: int) -> str:
+    """The process `make bench-instructions` counts: ``warm_up`` + ``steps`` steps of the
+    hook, a forward pass's sleep between hooks; JSON of the table misses and fallbacks in
+    the ``steps`` (a step the held table did not answer costs more than one it did)."""
+    controller = connected_controller(target, _count_client)
+    driver = HookDriver(controller)
+    stats = controller.client.stats
+    try:
+        for _ in range(warm_up):
+            driver.step(_forward_pass)
+        misses, fallbacks = sum(stats.table_misses.values()), stats.fallbacks_total
+        for _ in range(steps):
+            driver.step(_forward_pass)
+        counts = {
+            "table_misses": sum(stats.table_misses.values()) - misses,
+            "fallbacks": stats.fallbacks_total - fallbacks,
+        }
+    finally:
+        controller.close()
+    return json.dumps(counts)
 
 
 def measure_floor(steps: int) -> Measurement:

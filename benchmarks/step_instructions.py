@@ -14,27 +14,40 @@ alone (naming the requests and making their outcomes is the walk's, counted in b
 Each runs under callgrind for two lengths; the difference over the steps between them is
 what a steady step costs (start-up, imports and the warm-up are common to both).
 
+Beside the walks, the plugin's hook on the engine's thread: `benchmarks/hook_cost.py`'s
+driver steps the controller (`decide`, the per-request γ, `end_step`, as the scheduler
+hook calls them) against a real sidecar process (this tree's, started natively for each
+run: every revision counted meets the same sidecar), with a forward pass's sleep between
+hooks. Callgrind counts each thread apart (``--separate-threads``): the engine's thread is
+the hook's count; the client's own threads (its sender, gRPC's) are counted beside it.
+``--baseline REV`` counts the hook at another commit too (its tree from ``git archive``),
+so that a change's before and after are counted by the same valgrind, Python and host.
+
 Needs valgrind (Debian: `apt-get install valgrind`; the target installs it).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import datetime
+import json
 import os
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 
+from benchmarks.hook_cost import walk_hook
 from benchmarks.host import machine
 from benchmarks.report import write_section
-from benchmarks.rpc import measure_tables
+from benchmarks.rpc import measure_tables, sidecar
 from benchmarks.rpc_report import TABLE_REFRESHES, TableWalk, table_walks
 
 SECTION = "bench-instructions"
@@ -42,6 +55,9 @@ WARM_STEPS = 2_000
 # The two walk lengths: both past the warm-up and the engine's first learning.
 SHORT, LONG = 3_000, 5_000
 # What a walk's row adds to its period (the named walks run at the client's default).
+# The hook's two lengths and warm-up (steps): a refresh every 32 steps, the sidecar's
+# learning settled.
+HOOK_WARM, HOOK_SHORT, HOOK_LONG = 500, 1_000, 3_000
 ROW_NAMES = {
     TableWalk.BATCH: "",
     TableWalk.NAMED: ", every request named, the per-request mode off",
@@ -62,28 +78,138 @@ def collected(log: str) -> int:
     return int(match.group(1))
 
 
+def hook_walk(steps: int, target: str) -> None:
+    """The hook's walk of ``steps`` steps after the warm-up against the sidecar at
+    ``target``; prints its table misses and fallbacks."""
+    print(walk_hook(target, steps, HOOK_WARM))
+
+
+@dataclasses.dataclass(frozen=True)
+class ThreadCounts:
+    """A counted run's instructions: the main (engine's) thread's, the other threads'; the
+    counted process's report (its table misses and fallbacks)."""
+
+    engine: int
+    others: int
+    misses: int = 0
+    fallbacks: int = 0
+
+
+def thread_totals(out_files: Sequence[Path]) -> ThreadCounts:
+    """Per-thread totals of a ``--separate-threads`` run: thread 1 is the main thread."""
+    engine = others = 0
+    for path in out_files:
+        text = path.read_text()
+        thread = re.search(r"^thread: (\d+)$", text, re.M)
+        total = re.search(r"^totals: (\d+)", text, re.M)
+        if thread is None or total is None:
+            continue
+        if int(thread.group(1)) == 1:
+            engine += int(total.group(1))
+        else:
+            others += int(total.group(1))
+    if not engine:
+        raise RuntimeError("callgrind wrote no count for the main thread")
+    return ThreadCounts(engine, others)
+
+
+def _callgrind(
+    out_file: Path, arguments: Sequence[str], separate_threads: bool = False
+) -> list[str]:
+    """The command that runs ``python -m benchmarks.step_instructions ARGUMENTS`` under
+    callgrind (address randomisation off where setarch exists)."""
+    command = [
+        "valgrind",
+        "--tool=callgrind",
+        f"--callgrind-out-file={out_file}",
+        *(["--separate-threads=yes"] if separate_threads else []),
+        sys.executable,
+        "-m",
+        "benchmarks.step_instructions",
+        *arguments,
+    ]
+    return ["setarch", "-R", *command] if shutil.which("setarch") else command
+
+
+def _counting_env(tree: Path) -> dict[str, str]:
+    """A fixed hash seed, one BLAS thread; ``tree``'s packages first on the path."""
+    path = os.pathsep.join([str(tree), str(tree / "proto")])
+    return {**os.environ, "PYTHONHASHSEED": "0", "OPENBLAS_NUM_THREADS": "1", "PYTHONPATH": path}
+
+
+def count_hook(steps: int, tree: Path) -> ThreadCounts:
+    """Instructions of a process that steps the hook ``steps`` times after its warm-up
+    (the code of ``tree``), by thread, under callgrind, against a fresh sidecar process of
+    this tree's (run natively: the same sidecar for every revision counted)."""
+    with tempfile.TemporaryDirectory() as scratch, sidecar("uds") as target:
+        out_file = Path(scratch) / "callgrind.out"
+        arguments = ["--hook", str(steps), "--target", target]
+        command = _callgrind(out_file, arguments, separate_threads=True)
+        run = subprocess.run(
+            command, cwd=tree, env=_counting_env(tree), capture_output=True, text=True, check=True
+        )
+        counts = thread_totals(sorted(Path(scratch).glob("callgrind.out-*")))
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    return dataclasses.replace(counts, misses=report["table_misses"], fallbacks=report["fallbacks"])
+
+
+@dataclasses.dataclass(frozen=True)
+class HookRow:
+    """The hook's count per step at one revision (``label``): the engine thread's, the
+    client's other threads', and the misses and fallbacks in the longer run's extra
+    steps."""
+
+    label: str
+    engine: float
+    others: float
+    misses: int
+    fallbacks: int
+
+
+def hook_row(label: str, tree: Path) -> HookRow:
+    short, long = count_hook(HOOK_SHORT, tree), count_hook(HOOK_LONG, tree)
+    steps = HOOK_LONG - HOOK_SHORT
+    return HookRow(
+        label,
+        per_step(short.engine, long.engine, steps),
+        per_step(short.others, long.others, steps),
+        long.misses - short.misses,
+        long.fallbacks - short.fallbacks,
+    )
+
+
+@contextlib.contextmanager
+def revision_tree(revision: str) -> Iterator[Path]:
+    """The repository's files at ``revision`` in a scratch directory (``git archive``)."""
+    with tempfile.TemporaryDirectory(prefix="nj-rev-") as scratch:
+        archive = subprocess.run(
+            ["git", "archive", "--format=tar", revision], capture_output=True, check=True
+        ).stdout
+        subprocess.run(["tar", "-x", "-C", scratch], input=archive, check=True)
+        yield Path(scratch)
+
+
+def hook_rows(baseline: str | None) -> list[HookRow]:
+    """The hook's count at HEAD's working tree, and at ``baseline`` first when given."""
+    rows = []
+    if baseline:
+        print(f"the hook at {baseline} ...", file=sys.stderr)
+        with revision_tree(baseline) as tree:
+            rows.append(hook_row(baseline, tree))
+    print("the hook ...", file=sys.stderr)
+    rows.append(hook_row("this tree", Path.cwd()))
+    return rows
+
+
 def count(steps: int, refresh_steps: int, kind: TableWalk = TableWalk.BATCH) -> int:
     """Instructions of a whole process that walks ``steps`` steps, under callgrind (address
     randomisation off and a fixed hash seed, so that a run repeats its count)."""
+    arguments = ["--walk", str(steps), "--refreshes", str(refresh_steps), "--kind", kind.name]
     with tempfile.TemporaryDirectory() as scratch:
-        command = [
-            "valgrind",
-            "--tool=callgrind",
-            f"--callgrind-out-file={Path(scratch) / 'callgrind.out'}",
-            sys.executable,
-            "-m",
-            "benchmarks.step_instructions",
-            "--walk",
-            str(steps),
-            "--refreshes",
-            str(refresh_steps),
-            "--kind",
-            kind.name,
-        ]
-        if shutil.which("setarch"):
-            command = ["setarch", "-R", *command]
-        env = {**os.environ, "PYTHONHASHSEED": "0", "OPENBLAS_NUM_THREADS": "1"}
-        run = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+        command = _callgrind(Path(scratch) / "callgrind.out", arguments)
+        run = subprocess.run(
+            command, env=_counting_env(Path.cwd()), capture_output=True, text=True, check=True
+        )
     return collected(run.stderr)
 
 
@@ -94,7 +220,9 @@ def per_step(short: int, long: int, steps: int) -> float:
     return (long - short) / steps
 
 
-def render(rows: Sequence[tuple[int, TableWalk, float]], version: str) -> str:
+def render(
+    rows: Sequence[tuple[int, TableWalk, float]], version: str, hooks: Sequence[HookRow] = ()
+) -> str:
     lines = [
         "## Instructions per engine step through decision tables (`make bench-instructions`)",
         "",
@@ -121,7 +249,44 @@ def render(rows: Sequence[tuple[int, TableWalk, float]], version: str) -> str:
             "the same walk's with the mode off: naming the requests and making their "
             "outcomes is the walk's own, in both).",
         ]
+    if hooks:
+        lines += ["", *render_hooks(hooks)]
     return "\n".join(lines)
+
+
+def render_hooks(hooks: Sequence[HookRow]) -> list[str]:
+    """The hook's counts, and the change from the first row (the baseline) to the last."""
+    lines = [
+        "### The plugin's hook on the engine's thread",
+        "",
+        "`benchmarks/hook_cost.py`'s driver stepping the plugin's controller as the scheduler "
+        "hook does (`decide`, the per-request γ, `end_step`; a batch of 32, its requests named "
+        "while the policy reads per-request signals, as the default does; decision tables) "
+        "against a real sidecar process (this tree's, a fresh one for each run), a 5 ms "
+        "sleep standing for each forward pass, tables "
+        f"refreshed every 32 steps: run for {HOOK_SHORT:,} and {HOOK_LONG:,} steps after a "
+        f"{HOOK_WARM:,}-step warm-up, the difference over the {HOOK_LONG - HOOK_SHORT:,} "
+        "steps between, each thread counted apart. The engine's thread is the hook (and the "
+        "driver's loop); the client's other threads (its sender, gRPC's) run beside the "
+        "engine's. Without the scheduler's per-request walks, which need vLLM.",
+        "",
+        "| code | engine thread, instructions per step | client's other threads, per step "
+        "| table misses / fallbacks in the steps between |",
+        "|---|---:|---:|---:|",
+    ]
+    lines += [
+        f"| {h.label} | {h.engine:,.0f} | {h.others:,.0f} | {h.misses} / {h.fallbacks} |"
+        for h in hooks
+    ]
+    if len(hooks) > 1:
+        before, after = hooks[0], hooks[-1]
+        change = 1 - after.engine / before.engine
+        lines += [
+            "",
+            f"The engine thread's hook: {before.engine:,.0f} → {after.engine:,.0f} instructions "
+            f"a step ({change:.0%} fewer than at {before.label}).",
+        ]
+    return lines
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -130,7 +295,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--refreshes", type=int, nargs="+", default=list(TABLE_REFRESHES), metavar="STEPS"
     )
-    parser.add_argument("--walk", type=int, help=argparse.SUPPRESS)  # the counted process
+    parser.add_argument(
+        "--baseline", metavar="REV", help="count the hook at this commit too (before a change)"
+    )
+    parser.add_argument(
+        "--hook-only", action="store_true", help="count the hook only; print it, write nothing"
+    )
+    parser.add_argument("--walk", type=int, help=argparse.SUPPRESS)  # the counted processes
+    parser.add_argument("--hook", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--target", help=argparse.SUPPRESS)
     parser.add_argument(
         "--kind", choices=[k.name for k in TableWalk], default="BATCH", help=argparse.SUPPRESS
     )
@@ -138,18 +311,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.walk is not None:
         walk(args.walk, args.refreshes[0], TableWalk[args.kind])
         return 0
+    if args.hook is not None:
+        hook_walk(args.hook, args.target)
+        return 0
     if shutil.which("valgrind") is None:
         parser.error("valgrind is not installed (Debian: apt-get install valgrind)")
     version = subprocess.run(
         ["valgrind", "--version"], capture_output=True, text=True, check=True
     ).stdout.strip()
+    hooks = hook_rows(args.baseline)
+    if args.hook_only:
+        print("\n".join(render_hooks(hooks)))
+        return 0
     rows = []
     for refresh, kind in table_walks(args.refreshes):
         print(f"refresh every {refresh} steps, {kind.name} walk ...", file=sys.stderr)
         short, long = count(SHORT, refresh, kind), count(LONG, refresh, kind)
         rows.append((refresh, kind, per_step(short, long, LONG - SHORT)))
-    write_section(args.out, SECTION, render(rows, version))
-    print(render(rows, version))
+    text = render(rows, version, hooks)
+    write_section(args.out, SECTION, text)
+    print(text)
     return 0
 
 

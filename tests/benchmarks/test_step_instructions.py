@@ -3,13 +3,24 @@ minutes: the target runs it)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from benchmarks import step_instructions
 from benchmarks.rpc_report import TableWalk
-from benchmarks.step_instructions import collected, main, per_step, render
+from benchmarks.step_instructions import (
+    HookRow,
+    ThreadCounts,
+    collected,
+    main,
+    per_step,
+    render,
+    render_hooks,
+    thread_totals,
+)
 
 CALLGRIND_LOG = """==24001== Events    : Ir
 ==24001== Collected : 2713510891
@@ -68,3 +79,41 @@ def test_the_counted_process_walks_the_kind_of_walk_it_is_told(
         assert main(["--walk", "300", "--refreshes", "32", "--kind", kind]) == 0
     assert main(["--walk", "300", "--refreshes", "32"]) == 0
     assert walked == [TableWalk.PER_REQUEST, TableWalk.NAMED, TableWalk.BATCH]
+
+
+def _callgrind_part(directory: Path, thread: int, total: int) -> Path:
+    path = directory / f"callgrind.out-{thread:02d}"
+    path.write_text(f"version: 1\npart: 1\nthread: {thread}\nsummary: {total}\ntotals: {total}\n")
+    return path
+
+
+def test_the_hooks_count_is_the_main_threads_and_the_rest_is_the_other_threads(
+    tmp_path: Path,
+) -> None:
+    parts = [_callgrind_part(tmp_path, t, n) for t, n in ((1, 900), (2, 70), (3, 30))]
+    assert thread_totals(parts) == ThreadCounts(900, 100)
+    with pytest.raises(RuntimeError, match="main thread"):
+        thread_totals(parts[1:])
+
+
+def test_the_hooks_section_shows_each_revision_and_the_change_from_the_first() -> None:
+    rows = [HookRow("abc1234", 60_000.4, 9_000.0, 2, 1), HookRow("this tree", 39_000.0, 11.0, 0, 0)]
+    text = "\n".join(render_hooks(rows))
+    assert "| abc1234 | 60,000 | 9,000 | 2 / 1 |" in text
+    assert "| this tree | 39,000 | 11 | 0 / 0 |" in text
+    assert "60,000 → 39,000 instructions a step (35% fewer than at abc1234)" in text
+    assert "fewer" not in "\n".join(render_hooks(rows[1:]))
+    assert "### The plugin's hook" in render([(32, TableWalk.BATCH, 1.0)], "v", rows)
+
+
+def test_the_counted_hook_process_steps_the_controller_against_a_sidecar(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from benchmarks.rpc import sidecar
+
+    monkeypatch.setattr(step_instructions, "HOOK_WARM", 5)
+    with sidecar("uds") as target:
+        assert main(["--hook", "40", "--target", target]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(report) == {"table_misses", "fallbacks"}
+    assert 0 <= report["fallbacks"] <= report["table_misses"] <= 40
