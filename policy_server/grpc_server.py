@@ -19,6 +19,7 @@ import asyncio
 import collections
 import json
 import logging
+import sys
 import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent import futures
@@ -30,7 +31,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer as AioHealthServicer
 from nightjar_proto.v1 import admin_pb2, admin_pb2_grpc, policy_pb2, policy_pb2_grpc
 
-from nightjar_common import reflection, uds, wire
+from nightjar_common import decode_guard, reflection, uds, wire
 from nightjar_common.admin_token import AdminTokenFile, check_admin_token
 from nightjar_common.errors import (
     InvalidArgumentError,
@@ -61,6 +62,61 @@ ACTIVATING = frozenset({"SwapPolicy", "SetParameters", "Restore"})
 # (validation.Limits) is far smaller. Restore's bound follows the snapshot's (build_server).
 DEFAULT_MAX_RECEIVE_BYTES = 4 << 20
 RESTORE_METHOD = f"/{ADMIN_SERVICE}/Restore"
+# A StepRequest larger than this (a context with thousands of per-request sections) is
+# parsed and answered on the heavy-step threads, not on the event loop that answers every
+# engine: parsing and deciding it take milliseconds to hundreds (a per-request plan), past
+# another engine's 2 ms deadline. Engines' usual requests (no per-request sections, or a
+# few dozen) are a few KB and stay on the loop.
+HEAVY_REQUEST_BYTES = 64 << 10
+# Threads for heavy requests: heavy engines wait for each other, never the light ones.
+HEAVY_STEP_THREADS = 2
+# How long a thread holding the GIL keeps it while another waits (CPython's default is
+# 5 ms, a deadline and a half): an admin call or a heavy step on a thread must hand the
+# loop the GIL within a fraction of a decision's deadline.
+GIL_SWITCH_INTERVAL_S = 0.0005
+
+
+@dataclass(frozen=True, slots=True)
+class Received:
+    """A StepRequest as received: parsed on the loop when small (``message``); when larger
+    than HEAVY_REQUEST_BYTES its bytes (``data``), parsed on a heavy-step thread."""
+
+    size: int
+    message: policy_pb2.StepRequest | None = None
+    data: bytes | None = None
+
+
+def _receive(data: bytes) -> Received:
+    """StepStream's request deserializer (the decode guard wraps it: a small request that
+    does not parse is refused there; a large one is refused when its thread parses it)."""
+    if len(data) > HEAVY_REQUEST_BYTES:
+        return Received(len(data), data=data)
+    return Received(len(data), message=policy_pb2.StepRequest.FromString(data))
+
+
+def received(message: policy_pb2.StepRequest) -> Received:
+    """``message`` as StepStream receives it (for callers in the process: tests)."""
+    return Received(message.ByteSize(), message=message)
+
+
+class UndecodableRequest(Exception):
+    """A large StepRequest whose bytes do not parse (the stream ends INVALID_ARGUMENT)."""
+
+
+def add_policy_service(servicer: PolicyServicer, server: Any) -> None:
+    """The PolicyService with StepStream's requests received as Received (the generated
+    add_PolicyServiceServicer_to_server parses every request on the loop)."""
+    handlers = {
+        "StepStream": grpc.stream_stream_rpc_method_handler(
+            servicer.StepStream,
+            request_deserializer=_receive,
+            response_serializer=policy_pb2.StepReply.SerializeToString,
+        )
+    }
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(POLICY_SERVICE, handlers),)
+    )
+    server.add_registered_method_handlers(POLICY_SERVICE, handlers)
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,10 +182,10 @@ class _StreamInbox:
 
     def __init__(
         self,
-        requests: AsyncIterator[policy_pb2.StepRequest],
+        requests: AsyncIterator[Received],
         idle_timeout_s: float = config.DEFAULT_STREAM_IDLE_TIMEOUT_S,
     ) -> None:
-        self._queue: collections.deque[policy_pb2.StepRequest | _PolicyNotice] = collections.deque()
+        self._queue: collections.deque[Received | _PolicyNotice] = collections.deque()
         self.loop = asyncio.get_running_loop()
         self._idle_timeout_s = idle_timeout_s
         self._last_request = self.loop.time()
@@ -139,7 +195,7 @@ class _StreamInbox:
         self._error: BaseException | None = None
         self._reader = asyncio.ensure_future(self._read(requests))
 
-    async def _read(self, requests: AsyncIterator[policy_pb2.StepRequest]) -> None:
+    async def _read(self, requests: AsyncIterator[Received]) -> None:
         try:
             async for request in requests:
                 self._last_request = self.loop.time()
@@ -160,7 +216,7 @@ class _StreamInbox:
         self._queue.append(_PolicyNotice(version))
         self._arrived.set()
 
-    async def next(self) -> policy_pb2.StepRequest | _PolicyNotice | None:
+    async def next(self) -> Received | _PolicyNotice | None:
         """The oldest unanswered request or notice; None once the client half-closed;
         StreamIdle once no request came for the idle timeout."""
         while not self._queue:
@@ -179,14 +235,16 @@ class _StreamInbox:
         return self._queue.popleft()
 
     def superseded(self, request: policy_pb2.StepRequest) -> bool:
-        """Whether a newer context of the same engine already waits behind ``request``."""
+        """Whether a newer context of the same engine already waits behind ``request``
+        (a large request not yet parsed is not looked into)."""
         if not request.HasField("context") or not self._queue:
             return False
         engine_id = request.context.engine_id
         return any(
-            isinstance(later, policy_pb2.StepRequest)
-            and later.HasField("context")
-            and later.context.engine_id == engine_id
+            isinstance(later, Received)
+            and later.message is not None
+            and later.message.HasField("context")
+            and later.message.context.engine_id == engine_id
             for later in self._queue
         )
 
@@ -216,6 +274,10 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):  # type: ignore[mis
         self._subscribers: set[_StreamInbox] = set()
         self._subscribers_lock = threading.Lock()
         service.on_activate(self._notify_streams)
+        # Heavy requests' parse and step (HEAVY_REQUEST_BYTES), off the loop.
+        self._heavy = futures.ThreadPoolExecutor(
+            max_workers=HEAVY_STEP_THREADS, thread_name_prefix="heavy-step"
+        )
 
     def _notify_streams(self, active: ActivePolicy) -> None:
         with self._subscribers_lock:
@@ -233,7 +295,7 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):  # type: ignore[mis
             self._subscribers.discard(inbox)
 
     async def StepStream(
-        self, request_iterator: AsyncIterator[policy_pb2.StepRequest], context: Any
+        self, request_iterator: AsyncIterator[Received], context: Any
     ) -> AsyncIterator[policy_pb2.StepReply]:
         metrics = self.service.metrics
         if self._open_streams >= self._limits.max_streams:
@@ -255,35 +317,57 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):  # type: ignore[mis
                 str(idle),
                 trailing_metadata=((STREAM_END_KEY, STREAM_END_IDLE),),
             )
+        except UndecodableRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         finally:
             self._open_streams -= 1
             metrics.streams_open.set(self._open_streams)
 
     async def _serve(
-        self, request_iterator: AsyncIterator[policy_pb2.StepRequest]
+        self, request_iterator: AsyncIterator[Received]
     ) -> AsyncIterator[policy_pb2.StepReply]:
         inbox = _StreamInbox(request_iterator, self._limits.idle_timeout_s)
         self._subscribe(inbox)
         try:
-            while (request := await inbox.next()) is not None:
-                if isinstance(request, _PolicyNotice):
-                    yield policy_pb2.StepReply(seq=0, policy_version=request.version)
-                    continue
-                superseded = inbox.superseded(request)
-                try:
-                    reply = self._step(request, not superseded)
-                except NightjarError as exc:
-                    code = status_of(exc)
-                    self.service.metrics.invalid_requests.labels("StepStream", code.name).inc()
-                    reply = _stream_error(request.seq, code, str(exc))
+            while (received := await inbox.next()) is not None:
+                if isinstance(received, _PolicyNotice):
+                    yield policy_pb2.StepReply(seq=0, policy_version=received.version)
+                elif received.message is not None:
+                    yield self._answer(received.message, inbox.superseded(received.message))
                 else:
-                    if superseded:
-                        self.service.metrics.superseded.inc()
-                        reply = _stream_error(request.seq, grpc.StatusCode.ABORTED, SUPERSEDED)
-                yield reply
+                    # Parsed and answered on a heavy-step thread: the loop serves the others.
+                    assert received.data is not None
+                    loop = asyncio.get_running_loop()
+                    yield await loop.run_in_executor(self._heavy, self._answer_bytes, received.data)
         finally:
             self._unsubscribe(inbox)
             inbox.close()
+
+    def _answer_bytes(self, data: bytes) -> policy_pb2.StepReply:
+        """A large request's reply (on a heavy-step thread); UndecodableRequest when its
+        bytes are not a StepRequest."""
+        try:
+            request = policy_pb2.StepRequest.FromString(data)
+        except Exception as exc:  # protobuf raises DecodeError and others
+            marker = decode_guard.Undecodable(str(exc) or type(exc).__name__)
+            raise UndecodableRequest(
+                decode_guard.describe(f"/{POLICY_SERVICE}/StepStream", marker)
+            ) from None
+        return self._answer(request, superseded=False)
+
+    def _answer(self, request: policy_pb2.StepRequest, superseded: bool) -> policy_pb2.StepReply:
+        """The reply to one request: its table, an ABORTED one when ``superseded``, or the
+        error its checks raised."""
+        try:
+            reply = self._step(request, not superseded)
+        except NightjarError as exc:
+            code = status_of(exc)
+            self.service.metrics.invalid_requests.labels("StepStream", code.name).inc()
+            return _stream_error(request.seq, code, str(exc))
+        if superseded:
+            self.service.metrics.superseded.inc()
+            return _stream_error(request.seq, grpc.StatusCode.ABORTED, SUPERSEDED)
+        return reply
 
     def _step(self, request: policy_pb2.StepRequest, decide: bool) -> policy_pb2.StepReply:
         """Apply the request's report batch and, when it carries a context and ``decide``,
@@ -565,6 +649,9 @@ def build_server(
     """
     if not uds_path and not tcp_address:
         raise ValueError("need a Unix socket path or a TCP address to listen on")
+    # Process-wide: the loop gets the GIL back from an admin call's or a heavy step's
+    # thread within this, not CPython's default 5 ms.
+    sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
     loop = asyncio.new_event_loop()
     loop.set_default_executor(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc-admin")
@@ -590,9 +677,7 @@ def build_server(
             # The audit outermost: it logs the size and decode guards' refusals too.
             interceptors=[AdminAudit(ADMIN_SERVICE), limits, AioDecodeGuard()],
         )
-        policy_pb2_grpc.add_PolicyServiceServicer_to_server(
-            PolicyServicer(service, streams), server
-        )
+        add_policy_service(PolicyServicer(service, streams), server)
         admin = InThreads(AdminServicer(service, admin_token))
         admin_pb2_grpc.add_AdminServiceServicer_to_server(admin, server)
         health_servicer = AioHealthServicer()

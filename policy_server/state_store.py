@@ -34,7 +34,7 @@ from policy_server.memory import MemoryController
 from policy_server.metrics import DECISIONS, REPORTS, Metrics
 from policy_server.policies import Policy, learned_state
 from policy_server.policies.base import UNOWNED, trim_state, with_room_to_count
-from policy_server.state_text import StateText
+from policy_server.state_text import StateText, round_trip
 
 log = logging.getLogger(__name__)
 
@@ -364,20 +364,22 @@ class StateStore:
         learned = learned_state(candidate)
         try:
             held = learned.state()
-            text = snapshot.encode_text(held)
+            # Encoded and decoded an engine at a time: the loop keeps the GIL's turns.
+            loaded, size = round_trip(held)
         except (ArithmeticError, ValueError, TypeError) as exc:
             raise InvalidArgumentError(
                 f"snapshot state could not be written back: {_unwritable(candidate, exc)}"
             ) from exc
         limit = min(self.snapshot_max_bytes, snapshot.MAX_BYTES)
-        if len(text) > limit:  # ASCII: encode_text escapes the rest
-            trim_state(candidate, held, len(text) - limit)
-            if len(snapshot.encode_text(held)) > limit:
+        if size > limit:  # ASCII: JSON's encoder escapes the rest
+            trim_state(candidate, held, size - limit)
+            loaded, trimmed = round_trip(held)
+            if trimmed > limit:
                 raise InvalidArgumentError(
-                    f"snapshot state takes {len(text):,} bytes, more than the {limit:,} a "
+                    f"snapshot state takes {size:,} bytes, more than the {limit:,} a "
                     "snapshot may take, after dropping what can be dropped"
                 )
-        load_state(self.activation.build(candidate.name, candidate.params()), json.loads(text))
+        load_state(self.activation.build(candidate.name, candidate.params()), loaded)
 
     def restore_path(self, given: str) -> ActivePolicy:
         """Restore a snapshot file inside the state directory (relative paths start there)."""

@@ -14,7 +14,7 @@ from nightjar_proto.v1 import policy_pb2
 
 from nightjar_common import wire
 from nightjar_common.types import StepContext
-from policy_server.grpc_server import PolicyServicer
+from policy_server.grpc_server import PolicyServicer, Received, received
 from policy_server.service import DecisionService
 
 
@@ -35,8 +35,8 @@ def run_with_a_swap(service: DecisionService) -> tuple[list[policy_pb2.StepReply
     async def run() -> list[policy_pb2.StepReply]:
         first_answered = asyncio.Event()
 
-        async def sent() -> AsyncIterator[policy_pb2.StepRequest]:
-            yield request(1, 0)
+        async def sent() -> AsyncIterator[Received]:
+            yield received(request(1, 0))
             await first_answered.wait()
             # Swap from another thread, as the admin API does; the notice it queues runs
             # on the loop before the next request is read.
@@ -46,7 +46,7 @@ def run_with_a_swap(service: DecisionService) -> tuple[list[policy_pb2.StepReply
             thread.start()
             thread.join()
             await asyncio.sleep(0.05)
-            yield request(2, 1)
+            yield received(request(2, 1))
 
         replies = []
         async for reply in PolicyServicer(service).StepStream(sent(), None):
@@ -63,9 +63,9 @@ def run_plain(
 ) -> list[policy_pb2.StepReply]:
     """A stream that sends ``requests`` and half-closes: every reply, in order."""
 
-    async def sent() -> AsyncIterator[policy_pb2.StepRequest]:
+    async def sent() -> AsyncIterator[Received]:
         for msg in requests:
-            yield msg
+            yield received(msg)
 
     async def run() -> list[policy_pb2.StepReply]:
         return [reply async for reply in PolicyServicer(service).StepStream(sent(), None)]

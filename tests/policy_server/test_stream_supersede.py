@@ -19,7 +19,7 @@ from nightjar_proto.v1 import policy_pb2
 
 from nightjar_common import wire
 from nightjar_common.types import GammaTable, RanStep, StepContext, StepOutcome
-from policy_server.grpc_server import PolicyServicer
+from policy_server.grpc_server import PolicyServicer, Received, received
 from policy_server.metrics import TABLE_STEPS
 from policy_server.service import DecisionService
 
@@ -81,9 +81,9 @@ def stream(
     """Every request already sent when the handler starts; its replies, in order, after
     the policy notice every stream opens with."""
 
-    async def sent() -> AsyncIterator[policy_pb2.StepRequest]:
+    async def sent() -> AsyncIterator[Received]:
         for msg in requests:
-            yield msg
+            yield received(msg)
 
     async def run() -> list[policy_pb2.StepReply]:
         handler = PolicyServicer(service).StepStream(sent(), None)
@@ -190,15 +190,15 @@ def test_an_engine_that_waits_for_each_reply_is_never_superseded() -> None:
 def test_the_stream_reads_a_bounded_way_ahead_of_its_answers() -> None:
     """Read-ahead stops at MAX_READ_AHEAD, so a client sending faster than the sidecar
     answers meets gRPC's flow control instead of growing the sidecar's memory."""
-    from policy_server.grpc_server import _StreamInbox
+    from policy_server.grpc_server import _PolicyNotice, _StreamInbox
 
     pulled = 0
 
-    async def sent() -> AsyncIterator[policy_pb2.StepRequest]:
+    async def sent() -> AsyncIterator[Received]:
         nonlocal pulled
         for seq in range(100):
             pulled += 1
-            yield policy_pb2.StepRequest(seq=seq)
+            yield received(policy_pb2.StepRequest(seq=seq))
 
     async def run() -> list[int]:
         inbox = _StreamInbox(sent())
@@ -207,8 +207,9 @@ def test_the_stream_reads_a_bounded_way_ahead_of_its_answers() -> None:
         assert pulled == _StreamInbox.MAX_READ_AHEAD
         seqs = []
         while (request := await inbox.next()) is not None:
-            assert isinstance(request, policy_pb2.StepRequest)  # no notice: not subscribed
-            seqs.append(request.seq)
+            assert not isinstance(request, _PolicyNotice)  # no notice: not subscribed
+            assert request.message is not None
+            seqs.append(request.message.seq)
             assert pulled - len(seqs) <= _StreamInbox.MAX_READ_AHEAD
         inbox.close()
         return seqs

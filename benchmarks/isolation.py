@@ -1,0 +1,331 @@
+"""`make bench-isolation`: one engine's heavy work against another engine's decisions.
+
+A real nightjar-server (goodput with per-request records) serves a small engine that asks
+for a table at a time (a context of 8 requests, no per-request sections) from a process
+of its own, so its round trips measure the sidecar, not this process's GIL. Meanwhile one
+case at a time loads the sidecar, each the way issue 54 (finding 4) found it stalling the
+others:
+
+* ``contexts``: another engine sending valid 1.35 MB contexts (4,096 requests, 180-character
+  ids, 16 recent_accepts each), a table each;
+* ``per_request``: another engine running 4,096-request steps from its tables with their
+  per-request outcomes (a per-request plan each table);
+* ``get_state``, ``snapshot``, ``restore``: whole-state reads, snapshots and restores of
+  a state of about 48 MB (per-request records of many engines, restored first).
+
+It prints, and writes as JSON (``--out``), the small engine's round trips per case:
+count, p50, p99, max, and the share past the plugin's 2 ms deadline. The host's other
+load moves these figures: run it on a quiet host, and read them with its CPU count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+from nightjar_proto.v1 import admin_pb2, admin_pb2_grpc, policy_pb2
+
+from benchmarks.fuzz.processes import ServerProcess
+from nightjar_common import wire
+from nightjar_common.sidecar_stream import SyncStream
+from nightjar_common.types import RequestSignals, StepContext, StepOutcome
+from policy_server.config import admin_message_bytes
+
+DEADLINE_S = 0.002
+MAX_REQUESTS = 4096
+ID_LENGTH = 180
+# The restored state's per-request records: engines × MAX_REQUESTS records of ~200 bytes.
+STATE_ENGINES = 56
+TIMEOUT_S = 120.0
+LARGE = [
+    ("grpc.max_receive_message_length", admin_message_bytes()),
+    ("grpc.max_send_message_length", admin_message_bytes()),
+]
+CASES = ("baseline", "contexts", "per_request", "get_state", "snapshot", "restore")
+
+
+def _context(engine: str, step: int, requests: tuple[RequestSignals, ...] = ()) -> Any:
+    batch = len(requests) or 8
+    ctx = StepContext(
+        engine_id=engine,
+        step_index=step,
+        batch_size=batch,
+        max_gamma=4,
+        learner_key=f"m@{engine}",
+        requests=requests,
+    )
+    return wire.context_to_pb(ctx)
+
+
+def _signals(engine: str, recent: int) -> tuple[RequestSignals, ...]:
+    return tuple(
+        RequestSignals(f"{engine}-{i}-".ljust(ID_LENGTH, "x"), 900, tuple(range(recent)))
+        for i in range(MAX_REQUESTS)
+    )
+
+
+# -- the small engine, in a process of its own --------------------------------------------
+
+
+def probe(target: str, seconds: float) -> list[float]:
+    """Round trips of a small engine asking for a table at a time, for ``seconds``."""
+    channel = grpc.insecure_channel(target)
+    stream = SyncStream(channel, timeout_s=TIMEOUT_S)
+    latencies: list[float] = []
+    step = 0
+    until = time.perf_counter() + seconds
+    try:
+        while time.perf_counter() < until:
+            request = policy_pb2.StepRequest(context=_context("small", step))
+            started = time.perf_counter()
+            reply = stream.send(request)
+            latencies.append(time.perf_counter() - started)
+            if reply.HasField("error"):
+                raise RuntimeError(reply.error.message)
+            step += 1
+            time.sleep(0.002)  # an engine's step: it asks between steps, not flat out
+    finally:
+        stream.close()
+        channel.close()
+    return latencies
+
+
+def _run_probe(target: str, seconds: float) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.isolation",
+            "--probe",
+            target,
+            "--seconds",
+            str(seconds),
+        ],
+        stdout=subprocess.PIPE,
+    )
+
+
+# -- the loads ------------------------------------------------------------------------------
+
+
+class Loads:
+    """Each case's load on the sidecar, run in a thread until ``stop`` is set."""
+
+    def __init__(self, channel: grpc.Channel, large: grpc.Channel, auth: Any, state_dir: Path):
+        self.channel = channel
+        self.admin = admin_pb2_grpc.AdminServiceStub(large)
+        self.auth = auth
+        self.state_dir = state_dir
+        self.calls = 0
+
+    def contexts(self, stop: threading.Event) -> None:
+        stream = SyncStream(self.channel, timeout_s=TIMEOUT_S)
+        request = policy_pb2.StepRequest(context=_context("big", 0, _signals("big", 16)))
+        try:
+            while not stop.is_set():
+                stream.send(request)
+                self.calls += 1
+        finally:
+            stream.close()
+
+    def per_request(self, stop: threading.Event) -> None:
+        stream = SyncStream(self.channel, timeout_s=TIMEOUT_S)
+        signals = _signals("planner", 4)
+        ids = tuple(s.request_id for s in signals)
+        step = 0
+        try:
+            while not stop.is_set():
+                ctx = _context("planner", step, signals)
+                reply = stream.send(policy_pb2.StepRequest(context=ctx))
+                table = reply.table
+                gamma = table.gammas[MAX_REQUESTS - table.first_batch_size]
+                ran = policy_pb2.RanStep(
+                    decision_id=f"{table.table_id}.1", context=ctx, gamma=gamma
+                )
+                accepts = tuple(i % (gamma + 1) for i in range(MAX_REQUESTS))
+                outcome = StepOutcome(
+                    decision_id=ran.decision_id,
+                    engine_id="planner",
+                    gamma=gamma,
+                    step_seconds=0.05,
+                    generated_tokens=MAX_REQUESTS + sum(accepts),
+                    drafted_tokens=gamma * MAX_REQUESTS,
+                    accepted_tokens=sum(accepts),
+                    request_accepts=accepts,
+                    request_ids=ids,
+                )
+                stream.send(
+                    policy_pb2.StepRequest(ran_steps=[ran], outcomes=[wire.outcome_to_pb(outcome)])
+                )
+                self.calls += 1
+                step += 1
+        finally:
+            stream.close()
+
+    def get_state(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            self.admin.GetState(admin_pb2.GetStateRequest(), metadata=self.auth, timeout=TIMEOUT_S)
+            self.calls += 1
+
+    def snapshot(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            self.admin.Snapshot(admin_pb2.SnapshotRequest(), metadata=self.auth, timeout=TIMEOUT_S)
+            self.calls += 1
+
+    def restore(self, stop: threading.Event) -> None:
+        document = (self.state_dir / "snapshot.json").read_text()
+        while not stop.is_set():
+            self.admin.Restore(
+                admin_pb2.RestoreRequest(snapshot_json=document),
+                metadata=self.auth,
+                timeout=TIMEOUT_S,
+            )
+            self.calls += 1
+
+    def build_state(self) -> int:
+        """A state of per-request records of STATE_ENGINES engines, restored and snapshotted;
+        its snapshot's size."""
+        stream = SyncStream(self.channel, timeout_s=TIMEOUT_S)
+        try:
+            ctx = _context("seed", 0)
+            table = stream.send(policy_pb2.StepRequest(context=ctx)).table
+            gamma = table.gammas[8 - table.first_batch_size]
+            ran = policy_pb2.RanStep(decision_id=f"{table.table_id}.1", context=ctx, gamma=gamma)
+            outcome = StepOutcome(
+                decision_id=ran.decision_id,
+                engine_id="seed",
+                gamma=gamma,
+                step_seconds=0.02,
+                generated_tokens=8,
+                drafted_tokens=8 * gamma,
+                accepted_tokens=0,
+            )
+            reply = stream.send(
+                policy_pb2.StepRequest(ran_steps=[ran], outcomes=[wire.outcome_to_pb(outcome)])
+            )
+            assert not reply.skipped, reply.skipped_reason
+        finally:
+            stream.close()
+        self.admin.Snapshot(admin_pb2.SnapshotRequest(), metadata=self.auth, timeout=TIMEOUT_S)
+        document = json.loads((self.state_dir / "snapshot.json").read_text())
+        state = document["policy"]["state"]
+        seed = state["engines"]["seed"]
+        for index in range(STATE_ENGINES):
+            engine = f"held{index}"
+            records = {
+                f"{engine}-{i}-".ljust(ID_LENGTH, "x"): [3.0, 1.0, 1] for i in range(MAX_REQUESTS)
+            }
+            state["engines"][engine] = {**seed, "requests": records, "observed_steps": 1}
+            document["engines"].append(engine)
+        text = json.dumps(document)
+        self.admin.Restore(
+            admin_pb2.RestoreRequest(snapshot_json=text), metadata=self.auth, timeout=TIMEOUT_S
+        )
+        self.admin.Snapshot(admin_pb2.SnapshotRequest(), metadata=self.auth, timeout=TIMEOUT_S)
+        return (self.state_dir / "snapshot.json").stat().st_size
+
+
+def summary(latencies: list[float], calls: int) -> dict[str, Any]:
+    ordered = sorted(latencies)
+    count = len(ordered)
+    return {
+        "round_trips": count,
+        "p50_ms": round(1000 * statistics.median(ordered), 3),
+        "p99_ms": round(1000 * ordered[min(count - 1, int(0.99 * count))], 3),
+        "max_ms": round(1000 * ordered[-1], 3),
+        "past_deadline": round(sum(1 for v in ordered if v > DEADLINE_S) / count, 4),
+        "load_calls": calls,
+    }
+
+
+def run(seconds: float, cases: list[str]) -> dict[str, Any]:
+    workdir = Path(tempfile.mkdtemp(prefix="nightjar-isolation-"))
+    token = workdir / "token"
+    token.write_text(secrets.token_hex(16))
+    state_dir = workdir / "state"
+    state_dir.mkdir()
+    server = ServerProcess(
+        "isolation",
+        [
+            "policy_server.cli",
+            "--uds",
+            str(workdir / "s.sock"),
+            "--state-dir",
+            str(state_dir),
+            "--admin-token-file",
+            str(token),
+            "--policy",
+            "goodput",
+            "--params",
+            json.dumps({"per_request": True}),
+            "--log-level",
+            "ERROR",
+        ],
+        workdir / "s.sock",
+        workdir / "server.log",
+    )
+    channel = server.start(timeout=60)
+    large = grpc.insecure_channel(server.target, options=LARGE)
+    auth = (("authorization", f"Bearer {token.read_text()}"),)
+    loads = Loads(channel, large, auth, state_dir)
+    results: dict[str, Any] = {"host": _host(), "seconds_per_case": seconds, "cases": {}}
+    try:
+        if {"get_state", "snapshot", "restore"} & set(cases):
+            results["state_bytes"] = loads.build_state()
+        for case in cases:
+            load: Callable[[threading.Event], None] | None = getattr(loads, case, None)
+            loads.calls = 0
+            stop = threading.Event()
+            worker = threading.Thread(target=load, args=(stop,), daemon=True) if load else None
+            if worker is not None:
+                worker.start()
+                time.sleep(1.0)  # the load under way before the small engine measures
+            prober = _run_probe(server.target, seconds)
+            out, _ = prober.communicate(timeout=seconds + TIMEOUT_S)
+            stop.set()
+            if worker is not None:
+                worker.join(timeout=TIMEOUT_S)
+            results["cases"][case] = summary(json.loads(out), loads.calls)
+            print(case, results["cases"][case], flush=True)
+    finally:
+        large.close()
+        server.stop()
+    return results
+
+
+def _host() -> dict[str, Any]:
+    with open("/proc/loadavg") as f:
+        load = f.read().split()[:3]
+    return {"cpus": os.cpu_count(), "loadavg_at_start": load, "python": sys.version.split()[0]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=20.0, help="per case")
+    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--probe", default="", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.probe:
+        print(json.dumps(probe(args.probe, args.seconds)))
+        return 0
+    results = run(args.seconds, [c for c in args.cases.split(",") if c])
+    if args.out is not None:
+        args.out.write_text(json.dumps(results, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,134 @@
+"""One engine's heavy work stays off the loop that answers the others (issue 54 item 4).
+
+The mechanisms, not timings (docs/BENCHMARKS.md, `make bench-isolation`, has the figures):
+a StepRequest larger than HEAVY_REQUEST_BYTES is parsed and decided on a heavy-step
+thread while small ones are answered on the loop; large bytes that do not parse end the
+stream INVALID_ARGUMENT as small ones do; a server hands the GIL over within
+GIL_SWITCH_INTERVAL_S; a restore encodes and decodes its state an entry at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import threading
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from nightjar_proto.v1 import policy_pb2
+
+from nightjar_common import wire
+from nightjar_common.sidecar_stream import SyncStream
+from nightjar_common.types import RequestSignals, StepContext
+from policy_server import grpc_server
+from policy_server.grpc_server import (
+    GIL_SWITCH_INTERVAL_S,
+    HEAVY_REQUEST_BYTES,
+    PolicyServicer,
+    Received,
+    UndecodableRequest,
+    build_server,
+)
+from policy_server.service import DecisionService
+from policy_server.state_text import round_trip
+
+
+def context(engine_id: str, requests: int) -> StepContext:
+    signals = tuple(
+        RequestSignals(f"{engine_id}-{i}-".ljust(180, "x"), 900, (1, 2)) for i in range(requests)
+    )
+    return StepContext(
+        engine_id=engine_id,
+        learner_key=f"m@{engine_id}",
+        batch_size=max(requests, 8),
+        requests=signals,
+    )
+
+
+def as_received(ctx: StepContext, seq: int) -> Received:
+    """A request as the deserializer hands it over: large ones unparsed."""
+    data = policy_pb2.StepRequest(seq=seq, context=wire.context_to_pb(ctx)).SerializeToString()
+    return grpc_server._receive(data)
+
+
+def test_a_large_request_is_decided_on_a_heavy_step_thread_a_small_one_on_the_loop() -> None:
+    service = DecisionService("goodput")
+    threads: dict[str, str] = {}
+    table_step = service.table_step
+
+    def recording(ran: Any, outcomes: Any, ctx: StepContext | None, decide: bool = True) -> Any:
+        assert ctx is not None
+        threads[ctx.engine_id] = threading.current_thread().name
+        return table_step(ran, outcomes, ctx, decide)
+
+    service.table_step = recording  # type: ignore[assignment]
+    large, small = as_received(context("big", 600), 1), as_received(context("small", 0), 2)
+    assert large.size > HEAVY_REQUEST_BYTES and large.message is None and large.data
+    assert small.size <= HEAVY_REQUEST_BYTES and small.message is not None
+
+    async def run() -> list[policy_pb2.StepReply]:
+        async def sent() -> AsyncIterator[Received]:
+            yield large
+            yield small
+
+        loop_thread = threading.current_thread().name
+        replies = [reply async for reply in PolicyServicer(service).StepStream(sent(), None)]
+        assert threads["small"] == loop_thread
+        return replies
+
+    _, big_reply, small_reply = asyncio.run(run())
+    assert threads["big"].startswith("heavy-step")
+    assert big_reply.seq == 1 and big_reply.HasField("table")
+    assert small_reply.seq == 2 and small_reply.HasField("table")
+
+
+def test_large_bytes_that_do_not_parse_are_refused_as_undecodable() -> None:
+    servicer = PolicyServicer(DecisionService("goodput"))
+    garbage = b"\xff" * (HEAVY_REQUEST_BYTES + 1)
+    assert grpc_server._receive(garbage).message is None  # not parsed on the loop
+    with pytest.raises(UndecodableRequest, match="not a valid message for"):
+        servicer._answer_bytes(garbage)
+
+
+def test_a_large_request_over_a_socket_gets_its_table_and_bad_bytes_end_the_stream(
+    tmp_path: Path,
+) -> None:
+    service = DecisionService("goodput")
+    socket = tmp_path / "s.sock"
+    running = build_server(service, uds_path=str(socket))
+    try:
+        assert sys.getswitchinterval() <= GIL_SWITCH_INTERVAL_S
+        with grpc.insecure_channel(f"unix:{socket}") as channel:
+            stream = SyncStream(channel, timeout_s=30)
+            ctx = wire.context_to_pb(context("big", 600))
+            reply = stream.send(policy_pb2.StepRequest(context=ctx))
+            assert reply.HasField("table"), reply.error.message
+            stream.close()
+            call = channel.stream_stream(
+                f"/{grpc_server.POLICY_SERVICE}/StepStream",
+                request_serializer=lambda data: data,
+                response_deserializer=policy_pb2.StepReply.FromString,
+            )
+            with pytest.raises(grpc.RpcError) as refused:
+                list(call(iter([b"\xff" * (HEAVY_REQUEST_BYTES + 1)]), timeout=30))
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "not a valid message" in (refused.value.details() or "")
+    finally:
+        running.server.stop(None).wait()
+
+
+def test_a_restore_round_trips_its_state_an_entry_at_a_time() -> None:
+    state = {
+        "schema": "s/1",
+        "engines": {f"e{i}": {"requests": {"r": [1.0, 2.0, 3]}} for i in range(3)},
+        "learners": {"shared:m": {"steps": 4}},
+    }
+    loaded, size = round_trip(state)
+    assert loaded == state
+    assert size == len(json.dumps(state, separators=(",", ":")))
+    with pytest.raises(ValueError):
+        round_trip({"engines": {"e": {"x": float("nan")}}})
