@@ -337,6 +337,17 @@ def _full_state(reply: Any) -> dict[str, Any]:
     return state
 
 
+def _fleet_line(fleet: dict[str, Any]) -> str:
+    """GetStateResponse.fleet_json in one line."""
+    link = {True: "link up", False: "link DOWN", None: "no round yet"}[fleet.get("link_up")]
+    pools = "" if fleet.get("pools", True) else "; the active policy does not pool"
+    return (
+        f"member {fleet.get('member')} of deployment {fleet.get('deployment')}: {link}, "
+        f"{fleet.get('members')} members, last merge {fleet.get('last_merge_age_s')} s ago"
+        f"{pools}"
+    )
+
+
 def _admin(channel: grpc.Channel) -> Any:
     return admin_pb2_grpc.AdminServiceStub(channel)
 
@@ -349,6 +360,7 @@ def _state(args: argparse.Namespace, channel: grpc.Channel) -> int:
     )
     state = json.loads(reply.state_json)
     runtimes = json.loads(reply.engines_json or "{}")
+    fleet = json.loads(reply.fleet_json or "{}")
     if args.json:
         document = {
             "policy": reply.policy_name,
@@ -359,6 +371,7 @@ def _state(args: argparse.Namespace, channel: grpc.Channel) -> int:
             "engines": list(reply.engine_ids),
             "last_snapshot_unix": reply.last_snapshot_unix,
             "runtimes": runtimes,
+            "fleet": fleet,
             "state": state,
         }
         print(json.dumps(document, indent=2, sort_keys=True))
@@ -373,6 +386,8 @@ def _state(args: argparse.Namespace, channel: grpc.Channel) -> int:
             f"runner, {'async' if runtime['async_scheduling'] else 'sync'} scheduling, "
             f"{runtime['method']}, drafter passes ≥ {runtime['min_draft_passes']} a step"
         )
+    if fleet:
+        print(f"fleet    {_fleet_line(fleet)}")
     summary = state.get("summary")
     if isinstance(summary, dict):
         print(f"summary  {summary.get('engines_total')} engines: {summary.get('note')}")

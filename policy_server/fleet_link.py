@@ -277,7 +277,20 @@ class FleetLink:
         self._up: bool | None = None
         self._warned: set[tuple[str, str]] = set()
         self._said_cannot_pool = ""
+        self._members = 0
+        self._pools = True
         self.metrics.merge_age.set_function(lambda: time.monotonic() - self._last_merge)
+
+    def status(self) -> dict[str, Any]:
+        """The link as GetState shows it (admin.proto, GetStateResponse.fleet_json)."""
+        return {
+            "member": self.member,
+            "deployment": self.options.deployment,
+            "link_up": self._up,
+            "members": self._members,
+            "last_merge_age_s": round(time.monotonic() - self._last_merge, 3),
+            "pools": self._pools,
+        }
 
     # -- the thread ---------------------------------------------------------------------
 
@@ -315,6 +328,7 @@ class FleetLink:
         started = time.perf_counter()
         active = self.service.active
         pool = active.pooling
+        self._pools = pool is not None
         self.metrics.poolable.set(0 if pool is None else 1)
         if pool is None:
             # Nothing to merge is not a stale merge (NightjarFleetLinkDown reads the age).
@@ -361,7 +375,8 @@ class FleetLink:
             return report
         self._link_up()
         report.members = alive
-        self.metrics.members.set(len(set(alive) | {self.member}))
+        self._members = len(set(alive) | {self.member})
+        self.metrics.members.set(self._members)
         # Learners this sidecar holds, then the fleet's others (a new sidecar starts warm).
         targets = list(dict.fromkeys([*learners, *sorted(fleet)]))[: self.options.max_learners]
         for learner in targets:
@@ -510,6 +525,7 @@ def start(service: Any, settings: Mapping[str, Any], metrics: Metrics) -> FleetL
     if not options.url:
         return None
     link = FleetLink(service, options, metrics)
+    service.fleet_status = link.status
     link.start()
     return link
 

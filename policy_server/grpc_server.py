@@ -465,6 +465,7 @@ class AdminServicer(_Servicer, admin_pb2_grpc.AdminServiceServicer):  # type: ig
             last_snapshot_unix=view.last_snapshot_unix,
             memory_json=json.dumps(view.memory, sort_keys=True),
             engines_json=json.dumps(view.engines, sort_keys=True),
+            fleet_json=json.dumps(view.fleet, sort_keys=True),
         )
         size = reply.ByteSize()
         if size > self._max_reply_bytes:

@@ -89,6 +89,10 @@ class DecisionService:
         # Elastic memory (docs/MEMORY.md); disabled unless configured.
         self.memory = memory or MemoryController(MemoryParams())
         self.engines = EngineTable(bounds or Bounds(), self.metrics.count_evictions)
+        self.metrics.watch_bytes("pending", lambda: self.engines.pending_bytes)
+        self.metrics.watch_bytes("tables", lambda: self.engines.table_bytes)
+        self.metrics.watch_bytes("plan_cache", plan_cache_bytes)
+        self.metrics.watch_bytes("request_records", self._request_records_bytes)
         # When an engine last asked counts for the nightjar_engines gauge within
         # engine_idle_s, so a replaced pod's engine drops out of it.
         self.engine_idle_s = engine_idle_s
@@ -109,6 +113,8 @@ class DecisionService:
             decision_log=decision_log,
             options=tables or TableOptions(),
         )
+        # The fleet link's status, set by the link when --fleet runs one (fleet_link.py).
+        self.fleet_status: Callable[[], dict[str, Any]] | None = None
         # The decision path itself (TableDecisions.table_step): a report batch applied, the
         # engine's next table decided.
         self.table_step = self.decisions.table_step
@@ -204,8 +210,11 @@ class DecisionService:
     def state_view(
         self, engine_id: str | None = None, *, max_engines: int | None = None
     ) -> StateView:
-        """StateStore.state_view."""
-        return self.store.state_view(engine_id, max_engines=max_engines)
+        """StateStore.state_view, with the fleet link's status when one runs."""
+        view = self.store.state_view(engine_id, max_engines=max_engines)
+        if self.fleet_status is None:
+            return view
+        return dataclasses.replace(view, fleet=self.fleet_status())
 
     @property
     def last_snapshot_unix(self) -> float:

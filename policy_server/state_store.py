@@ -62,6 +62,8 @@ class StateView:
     engines_total: int = 0
     # How each engine shown runs speculation (EngineShard.runtime_view).
     engines: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # The fleet link's status (fleet_link.FleetLink.status); {} without one.
+    fleet: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def state(self) -> dict[str, Any]:

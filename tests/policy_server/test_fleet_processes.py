@@ -124,6 +124,7 @@ def test_a_new_sidecar_starts_warm_and_a_restart_counts_nothing_twice(
     shown = ctl(c, "state")
     assert shown.returncode == 0, shown.stderr
     assert "  evidence: local 0 steps, 0 acceptance tokens; fleet 100 steps" in shown.stdout
+    assert "fleet    member c of deployment default: link up, 3 members" in shown.stdout
     # c's first decisions are a warm sidecar's (a new engine of the same id on each: the
     # same random stream), not the prior table's.
     batches = (1, 8, 32, 64)
@@ -149,6 +150,8 @@ def test_redis_killed_mid_run_stops_no_decision_and_pooling_resumes(
     wait_for(lambda: steps(b) == 40, "b to pool a's steps")
     rig.kill9()
     wait_for(lambda: metric(a, "nightjar_fleet_link_up") == 0, "a to see the link down")
+    down = json.loads(ctl(a, "state", "--json").stdout)["fleet"]
+    assert (down["member"], down["link_up"]) == ("a", False)
     # Every step is decided and learned from (serve_steps checks each outcome is taken).
     decisions = serve_steps(a, "pod-a", 40)
     assert len(decisions) == 40

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dnightjar_proto/v1/admin.proto\x12\x0bnightjar.v1\"$\n\x0fGetStateRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\"\xf3\x01\n\x10GetStateResponse\x12\x13\n\x0bpolicy_name\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\t\x12\x13\n\x0bparams_json\x18\x03 \x01(\t\x12\x12\n\nstate_json\x18\x04 \x01(\t\x12\x17\n\x0f\x64\x65\x63isions_total\x18\x05 \x01(\x03\x12\x15\n\rreports_total\x18\x06 \x01(\x03\x12\x12\n\nengine_ids\x18\x07 \x03(\t\x12\x1a\n\x12last_snapshot_unix\x18\x08 \x01(\x01\x12\x13\n\x0bmemory_json\x18\t \x01(\t\x12\x14\n\x0c\x65ngines_json\x18\n \x01(\t\"\x15\n\x13ListPoliciesRequest\"\\\n\nPolicyInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x1b\n\x13\x64\x65\x66\x61ult_params_json\x18\x03 \x01(\t\x12\x0e\n\x06\x61\x63tive\x18\x04 \x01(\x08\"A\n\x14ListPoliciesResponse\x12)\n\x08policies\x18\x01 \x03(\x0b\x32\x17.nightjar.v1.PolicyInfo\"J\n\x11SwapPolicyRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0bparams_json\x18\x02 \x01(\t\x12\x12\n\nkeep_state\x18\x03 \x01(\x08\"A\n\x12SwapPolicyResponse\x12\x13\n\x0bpolicy_name\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\t\"+\n\x14SetParametersRequest\x12\x13\n\x0bparams_json\x18\x01 \x01(\t\"\x11\n\x0fSnapshotRequest\"6\n\x10SnapshotResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x14\n\x0c\x63reated_unix\x18\x02 \x01(\x01\"C\n\x0eRestoreRequest\x12\x0e\n\x04path\x18\x01 \x01(\tH\x00\x12\x17\n\rsnapshot_json\x18\x02 \x01(\tH\x00\x42\x08\n\x06source\">\n\x0fRestoreResponse\x12\x13\n\x0bpolicy_name\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\t\"!\n\x0cResetRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\"\'\n\rResetResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\t2\x9f\x04\n\x0c\x41\x64minService\x12G\n\x08GetState\x12\x1c.nightjar.v1.GetStateRequest\x1a\x1d.nightjar.v1.GetStateResponse\x12S\n\x0cListPolicies\x12 .nightjar.v1.ListPoliciesRequest\x1a!.nightjar.v1.ListPoliciesResponse\x12M\n\nSwapPolicy\x12\x1e.nightjar.v1.SwapPolicyRequest\x1a\x1f.nightjar.v1.SwapPolicyResponse\x12S\n\rSetParameters\x12!.nightjar.v1.SetParametersRequest\x1a\x1f.nightjar.v1.SwapPolicyResponse\x12G\n\x08Snapshot\x12\x1c.nightjar.v1.SnapshotRequest\x1a\x1d.nightjar.v1.SnapshotResponse\x12\x44\n\x07Restore\x12\x1b.nightjar.v1.RestoreRequest\x1a\x1c.nightjar.v1.RestoreResponse\x12>\n\x05Reset\x12\x19.nightjar.v1.ResetRequest\x1a\x1a.nightjar.v1.ResetResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dnightjar_proto/v1/admin.proto\x12\x0bnightjar.v1\"$\n\x0fGetStateRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\"\x87\x02\n\x10GetStateResponse\x12\x13\n\x0bpolicy_name\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\t\x12\x13\n\x0bparams_json\x18\x03 \x01(\t\x12\x12\n\nstate_json\x18\x04 \x01(\t\x12\x17\n\x0f\x64\x65\x63isions_total\x18\x05 \x01(\x03\x12\x15\n\rreports_total\x18\x06 \x01(\x03\x12\x12\n\nengine_ids\x18\x07 \x03(\t\x12\x1a\n\x12last_snapshot_unix\x18\x08 \x01(\x01\x12\x13\n\x0bmemory_json\x18\t \x01(\t\x12\x14\n\x0c\x65ngines_json\x18\n \x01(\t\x12\x12\n\nfleet_json\x18\x0b \x01(\t\"\x15\n\x13ListPoliciesRequest\"\\\n\nPolicyInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x1b\n\x13\x64\x65\x66\x61ult_params_json\x18\x03 \x01(\t\x12\x0e\n\x06\x61\x63tive\x18\x04 \x01(\x08\"A\n\x14ListPoliciesResponse\x12)\n\x08policies\x18\x01 \x03(\x0b\x32\x17.nightjar.v1.PolicyInfo\"J\n\x11SwapPolicyRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0bparams_json\x18\x02 \x01(\t\x12\x12\n\nkeep_state\x18\x03 \x01(\x08\"A\n\x12SwapPolicyResponse\x12\x13\n\x0bpolicy_name\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\t\"+\n\x14SetParametersRequest\x12\x13\n\x0bparams_json\x18\x01 \x01(\t\"\x11\n\x0fSnapshotRequest\"6\n\x10SnapshotResponse\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x14\n\x0c\x63reated_unix\x18\x02 \x01(\x01\"C\n\x0eRestoreRequest\x12\x0e\n\x04path\x18\x01 \x01(\tH\x00\x12\x17\n\rsnapshot_json\x18\x02 \x01(\tH\x00\x42\x08\n\x06source\">\n\x0fRestoreResponse\x12\x13\n\x0bpolicy_name\x18\x01 \x01(\t\x12\x16\n\x0epolicy_version\x18\x02 \x01(\t\"!\n\x0cResetRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\"\'\n\rResetResponse\x12\x16\n\x0epolicy_version\x18\x01 \x01(\t2\x9f\x04\n\x0c\x41\x64minService\x12G\n\x08GetState\x12\x1c.nightjar.v1.GetStateRequest\x1a\x1d.nightjar.v1.GetStateResponse\x12S\n\x0cListPolicies\x12 .nightjar.v1.ListPoliciesRequest\x1a!.nightjar.v1.ListPoliciesResponse\x12M\n\nSwapPolicy\x12\x1e.nightjar.v1.SwapPolicyRequest\x1a\x1f.nightjar.v1.SwapPolicyResponse\x12S\n\rSetParameters\x12!.nightjar.v1.SetParametersRequest\x1a\x1f.nightjar.v1.SwapPolicyResponse\x12G\n\x08Snapshot\x12\x1c.nightjar.v1.SnapshotRequest\x1a\x1d.nightjar.v1.SnapshotResponse\x12\x44\n\x07Restore\x12\x1b.nightjar.v1.RestoreRequest\x1a\x1c.nightjar.v1.RestoreResponse\x12>\n\x05Reset\x12\x19.nightjar.v1.ResetRequest\x1a\x1a.nightjar.v1.ResetResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,31 +34,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETSTATEREQUEST']._serialized_start=46
   _globals['_GETSTATEREQUEST']._serialized_end=82
   _globals['_GETSTATERESPONSE']._serialized_start=85
-  _globals['_GETSTATERESPONSE']._serialized_end=328
-  _globals['_LISTPOLICIESREQUEST']._serialized_start=330
-  _globals['_LISTPOLICIESREQUEST']._serialized_end=351
-  _globals['_POLICYINFO']._serialized_start=353
-  _globals['_POLICYINFO']._serialized_end=445
-  _globals['_LISTPOLICIESRESPONSE']._serialized_start=447
-  _globals['_LISTPOLICIESRESPONSE']._serialized_end=512
-  _globals['_SWAPPOLICYREQUEST']._serialized_start=514
-  _globals['_SWAPPOLICYREQUEST']._serialized_end=588
-  _globals['_SWAPPOLICYRESPONSE']._serialized_start=590
-  _globals['_SWAPPOLICYRESPONSE']._serialized_end=655
-  _globals['_SETPARAMETERSREQUEST']._serialized_start=657
-  _globals['_SETPARAMETERSREQUEST']._serialized_end=700
-  _globals['_SNAPSHOTREQUEST']._serialized_start=702
-  _globals['_SNAPSHOTREQUEST']._serialized_end=719
-  _globals['_SNAPSHOTRESPONSE']._serialized_start=721
-  _globals['_SNAPSHOTRESPONSE']._serialized_end=775
-  _globals['_RESTOREREQUEST']._serialized_start=777
-  _globals['_RESTOREREQUEST']._serialized_end=844
-  _globals['_RESTORERESPONSE']._serialized_start=846
-  _globals['_RESTORERESPONSE']._serialized_end=908
-  _globals['_RESETREQUEST']._serialized_start=910
-  _globals['_RESETREQUEST']._serialized_end=943
-  _globals['_RESETRESPONSE']._serialized_start=945
-  _globals['_RESETRESPONSE']._serialized_end=984
-  _globals['_ADMINSERVICE']._serialized_start=987
-  _globals['_ADMINSERVICE']._serialized_end=1530
+  _globals['_GETSTATERESPONSE']._serialized_end=348
+  _globals['_LISTPOLICIESREQUEST']._serialized_start=350
+  _globals['_LISTPOLICIESREQUEST']._serialized_end=371
+  _globals['_POLICYINFO']._serialized_start=373
+  _globals['_POLICYINFO']._serialized_end=465
+  _globals['_LISTPOLICIESRESPONSE']._serialized_start=467
+  _globals['_LISTPOLICIESRESPONSE']._serialized_end=532
+  _globals['_SWAPPOLICYREQUEST']._serialized_start=534
+  _globals['_SWAPPOLICYREQUEST']._serialized_end=608
+  _globals['_SWAPPOLICYRESPONSE']._serialized_start=610
+  _globals['_SWAPPOLICYRESPONSE']._serialized_end=675
+  _globals['_SETPARAMETERSREQUEST']._serialized_start=677
+  _globals['_SETPARAMETERSREQUEST']._serialized_end=720
+  _globals['_SNAPSHOTREQUEST']._serialized_start=722
+  _globals['_SNAPSHOTREQUEST']._serialized_end=739
+  _globals['_SNAPSHOTRESPONSE']._serialized_start=741
+  _globals['_SNAPSHOTRESPONSE']._serialized_end=795
+  _globals['_RESTOREREQUEST']._serialized_start=797
+  _globals['_RESTOREREQUEST']._serialized_end=864
+  _globals['_RESTORERESPONSE']._serialized_start=866
+  _globals['_RESTORERESPONSE']._serialized_end=928
+  _globals['_RESETREQUEST']._serialized_start=930
+  _globals['_RESETREQUEST']._serialized_end=963
+  _globals['_RESETRESPONSE']._serialized_start=965
+  _globals['_RESETRESPONSE']._serialized_end=1004
+  _globals['_ADMINSERVICE']._serialized_start=1007
+  _globals['_ADMINSERVICE']._serialized_end=1550
 # @@protoc_insertion_point(module_scope)

@@ -12,7 +12,7 @@ class GetStateRequest(_message.Message):
     def __init__(self, engine_id: _Optional[str] = ...) -> None: ...
 
 class GetStateResponse(_message.Message):
-    __slots__ = ("policy_name", "policy_version", "params_json", "state_json", "decisions_total", "reports_total", "engine_ids", "last_snapshot_unix", "memory_json", "engines_json")
+    __slots__ = ("policy_name", "policy_version", "params_json", "state_json", "decisions_total", "reports_total", "engine_ids", "last_snapshot_unix", "memory_json", "engines_json", "fleet_json")
     POLICY_NAME_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     PARAMS_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -23,6 +23,7 @@ class GetStateResponse(_message.Message):
     LAST_SNAPSHOT_UNIX_FIELD_NUMBER: _ClassVar[int]
     MEMORY_JSON_FIELD_NUMBER: _ClassVar[int]
     ENGINES_JSON_FIELD_NUMBER: _ClassVar[int]
+    FLEET_JSON_FIELD_NUMBER: _ClassVar[int]
     policy_name: str
     policy_version: str
     params_json: str
@@ -33,7 +34,8 @@ class GetStateResponse(_message.Message):
     last_snapshot_unix: float
     memory_json: str
     engines_json: str
-    def __init__(self, policy_name: _Optional[str] = ..., policy_version: _Optional[str] = ..., params_json: _Optional[str] = ..., state_json: _Optional[str] = ..., decisions_total: _Optional[int] = ..., reports_total: _Optional[int] = ..., engine_ids: _Optional[_Iterable[str]] = ..., last_snapshot_unix: _Optional[float] = ..., memory_json: _Optional[str] = ..., engines_json: _Optional[str] = ...) -> None: ...
+    fleet_json: str
+    def __init__(self, policy_name: _Optional[str] = ..., policy_version: _Optional[str] = ..., params_json: _Optional[str] = ..., state_json: _Optional[str] = ..., decisions_total: _Optional[int] = ..., reports_total: _Optional[int] = ..., engine_ids: _Optional[_Iterable[str]] = ..., last_snapshot_unix: _Optional[float] = ..., memory_json: _Optional[str] = ..., engines_json: _Optional[str] = ..., fleet_json: _Optional[str] = ...) -> None: ...
 
 class ListPoliciesRequest(_message.Message):
     __slots__ = ()
