@@ -7,13 +7,14 @@ batch bucket) and, per engine, only which learner it updates.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, Generic, TypeVar
 
 from nightjar_common.types import StepContext
 from policy_server.policies.base import (
     UNOWNED,
-    WHOLE_POLICY,
+    CheckpointedDecide,
     GammaParams,
     MalformedStateError,
     ParamsPolicy,
@@ -76,12 +77,24 @@ class LearnerTable(LearnerBook[str, L]):
         self.engines, self.learners = engines, learners
 
 
-class LearnerTablePolicy(ParamsPolicy[G], Generic[G, L]):
-    """LearnedState of a policy whose whole state is a LearnerTable (dsd, ucb).
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Entries:
+    """Which of the entries decide(ctx) creates exist: the engine's learner id, its
+    learner, and the learner's part for the step (ucb: the batch bucket's arms)."""
 
-    Their decide() creates table entries (an engine's learner, a batch bucket's arms) that
-    no checkpoint holds: they have no TentativeDecisions, so the server decides their
-    candidates on a copy and the entry that ran again on the live policy."""
+    engine: bool
+    learner: bool
+    part: bool
+
+
+class LearnerTablePolicy(ParamsPolicy[G], CheckpointedDecide, Generic[G, L]):
+    """LearnedState and TentativeDecisions of a policy whose whole state is a LearnerTable
+    (dsd, ucb).
+
+    Their decide() changes nothing but to create the entries it reads when they are
+    missing (the engine's learner, a batch bucket's arms), empty as a first use makes
+    them: a checkpoint says which exist, restoring it drops the ones made since, and
+    committing a candidate makes them again."""
 
     name: ClassVar[str]
     state_schema: ClassVar[str]
@@ -113,9 +126,48 @@ class LearnerTablePolicy(ParamsPolicy[G], Generic[G, L]):
         self._table.forget_learner(learner_key)
 
     def learner_for(self, engine_id: str, learner_key: str) -> str:
-        # One for all engines: without TentativeDecisions the server decides candidates on
-        # a copy of the whole policy, which must not change meanwhile.
-        return WHOLE_POLICY
+        return self._table.learner_for(engine_id, learner_key)
+
+    def checkpoint(self, ctx: StepContext) -> object:
+        table = self._table
+        learned = table.learners.get(table.learner_for(ctx.engine_id, ctx.learner_key))
+        return _Entries(
+            ctx.engine_id in table.engines,
+            learned is not None,
+            learned is not None and self._has_part(learned, ctx),
+        )
+
+    def restore(self, ctx: StepContext, saved: object) -> None:
+        """Drop the entries made since ``saved`` (CheckpointedDecide undoing a candidate
+        right after deciding it, under the same lock)."""
+        assert isinstance(saved, _Entries)
+        table = self._table
+        learner = table.learner_for(ctx.engine_id, ctx.learner_key)
+        learned = table.learners.get(learner)
+        if not saved.learner:
+            table.learners.pop(learner, None)
+        elif learned is not None and not saved.part:
+            self._drop_part(learned, ctx)
+        if not saved.engine:
+            table.engines.pop(ctx.engine_id, None)
+
+    def commit(self, ctx: StepContext, decided: object) -> None:
+        """Make the entries deciding made (never drop any: other steps may have made and
+        filled them since the table was decided)."""
+        assert isinstance(decided, _Entries)
+        if decided.part:
+            self._make_entries(ctx)
+
+    def _make_entries(self, ctx: StepContext) -> None:
+        """Create what decide(ctx) reads, where missing."""
+        self._table.get(ctx)
+
+    def _has_part(self, learned: L, ctx: StepContext) -> bool:
+        """Whether ``learned`` holds what decide(ctx) reads of it (all of it by default)."""
+        return True
+
+    def _drop_part(self, learned: L, ctx: StepContext) -> None:
+        """Drop from ``learned`` what decide(ctx) made of it (nothing by default)."""
 
     def reset(self, engine_id: str | None = None) -> None:
         self._table.reset(engine_id)

@@ -123,6 +123,15 @@ class UcbPolicy(LearnerTablePolicy[UcbParams, dict[int, ArmSet]]):
             out[key] = arms
         return out
 
+    def _make_entries(self, ctx: StepContext) -> None:
+        self._arm_set(ctx)
+
+    def _has_part(self, learned: dict[int, ArmSet], ctx: StepContext) -> bool:
+        return bucket_of(ctx.batch_size) in learned
+
+    def _drop_part(self, learned: dict[int, ArmSet], ctx: StepContext) -> None:
+        learned.pop(bucket_of(ctx.batch_size), None)
+
     def _arm_set(self, ctx: StepContext) -> ArmSet:
         buckets = self._table.get(ctx)
         bucket = bucket_of(ctx.batch_size)

@@ -11,8 +11,7 @@ import threading
 import pytest
 
 from nightjar_common.types import StepContext
-from policy_server.policies import create_policy, tentative_decisions
-from policy_server.policies.base import WHOLE_POLICY
+from policy_server.policies import create_policy, learned_state, tentative_decisions
 from policy_server.service import DecisionService
 
 
@@ -75,9 +74,16 @@ def test_an_engine_changes_the_learner_of_its_record(name: str) -> None:
     )
 
 
-def test_a_policy_that_decides_on_a_copy_of_itself_is_one_learner() -> None:
-    """Without TentativeDecisions the server decides candidates on a copy of the whole
-    policy: every engine's steps take one lock."""
-    policy = create_policy("ucb")
-    assert tentative_decisions(policy) is None
-    assert policy.learner_for("e", "k") == policy.learner_for("f", "") == WHOLE_POLICY
+@pytest.mark.parametrize("name", ["ucb", "dsd"])
+def test_a_learner_table_policy_locks_per_learner_and_decides_tentatively(name: str) -> None:
+    """dsd and ucb decide table entries on the live policy (TentativeDecisions): an
+    engine's steps take its learner's lock only, and a table's candidates leave no entry
+    behind that a step did not run."""
+    policy = create_policy(name)
+    assert tentative_decisions(policy) is not None
+    assert learned_state(policy).learner_for("e", "k") == "shared:k"
+    assert learned_state(policy).learner_for("f", "") == "engine:f"
+    decided = policy.decide_candidates(StepContext("e", 8, learner_key="k"), [1, 8, 64])  # type: ignore[attr-defined]
+    assert learned_state(policy).state()["engines"] == {}  # nothing left behind
+    policy.commit(StepContext("e", 64, learner_key="k"), decided[2][1])  # type: ignore[attr-defined]
+    assert learned_state(policy).state()["engines"] == {"e": "shared:k"}

@@ -19,7 +19,7 @@ from nightjar_proto.v1 import policy_pb2
 
 from nightjar_common import wire
 from nightjar_common.sidecar_stream import SyncStream
-from nightjar_common.types import Choice, RanStep, StepContext, StepOutcome
+from nightjar_common.types import BinType, Choice, RanStep, StepContext, StepOutcome
 from policy_server.policies import REGISTRY, create_policy, learned_state
 from policy_server.service import DecisionService
 from tests.rigs.outcomes import step_outcome
@@ -161,3 +161,35 @@ def test_over_grpc_a_step_at_a_time_learns_what_the_service_learns_in_process(
             local_outcomes = [StepOutcome(decision_id=local_id, **fields)]
     assert server.state()["reports"] == 39
     assert server.state()["state"] == local.state_view().state
+
+
+class _RoundRobin:
+    """A policy without TentativeDecisions: each decide() moves to the next γ."""
+
+    name = "round-robin"
+    gamma_max = 3
+
+    def __init__(self) -> None:
+        self.turn = 0
+
+    def params(self) -> dict[str, Any]:
+        return {}
+
+    def decide(self, ctx: StepContext) -> Choice:
+        self.turn += 1
+        return Choice(gamma=self.turn % 4, bin_type=BinType.EXPLORE)
+
+    def observe(self, ctx: StepContext, choice: Choice, outcome: StepOutcome) -> None:
+        return None
+
+
+def test_a_policy_without_tentative_decisions_is_decided_on_copies() -> None:
+    """Its table's entries are decided on copies of it, and the entry a step runs again on
+    the live policy: it advances once a step, as if asked for that step alone."""
+    service = DecisionService("static")
+    with service.activation.whole_policy():
+        active = service.activation.activate(_RoundRobin(), "swap", "fresh")
+    assert active.tentative is None
+    ran = [service.run_step(context(step, 4)).gamma for step in range(6)]
+    assert ran == [1, 2, 3, 0, 1, 2]
+    assert isinstance(active.policy, _RoundRobin) and active.policy.turn == 6
