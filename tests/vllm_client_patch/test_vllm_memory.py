@@ -263,3 +263,72 @@ def test_sidecar_directives_offload_under_pressure_and_reload_when_the_load_fall
     for action in ("offload_draft_expand_kv", "compact_kv_reload_draft"):
         line = f'nightjar_memory_directives_total{{action="{action}",engine="{ENGINE}"}}'
         assert line in metrics, action
+
+
+@pytest.mark.parametrize("sidecar", ["vmm"], indirect=True)
+def test_a_driver_failing_mid_generation_is_undone_and_the_engine_serves_on(
+    engine: Any, reference: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 54: the engine's virtual-memory driver fails one map call (ENOMEM) in an
+    offload and in a reload while requests generate. Neither failure reaches vLLM's
+    execute_model: each order answers ABORTED, is undone (the draft where it was, the pool
+    its size before), the outputs stay token-identical, and the next orders run."""
+    import errno
+
+    from vllm_client_patch.memory import published_runner_memory
+
+    memory = published_runner_memory()
+    assert memory is not None and memory.elastic is not None
+    driver = memory.elastic.memory.driver
+    real_map = driver.map
+    armed = {"calls": 0}
+
+    def failing_map(address: int, nbytes: int, handle: int) -> None:
+        if armed["calls"]:
+            armed["calls"] -= 1
+            if armed["calls"] == 0:
+                raise OSError(errno.ENOMEM, "out of memory (injected)")
+        real_map(address, nbytes, handle)
+
+    monkeypatch.setattr(driver, "map", failing_map)
+    stub, auth = _stub(engine.memory_socket), [("authorization", f"Bearer {ADMIN_TOKEN}")]
+    plugin = scheduler(engine).nightjar
+    lengths = [LONG if i % 2 == 0 else SHORT for i in range(len(PROMPTS))]
+    start = plugin.stats()
+    log: dict[str, Any] = {}
+
+    def attempt(name: str, call: Any, request: Any) -> None:
+        try:
+            log[name] = call(request, metadata=auth, timeout=30)
+        except grpc.RpcError as exc:
+            log[name] = (exc.code(), exc.details())
+        log[f"{name}/status"] = stub.GetStatus(memory_pb2.MemoryStatusRequest(), timeout=5)
+
+    def operate() -> None:
+        offload, reload = (
+            memory_pb2.OffloadDraftRequest(expand_kv=True),
+            memory_pb2.ReloadDraftRequest(compact_kv=True),
+        )
+        armed["calls"] = 2  # the offload's second map call
+        attempt("failed offload", stub.OffloadDraft, offload)
+        attempt("offload", stub.OffloadDraft, offload)
+        armed["calls"] = 2  # the reload's second map call
+        attempt("failed reload", stub.ReloadDraft, reload)
+        attempt("reload", stub.ReloadDraft, reload)
+
+    thread = when(lambda: plugin.stats()["steps"] >= start["steps"] + 8, operate)
+    tokens = run(engine, PROMPTS, lengths)
+    thread.join(timeout=60)
+    assert tokens == [row[:n] for row, n in zip(reference, lengths, strict=True)]
+    for name in ("failed offload", "failed reload"):
+        code, details = log[name]
+        assert code == grpc.StatusCode.ABORTED and "injected" in details, log[name]
+    undone = log["failed offload/status"]
+    assert undone.draft_resident and undone.total_kv_blocks < undone.kv_capacity_blocks
+    assert "undone" in undone.last_error
+    assert log["offload"].draft_state == "offloaded"
+    assert log["offload"].total_kv_blocks == log["offload"].kv_capacity_blocks
+    undone = log["failed reload/status"]
+    assert undone.draft_state == "offloaded" and undone.total_kv_blocks == undone.kv_capacity_blocks
+    reloaded = log["reload"]
+    assert reloaded.draft_resident and reloaded.last_error == "" and not reloaded.pending_orders
