@@ -12,14 +12,13 @@ measures the whole hook).
 
 The same driver (:class:`HookDriver`) runs under callgrind for `make bench-instructions`'
 count of the hook's instructions per step (benchmarks/step_instructions.py): there the
-steps are separated by a sleep, a forward pass's wall time in which the client's threads
-receive the table asked for ahead, as an engine's do.
+client's tables age on the walk's own clock, and each forward pass lasts until a refresh
+under way is answered, as an engine's step outlasts the round trip.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import json
 import time
 from collections.abc import Callable
@@ -38,11 +37,12 @@ REQUEST_IDS = tuple(f"request-{i}" for i in range(32))
 EVICT_BYTES = 64 << 20
 BATCH = len(REQUEST_IDS)
 CONNECT_S = 20.0
-# The counted walk's forward pass (wall seconds between hooks): long enough for the
-# sidecar's answer to a refresh to be installed before the next step, even under callgrind.
-FORWARD_S = 0.005
-# Tables of the counted walk are not refreshed for their age (an hour: never).
-NO_AGE_REFRESH_MS = 3_600_000.0
+# The counted walk's engine step (seconds of its clock, a GPU decoding step's order) and
+# the wall time its forward pass gives the client's threads besides waiting for a refresh.
+STEP_S = 0.008
+FORWARD_S = 0.002
+# The longest the counted walk's forward pass waits for a refresh's answer.
+REFRESH_WAIT_S = 2.0
 
 
 def evicting_workload() -> Callable[[], None]:
@@ -54,11 +54,6 @@ def evicting_workload() -> Callable[[], None]:
 
 def _idle() -> None:
     """Steps back to back: the caches stay warm."""
-
-
-def _forward_pass() -> None:
-    """A forward pass's wall time, the engine's thread off the GIL."""
-    time.sleep(FORWARD_S)
 
 
 def connected_controller(
@@ -137,25 +132,45 @@ def measure_hook(target: str, steps: int, evict: bool) -> Measurement:
     return summarise(f"controller, {regime}", cpu_ns, fallbacks)
 
 
-def _count_client(config: ClientConfig) -> NightjarClient:
-    """The counted walk's client: tables refreshed by steps (every TABLE_REFRESH_STEPS),
-    not by age, which under callgrind would follow the host's speed."""
-    return NightjarClient(dataclasses.replace(config, table_refresh_ms=NO_AGE_REFRESH_MS))
+class SteppedClient(NightjarClient):
+    """The counted walk's client: its tables age on the walk's clock (STEP_S a step, an
+    engine's pace), not the wall clock, which under callgrind runs tens of times slower
+    than the engine it stands for (tables would expire between refreshes)."""
+
+    def __init__(self, config: ClientConfig) -> None:
+        super().__init__(config)
+        self.engine_s = 0.0
+        self._clock = self._engine_time
+
+    def _engine_time(self) -> float:
+        return self.engine_s
+
+    def forward_pass(self) -> None:
+        """Half an engine step (the walk calls it twice a step): its clock moves on, and
+        a refresh under way is answered before the next hook, as a step longer than the
+        round trip lets it be (the walk counts the steps a held table answers)."""
+        self.engine_s += STEP_S / 2
+        time.sleep(FORWARD_S)
+        deadline = time.monotonic() + REFRESH_WAIT_S
+        while self._refreshing and time.monotonic() < deadline:
+            time.sleep(FORWARD_S)
 
 
 def walk_hook(target: str, steps: int, warm_up: int) -> str:
     """The process `make bench-instructions` counts: ``warm_up`` + ``steps`` steps of the
-    hook, a forward pass's sleep between hooks; JSON of the table misses and fallbacks in
-    the ``steps`` (a step the held table did not answer costs more than one it did)."""
-    controller = connected_controller(target, _count_client)
+    hook, a forward pass between hooks; JSON of the table misses and fallbacks in the
+    ``steps`` (a step the held table did not answer costs more than one it did)."""
+    controller = connected_controller(target, SteppedClient)
+    client = controller.client
+    assert isinstance(client, SteppedClient)
     driver = HookDriver(controller)
-    stats = controller.client.stats
+    stats = client.stats
     try:
         for _ in range(warm_up):
-            driver.step(_forward_pass)
+            driver.step(client.forward_pass)
         misses, fallbacks = sum(stats.table_misses.values()), stats.fallbacks_total
         for _ in range(steps):
-            driver.step(_forward_pass)
+            driver.step(client.forward_pass)
         counts = {
             "table_misses": sum(stats.table_misses.values()) - misses,
             "fallbacks": stats.fallbacks_total - fallbacks,

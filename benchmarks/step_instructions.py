@@ -17,9 +17,10 @@ what a steady step costs (start-up, imports and the warm-up are common to both).
 Beside the walks, the plugin's hook on the engine's thread: `benchmarks/hook_cost.py`'s
 driver steps the controller (`decide`, the per-request γ, `end_step`, as the scheduler
 hook calls them) against a real sidecar process (this tree's, started natively for each
-run: every revision counted meets the same sidecar), with a forward pass's sleep between
-hooks. Callgrind counts each thread apart (``--separate-threads``): the engine's thread is
-the hook's count; the client's own threads (its sender, gRPC's) are counted beside it.
+run: every revision counted meets the same sidecar), with a forward pass between hooks
+(the client's tables age on the walk's clock, not the wall clock callgrind slows).
+Callgrind counts each thread apart (``--separate-threads``): the engine's thread is the
+hook's count; the client's own threads (its sender, gRPC's) are counted beside it.
 ``--baseline REV`` counts the hook at another commit too (its tree from ``git archive``),
 so that a change's before and after are counted by the same valgrind, Python and host.
 
@@ -44,7 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.hook_cost import walk_hook
+from benchmarks.hook_cost import STEP_S, walk_hook
 from benchmarks.host import machine
 from benchmarks.report import write_section
 from benchmarks.rpc import measure_tables, sidecar
@@ -262,9 +263,10 @@ def render_hooks(hooks: Sequence[HookRow]) -> list[str]:
         "`benchmarks/hook_cost.py`'s driver stepping the plugin's controller as the scheduler "
         "hook does (`decide`, the per-request γ, `end_step`; a batch of 32, its requests named "
         "while the policy reads per-request signals, as the default does; decision tables) "
-        "against a real sidecar process (this tree's, a fresh one for each run), a 5 ms "
-        "sleep standing for each forward pass, tables "
-        f"refreshed every 32 steps: run for {HOOK_SHORT:,} and {HOOK_LONG:,} steps after a "
+        "against a real sidecar process (this tree's, a fresh one for each run), the "
+        f"client's tables aging on the walk's own clock ({STEP_S * 1000:.0f} ms a step) and "
+        "each forward pass lasting until a refresh under way is answered, as an engine's "
+        f"step outlasts the round trip: run for {HOOK_SHORT:,} and {HOOK_LONG:,} steps after a "
         f"{HOOK_WARM:,}-step warm-up, the difference over the {HOOK_LONG - HOOK_SHORT:,} "
         "steps between, each thread counted apart. The engine's thread is the hook (and the "
         "driver's loop); the client's other threads (its sender, gRPC's) run beside the "
