@@ -17,6 +17,9 @@ from nightjar_common.types import RanStep, RequestSignals, StepContext, StepOutc
 HARD_GAMMA_LIMIT = 64
 # Longest engine id and learner key the sidecar accepts.
 MAX_ID_LENGTH = 256
+# Longest decision id (StepOutcome.decision_id, RanStep.decision_id): the sidecar's are
+# "<table_id>.<n>", a few dozen characters; a pending decision holds its id.
+MAX_DECISION_ID_LENGTH = 128
 # Ran steps and outcomes one request may carry (StepRequest.ran_steps, .outcomes): a
 # client reports every few steps, so a few dozen; bounded so one message stays small.
 MAX_BATCHED = 256
@@ -117,10 +120,19 @@ def _check_distances(req: RequestSignals) -> None:
             )
 
 
+def _check_decision_id(decision_id: str) -> None:
+    if len(decision_id) > MAX_DECISION_ID_LENGTH:
+        raise InvalidArgumentError(
+            f"decision_id {decision_id[:32]!r}... has {len(decision_id):,} characters, more "
+            f"than the {MAX_DECISION_ID_LENGTH} of any decision id the sidecar issues"
+        )
+
+
 def check_outcome(outcome: StepOutcome, limits: Limits) -> None:
     """Checks that need no knowledge of the decision (see check_outcome_against)."""
     if not outcome.decision_id:
         raise InvalidArgumentError("decision_id is required in a step outcome")
+    _check_decision_id(outcome.decision_id)
     _check_engine_id(outcome.engine_id, limits)
     seconds = outcome.step_seconds
     if not math.isfinite(seconds) or not (
@@ -214,6 +226,7 @@ def check_batch_size(ran_steps: Sequence[RanStep], outcomes: Sequence[StepOutcom
 def check_ran_step(step: RanStep, engine_id: str, limits: Limits) -> None:
     """A step run from a table, of ``engine_id`` (the request's: a batch is applied under
     that engine's lock)."""
+    _check_decision_id(step.decision_id)
     table_id, dot, number = step.decision_id.rpartition(".")
     if not table_id or not dot or not number.isdigit():
         raise InvalidArgumentError(

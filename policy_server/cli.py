@@ -264,7 +264,12 @@ def main(argv: list[str] | None = None) -> int:
             memory=memory,
             limits=Limits(max_batch_size=config.max_batch_size),
             bounds=Bounds(
-                config.max_engines, config.max_learner_keys, config.max_pending_per_engine
+                config.max_engines,
+                config.max_learner_keys,
+                config.max_pending_per_engine,
+                max_pending_bytes_per_engine=config.max_pending_bytes_per_engine,
+                max_pending_bytes=config.max_pending_bytes,
+                max_table_bytes_per_engine=config.max_table_bytes_per_engine,
             ),
             metrics=metrics,
             decision_log=decision_log,
@@ -297,7 +302,9 @@ def main(argv: list[str] | None = None) -> int:
             uds_mode=config.uds_mode,
             tls=credentials,
             max_receive_bytes=config.max_receive_bytes,
-            streams=StreamLimits(config.max_streams, config.stream_idle_timeout_s),
+            streams=StreamLimits(
+                config.max_streams, config.stream_idle_timeout_s, config.max_stream_queue_bytes
+            ),
         )
     except (uds.SocketPathError, RuntimeError, OSError) as exc:
         # RuntimeError: gRPC could not bind (a TCP port in use).

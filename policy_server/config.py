@@ -29,6 +29,9 @@ def admin_message_bytes(snapshot_max_bytes: int = MAX_BYTES) -> int:
 # Engines' StepStreams open at once (each holds ~31 KB): twice the engine bound, since a
 # reconnecting engine's old stream may stay open until its connection is seen closed.
 DEFAULT_MAX_STREAMS = 2048
+# Bytes one stream may hold read ahead of its answers (at least one request is read):
+# an engine sends its next request after its previous reply, so a few KB are queued.
+DEFAULT_MAX_STREAM_QUEUE_BYTES = 8 << 20
 # A stream that sends nothing this long is closed. An engine sends at least a table
 # request every few dozen steps, so only an idle engine or an abandoned stream gets there.
 DEFAULT_STREAM_IDLE_TIMEOUT_S = 300.0
@@ -87,6 +90,13 @@ class ServerConfig:
     max_engines: int = 1024
     max_learner_keys: int = 256
     max_pending_per_engine: int = 64
+    # Byte budgets (estimated: counts and lengths), docs/OPERATIONS.md "Bounded memory":
+    # the contexts of an engine's pending decisions, of all engines', an engine's kept
+    # decision tables, and what one stream reads ahead of its answers.
+    max_pending_bytes_per_engine: int = 32 << 20
+    max_pending_bytes: int = 512 << 20
+    max_table_bytes_per_engine: int = 4 << 20
+    max_stream_queue_bytes: int = DEFAULT_MAX_STREAM_QUEUE_BYTES
     # Largest request (bytes) of every method but Restore (whose bound follows
     # snapshot_max_bytes, admin_message_bytes): larger ones get RESOURCE_EXHAUSTED unread.
     max_receive_bytes: int = 4 << 20
@@ -169,7 +179,15 @@ class ServerConfig:
             )
         if self.decision_log_max_bytes <= 0 or self.decision_log_backups < 1:
             raise ConfigError("decision_log_max_bytes must be > 0 and decision_log_backups >= 1")
-        for name in ("max_engines", "max_learner_keys", "max_pending_per_engine"):
+        for name in (
+            "max_engines",
+            "max_learner_keys",
+            "max_pending_per_engine",
+            "max_pending_bytes_per_engine",
+            "max_pending_bytes",
+            "max_table_bytes_per_engine",
+            "max_stream_queue_bytes",
+        ):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 1024 <= self.max_receive_bytes <= 1 << 30:

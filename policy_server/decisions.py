@@ -50,6 +50,7 @@ from policy_server.engines import (
     IssuedTable,
     KnownTable,
     PendingDecision,
+    context_bytes,
     step_number,
 )
 from policy_server.memory import OFFLOAD, RELOAD, MemoryController
@@ -266,6 +267,12 @@ class TableDecisions:
                 f"outside its table ({known.first_batch_size}.."
                 f"{known.first_batch_size + len(known.gammas) - 1})"
             )
+        size = context_bytes(step.context)
+        refusal = self.engines.pending_refusal(shard, size)
+        if refusal:  # over a byte budget: nothing committed, nothing to learn from
+            self.metrics.child(self.metrics.budget_refusals, "pending").inc()
+            self.metrics.steps.count(TABLE_STEPS, ("refused",))
+            return f"ran step {step.decision_id}: {refusal}; not learned from"
         known.mark_run(number)
         active = self.activation.active
         if entry is None:
@@ -289,7 +296,7 @@ class TableDecisions:
         self.metrics.steps.count(TABLE_STEPS, (result,))
         if step.gamma != choice.gamma:  # the engine clamped it
             choice = dataclasses.replace(choice, gamma=step.gamma)
-        pending = PendingDecision(step.context, choice, known.revision, known.gamma_max)
+        pending = PendingDecision(step.context, choice, known.revision, known.gamma_max, size)
         self.engines.add_pending(shard, step.decision_id, pending)
         self._count_decision(step.decision_id, pending)
         return ""

@@ -38,11 +38,69 @@ class Bounds:
     max_learner_keys: int = 256
     # Decisions awaiting their outcome, per engine; an engine has two or three in flight.
     max_pending_per_engine: int = 64
+    # Bytes the contexts of an engine's pending decisions may take (context_bytes): a
+    # context with every per-request section at its bound takes ~10 MB, so three such.
+    max_pending_bytes_per_engine: int = 32 << 20
+    # The same for all engines together: a few hosts' worth of large engines.
+    max_pending_bytes: int = 512 << 20
+    # Bytes an engine's kept decision tables may take (table_bytes): a per-request table
+    # of 4,096 requests takes ~0.3 MB; past it the oldest are no longer kept (their steps
+    # are still learned from, as "late").
+    max_table_bytes_per_engine: int = 4 << 20
 
     def __post_init__(self) -> None:
-        for name in ("max_engines", "max_learner_keys", "max_pending_per_engine"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
+        for name in dataclasses.fields(self):
+            if getattr(self, name.name) < 1:
+                raise ValueError(f"{name.name} must be >= 1")
+
+    def pending_refusal(self, size: int, engine_held: int, total_held: int) -> str:
+        """Why a pending decision whose context takes ``size`` bytes cannot be held by an
+        engine holding ``engine_held`` of the ``total_held`` bytes of all ("" when it can:
+        the engine's own older ones are evicted to make room)."""
+        if size > self.max_pending_bytes_per_engine:
+            return (
+                f"its context takes ~{size:,} bytes, more than the "
+                f"{self.max_pending_bytes_per_engine:,} an engine's pending decisions may "
+                "take (max_pending_bytes_per_engine in the server's config file)"
+            )
+        if total_held - engine_held + size > self.max_pending_bytes:
+            return (
+                f"its context takes ~{size:,} bytes and other engines' pending decisions "
+                f"hold ~{total_held - engine_held:,} of the {self.max_pending_bytes:,} "
+                "all may take (max_pending_bytes in the server's config file)"
+            )
+        return ""
+
+
+# What a held StepContext costs in memory, estimated from counts and lengths (the Python
+# objects wire.context_from_pb makes: measured with tracemalloc, within a few %), never
+# by walking its objects: a context, each per-request section, each character of its
+# request id, each recent_accepts entry.
+CONTEXT_BYTES = 1024
+REQUEST_BYTES = 176
+RECENT_ACCEPT_BYTES = 8
+# A kept decision table, each of its entries, each request γ of a per-request choice; a
+# table only remembered (KnownTable), with its γ bytes.
+TABLE_BYTES = 512
+TABLE_ENTRY_BYTES = 120
+REQUEST_GAMMA_BYTES = 64
+KNOWN_TABLE_BYTES = 320
+
+
+def context_bytes(ctx: StepContext) -> int:
+    """The estimated bytes ``ctx`` holds (its per-request sections are most of it)."""
+    if not ctx.requests:
+        return CONTEXT_BYTES
+    ids = sum(len(request.request_id) for request in ctx.requests)
+    accepts = sum(len(request.recent_accepts) for request in ctx.requests)
+    return CONTEXT_BYTES + REQUEST_BYTES * len(ctx.requests) + ids + RECENT_ACCEPT_BYTES * accepts
+
+
+def table_bytes(table: IssuedTable) -> int:
+    """The estimated bytes a kept ``table`` holds (its choices are shared by sizes)."""
+    distinct = {id(choice): choice for choice, _ in table.entries}.values()
+    gammas = sum(len(choice.request_gammas) for choice in distinct)
+    return TABLE_BYTES + TABLE_ENTRY_BYTES * len(table.entries) + REQUEST_GAMMA_BYTES * gammas
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -51,6 +109,8 @@ class PendingDecision:
     choice: Choice
     revision: int
     gamma_max: int
+    # context_bytes(ctx), counted in the byte budgets while it is held.
+    size: int = CONTEXT_BYTES
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -146,6 +206,11 @@ class EngineShard:
     # How the engine runs speculation, as its last context said (GetState's engines_json).
     runtime: EngineRuntime | None = None
     min_draft_passes: int = 0
+    # Estimated bytes of its pending decisions' contexts, and of its tables (kept and known).
+    pending_bytes: int = 0
+    table_bytes: int = 0
+    # Estimated bytes of each kept table (table_bytes), by table id.
+    kept_sizes: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def saw(self, ctx: StepContext) -> None:
         if ctx.runtime is not None:
@@ -166,6 +231,24 @@ class EngineTable:
         self._lock = threading.Lock()
         self._shards: collections.OrderedDict[str, EngineShard] = collections.OrderedDict()
         self._learner_keys: collections.OrderedDict[str, None] = collections.OrderedDict()
+        # Estimated bytes all engines hold in pending decisions and in tables (the shards'
+        # sums), changed under _held_lock from any engine's thread.
+        self._held_lock = threading.Lock()
+        self.pending_bytes = 0
+        self.table_bytes = 0
+
+    def _hold(self, pending: int = 0, tables: int = 0) -> None:
+        with self._held_lock:
+            self.pending_bytes += pending
+            self.table_bytes += tables
+
+    def _release(self, shards: list[EngineShard]) -> None:
+        """What shards no longer held held."""
+        if shards:
+            self._hold(
+                pending=-sum(s.pending_bytes for s in shards),
+                tables=-sum(s.table_bytes for s in shards),
+            )
 
     def get(self, engine_id: str) -> EngineShard | None:
         return self._shards.get(engine_id)
@@ -187,20 +270,20 @@ class EngineTable:
         """The engine's shard, created when new and marked most recently used; with the
         engines and learner keys evicted to make room (the caller forgets their policy
         state)."""
-        evicted: list[str] = []
+        evicted: list[EngineShard] = []
         with self._lock:
             shard = self._shards.get(engine_id)
             if shard is None:
                 shard = self._shards[engine_id] = EngineShard(engine_id)
                 while len(self._shards) > self.bounds.max_engines:
-                    _, old = self._shards.popitem(last=False)
-                    evicted.append(old.engine_id)
+                    evicted.append(self._shards.popitem(last=False)[1])
             else:
                 self._shards.move_to_end(engine_id)
             shard.last_seen = time.perf_counter()
         if evicted:
+            self._release(evicted)
             self._count(ENGINE, len(evicted))
-        return shard, evicted
+        return shard, [old.engine_id for old in evicted]
 
     def use_learner_key(self, key: str) -> list[str]:
         """Mark ``key`` most recently used; the keys evicted to stay within the bound."""
@@ -220,31 +303,70 @@ class EngineTable:
 
     def remove(self, engine_id: str) -> EngineShard | None:
         with self._lock:
-            return self._shards.pop(engine_id, None)
+            shard = self._shards.pop(engine_id, None)
+        if shard is not None:
+            self._release([shard])
+        return shard
 
     def clear(self) -> None:
         with self._lock:
+            shards = list(self._shards.values())
             self._shards.clear()
             self._learner_keys.clear()
+        self._release(shards)
+
+    def pending_refusal(self, shard: EngineShard, size: int) -> str:
+        """Under the shard's lock: why a decision whose context takes ``size`` bytes
+        cannot await its outcome ("" when it can; Bounds.pending_refusal)."""
+        return self.bounds.pending_refusal(size, shard.pending_bytes, self.pending_bytes)
 
     def add_pending(self, shard: EngineShard, decision_id: str, pending: PendingDecision) -> None:
-        """Under the shard's lock: a committed decision awaits its outcome."""
+        """Under the shard's lock: a committed decision awaits its outcome; the engine's
+        oldest go (evicted, counted) past its count and byte bounds, and while all
+        engines' pending decisions are past theirs (pending_refusal was asked first)."""
+        bounds = self.bounds
         shard.pending[decision_id] = pending
-        if len(shard.pending) > self.bounds.max_pending_per_engine:
-            shard.pending.popitem(last=False)
-            self._count(PENDING, 1)
+        shard.pending_bytes += pending.size
+        self._hold(pending=pending.size)
+        evicted = 0
+        while len(shard.pending) > 1 and (
+            len(shard.pending) > bounds.max_pending_per_engine
+            or shard.pending_bytes > bounds.max_pending_bytes_per_engine
+            or self.pending_bytes > bounds.max_pending_bytes
+        ):
+            _, old = shard.pending.popitem(last=False)
+            shard.pending_bytes -= old.size
+            self._hold(pending=-old.size)
+            evicted += 1
+        if evicted:
+            self._count(PENDING, evicted)
 
     def take_pending(self, shard: EngineShard, decision_id: str) -> None:
-        del shard.pending[decision_id]
+        pending = shard.pending.pop(decision_id)
+        shard.pending_bytes -= pending.size
+        self._hold(pending=-pending.size)
 
     def keep_table(self, shard: EngineShard, table_id: str, table: IssuedTable) -> None:
-        """Under the shard's lock: remember a table issued to the engine."""
+        """Under the shard's lock: remember a table issued to the engine; the oldest kept
+        go past KEPT_TABLES or the engine's table bytes (the newest is always kept), the
+        oldest remembered past KNOWN_TABLES."""
+        size = table_bytes(table)
+        known = KnownTable.of(table)
+        held = size + KNOWN_TABLE_BYTES + len(known.gammas)
         shard.tables[table_id] = table
-        shard.known_tables[table_id] = KnownTable.of(table)
-        while len(shard.tables) > KEPT_TABLES:
-            shard.tables.popitem(last=False)
+        shard.kept_sizes[table_id] = size
+        shard.known_tables[table_id] = known
+        while len(shard.tables) > 1 and (
+            len(shard.tables) > KEPT_TABLES
+            or sum(shard.kept_sizes.values()) > self.bounds.max_table_bytes_per_engine
+        ):
+            dropped, _ = shard.tables.popitem(last=False)
+            held -= shard.kept_sizes.pop(dropped)
         while len(shard.known_tables) > KNOWN_TABLES:
-            shard.known_tables.popitem(last=False)
+            _, old = shard.known_tables.popitem(last=False)
+            held -= KNOWN_TABLE_BYTES + len(old.gammas)
+        shard.table_bytes += held
+        self._hold(tables=held)
 
     def seen_since(self, since: float) -> int:
         """Engines seen at or after ``since`` (perf_counter)."""

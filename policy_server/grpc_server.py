@@ -125,6 +125,8 @@ class StreamLimits:
 
     max_streams: int = config.DEFAULT_MAX_STREAMS
     idle_timeout_s: float = config.DEFAULT_STREAM_IDLE_TIMEOUT_S
+    # Bytes of requests one stream reads ahead of its answers (one request at least).
+    max_queue_bytes: int = config.DEFAULT_MAX_STREAM_QUEUE_BYTES
 
 
 class _Servicer:
@@ -184,7 +186,14 @@ class _StreamInbox:
         self,
         requests: AsyncIterator[Received],
         idle_timeout_s: float = config.DEFAULT_STREAM_IDLE_TIMEOUT_S,
+        max_queue_bytes: int = config.DEFAULT_MAX_STREAM_QUEUE_BYTES,
+        on_full: Callable[[], None] = lambda: None,
     ) -> None:
+        # Bytes of the requests queued (as received); past max_queue_bytes the reader
+        # stops as past MAX_READ_AHEAD, and on_full counts it.
+        self.queued_bytes = 0
+        self._max_queue_bytes = max_queue_bytes
+        self._on_full = on_full
         self._queue: collections.deque[Received | _PolicyNotice] = collections.deque()
         self.loop = asyncio.get_running_loop()
         self._idle_timeout_s = idle_timeout_s
@@ -200,8 +209,14 @@ class _StreamInbox:
             async for request in requests:
                 self._last_request = self.loop.time()
                 self._queue.append(request)
+                self.queued_bytes += request.size
                 self._arrived.set()
-                while len(self._queue) >= self.MAX_READ_AHEAD:
+                if self.queued_bytes >= self._max_queue_bytes:
+                    self._on_full()
+                while (
+                    len(self._queue) >= self.MAX_READ_AHEAD
+                    or self.queued_bytes >= self._max_queue_bytes
+                ):
                     self._room.clear()
                     await self._room.wait()
         except BaseException as exc:  # the call's end (cancelled, broken): the handler's too
@@ -232,7 +247,10 @@ class _StreamInbox:
                 if not self._queue and not self._ended:
                     raise StreamIdle(self._idle_timeout_s) from None
         self._room.set()
-        return self._queue.popleft()
+        item = self._queue.popleft()
+        if isinstance(item, Received):
+            self.queued_bytes -= item.size
+        return item
 
     def superseded(self, request: policy_pb2.StepRequest) -> bool:
         """Whether a newer context of the same engine already waits behind ``request``
@@ -274,6 +292,7 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):  # type: ignore[mis
         self._subscribers: set[_StreamInbox] = set()
         self._subscribers_lock = threading.Lock()
         service.on_activate(self._notify_streams)
+        service.metrics.watch_bytes("stream_queues", self._queued_bytes)
         # Heavy requests' parse and step (HEAVY_REQUEST_BYTES), off the loop.
         self._heavy = futures.ThreadPoolExecutor(
             max_workers=HEAVY_STEP_THREADS, thread_name_prefix="heavy-step"
@@ -284,6 +303,11 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):  # type: ignore[mis
             inboxes = tuple(self._subscribers)
         for inbox in inboxes:
             inbox.loop.call_soon_threadsafe(inbox.notify, active.version)
+
+    def _queued_bytes(self) -> int:
+        """Bytes the open streams hold read ahead (nightjar_bytes_held{stream_queues})."""
+        with self._subscribers_lock:
+            return sum(inbox.queued_bytes for inbox in self._subscribers)
 
     def _subscribe(self, inbox: _StreamInbox) -> None:
         with self._subscribers_lock:
@@ -326,7 +350,10 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):  # type: ignore[mis
     async def _serve(
         self, request_iterator: AsyncIterator[Received]
     ) -> AsyncIterator[policy_pb2.StepReply]:
-        inbox = _StreamInbox(request_iterator, self._limits.idle_timeout_s)
+        full = self.service.metrics.child(self.service.metrics.budget_refusals, "stream_queues")
+        inbox = _StreamInbox(
+            request_iterator, self._limits.idle_timeout_s, self._limits.max_queue_bytes, full.inc
+        )
         self._subscribe(inbox)
         try:
             while (received := await inbox.next()) is not None:

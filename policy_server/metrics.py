@@ -122,6 +122,10 @@ class RequestModes:
         yield family
 
 
+# nightjar_bytes_held{structure} and nightjar_byte_budget_refusals_total{structure}.
+BYTE_STRUCTURES = ("pending", "tables", "stream_queues", "plan_cache", "request_records")
+
+
 def batch_bucket(batch_size: int) -> int:
     """Index into BATCH_BUCKETS of a batch size (≥ 1)."""
     return min(max(batch_size, 1).bit_length() - 1, len(BATCH_BUCKETS) - 1)
@@ -255,6 +259,28 @@ class Metrics:
             "stream_idle_timeout_s; the plugin opens a new one.",
             registry=r,
         )
+        self.bytes_held = Gauge(
+            "nightjar_bytes_held",
+            'Estimated bytes held for clients, by structure (docs/OPERATIONS.md, "Bounded '
+            'memory"): pending (decisions awaiting their outcome, their contexts), tables '
+            "(decision tables issued, kept until their steps are reported), stream_queues "
+            "(requests read ahead of their answers), plan_cache (per-request plan searches "
+            "cached), request_records (per-request acceptance records). Each has a byte "
+            "budget; estimated from counts and lengths, not measured.",
+            ["structure"],
+            registry=r,
+        )
+        self.budget_refusals = Counter(
+            "nightjar_byte_budget_refusals",
+            "What was refused or not kept because its structure's byte budget was full, by "
+            "structure (pending: a ran step not learned from; stream_queues: a stream's "
+            "read-ahead paused).",
+            ["structure"],
+            registry=r,
+        )
+        for structure in BYTE_STRUCTURES:
+            self.bytes_held.labels(structure)
+            self.budget_refusals.labels(structure)
         for kind in ("engine", "learner_key", "pending"):
             self.evictions.labels(kind)
         # Zero series from the start, so that increase() sees the first failure.
@@ -278,6 +304,10 @@ class Metrics:
         if found is None:
             found = self._children[key] = metric.labels(*labels)
         return found
+
+    def watch_bytes(self, structure: str, held: Callable[[], float]) -> None:
+        """nightjar_bytes_held{structure} read from ``held()`` at each scrape."""
+        self.bytes_held.labels(structure).set_function(held)
 
     def count_evictions(self, kind: str, count: int) -> None:
         self.evictions.labels(kind).inc(count)

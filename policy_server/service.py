@@ -38,6 +38,7 @@ from policy_server.engines import Bounds, EngineTable
 from policy_server.memory import MemoryController, MemoryParams
 from policy_server.metrics import Metrics
 from policy_server.policies import DEFAULT_POLICY, REGISTRY
+from policy_server.policies.per_request import RECORD_BYTES, plan_cache_bytes
 from policy_server.state_store import StateStore, StateView
 
 __all__ = [
@@ -156,6 +157,12 @@ class DecisionService:
         """The outcome of a step run_step ran (skipped, with the reason, when it does not
         fit its step or the step is no longer held)."""
         return self.table_step((), (outcome,), None)
+
+    def _request_records_bytes(self) -> int:
+        """Estimated bytes of the active policy's per-request records (RECORD_BYTES each,
+        an upper bound); 0 for a policy without them."""
+        count = getattr(self.activation.active.policy, "request_records", None)
+        return RECORD_BYTES * count() if callable(count) else 0
 
     def active_engines(self) -> int:
         """Engines that asked for a table within the last ``engine_idle_s`` (and were

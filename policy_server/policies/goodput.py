@@ -601,6 +601,10 @@ class GoodputModelPolicy(GoodputPooling, EngineStatePolicy[GoodputParams, Engine
             out[engine_id] = (view["mode"], view["reason"])
         return out
 
+    def request_records(self) -> int:
+        """Per-request records held, of all engines (the server's bytes gauge)."""
+        return sum(len(engine.requests) for engine in list(self._book.engines.values()))
+
     @staticmethod
     def trim_state(state: dict[str, Any], excess_bytes: int) -> str:
         """Lose what a snapshot can (base.trim_state): per-request records, least recently

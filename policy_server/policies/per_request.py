@@ -19,12 +19,14 @@ Pure numpy; nothing of engines or the wire.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import json
 import math
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -34,6 +36,9 @@ from policy_server.policies.models import FloatArray, verify_shape, with_attenti
 # Requests an engine keeps records of, whatever the idle bound: a client cannot make the
 # server hold an unbounded number (as dsde).
 MAX_REQUESTS = 4096
+# What a record costs at most (its dict entry, RequestRecord and a request id of the
+# longest length the sidecar accepts, 256): MAX_REQUESTS of them are ~1.9 MB an engine.
+RECORD_BYTES = 200 + 256
 
 IntArray = npt.NDArray[np.intp]
 
@@ -64,10 +69,60 @@ PlanPricer = Callable[[PlanRows, FloatArray], FloatArray]
 # Searches cached: an engine's batch size moves by a request or two a step, so the sizes
 # around it recur; few, because a size's rows grow as B·top² (its features 14 floats each).
 PLAN_ROWS_CACHED = 32
+# Bytes the cached searches may hold together (rows and their shape features): at B≈4,000
+# and Γmax 16 one search's are ~70 MB, so a count alone held gigabytes. One larger than
+# this is computed for its decision and not kept.
+PLAN_CACHE_BYTES = 128 << 20
+
+K = TypeVar("K")
+V = TypeVar("V")
 
 
-@functools.lru_cache(maxsize=PLAN_ROWS_CACHED)
+class _PlanCache(Generic[K, V]):
+    """Least recently used entries within PLAN_ROWS_CACHED entries and PLAN_CACHE_BYTES
+    (an entry's ``nbytes``); thread-safe (engines decide on several threads)."""
+
+    def __init__(self, nbytes: Callable[[V], int]) -> None:
+        self._nbytes = nbytes
+        self._entries: collections.OrderedDict[K, tuple[V, int]] = collections.OrderedDict()
+        self._lock = threading.Lock()
+        self.held = 0
+
+    def get(self, key: K, make: Callable[[], V]) -> V:
+        with self._lock:
+            found = self._entries.get(key)
+            if found is not None:
+                self._entries.move_to_end(key)
+                return found[0]
+        value = make()
+        size = self._nbytes(value)
+        if size > PLAN_CACHE_BYTES:
+            return value
+        with self._lock:
+            if key not in self._entries:
+                self._entries[key] = (value, size)
+                self.held += size
+            while len(self._entries) > PLAN_ROWS_CACHED or self.held > PLAN_CACHE_BYTES:
+                self.held -= self._entries.popitem(last=False)[1][1]
+        return value
+
+
+_ROWS: _PlanCache[tuple[int, int], PlanRows] = _PlanCache(
+    lambda rows: rows.caps.nbytes + rows.verified.nbytes
+)
+_SHAPES: _PlanCache[tuple[int, int, int], FloatArray] = _PlanCache(lambda shape: shape.nbytes)
+
+
+def plan_cache_bytes() -> int:
+    """Bytes the cached plan searches hold (nightjar_bytes_held{structure="plan_cache"})."""
+    return _ROWS.held + _SHAPES.held
+
+
 def plan_rows(batch: int, top: int) -> PlanRows:
+    return _ROWS.get((batch, top), lambda: _plan_rows(batch, top))
+
+
+def _plan_rows(batch: int, top: int) -> PlanRows:
     sizes = 1 + batch * np.arange(top + 1, dtype=np.intp)
     caps = np.repeat(np.arange(top + 1, dtype=np.intp), sizes)
     verified = (np.arange(caps.size) - (np.cumsum(sizes) - sizes)[caps]).astype(np.float64)
@@ -84,8 +139,12 @@ def plan_features(
     return with_attention(shape, attention, context_tokens)
 
 
-@functools.lru_cache(maxsize=PLAN_ROWS_CACHED)
 def _shape_features(rows: PlanRows, min_draft_passes: int) -> FloatArray:
+    key = (rows.batch, rows.top, min_draft_passes)
+    return _SHAPES.get(key, lambda: _make_shape_features(rows, min_draft_passes))
+
+
+def _make_shape_features(rows: PlanRows, min_draft_passes: int) -> FloatArray:
     passes = np.maximum(rows.caps, min_draft_passes).astype(np.float64)
     shape = verify_shape(rows.batch, passes, rows.verified)
     shape.flags.writeable = False
