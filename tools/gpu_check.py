@@ -436,7 +436,21 @@ class MemoryAgentClient:
 
 
 def status_dict(reply: Any) -> dict[str, Any]:
-    return {field.name: getattr(reply, field.name) for field in reply.DESCRIPTOR.fields}
+    """A message's fields as plain JSON-ready values (messages as dicts, repeated fields as
+    lists: MemoryStatus.pending_orders), numbers kept as numbers."""
+    from google.protobuf.message import Message
+
+    fields = {}
+    for field in reply.DESCRIPTOR.fields:
+        value = getattr(reply, field.name)
+        if isinstance(value, Message):
+            value = status_dict(value)
+        elif field.message_type is not None:
+            value = [status_dict(item) for item in value]
+        elif not isinstance(value, bool | int | float | str):  # repeated scalars
+            value = list(value)
+        fields[field.name] = value
+    return fields
 
 
 def swap_policy(target: str, token_file: str, name: str, params: Mapping[str, Any]) -> None:

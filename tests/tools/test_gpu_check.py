@@ -162,3 +162,22 @@ def test_a_verdict_is_one_line() -> None:
     line = Verdict("FAIL", "eagle3", "lossless", f"the reference engine failed: {error}").line()
     assert "\n" not in line
     assert line.startswith("FAIL eagle3 lossless: the reference engine failed: ValidationError")
+
+
+def test_a_memory_status_becomes_plain_json_with_its_pending_orders() -> None:
+    """The memory phase writes the agent's statuses into its JSON result: repeated
+    fields (pending_orders, cancelled ids) as lists, numbers as numbers."""
+    from nightjar_proto.v1 import memory_pb2
+
+    from tools.gpu_check import status_dict
+
+    reply = memory_pb2.CancelOrderResponse(
+        cancelled_order_ids=[4],
+        status=memory_pb2.MemoryStatus(
+            offloads=2,
+            pending_orders=[memory_pb2.PendingOrder(order_id=3, action="reload_draft")],
+        ),
+    )
+    document = json.loads(json.dumps(status_dict(reply)))
+    assert document["cancelled_order_ids"] == [4] and document["status"]["offloads"] == 2
+    assert document["status"]["pending_orders"][0]["action"] == "reload_draft"
