@@ -6,7 +6,8 @@ Real-World Serving", arXiv:2509.01083), section III:
 
 - a calibration phase (the engine's first ``calibration_steps`` steps, run at the largest
   feasible γ) gives SL_max = SL_A,max · (1 + μ_KLD,pre / (KLD_pre,max + ε)) (eq. 1), with
-  SL_A,max the most tokens any request accepted in one step;
+  SL_A,max the most tokens any request accepted in one step (here over every step since,
+  as the paper calibrates each generation);
 - per sequence, the weighted variance of its recent KL divergences (weights δ^{i−1},
   δ = 0.85, i = 1 the latest; eqs. 5–7) over a short window (10 steps) against a long one
   (30): WVIR = Var_w(short) / Var_w(long) (eq. 4); SF = exp(2 · μ_KLD,last) − 1 (eq. 3);
@@ -158,11 +159,14 @@ class DsdePolicy(ParamsPolicy[DsdeParams], CheckpointedDecide, StatePerEngine):
         calibration = engine.calibration
         if calibration.steps < p.calibration_steps:
             calibration.steps += 1
-            calibration.max_accepted = max(calibration.max_accepted, *outcome.request_accepts, 0)
-            seen = signals or list(engine.batch)[-1:]
-            calibration.disagreement_sum += sum(seen)
-            calibration.disagreement_count += len(seen)
-            calibration.disagreement_max = max(calibration.disagreement_max, *seen, 0.0)
+        # Eq. 1's statistics from every step, not the first few alone: the paper calibrates
+        # each generation, and an engine's first steps (often one request, which may accept
+        # nothing) would otherwise fix SL_max for its whole life (docs/POLICIES.md, "dsde").
+        calibration.max_accepted = max(calibration.max_accepted, *outcome.request_accepts, 0)
+        seen = signals or list(engine.batch)[-1:]
+        calibration.disagreement_sum += sum(seen)
+        calibration.disagreement_count += len(seen)
+        calibration.disagreement_max = max(calibration.disagreement_max, *seen, 0.0)
         if not ctx.requests:
             return
         # The requests of this step keep their histories; others are dropped (finished).

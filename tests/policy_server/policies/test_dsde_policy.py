@@ -137,3 +137,17 @@ def test_state_round_trips_and_a_malformed_one_is_refused() -> None:
         policy().load_state(bad)
     with pytest.raises(PolicyError):
         policy(sl_min=9)
+
+
+def test_an_engine_whose_first_steps_accepted_nothing_still_learns_sl_max() -> None:
+    """Eq. 1's statistics keep counting after the calibration phase: first steps of one
+    request that rejected every draft (SL_A,max 0, SL_max 0) no longer pin every request
+    at SL_min for the engine's life (the simulator's mixed runs did: docs/POLICIES.md)."""
+    made = policy()
+    for i in range(CALIBRATION):
+        run(made, step(i, {"cold": None}, {"cold": 0}), (0,))
+    for i in range(CALIBRATION, CALIBRATION + 40):
+        run(made, step(i, {"warm": 0.5}, {"warm": 2}), (2,))
+    assert made.state("e")["engines"]["e"]["calibration"]["max_accepted"] == 2
+    # SL_max = 2 · (1 + 0.56 / 1.0): a steady request gets 3, above SL_min.
+    assert made.decide(step(100, {"warm": 0.5}, {"warm": 2})).gamma == 3
