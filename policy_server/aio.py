@@ -5,6 +5,7 @@ handle that drives the loop's server from other threads."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -40,23 +41,82 @@ class ThreadContext:
         raise _Aborted(code, details)
 
 
+@dataclasses.dataclass(slots=True)
+class Deferred:
+    """A large request as received: its bytes, parsed on the thread that serves it (a
+    Restore of tens of MB would hold the loop, and the GIL, for as long as it parses)."""
+
+    method: str
+    data: bytes
+    parse: Callable[[bytes], Any]
+    # What the audit logs of it (audit.describe of the parsed request), set once parsed.
+    described: dict[str, Any] | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Serialized:
+    """A reply serialized on the thread that built it: the loop only sends its bytes."""
+
+    data: bytes
+
+
+def deferring(method: str, parse: Callable[[bytes], Any], threshold: int) -> Callable[[bytes], Any]:
+    """A request deserializer that parses requests up to ``threshold`` bytes on the loop
+    and defers larger ones (Deferred) to the servicer's thread (InThreads)."""
+
+    def deserialize(data: bytes) -> Any:
+        return Deferred(method, data, parse) if len(data) > threshold else parse(data)
+
+    return deserialize
+
+
+def serializing(serialize: Callable[[Any], bytes]) -> Callable[[Any], bytes]:
+    """A response serializer that passes a Serialized reply's bytes on as they are."""
+
+    def serialized(reply: Any) -> bytes:
+        return reply.data if isinstance(reply, Serialized) else serialize(reply)
+
+    return serialized
+
+
 class InThreads:
     """A synchronous servicer's unary methods as coroutines that run them in the loop's
-    thread pool (admin calls write snapshots and copy learned state: not on the loop)."""
+    thread pool (admin calls write snapshots and copy learned state: not on the loop); a
+    Deferred request is parsed there too, and described with ``describe`` for the audit."""
 
-    def __init__(self, servicer: Any) -> None:
+    def __init__(
+        self, servicer: Any, describe: Callable[[Any], dict[str, Any]] = lambda request: {}
+    ) -> None:
         self._servicer = servicer
+        self._describe = describe
 
     def __getattr__(self, name: str) -> Callable[[Any, Any], Awaitable[Any]]:
         method = getattr(self._servicer, name)
 
+        def run(request: Any, context: ThreadContext) -> Any:
+            if isinstance(request, Deferred):
+                request = self._parsed(request)
+            return method(request, context)
+
         async def handler(request: Any, context: Any) -> Any:
             try:
-                return await asyncio.to_thread(method, request, ThreadContext(context))
+                return await asyncio.to_thread(run, request, ThreadContext(context))
             except _Aborted as aborted:
                 await context.abort(aborted.code, aborted.details)
 
         return handler
+
+    def _parsed(self, deferred: Deferred) -> Any:
+        try:
+            request = deferred.parse(deferred.data)
+        except Exception as exc:  # protobuf raises DecodeError and others
+            marker = decode_guard.Undecodable(str(exc) or type(exc).__name__)
+            deferred.described = {"undecodable": True}
+            raise _Aborted(
+                grpc.StatusCode.INVALID_ARGUMENT, decode_guard.describe(deferred.method, marker)
+            ) from None
+        deferred.described = self._describe(request)
+        return request
 
 
 class WrappingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]

@@ -22,7 +22,7 @@ import grpc
 from google.protobuf import json_format
 
 from nightjar_common import decode_guard
-from policy_server.aio import WrappingInterceptor
+from policy_server.aio import Deferred, WrappingInterceptor
 
 log = logging.getLogger("nightjar.audit")
 
@@ -104,6 +104,8 @@ def describe(request: Any) -> dict[str, Any]:
     """A request's fields (set ones only), long strings as their length."""
     if isinstance(request, decode_guard.Undecodable):
         return {"undecodable": True}
+    if isinstance(request, Deferred):  # described on its thread once parsed
+        return request.described or {"bytes": len(request.data)}
     fields = json_format.MessageToDict(request, preserving_proto_field_name=True)
     return {
         key: f"<{len(value)} characters>"

@@ -42,8 +42,15 @@ from nightjar_common.errors import (
 from nightjar_common.sidecar_stream import STREAM_END_IDLE, STREAM_END_KEY
 from nightjar_common.types import StepOutcome
 from policy_server import config
-from policy_server.aio import AioDecodeGuard, InThreads, LoopServer
-from policy_server.audit import AdminAudit
+from policy_server.aio import (
+    AioDecodeGuard,
+    InThreads,
+    LoopServer,
+    Serialized,
+    deferring,
+    serializing,
+)
+from policy_server.audit import AdminAudit, describe
 from policy_server.message_limits import Bound, MessageLimits
 from policy_server.metrics import Metrics
 from policy_server.policies import PolicyError, parse_params_json
@@ -485,7 +492,6 @@ class AdminServicer(_Servicer, admin_pb2_grpc.AdminServiceServicer):  # type: ig
             policy_name=view.policy_name,
             policy_version=view.policy_version,
             params_json=json.dumps(view.params, sort_keys=True),
-            state_json=state_json,
             decisions_total=view.decisions_total,
             reports_total=view.reports_total,
             engine_ids=view.engine_ids,
@@ -494,7 +500,11 @@ class AdminServicer(_Servicer, admin_pb2_grpc.AdminServiceServicer):  # type: ig
             engines_json=json.dumps(view.engines, sort_keys=True),
             fleet_json=json.dumps(view.fleet, sort_keys=True),
         )
-        size = reply.ByteSize()
+        # state_json (field 4) framed by hand, an MB at a time: a state of tens of MB as
+        # one string would hold the GIL in protobuf's C for each copy, and the loop would
+        # serialize it; the loop only sends these bytes.
+        parts = [reply.SerializeToString(), *_string_field(4, state_json)]
+        size = sum(map(len, parts))
         if size > self._max_reply_bytes:
             self._abort(
                 "GetState",
@@ -506,7 +516,7 @@ class AdminServicer(_Servicer, admin_pb2_grpc.AdminServiceServicer):  # type: ig
                 "for engine ids and runtimes): ask for one engine (engine_id, nightjarctl "
                 "state --engine)",
             )
-        return reply
+        return Serialized(b"".join(parts))
 
     def _holds_token(self, context: grpc.ServicerContext) -> bool:
         """Whether a read-only call may read the whole state: no admin token is configured,
@@ -587,6 +597,50 @@ class AdminServicer(_Servicer, admin_pb2_grpc.AdminServiceServicer):  # type: ig
             "Reset", context, lambda: self.service.reset(request.engine_id or None)
         )
         return admin_pb2.ResetResponse(policy_version=active.version)
+
+
+# Characters of a long string field encoded at a time (_string_field).
+ENCODE_CHUNK = 1 << 20
+
+
+def _string_field(number: int, text: str) -> list[bytes]:
+    """A protobuf string field in parts, as SerializeToString writes it: its tag, length
+    and UTF-8 bytes, encoded a chunk at a time (each a short hold of the GIL)."""
+    chunks = [text[i : i + ENCODE_CHUNK].encode() for i in range(0, len(text), ENCODE_CHUNK)]
+    if not chunks:
+        return []
+    return [_varint(number << 3 | 2), _varint(sum(map(len, chunks))), *chunks]
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def add_admin_service(servicer: InThreads, server: Any) -> None:
+    """The AdminService with requests over HEAVY_REQUEST_BYTES parsed on the admin threads
+    (Deferred) and replies they serialized sent as they are (Serialized): what the
+    generated add_AdminServiceServicer_to_server does on the loop."""
+    service = admin_pb2.DESCRIPTOR.services_by_name["AdminService"]
+    handlers = {}
+    for method in service.methods:
+        request_type = getattr(admin_pb2, method.input_type.name)
+        reply_type = getattr(admin_pb2, method.output_type.name)
+        handlers[method.name] = grpc.unary_unary_rpc_method_handler(
+            getattr(servicer, method.name),
+            request_deserializer=deferring(
+                f"/{ADMIN_SERVICE}/{method.name}", request_type.FromString, HEAVY_REQUEST_BYTES
+            ),
+            response_serializer=serializing(reply_type.SerializeToString),
+        )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(ADMIN_SERVICE, handlers),)
+    )
+    server.add_registered_method_handlers(ADMIN_SERVICE, handlers)
 
 
 def _swap_response(active: ActivePolicy) -> admin_pb2.SwapPolicyResponse:
@@ -706,8 +760,7 @@ def build_server(
             interceptors=[AdminAudit(ADMIN_SERVICE), limits, AioDecodeGuard()],
         )
         add_policy_service(PolicyServicer(service, streams), server)
-        admin = InThreads(AdminServicer(service, admin_token))
-        admin_pb2_grpc.add_AdminServiceServicer_to_server(admin, server)
+        add_admin_service(InThreads(AdminServicer(service, admin_token), describe), server)
         health_servicer = AioHealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         reflection.enable_server_reflection(

@@ -19,15 +19,18 @@ from typing import Any
 
 import grpc
 import pytest
-from nightjar_proto.v1 import policy_pb2
+from nightjar_proto.v1 import admin_pb2, policy_pb2
 
 from nightjar_common import wire
 from nightjar_common.sidecar_stream import SyncStream
 from nightjar_common.types import RequestSignals, StepContext
 from policy_server import grpc_server
+from policy_server.aio import Deferred, InThreads, Serialized, deferring
+from policy_server.audit import describe
 from policy_server.grpc_server import (
     GIL_SWITCH_INTERVAL_S,
     HEAVY_REQUEST_BYTES,
+    AdminServicer,
     PolicyServicer,
     Received,
     UndecodableRequest,
@@ -132,3 +135,56 @@ def test_a_restore_round_trips_its_state_an_entry_at_a_time() -> None:
     assert size == len(json.dumps(state, separators=(",", ":")))
     with pytest.raises(ValueError):
         round_trip({"engines": {"e": {"x": float("nan")}}})
+
+
+def test_a_large_admin_request_is_parsed_on_its_thread_and_described_there() -> None:
+    parse = admin_pb2.RestoreRequest.FromString
+    small = admin_pb2.RestoreRequest(path="snapshot.json").SerializeToString()
+    large = admin_pb2.RestoreRequest(snapshot_json="x" * HEAVY_REQUEST_BYTES).SerializeToString()
+    deserialize = deferring("/m/Restore", parse, HEAVY_REQUEST_BYTES)
+    assert isinstance(deserialize(small), admin_pb2.RestoreRequest)  # on the loop: cheap
+    deferred = deserialize(large)
+    assert isinstance(deferred, Deferred) and describe(deferred) == {"bytes": len(large)}
+    seen: list[tuple[str, int]] = []
+
+    class Servicer:
+        def Restore(self, request: admin_pb2.RestoreRequest, context: Any) -> str:
+            seen.append((threading.current_thread().name, len(request.snapshot_json)))
+            return "done"
+
+    class Context:
+        async def abort(self, code: grpc.StatusCode, details: str) -> None:
+            seen.append((code.name, len(details)))
+
+    restore = InThreads(Servicer(), describe).Restore
+
+    async def handler(request: Any, context: Any) -> Any:
+        return await restore(request, context)
+
+    loop_thread = threading.current_thread().name
+    assert asyncio.run(handler(deferred, Context())) == "done"
+    assert seen[0][0] != loop_thread and seen[0][1] == HEAVY_REQUEST_BYTES
+    assert describe(deferred) == {"snapshot_json": f"<{HEAVY_REQUEST_BYTES} characters>"}
+    garbage = deserialize(b"\xff" * (HEAVY_REQUEST_BYTES + 1))
+    asyncio.run(handler(garbage, Context()))
+    assert seen[1][0] == "INVALID_ARGUMENT" and describe(garbage) == {"undecodable": True}
+
+
+def test_get_state_is_answered_serialized_by_its_thread() -> None:
+    service = DecisionService("goodput")
+    service.table_step([], [], context("e", 0))
+    servicer = AdminServicer(service, None)
+
+    class Context:
+        def invocation_metadata(self) -> tuple[()]:
+            return ()
+
+    reply = servicer.GetState(admin_pb2.GetStateRequest(), Context())  # type: ignore[arg-type]
+    assert isinstance(reply, Serialized)
+    parsed = admin_pb2.GetStateResponse.FromString(reply.data)
+    assert json.loads(parsed.state_json) == service.state_view().state
+    assert parsed.policy_name == "goodput" and list(parsed.engine_ids) == ["e"]
+    assert grpc_server._string_field(4, "") == []
+    text = "é" * (grpc_server.ENCODE_CHUNK + 3)  # chunks split by characters, not bytes
+    field = b"".join(grpc_server._string_field(4, text))
+    assert admin_pb2.GetStateResponse.FromString(field).state_json == text
