@@ -17,6 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from nightjar_common import wire
+from nightjar_common.client import ClientConfig, NightjarClient
 from nightjar_common.types import StepContext
 from tests.policy_server.test_fleet import KEY, ctl, serve_steps
 from tests.rigs.redis_server import RedisRig
@@ -184,3 +185,42 @@ def test_garbage_in_redis_is_refused_and_counted(make_server: Any, rig: RedisRig
     )
     assert steps(a) == 20
     assert "fleet record of member 'mallory' refused (stats)" in a.log()
+
+
+def test_a_hung_redis_delays_no_decision(make_server: Any, rig: RedisRig) -> None:
+    """Redis stopped (SIGSTOP) for longer than the link's call timeout, while an engine's
+    client asks for a new table every step (its batch jumps out of the held one) with a
+    deadline: not one step falls back, before, during or after, and the link counts
+    its failed round."""
+    a = make_server(*fleet(rig, "a"), name="a")
+    serve_steps(a, "pod-a", 8)  # a learner to publish and merge
+    client = NightjarClient(
+        ClientConfig(target=a.target, engine_id="pod-q", deadline_s=0.5, connect_timeout_s=10)
+    )
+    try:
+        asked = 0
+
+        def run(steps: int) -> None:
+            nonlocal asked
+            for _ in range(steps):
+                batch = (2, 64)[asked % 2]  # every step outside the held table
+                decided = client.decide(
+                    StepContext("pod-q", batch, step_index=asked, learner_key=KEY)
+                )
+                assert decided.source == "sidecar", decided
+                asked += 1
+
+        run(10)
+        rig.pause()
+        try:
+            stalled_until = time.monotonic() + 5.0  # > the link's 2 s call timeout
+            while time.monotonic() < stalled_until:
+                run(5)
+        finally:
+            rig.resume()
+        failed = "a failed round"
+        wait_for(lambda: metric(a, "nightjar_fleet_errors_total", operation="publish") >= 1, failed)
+        run(10)
+        assert client.stats.fallbacks_total == 0
+    finally:
+        client.close()
