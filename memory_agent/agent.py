@@ -254,18 +254,22 @@ class MemoryAgent:
         if order.deadline is not None and order.deadline <= time.monotonic():
             raise DeadlineExceededError(f"{order.action.value}: its deadline has already passed")
         with self._lock:
-            if len(self._queue) >= self.max_queued:
-                if self.metrics is not None:
-                    self.metrics.refused["queue_full"].inc()
-                raise ResourceExhaustedError(
-                    f"{len(self._queue)} memory orders are queued, the most this engine "
-                    f"holds ({self.max_queued}): retry once they have run, or cancel some "
-                    "(CancelOrder)"
-                )
-            ticket = _Ticket(order, self._next_id)
-            self._next_id += 1
-            self._queue.append(ticket)
+            # A full queue first drops what has expired in it (its callers gave up).
+            stale = self._take_expired() if len(self._queue) >= self.max_queued else []
+            queued, ticket = len(self._queue), None
+            if queued < self.max_queued:
+                ticket = _Ticket(order, self._next_id)
+                self._next_id += 1
+                self._queue.append(ticket)
             self._queue_changed()
+        self._expire(stale)
+        if ticket is None:
+            if self.metrics is not None:
+                self.metrics.refused["queue_full"].inc()
+            raise ResourceExhaustedError(
+                f"{queued} memory orders are queued, the most this engine holds "
+                f"({self.max_queued}): retry once they have run, or cancel some (CancelOrder)"
+            )
         log.info(
             "nightjar memory: %s queued as order %d (%s%s)",
             order.action.value,
@@ -372,12 +376,7 @@ class MemoryAgent:
                 return None
             expired, ticket = self._pop_runnable()
             self._current = ticket
-        for stale in expired:
-            error = DeadlineExceededError(
-                f"{stale.order.action.value} (order {stale.order_id}) expired before the "
-                "engine reached a step boundary: its caller's deadline passed; it did not run"
-            )
-            self._end_unrun(stale, error, "expired")
+        self._expire(expired)
         if ticket is None:
             return None
         self._half_started = time.perf_counter()
@@ -397,6 +396,22 @@ class MemoryAgent:
             return None
         ticket.held_s += time.perf_counter() - self._half_started
         return work
+
+    def _take_expired(self) -> list[_Ticket]:
+        """Expired orders taken out of the queue (under the lock): a full queue makes room."""
+        now = time.monotonic()
+        expired = [t for t in self._queue if t.expired(now)]
+        for ticket in expired:
+            self._queue.remove(ticket)
+        return expired
+
+    def _expire(self, tickets: list[_Ticket]) -> None:
+        for stale in tickets:
+            error = DeadlineExceededError(
+                f"{stale.order.action.value} (order {stale.order_id}) expired before the "
+                "engine reached a step boundary: its caller's deadline passed; it did not run"
+            )
+            self._end_unrun(stale, error, "expired")
 
     def _pop_runnable(self) -> tuple[list[_Ticket], _Ticket | None]:
         """(expired orders taken out of the queue, the next order to run); under the lock."""

@@ -241,6 +241,22 @@ def test_the_order_queue_is_bounded_and_counts_refusals() -> None:
     assert metrics.queued._value.get() == 2
 
 
+def test_a_full_queue_makes_room_by_expiring_what_its_callers_gave_up() -> None:
+    agent = MemoryAgent(ENGINE_BLOCKS, 1024, 6 * 1024, max_queued=2)
+    soon = time.monotonic() + 0.05
+    stale = [
+        agent.submit(Order(Action.EXPAND_KV, target_kv_blocks=ENGINE_BLOCKS - 6, deadline=soon))
+        for _ in range(2)
+    ]
+    with pytest.raises(ResourceExhaustedError):
+        agent.submit(Order(Action.EXPAND_KV, target_kv_blocks=ENGINE_BLOCKS - 6))
+    stale[0].done.wait(0.1)  # nothing ends them but their deadline passing
+    time.sleep(0.06)
+    fresh = agent.submit(Order(Action.EXPAND_KV, target_kv_blocks=ENGINE_BLOCKS - 6))
+    assert all(isinstance(t.error, DeadlineExceededError) for t in stale)
+    assert [o.order_id for o in agent.status().pending_orders] == [fresh.order_id]
+
+
 def test_an_order_past_its_deadline_expires_unrun() -> None:
     engine = Engine()
     agent = engine.agent
