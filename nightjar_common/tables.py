@@ -33,6 +33,11 @@ USED_UP = "used_up"  # served valid_steps steps
 
 T = TypeVar("T")
 
+# A batch within this many sizes of a table's edge asks for the next table (the edge at
+# batch size 1 excepted): a batch that drifts leaves a table in a few steps, and the step
+# that left it would wait a round trip.
+EDGE_MARGIN = 2
+
 
 @dataclasses.dataclass(slots=True)
 class HeldTable:
@@ -53,9 +58,23 @@ class HeldTable:
     # time.monotonic() from which it serves no step: started + valid_ms (before its first
     # step, never, unless valid_ms says it is void).
     expires: float = dataclasses.field(init=False)
+    # Worked out once per table (by the thread installing it), not on each step: the batch
+    # sizes of its entries; the speculation state its entries serve (None: either); each
+    # entry's exploring flag; the sizes not near its edges (refresh_due).
+    sizes: range = dataclasses.field(init=False)
+    state: bool | None = dataclasses.field(init=False)
+    explores: tuple[bool, ...] = dataclasses.field(init=False)
+    inner: range = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
-        self.expires = math.inf if self.table.valid_ms > 0 else -math.inf
+        table = self.table
+        self.expires = math.inf if table.valid_ms > 0 else -math.inf
+        first, count = table.first_batch_size, len(table.gammas)
+        self.sizes = range(first, first + count)
+        self.state = None if table.any_speculation_state else table.speculation_off
+        self.explores = tuple(table.exploring[:count]) + (False,) * (count - len(table.exploring))
+        # The edge at batch size 1 excepted (no batch is smaller).
+        self.inner = range(first + (EDGE_MARGIN if first > 1 else 0), first + count - EDGE_MARGIN)
 
     def age_ms(self, now: float) -> float:
         return 0.0 if self.started is None else 1000.0 * (now - self.started)
@@ -63,13 +82,13 @@ class HeldTable:
     def index(self, batch_size: int, speculation_off: bool) -> int | str:
         """The entry for a step of ``batch_size`` (after a step at γ = 0 when
         ``speculation_off``), or why the table has none for it."""
-        table = self.table
-        index = batch_size - table.first_batch_size
-        if not 0 <= index < len(table.gammas):
+        sizes = self.sizes
+        if batch_size not in sizes:
             return OUT_OF_RANGE
-        if speculation_off != table.speculation_off and not table.any_speculation_state:
+        state = self.state
+        if state is not None and speculation_off != state:
             return OTHER_STATE
-        return index
+        return batch_size - sizes.start
 
 
 @dataclasses.dataclass(slots=True)
@@ -139,7 +158,7 @@ class TableCache:
             return USED_UP
         if now >= held.expires:
             return EXPIRED
-        exploring = table.exploring[index] if index < len(table.exploring) else False
+        exploring = held.explores[index]
         if exploring:
             if index in held.spent:
                 return SPENT
@@ -193,12 +212,6 @@ class LazyStep:
 AheadStep = NextStep | LazyStep
 
 
-# A batch within this many sizes of a table's edge asks for the next table (the edge at
-# batch size 1 excepted): a batch that drifts leaves a table in a few steps, and the step
-# that left it would wait a round trip.
-EDGE_MARGIN = 2
-
-
 def refresh_due(
     held: HeldTable | None,
     batch_size: int,
@@ -212,18 +225,12 @@ def refresh_due(
     served ``every_steps`` steps or is ``every_ms`` old, or will not answer that step (its
     batch size or speculation state is not the table's, or its entry explored already), or
     the step's batch size is near the table's edge."""
-    if held is None or held.uses >= every_steps:
+    if held is None or held.uses >= every_steps or batch_size not in held.inner:
+        return True  # no table, one that served its steps, or a size at or past its edge
+    state = held.state
+    if state is not None and speculation_off != state:
         return True
-    index = held.index(batch_size, speculation_off)
-    if isinstance(index, str):
-        return True
-    table = held.table
-    return (
-        index >= len(table.gammas) - EDGE_MARGIN
-        or (index < EDGE_MARGIN and table.first_batch_size > 1)
-        or index in held.spent
-        or held.age_ms(now) >= every_ms
-    )
+    return batch_size - held.sizes.start in held.spent or held.age_ms(now) >= every_ms
 
 
 class ReportSource(Protocol):

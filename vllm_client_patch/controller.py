@@ -9,11 +9,11 @@ back to the local table.
 
 The engine's thread does as little as a step needs: a step the held table answers is
 looked up and journaled (one tuple), a finished step journaled; the bookkeeping —
-contexts, the steps run and their outcomes for the sidecar, pairing each decision with
-the step that verified it, counters — is settled from the journal (step_journal.py) by
-whichever thread next needs it. After a forward pass has evicted the CPU caches, each
-object built on the engine's thread costs microseconds (docs/BENCHMARKS.md, "The engine
-thread's CPU").
+contexts (a per-request policy's request signals too), the steps run and their outcomes
+for the sidecar, pairing each decision with the step that verified it, counters — is
+settled from the journal (step_journal.py) by whichever thread next needs it. After a
+forward pass has evicted the CPU caches, each object built on the engine's thread costs
+microseconds (docs/BENCHMARKS.md, "The engine thread's CPU").
 """
 
 from __future__ import annotations
@@ -37,19 +37,17 @@ from nightjar_common.client import (
 )
 from nightjar_common.fallback import DEFAULT_SCHEDULE
 from nightjar_common.tables import LazyStep, NextStep
-from nightjar_common.types import (
-    EngineRuntime,
-    MemoryDirective,
-    RequestSignals,
-)
+from nightjar_common.types import EngineRuntime, MemoryDirective, RequestSignals
 from vllm_client_patch.config import PluginConfig
 from vllm_client_patch.metrics import PluginMetrics, Totals
 from vllm_client_patch.quantiles import DurationHistogram
 from vllm_client_patch.step_journal import (
+    NOTHING_VERIFIED,
     EngineView,
     StepContexts,
     StepJournal,
     VerifiedStep,
+    request_signals,
 )
 
 log = logging.getLogger(__name__)
@@ -72,11 +70,16 @@ class HookTime(NamedTuple):
 
     @classmethod
     def now(cls) -> HookTime:
-        return cls(time.perf_counter(), time.thread_time())
+        # The tuple built directly: a NamedTuple's own constructor is a Python call more.
+        return _new_tuple(cls, (time.perf_counter(), time.thread_time()))
 
     def elapsed(self) -> HookTime:
         """The span from this point to now."""
-        return HookTime(time.perf_counter() - self.wall, time.thread_time() - self.cpu)
+        wall, cpu = self
+        return _new_tuple(HookTime, (time.perf_counter() - wall, time.thread_time() - cpu))
+
+
+_new_tuple = tuple.__new__
 
 
 class GammaController:
@@ -124,16 +127,24 @@ class GammaController:
         # each flush).
         self._samples: collections.deque[tuple[float, float, float]] = collections.deque()
         self._hook_unexported: list[float] = []
-        self._hook_decide = HookTime()
+        # The decide hook's wall and CPU seconds of the step decided last.
+        self._decide_wall = self._decide_cpu = 0.0
         # Per-request policies (DSDE): whether the sidecar's policy reads per-request
-        # signals (as its last answer said), each request's accepted drafts in its last
-        # verification, and the per-request γ of the step decided last.
+        # signals (as its last answer said), the last step that verified named requests'
+        # drafts (their signals are built from it off the engine's thread), and the
+        # per-request γ of the step decided last.
         self._reads_request_signals = False
-        self._last_accepts: dict[str, int] = {}
+        self._last_verified = NOTHING_VERIFIED
         self._request_gammas: tuple[tuple[str, int], ...] = ()
         self._truncated = collections.Counter[str]()
         self._lock = threading.Lock()
         self.client.defer_reports_to(self.journal)
+        # Bound once: the engine's thread calls these every step.
+        self._take = self.client.take_from_table
+        self._ask_ahead = self.client.ask_ahead
+        self._record = self.journal.record
+        self._unsettled = self.journal.unsettled
+        self._build_named = self.contexts.build_named
         # The stats file and the metrics are written off the engine's thread: sorting the
         # samples for percentiles takes milliseconds, and both stay fresh while it idles.
         self._closed = threading.Event()
@@ -146,15 +157,10 @@ class GammaController:
 
     def _request_signals(self, view: EngineView) -> tuple[RequestSignals, ...]:
         """Each drafting request with the accepted drafts of its last verification (none
-        for a request that has not verified yet). No divergence: vLLM keeps no draft
-        distribution where the scheduler runs (docs/VLLM_PLUGIN.md, "Per-request γ")."""
-        last = self._last_accepts
-        return tuple(
-            RequestSignals(request_id, recent_accepts=(last[request_id],))
-            if request_id in last
-            else RequestSignals(request_id)
-            for request_id in view.request_ids
-        )
+        for a request that has not verified yet); () while the policy reads none."""
+        if not self._reads_request_signals:
+            return ()
+        return request_signals(view.request_ids, self._last_verified)
 
     @property
     def wants_request_ids(self) -> bool:
@@ -182,28 +188,29 @@ class GammaController:
         time counts the caller's own work (default: now).
         """
         started = HookTime.now() if started is None else started
-        batch_size = max(1, view.batch_size)
-        taken = self.client.take_from_table(batch_size, self._previous_gamma == 0)
+        batch_size = view.batch_size if view.batch_size > 1 else 1
+        previous = self._previous_gamma
+        taken = self._take(batch_size, previous == 0)
         if taken is None:  # no table, or not this step's: ask (or fall back)
             return self._decide_asking(view, started)
-        # The usual step: the held table answers it; its context is built off this thread
-        # unless a per-request policy needs this step's signals in it.
+        # The usual step: the held table answers it. Its context, and the next step's a
+        # refresh would carry, are built off this thread from the view and what the
+        # requests' signals come from (the step verified last, for a per-request policy).
         table = taken.held.table
-        step_index, previous = self._step_index, self._previous_gamma
-        ctx = (
-            self.contexts.build(view, step_index, previous, self._request_signals(view))
-            if self._reads_request_signals
-            else None
-        )
+        step_index = self._step_index
+        named = self._last_verified if self._reads_request_signals else None
         gamma = self._ran_gamma(taken.gamma, view)
         self._reads_request_signals = table.reads_request_signals
         self._request_gammas = table.request_gammas
-        self.journal.decided((view, step_index, previous, ctx, taken, gamma, started.wall))
-        self._opened(view, gamma, started)
-        requests = ctx.requests if ctx is not None else ()
-        after = functools.partial(self.contexts.build, view, step_index + 1, gamma, requests)
-        self.client.ask_ahead(LazyStep(batch_size, gamma == 0, after))
-        self._hook_decide = started.elapsed()
+        wall, cpu = started
+        self._record((view, step_index, previous, named, taken, gamma, wall))
+        self._open_steps.append(wall)
+        self._previous_gamma = gamma
+        self._last_view = view
+        after = functools.partial(self._build_named, view, step_index + 1, gamma, named)
+        self._ask_ahead(LazyStep(batch_size, gamma == 0, after))
+        self._decide_wall = time.perf_counter() - wall
+        self._decide_cpu = time.thread_time() - cpu
         return gamma
 
     def _decide_asking(self, view: EngineView, started: HookTime) -> int:
@@ -214,20 +221,20 @@ class GammaController:
         decides the next (else that table's posterior draw would be drawn again). Its own
         step is reported from the journal."""
         step_index, previous = self._step_index, self._previous_gamma
-        requests = self._request_signals(view) if self._reads_request_signals else ()
-        ctx = self.contexts.build(view, step_index, previous, requests)
+        ctx = self.contexts.build(view, step_index, previous, self._request_signals(view))
         decision = self.client.take(ctx, report_ran=False)
         gamma = self._ran_gamma(decision.gamma, view)
         reads = decision.reads_request_signals
         if reads is not None:  # a fallback says nothing of the sidecar's policy
             self._reads_request_signals = reads
         self._request_gammas = decision.request_gammas
-        self.journal.decided((view, step_index, previous, ctx, decision, gamma, started.wall))
+        self._record((view, step_index, previous, ctx, decision, gamma, started.wall))
         self._opened(view, gamma, started)
         # A new table for the next step, when the held one is due or will not answer it
         # (that step's context is then built off this thread).
         self.client.ask_ahead(NextStep(ctx, gamma))
-        self._hook_decide = started.elapsed()
+        decided = started.elapsed()
+        self._decide_wall, self._decide_cpu = decided.wall, decided.cpu
         return gamma
 
     @staticmethod
@@ -254,24 +261,24 @@ class GammaController:
         started = time.perf_counter()
         begun_cpu = time.thread_time()
         if verified.request_ids:  # a per-request policy's signals for the next step
-            self._last_accepts = dict(
-                zip(verified.request_ids, verified.request_accepts, strict=True)
-            )
-        journal = self.journal
-        journal.ended(verified, started)
-        if len(journal) >= 2 * REPORT_BATCH_OUTCOMES:
+            if len(verified.request_ids) != len(verified.request_accepts):
+                raise ValueError("a verified step names as many requests as it has accepts")
+            self._last_verified = verified
+        self._record((verified, started))
+        if self._unsettled() >= 2 * REPORT_BATCH_OUTCOMES:
             self.client.flush_soon()  # the sender settles them and sends their reports
-        if not self._open_steps:
+        open_steps = self._open_steps
+        if not open_steps:
             return  # nothing decided for this step (nothing sampled in it)
-        step_started = self._open_steps.popleft()
+        step_started = open_steps.popleft()
         self._step_index += 1
         ended = time.perf_counter()
         ended_cpu = time.thread_time()
-        decided, verified_in = self._hook_decide, hook or HookTime()
+        hook_wall, hook_cpu = (0.0, 0.0) if hook is None else hook
         self._samples.append(
             (
-                decided.wall + verified_in.wall + ended - started,
-                decided.cpu + verified_in.cpu + ended_cpu - begun_cpu,
+                self._decide_wall + hook_wall + ended - started,
+                self._decide_cpu + hook_cpu + ended_cpu - begun_cpu,
                 ended - step_started,
             )
         )

@@ -62,6 +62,25 @@ class VerifiedStep:
     request_ids: tuple[str, ...] = ()
 
 
+# The verified step before any: no request's accepts known yet.
+NOTHING_VERIFIED = VerifiedStep(0, 0, 0)
+
+
+def request_signals(
+    request_ids: tuple[str, ...], verified: VerifiedStep
+) -> tuple[RequestSignals, ...]:
+    """Each named request with its accepted drafts in ``verified`` (none for a request
+    that did not verify there). No divergence: vLLM keeps no draft distribution where the
+    scheduler runs (docs/VLLM_PLUGIN.md, "Per-request γ")."""
+    last = dict(zip(verified.request_ids, verified.request_accepts, strict=True))
+    return tuple(
+        RequestSignals(request_id, recent_accepts=(last[request_id],))
+        if request_id in last
+        else RequestSignals(request_id)
+        for request_id in request_ids
+    )
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class StepContexts:
     """Builds an engine's step contexts from a view and the engine's constants only, so
@@ -99,6 +118,18 @@ class StepContexts:
             requests=requests,
         )
 
+    def build_named(
+        self,
+        view: EngineView,
+        step_index: int,
+        previous_gamma: int | None,
+        accepts_from: VerifiedStep | None,
+    ) -> StepContext:
+        """:meth:`build` with each of the view's requests' signals from ``accepts_from``
+        (the step verified last; None: the policy reads no per-request signals)."""
+        requests = () if accepts_from is None else request_signals(view.request_ids, accepts_from)
+        return self.build(view, step_index, previous_gamma, requests)
+
 
 @dataclasses.dataclass(slots=True)
 class _InFlight:
@@ -111,10 +142,17 @@ class _InFlight:
 
 # Journal records (StepJournal), appended by the engine's thread in step
 # order. A decided step: its view, step index, the γ the step before ran, its context
-# where one was built (else None), the table entry it took (not reported yet) or the
-# client's decision (reported), the γ it runs, when its hook began.
+# where one was built, else what its requests' signals come from (the step verified
+# before it; None: the policy reads none), the table entry it took (not reported yet) or
+# the client's decision (reported), the γ it runs, when its hook began.
 _Decided = tuple[
-    EngineView, int, "int | None", "StepContext | None", "TableStep | GammaDecision", int, float
+    EngineView,
+    int,
+    "int | None",
+    "StepContext | VerifiedStep | None",
+    "TableStep | GammaDecision",
+    int,
+    float,
 ]
 # A finished step: what it verified, when its hook began. IDLE: the engine ran dry.
 _Ended = tuple[VerifiedStep, float]
@@ -128,8 +166,12 @@ class StepJournal:
         self._client = client
         self._contexts = contexts
         # Steps decided and ended, in order (deque appends and pops are thread-safe);
-        # _lock serialises the settling threads.
+        # _lock serialises the settling threads. The engine's thread appends a decided
+        # step (_Decided) or an ended one (_Ended) with ``record`` and counts those not
+        # settled yet with ``unsettled``: the deque's own methods, no Python frame there.
         self._records: collections.deque[_Decided | _Ended | str] = collections.deque()
+        self.record = self._records.append
+        self.unsettled = self._records.__len__
         self._lock = threading.Lock()
         # Settled state (under _lock): decisions whose step has not ended / the last ended
         # one, awaiting its verify step.
@@ -144,18 +186,6 @@ class StepJournal:
         self.gammas: collections.Counter[int] = collections.Counter()
         # Where each step's γ came from: sidecar, fallback, forced (draft not resident).
         self.sources: collections.Counter[str] = collections.Counter()
-
-    def __len__(self) -> int:
-        """Records not settled yet."""
-        return len(self._records)
-
-    def decided(self, record: _Decided) -> None:
-        """A step was decided (the engine's thread)."""
-        self._records.append(record)
-
-    def ended(self, verified: VerifiedStep, started: float) -> None:
-        """A step finished (the engine's thread)."""
-        self._records.append((verified, started))
 
     def idle(self) -> None:
         """The engine ran dry: the last decision is never verified."""
@@ -179,7 +209,7 @@ class StepJournal:
         view: EngineView,
         step_index: int,
         previous: int | None,
-        ctx: StepContext | None,
+        ctx: StepContext | VerifiedStep | None,
         taken: TableStep | GammaDecision,
         gamma: int,
         started: float,
@@ -189,8 +219,8 @@ class StepJournal:
         else:  # asked: a table's entry too, or a decision the client reported, or a fallback
             decision = taken
         if decision.table_step is not None:
-            if ctx is None:
-                ctx = self._contexts.build(view, step_index, previous)
+            if not isinstance(ctx, StepContext):
+                ctx = self._contexts.build_named(view, step_index, previous, ctx)
             self._client.ran(decision.table_step, ctx, gamma)
         ran = decision if gamma == decision.gamma else dataclasses.replace(decision, gamma=gamma)
         self._pending.append(_InFlight(ran, started, view.prefill_tokens))

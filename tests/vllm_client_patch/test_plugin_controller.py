@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -11,9 +12,12 @@ from typing import Any
 import pytest
 from nightjar_proto.v1 import admin_pb2
 
+from nightjar_common.client import ClientConfig, NightjarClient
+from nightjar_common.tables import TableStep
+from nightjar_common.types import GammaTable, RequestSignals, StepContext
 from vllm_client_patch.config import PluginConfig, PluginConfigError
 from vllm_client_patch.controller import GammaController, HookTime
-from vllm_client_patch.step_journal import EngineView, VerifiedStep
+from vllm_client_patch.step_journal import EngineView, StepContexts, VerifiedStep
 
 
 def test_config_from_environment_and_toml(tmp_path: Path) -> None:
@@ -335,4 +339,76 @@ def test_a_per_request_policy_gets_request_signals_and_sets_request_gammas(
     state = json.loads(server.admin.GetState(admin_pb2.GetStateRequest(), timeout=5).state_json)
     assert set(state["engines"]["seq"]["requests"]) == set(ids), state
     assert controller.stats()["fallbacks_total"] == 0
+    controller.close()
+
+
+class _RecordingClient(NightjarClient):
+    """The real client, without a sidecar: records each step reported as run."""
+
+    def __init__(self, config: ClientConfig) -> None:
+        super().__init__(config)
+        self.ran_contexts: list[StepContext] = []
+
+    def ran(self, step: TableStep, ctx: StepContext, gamma: int | None = None) -> None:
+        self.ran_contexts.append(ctx)
+        super().ran(step, ctx, gamma)
+
+
+def test_a_table_step_builds_no_context_on_the_engines_thread_even_per_request(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A per-request policy's steps answered by the held table: the engine's thread builds
+    no context and no request signals; the thread that settles the journal builds them,
+    each request with its accepts in the step verified before (as they were built on the
+    engine's thread before)."""
+    built_on: list[int] = []
+    build = StepContexts.build
+
+    def recording_build(self: StepContexts, *args: Any, **kwargs: Any) -> StepContext:
+        built_on.append(threading.get_ident())
+        return build(self, *args, **kwargs)
+
+    monkeypatch.setattr(StepContexts, "build", recording_build)
+    config = PluginConfig(sidecar=f"unix:{tmp_path}/none.sock", engine_id="named")
+    controller = GammaController(config, client_factory=_RecordingClient)
+    client = controller.client
+    assert isinstance(client, _RecordingClient)
+    table = GammaTable(
+        "t1",
+        "p",
+        "v1",
+        1,
+        (2,) * 8,
+        (False,) * 8,
+        False,
+        0,
+        100,
+        60_000.0,
+        reads_request_signals=True,
+    )
+    client._tables.install(table, seq=1)
+    first = dataclasses.replace(view(2), request_ids=())
+    assert controller.decide(first) == 2 and controller.wants_request_ids
+    controller.end_step(VerifiedStep(0, 0, 2))
+    named = dataclasses.replace(view(3), request_ids=("a", "b", "c"))
+    assert controller.decide(named) == 2
+    controller.end_step(VerifiedStep(6, 3, 9, (1, 2), ("a", "b")))
+    assert controller.decide(named) == 2
+    assert threading.get_ident() not in built_on  # nothing built on the engine's thread
+    settler = threading.Thread(target=controller.settle)
+    settler.start()
+    settler.join()
+    assert [ctx.requests for ctx in client.ran_contexts] == [
+        (),  # the policy's first answer said it reads them: from the next step on
+        (RequestSignals("a"), RequestSignals("b"), RequestSignals("c")),
+        (
+            RequestSignals("a", recent_accepts=(1,)),
+            RequestSignals("b", recent_accepts=(2,)),
+            RequestSignals("c"),
+        ),
+    ]
+    assert [ctx.step_index for ctx in client.ran_contexts] == [0, 1, 2]
+    assert [ctx.previous_gamma for ctx in client.ran_contexts] == [None, 2, 2]
+    with pytest.raises(ValueError, match="as many requests"):
+        controller.end_step(VerifiedStep(2, 1, 3, (1,), ("a", "b")))
     controller.close()
