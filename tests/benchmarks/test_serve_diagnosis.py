@@ -108,7 +108,8 @@ def test_each_pass_and_phase_is_summarized(tmp_path: Path) -> None:
     cell = low["cells"]["B2 γ3"]
     assert cell["steps"] == 36 and cell["tokens_per_step"] == 4.0
     assert abs(cell["step_ms"] - 51.0) < 1e-6 and abs(cell["request_ms_per_token"] - 25.5) < 1e-6
-    assert "predicted_step_ms" in cell and "predicted_step_ms" not in (
-        static["r0-static-p0"]["cells"]["B2 γ1"]
+    assert (
+        "predicted_step_ms" in cell
+        and "predicted_step_ms" not in (static["r0-static-p0"]["cells"]["B2 γ1"])
     )
     assert high["cells"] == {}  # batch 48: not a low-load cell
