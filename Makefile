@@ -14,7 +14,7 @@ APT_PACKAGES := prometheus redis-server
 APT_STAMP := $(VENV)/.apt-installed
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: help install install-vllm install-apt demo test lint proto check-proto k8s dashboard dashboard-screenshot bench bench-quick bench-sim-paired bench-traces bench-tables bench-fleet bench-rpc bench-instructions bench-vllm bench-vllm-mixed bench-memory bench-memory-gpu gpu-check contract bench-load soak fuzz chaos reliability-report reliability-durable reliability-security bounds-check clean
+.PHONY: help install install-vllm install-apt demo test lint proto check-proto k8s dashboard dashboard-screenshot bench bench-quick bench-sim-paired bench-traces bench-tables bench-fleet bench-rpc bench-isolation bench-instructions bench-vllm bench-vllm-mixed bench-memory bench-memory-gpu gpu-check contract bench-load soak fuzz chaos reliability-report reliability-durable reliability-security bounds-check clean
 
 help:
 	@echo "make demo       start the sidecar and drive it with a synthetic engine loop"
@@ -31,6 +31,7 @@ help:
 	@echo "make bench-tables  goodput per step against decision tables (every 8 / 32 steps) in the simulator -> docs/BENCHMARKS.md"
 	@echo "make bench-fleet  late-joining engines' sidecars with and without fleet learning (time-to-good-γ, TPOT), and the CPU cost of pooling -> docs/BENCHMARKS.md"
 	@echo "make bench-rpc  measure decide cost and RPC round trips -> docs/BENCHMARKS.md"
+	@echo "make bench-isolation  another engine's round trips under one engine's heavy work -> docs/BENCHMARKS.md"
 	@echo "make bench-instructions  count a decision-table step's instructions, and the plugin hook's, with callgrind (valgrind;"
 	@echo "                HOOK_BASELINE=<commit>: the hook at that commit too) -> docs/BENCHMARKS.md"
 	@echo "make bounds-check  flood the sidecar with 100,000 engine ids; RSS must stay flat"
@@ -194,6 +195,12 @@ reliability-security: $(STAMP)
 
 bench-rpc: $(STAMP)
 	$(PY) -m benchmarks.rpc --out docs/BENCHMARKS.md
+
+# Another engine's round trips while one engine sends large contexts or per-request steps
+# and while the whole state is read, snapshotted and restored (benchmarks/isolation.py,
+# issue 54 item 4). About 3 minutes.
+bench-isolation: $(STAMP)
+	$(PY) -m benchmarks.isolation --out docs/BENCHMARKS.md
 
 # The instructions of a step through decision tables, and of the plugin's hook on the
 # engine's thread, counted by callgrind (independent of a shared host's speed;

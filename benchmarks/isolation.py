@@ -13,7 +13,8 @@ others:
 * ``get_state``, ``snapshot``, ``restore``: whole-state reads, snapshots and restores of
   a state of about 48 MB (per-request records of many engines, restored first).
 
-It prints, and writes as JSON (``--out``), the small engine's round trips per case:
+It prints, and writes as a section of docs/BENCHMARKS.md (``--out``) and as JSON
+(``--json``), the small engine's round trips per case:
 count, p50, p99, max, and the share past the plugin's 2 ms deadline. The host's other
 load moves these figures: run it on a quiet host, and read them with its CPU count.
 """
@@ -38,6 +39,7 @@ import grpc
 from nightjar_proto.v1 import admin_pb2, admin_pb2_grpc, policy_pb2
 
 from benchmarks.fuzz.processes import ServerProcess
+from benchmarks.report import write_section
 from nightjar_common import wire
 from nightjar_common.sidecar_stream import SyncStream
 from nightjar_common.types import RequestSignals, StepContext, StepOutcome
@@ -305,6 +307,46 @@ def run(seconds: float, cases: list[str]) -> dict[str, Any]:
     return results
 
 
+LOADS = {
+    "baseline": "none",
+    "contexts": "another engine's 1.35 MB contexts (4,096 requests), a table each",
+    "per_request": "another engine's 4,096-request steps: table (per-request plan), ran step, "
+    "per-request outcome",
+    "get_state": "GetState of the whole state, back to back",
+    "snapshot": "Snapshot, back to back",
+    "restore": "Restore of the whole state by snapshot_json, back to back",
+}
+
+
+def render(results: dict[str, Any]) -> str:
+    """The section of docs/BENCHMARKS.md."""
+    host = results["host"]
+    state = results.get("state_bytes")
+    lines = [
+        "## Isolation: one engine's heavy work against another's decisions "
+        "(`make bench-isolation`)",
+        "",
+        f"`make bench-isolation` (benchmarks/isolation.py), on a host of {host['cpus']} CPUs "
+        f"(load average {', '.join(host['loadavg_at_start'])} at the start: other work was "
+        f"running), Python {host['python']}. A real nightjar-server (goodput, per_request "
+        "on) serves a small engine in a process of its own that asks for a table at a time "
+        "(8 requests, no per-request sections) every 2 ms, for "
+        f"{results['seconds_per_case']:g} s per case, while one load runs"
+        + (f" (the whole state: a snapshot of {state:,} bytes, restored first)" if state else "")
+        + ". The small engine's round trips, its deadline 2 ms:",
+        "",
+        "| case | load | round trips | p50 ms | p99 ms | max ms | past 2 ms | load calls |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for case, row in results["cases"].items():
+        lines.append(
+            f"| {case} | {LOADS.get(case, case)} | {row['round_trips']:,} | {row['p50_ms']:.2f} "
+            f"| {row['p99_ms']:.2f} | {row['max_ms']:.2f} | {100 * row['past_deadline']:.1f} % "
+            f"| {row['load_calls']:,} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def _host() -> dict[str, Any]:
     with open("/proc/loadavg") as f:
         load = f.read().split()[:3]
@@ -315,15 +357,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=20.0, help="per case")
     parser.add_argument("--cases", default=",".join(CASES))
-    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--out", type=Path, default=None, help="docs/BENCHMARKS.md to write")
+    parser.add_argument("--json", type=Path, default=None, help="the figures as JSON")
     parser.add_argument("--probe", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.probe:
         print(json.dumps(probe(args.probe, args.seconds)))
         return 0
     results = run(args.seconds, [c for c in args.cases.split(",") if c])
+    if args.json is not None:
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
     if args.out is not None:
-        args.out.write_text(json.dumps(results, indent=2) + "\n")
+        write_section(args.out, "bench-isolation", render(results))
     return 0
 
 

@@ -31,7 +31,7 @@ def admin_message_bytes(snapshot_max_bytes: int = MAX_BYTES) -> int:
 DEFAULT_MAX_STREAMS = 2048
 # Bytes one stream may hold read ahead of its answers (at least one request is read):
 # an engine sends its next request after its previous reply, so a few KB are queued.
-DEFAULT_MAX_STREAM_QUEUE_BYTES = 8 << 20
+DEFAULT_MAX_STREAM_QUEUE_BYTES = 1 << 20
 # A stream that sends nothing this long is closed. An engine sends at least a table
 # request every few dozen steps, so only an idle engine or an abandoned stream gets there.
 DEFAULT_STREAM_IDLE_TIMEOUT_S = 300.0
@@ -95,7 +95,7 @@ class ServerConfig:
     # decision tables, and what one stream reads ahead of its answers.
     max_pending_bytes_per_engine: int = 32 << 20
     max_pending_bytes: int = 512 << 20
-    max_table_bytes_per_engine: int = 4 << 20
+    max_table_bytes_per_engine: int = 1 << 20
     max_stream_queue_bytes: int = DEFAULT_MAX_STREAM_QUEUE_BYTES
     # Largest request (bytes) of every method but Restore (whose bound follows
     # snapshot_max_bytes, admin_message_bytes): larger ones get RESOURCE_EXHAUSTED unread.

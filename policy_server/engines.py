@@ -46,7 +46,7 @@ class Bounds:
     # Bytes an engine's kept decision tables may take (table_bytes): a per-request table
     # of 4,096 requests takes ~0.3 MB; past it the oldest are no longer kept (their steps
     # are still learned from, as "late").
-    max_table_bytes_per_engine: int = 4 << 20
+    max_table_bytes_per_engine: int = 1 << 20
 
     def __post_init__(self) -> None:
         for name in dataclasses.fields(self):

@@ -40,8 +40,10 @@ log = logging.getLogger(__name__)
 
 # How long a read of learned state (state_view, snapshots; see _read_state) reads engines'
 # parts before it encodes them and hands the GIL over (goodput's part of an engine takes
-# about 0.2 ms to build, so about 10 engines a chunk).
-STATE_HOLD_S = 0.002
+# about 0.2 ms to build, so a few engines a chunk). A decision that waits for one of
+# these locks holds up the event loop, and every engine with it: a fraction of the 2 ms
+# deadline.
+STATE_HOLD_S = 0.0005
 # Reads of the whole state a policy activation may restart before one holds every lock.
 STATE_READ_ATTEMPTS = 3
 
