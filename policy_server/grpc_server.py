@@ -55,6 +55,7 @@ from policy_server.message_limits import Bound, MessageLimits
 from policy_server.metrics import Metrics
 from policy_server.policies import PolicyError, parse_params_json
 from policy_server.service import ActivePolicy, DecisionService, StateView
+from policy_server.state_store import COLLECTOR
 
 log = logging.getLogger(__name__)
 
@@ -589,7 +590,8 @@ class AdminServicer(_Servicer, admin_pb2_grpc.AdminServiceServicer):  # type: ig
                 return self.service.restore_document(document)
             raise InvalidArgumentError("restore needs a path or snapshot_json")
 
-        active = self._mutate("Restore", context, restore)
+        with COLLECTOR.paused():  # parsing a snapshot allocates as much as restoring it
+            active = self._mutate("Restore", context, restore)
         return admin_pb2.RestoreResponse(policy_name=active.name, policy_version=active.version)
 
     def Reset(self, request: admin_pb2.ResetRequest, context: grpc.ServicerContext) -> Any:

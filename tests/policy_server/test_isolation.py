@@ -10,6 +10,7 @@ GIL_SWITCH_INTERVAL_S; a restore encodes and decodes its state an entry at a tim
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import sys
 import threading
@@ -37,6 +38,7 @@ from policy_server.grpc_server import (
     build_server,
 )
 from policy_server.service import DecisionService
+from policy_server.state_store import CollectorPause
 from policy_server.state_text import round_trip
 
 
@@ -188,3 +190,35 @@ def test_get_state_is_answered_serialized_by_its_thread() -> None:
     text = "é" * (grpc_server.ENCODE_CHUNK + 3)  # chunks split by characters, not bytes
     field = b"".join(grpc_server._string_field(4, text))
     assert admin_pb2.GetStateResponse.FromString(field).state_json == text
+
+
+def test_whole_state_work_runs_with_the_collector_paused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pause = CollectorPause()
+    assert gc.isenabled()
+    with pause.paused():
+        with pause.paused():  # overlapping holders: on again with the last
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with pause.paused():
+            pass
+        assert not gc.isenabled()  # off before the first: left off
+    finally:
+        gc.enable()
+    service = DecisionService("goodput", state_dir=tmp_path)
+    service.table_step([], [], context("e", 0))
+    seen: list[bool] = []
+    read_state = service.store._read_state
+
+    def recording(*args: Any, **kwargs: Any) -> Any:
+        seen.append(gc.isenabled())
+        return read_state(*args, **kwargs)
+
+    monkeypatch.setattr(service.store, "_read_state", recording)
+    service.write_snapshot()
+    service.state_view()
+    assert seen == [False, False] and gc.isenabled()
