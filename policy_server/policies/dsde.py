@@ -247,7 +247,10 @@ class DsdePolicy(ParamsPolicy[DsdeParams], CheckpointedDecide, StatePerEngine):
         scale = math.exp(2.0 * values[-1]) - 1.0
         long_variance = weighted_variance(values, p.decay)
         short_variance = weighted_variance(values[-p.short_window :], p.decay)
-        ratio = short_variance / long_variance if long_variance > 0 else 0.0
+        # Both windows constant (0/0): their volatility is as alike as it can be, WVIR = 1.
+        # With the proxy a request that rejects every draft sends 1.0 each step; 0 here gave
+        # it the longest length (docs/POLICIES.md, "dsde").
+        ratio = short_variance / long_variance if long_variance > 0 else 1.0
         penalty = scale * ratio
         if penalty > 1.0:
             return sl_min

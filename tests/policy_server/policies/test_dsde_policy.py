@@ -103,14 +103,15 @@ def test_without_a_measured_divergence_acceptance_is_the_proxy() -> None:
 
 def test_an_engine_without_per_request_signals_is_one_sequence() -> None:
     """The batch's mean proxy from the outcome's per-request accepts: an engine whose
-    acceptance swings gets a shorter γ than one that accepts steadily."""
-    steady, swinging = policy(), policy()
+    batch accepts its drafts gets a longer γ than one whose batch rejects them (both
+    steady: WVIR 1, SF from the proxy)."""
+    accepting, rejecting = policy(), policy()
     for i in range(CALIBRATION + 40):
-        run(steady, step(i, {}, {}), (4, 4, 4))
-        run(swinging, step(i, {}, {}), (0, 0, 0) if i % 2 else (6, 6, 6))
-    calm, rough = steady.decide(step(99, {}, {})), swinging.decide(step(99, {}, {}))
-    assert not calm.request_gammas and not rough.request_gammas
-    assert rough.gamma < calm.gamma
+        run(accepting, step(i, {}, {}), (6, 6, 6))
+        run(rejecting, step(i, {}, {}), (6, 6, 6) if i < CALIBRATION else (0, 0, 0))
+    good, bad = accepting.decide(step(99, {}, {})), rejecting.decide(step(99, {}, {}))
+    assert not good.request_gammas and not bad.request_gammas
+    assert bad.gamma == 2 < good.gamma
 
 
 def test_bounds_the_engine_sets() -> None:
@@ -147,7 +148,17 @@ def test_an_engine_whose_first_steps_accepted_nothing_still_learns_sl_max() -> N
     for i in range(CALIBRATION):
         run(made, step(i, {"cold": None}, {"cold": 0}), (0,))
     for i in range(CALIBRATION, CALIBRATION + 40):
-        run(made, step(i, {"warm": 0.5}, {"warm": 2}), (2,))
-    assert made.state("e")["engines"]["e"]["calibration"]["max_accepted"] == 2
-    # SL_max = 2 · (1 + 0.56 / 1.0): a steady request gets 3, above SL_min.
-    assert made.decide(step(100, {"warm": 0.5}, {"warm": 2})).gamma == 3
+        run(made, step(i, {"warm": 0.02 + 0.02 * (i % 2)}, {"warm": 4}), (4,))
+    assert made.state("e")["engines"]["e"]["calibration"]["max_accepted"] == 4
+    assert made.decide(step(100, {"warm": 0.02}, {"warm": 4})).gamma > 2
+
+
+def test_a_request_that_rejects_every_draft_gets_sl_min_not_sl_max() -> None:
+    """Its proxy is 1.0 at every step: both windows constant, WVIR 1 (not 0, which gave
+    such a request the longest length), and SF = e² − 1 > 1: SL_min."""
+    made = policy()
+    for i in range(CALIBRATION + 30):
+        accepted = {"greedy": 5, "cold": 0}
+        run(made, step(i, dict.fromkeys(accepted), accepted), (5, 0))
+    choice = made.decide(step(100, {"greedy": None, "cold": None}, {"greedy": 5}))
+    assert dict(choice.request_gammas)["cold"] == 2
