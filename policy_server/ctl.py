@@ -337,6 +337,20 @@ def _full_state(reply: Any) -> dict[str, Any]:
     return state
 
 
+def _request_mode_line(mode: dict[str, Any]) -> str:
+    """An engine's per-request mode (goodput's state ``request_mode``) for people: which
+    γ it decides, why, and under "auto" the plans' predicted gain it decides by."""
+    line = f"γ {'per request' if mode.get('mode') == 'per-request' else 'per batch'}"
+    line += f" ({mode.get('reason')}"
+    bounds = mode.get("gain_bounds")
+    if isinstance(bounds, list) and len(bounds) == 2:
+        low, high = bounds
+        line += f", plan gain {mode.get('gain_mean', 0.0):.2%} [{low:.2%}, {high:.2%}]"
+    if "checks" in mode:
+        line += f", {mode['checks']} checks, {mode.get('switches', 0)} switches"
+    return line + ")"
+
+
 def _fleet_line(fleet: dict[str, Any]) -> str:
     """GetStateResponse.fleet_json in one line."""
     link = {True: "link up", False: "link DOWN", None: "no round yet"}[fleet.get("link_up")]
@@ -386,6 +400,10 @@ def _state(args: argparse.Namespace, channel: grpc.Channel) -> int:
             f"runner, {'async' if runtime['async_scheduling'] else 'sync'} scheduling, "
             f"{runtime['method']}, drafter passes ≥ {runtime['min_draft_passes']} a step"
         )
+    for engine_id, engine in sorted(state.get("engines", {}).items()):
+        mode = engine.get("request_mode") if isinstance(engine, dict) else None
+        if isinstance(mode, dict):
+            print(f"  {engine_id}: {_request_mode_line(mode)}")
     if fleet:
         print(f"fleet    {_fleet_line(fleet)}")
     summary = state.get("summary")

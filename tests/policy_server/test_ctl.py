@@ -73,6 +73,8 @@ def test_operator_session(make_server, tmp_path: Path) -> None:
     assert state["state"]["learners"]["engine:nightjarctl"]["steps"] == 12
     human = ctl(server, "state").stdout
     assert "learner engine:nightjarctl: α=" in human and "B=   4  γ=" in human
+    # Requests never named: the default stays on the batch γ, learning.
+    assert "  nightjarctl: γ per batch (learning, 0 checks, 0 switches)" in human
 
     snap = ctl(server, "snapshot")
     assert snap.returncode == 0 and "snapshot.json" in snap.stdout
@@ -390,3 +392,22 @@ def test_a_reader_that_goes_away_ends_output_quietly(make_server: Any) -> None:
         stderr = proc.stderr.read()
         assert proc.wait(timeout=60) == 141, stderr
         assert stderr == "", stderr
+
+
+def test_an_engines_request_mode_reads_as_a_line() -> None:
+    from policy_server.ctl import _request_mode_line
+
+    engaged = {
+        "mode": "per-request",
+        "reason": "gain_above_margin",
+        "gain_mean": 0.004,
+        "gain_bounds": [0.003, 0.005],
+        "checks": 120,
+        "switches": 1,
+    }
+    assert _request_mode_line(engaged) == (
+        "γ per request (gain_above_margin, plan gain 0.40% [0.30%, 0.50%], 120 checks, 1 switches)"
+    )
+    assert _request_mode_line({"mode": "batch", "reason": "forced_off"}) == (
+        "γ per batch (forced_off)"
+    )
