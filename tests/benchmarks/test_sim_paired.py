@@ -101,3 +101,16 @@ def test_the_first_table_sets_the_default_against_the_batch_gamma() -> None:
     batch = PER_REQUEST_MODE[BATCH](1, assets).policy  # type: ignore[attr-defined]
     assert default.params()["per_request"] == "auto"
     assert batch.params()["per_request"] is False
+
+
+def test_only_the_default_runs_two_policies_and_renders_one_table() -> None:
+    only = COMPARISONS[:1]
+    jobs = paired_jobs(["p"], [1, 2], only)
+    assert {policy for _, _, policy, _ in jobs} == {DEFAULT, BATCH}
+    cells = {
+        (profile, workload, policy): [Cell(profile, workload, policy, 100.0, 10.0, 1.0, 30.0)] * 2
+        for profile, workload, _ in comparison_rows(["p"])
+        for policy in (DEFAULT, BATCH)
+    }
+    text = render(cells, ["p"], [1, 2], "python -m benchmarks.sim_paired --only-default", only)
+    assert text.count("\n### ") == 1 and f"`{DEFAULT}` against `{BATCH}`" in text
