@@ -6,7 +6,7 @@ of its own, so its round trips measure the sidecar, not this process's GIL. Mean
 case at a time loads the sidecar, each the way issue 54 (finding 4) found it stalling the
 others:
 
-* ``contexts``: another engine sending valid 1.35 MB contexts (4,096 requests, 180-character
+* ``contexts``: another engine sending valid 0.85 MB contexts (4,096 requests, 180-character
   ids, 16 recent_accepts each), a table each;
 * ``per_request``: another engine running 4,096-request steps from its tables with their
   per-request outcomes (a per-request plan each table);
@@ -309,7 +309,8 @@ def run(seconds: float, cases: list[str]) -> dict[str, Any]:
 
 LOADS = {
     "baseline": "none",
-    "contexts": "another engine's 1.35 MB contexts (4,096 requests), a table each",
+    "contexts": "another engine's 0.85 MB contexts (4,096 requests, 180-character ids, 16 "
+    "recent_accepts each), a table each",
     "per_request": "another engine's 4,096-request steps: table (per-request plan), ran step, "
     "per-request outcome",
     "get_state": "GetState of the whole state, back to back",
