@@ -51,6 +51,9 @@ RECORD_REQUESTS = 256
 RECORD_RECENT_ACCEPTS = 16
 # At most one ERROR line this often while records fail (a full disk fails every one).
 ERROR_INTERVAL_S = 60.0
+# Bytes the queued records may hold (their contexts): a few seconds of a slow disk at the
+# largest contexts; past it records are dropped and counted.
+DEFAULT_MAX_QUEUE_BYTES = 64 << 20
 # How long close() writes what is queued: within Kubernetes' default 30 s grace period,
 # after the gRPC server's grace and the final snapshot.
 CLOSE_TIMEOUT_S = 10.0
@@ -205,6 +208,7 @@ class DecisionLog:
         backup_count: int = 5,
         queue_size: int = 65536,
         on_drop: Callable[[], None] | None = None,
+        max_queue_bytes: int = DEFAULT_MAX_QUEUE_BYTES,
     ) -> None:
         if max_bytes <= 0 or backup_count < 1:
             raise ValueError("a decision log needs max_bytes > 0 and backup_count >= 1")
@@ -221,6 +225,10 @@ class DecisionLog:
         self._failed = 0
         self._overflowed = 0
         self._overflow_lock = threading.Lock()
+        # Estimated bytes the queued records hold (their contexts, write's ``size``): a
+        # count alone let a slow disk keep 65,536 contexts of MBs each alive.
+        self.queued_bytes = 0
+        self._max_queue_bytes = max_queue_bytes
         self._closed = False
         # Failures since the last ERROR line, and when the next may be logged.
         self._unreported = 0
@@ -233,18 +241,30 @@ class DecisionLog:
     def dropped(self) -> int:
         return self._failed + self._overflowed
 
-    def write(self, record: Record) -> None:
+    def write(self, record: Record, size: int = 0) -> None:
         """Queue one record, or a builder the writer calls for it; never blocks. A builder
-        runs on the writer thread, so it must read only what nothing changes later."""
+        runs on the writer thread, so it must read only what nothing changes later.
+        ``size``: the estimated bytes it holds until written; past max_queue_bytes queued
+        it is dropped and counted, as when the queue is full."""
         try:
-            if self._closed:
-                raise queue.Full
-            self._queue.put_nowait(record)
+            with self._overflow_lock:
+                if self._closed or self.queued_bytes + size > self._max_queue_bytes:
+                    raise queue.Full
+                self.queued_bytes += size
+            try:
+                self._queue.put_nowait((record, size))
+            except queue.Full:
+                self._dequeued(size)
+                raise
         except queue.Full:
             with self._overflow_lock:
                 self._overflowed += 1
             if self._on_drop:
                 self._on_drop()
+
+    def _dequeued(self, size: int) -> None:
+        with self._overflow_lock:
+            self.queued_bytes -= size
 
     def flush(self) -> None:
         """Wait until every queued record is written or dropped."""
@@ -289,7 +309,9 @@ class DecisionLog:
             try:
                 if item is _STOP:
                     return
-                self._write(item)
+                record, size = item
+                self._write(record)
+                self._dequeued(size)
             finally:
                 self._queue.task_done()
 

@@ -51,6 +51,7 @@ from policy_server.engines import (
     KnownTable,
     PendingDecision,
     context_bytes,
+    outcome_bytes,
     step_number,
 )
 from policy_server.memory import OFFLOAD, RELOAD, MemoryController
@@ -374,7 +375,8 @@ class TableDecisions:
         if outcome.drafted_tokens > 0:
             steps.observe(ACCEPTANCE, gamma, outcome.accepted_tokens / outcome.drafted_tokens)
         if self.decision_log is not None:
-            self.decision_log.write(functools.partial(outcome_record, time.time(), outcome))
+            size = outcome_bytes(outcome)
+            self.decision_log.write(functools.partial(outcome_record, time.time(), outcome), size)
 
     def _count_decision(self, decision_id: str, pending: PendingDecision) -> None:
         """Metrics and log of a decision the engine ran."""
@@ -388,7 +390,7 @@ class TableDecisions:
             record = functools.partial(
                 decision_record, time.time(), decision_id, choice, active.name, active.version, ctx
             )
-            self.decision_log.write(record)
+            self.decision_log.write(record, pending.size)
 
     # -- tables -------------------------------------------------------------------------
 

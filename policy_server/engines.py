@@ -19,7 +19,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from nightjar_common.types import Choice, EngineRuntime, MemoryDirective, StepContext
+from nightjar_common.types import (
+    Choice,
+    EngineRuntime,
+    MemoryDirective,
+    StepContext,
+    StepOutcome,
+)
 
 # Eviction kinds, as counted in nightjar_evictions_total{kind}.
 ENGINE = "engine"
@@ -94,6 +100,12 @@ def context_bytes(ctx: StepContext) -> int:
     ids = sum(len(request.request_id) for request in ctx.requests)
     accepts = sum(len(request.recent_accepts) for request in ctx.requests)
     return CONTEXT_BYTES + REQUEST_BYTES * len(ctx.requests) + ids + RECENT_ACCEPT_BYTES * accepts
+
+
+def outcome_bytes(outcome: StepOutcome) -> int:
+    """The estimated bytes ``outcome`` holds (its per-request ids and accepts)."""
+    ids = outcome.request_ids
+    return CONTEXT_BYTES + REQUEST_BYTES * len(ids) + sum(map(len, ids)) if ids else CONTEXT_BYTES
 
 
 def table_bytes(table: IssuedTable) -> int:

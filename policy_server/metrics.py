@@ -123,7 +123,17 @@ class RequestModes:
 
 
 # nightjar_bytes_held{structure} and nightjar_byte_budget_refusals_total{structure}.
-BYTE_STRUCTURES = ("pending", "tables", "stream_queues", "plan_cache", "request_records")
+BYTE_STRUCTURES = (
+    "pending",
+    "tables",
+    "stream_queues",
+    "plan_cache",
+    "request_records",
+    "decision_log",
+)
+# Those whose refusals nightjar_byte_budget_refusals_total counts (the decision log's
+# are its drops, nightjar_decision_log_dropped_total).
+REFUSING_STRUCTURES = ("pending", "stream_queues")
 
 
 def batch_bucket(batch_size: int) -> int:
@@ -265,7 +275,8 @@ class Metrics:
             'memory"): pending (decisions awaiting their outcome, their contexts), tables '
             "(decision tables issued, kept until their steps are reported), stream_queues "
             "(requests read ahead of their answers), plan_cache (per-request plan searches "
-            "cached), request_records (per-request acceptance records). Each has a byte "
+            "cached), request_records (per-request acceptance records), decision_log "
+            "(records queued for the decision log's writer). Each has a byte "
             "budget; estimated from counts and lengths, not measured.",
             ["structure"],
             registry=r,
@@ -280,6 +291,7 @@ class Metrics:
         )
         for structure in BYTE_STRUCTURES:
             self.bytes_held.labels(structure)
+        for structure in REFUSING_STRUCTURES:
             self.budget_refusals.labels(structure)
         for kind in ("engine", "learner_key", "pending"):
             self.evictions.labels(kind)

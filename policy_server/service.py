@@ -94,6 +94,8 @@ class DecisionService:
         self.metrics.watch_bytes("tables", lambda: self.engines.table_bytes)
         self.metrics.watch_bytes("plan_cache", plan_cache_bytes)
         self.metrics.watch_bytes("request_records", self._request_records_bytes)
+        if decision_log is not None:
+            self.metrics.watch_bytes("decision_log", lambda: decision_log.queued_bytes)
         # When an engine last asked counts for the nightjar_engines gauge within
         # engine_idle_s, so a replaced pod's engine drops out of it.
         self.engine_idle_s = engine_idle_s

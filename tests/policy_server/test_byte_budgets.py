@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import threading
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
 from nightjar_proto.v1 import policy_pb2
 
 from nightjar_common.types import RanStep, RequestSignals, StepContext, StepOutcome
 from nightjar_common.validation import MAX_DECISION_ID_LENGTH
+from policy_server.decision_log import DecisionLog
 from policy_server.engines import Bounds, context_bytes
 from policy_server.grpc_server import Received, _StreamInbox, received
 from policy_server.policies import per_request
@@ -201,3 +204,40 @@ def test_the_plan_cache_holds_no_more_than_its_bytes(monkeypatch: pytest.MonkeyP
     big = cache.get((60_000, 8), lambda: per_request._plan_rows(60_000, 8))
     assert big.caps.nbytes > budget and cache.held == held
     assert per_request.plan_cache_bytes() >= 0
+
+
+def test_the_decision_logs_queue_holds_no_more_than_its_bytes(tmp_path: Path) -> None:
+    release = threading.Event()
+    log = DecisionLog(tmp_path / "decisions.jsonl", max_queue_bytes=1000)
+
+    def slow() -> dict[str, str]:  # the writer waits here: the disk is slow
+        release.wait(30)
+        return {"kind": "slow"}
+
+    log.write(slow, 400)
+    log.write({"kind": "a"}, 400)
+    log.write({"kind": "b"}, 400)  # 1,200 bytes queued would be past the budget
+    assert log.dropped == 1 and log.queued_bytes == 800
+    release.set()
+    log.flush()
+    assert log.queued_bytes == 0 and log.written == 2
+    log.close()
+
+
+def test_a_sidecar_counts_the_bytes_its_decision_log_holds(tmp_path: Path) -> None:
+    release = threading.Event()
+    log = DecisionLog(tmp_path / "decisions.jsonl")
+    service = DecisionService("goodput", decision_log=log)
+
+    def slow() -> dict[str, str]:  # the writer waits here: the disk is slow
+        release.wait(30)
+        return {"kind": "slow"}
+
+    log.write(slow, 400)
+    assert run_unreported(service, "e", 1) == [""]
+    held = sample(service, "nightjar_bytes_held", structure="decision_log")
+    assert held >= 400 + context_bytes(context("e"))
+    release.set()
+    log.flush()
+    assert sample(service, "nightjar_bytes_held", structure="decision_log") == 0
+    log.close()
