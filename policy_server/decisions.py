@@ -244,8 +244,8 @@ class TableDecisions:
     def _commit_step_locked(self, shard: EngineShard, step: RanStep) -> str:
         """The engine ran a table entry: commit what deciding it did to the policy and
         await its outcome under the step's id. Why it was not ("" when it was): a replay,
-        or a table the sidecar does not know; InvalidArgumentError for a γ the step could
-        not have run."""
+        no room for its context within the byte budgets, or a table the sidecar does not
+        know; InvalidArgumentError for a γ the step could not have run."""
         known = shard.known_tables.get(step.table_id)
         number = step_number(step.decision_id)
         if known is not None:
@@ -253,6 +253,12 @@ class TableDecisions:
             if replayed:
                 self.metrics.steps.count(TABLE_STEPS, ("replayed",))
                 return replayed
+        size = context_bytes(step.context)
+        refusal = self.engines.pending_refusal(shard, size)
+        if refusal:  # over a byte budget: nothing committed or counted, nothing learned
+            self.metrics.child(self.metrics.budget_refusals, "pending").inc()
+            self.metrics.steps.count(TABLE_STEPS, ("refused",))
+            return f"ran step {step.decision_id}: {refusal}; not learned from"
         self.memory.observe(step.context)
         directive = self._memory_directive(step.context, step.gamma)
         if directive.action:
@@ -268,12 +274,6 @@ class TableDecisions:
                 f"outside its table ({known.first_batch_size}.."
                 f"{known.first_batch_size + len(known.gammas) - 1})"
             )
-        size = context_bytes(step.context)
-        refusal = self.engines.pending_refusal(shard, size)
-        if refusal:  # over a byte budget: nothing committed, nothing to learn from
-            self.metrics.child(self.metrics.budget_refusals, "pending").inc()
-            self.metrics.steps.count(TABLE_STEPS, ("refused",))
-            return f"ran step {step.decision_id}: {refusal}; not learned from"
         known.mark_run(number)
         active = self.activation.active
         if entry is None:
