@@ -18,8 +18,10 @@ from pathlib import Path
 import pytest
 from nightjar_proto.v1 import policy_pb2
 
+from nightjar_common.errors import ConfigError
 from nightjar_common.types import RanStep, RequestSignals, StepContext, StepOutcome
 from nightjar_common.validation import MAX_DECISION_ID_LENGTH
+from policy_server.config import ServerConfig
 from policy_server.decision_log import DecisionLog
 from policy_server.engines import Bounds, context_bytes
 from policy_server.grpc_server import Received, _StreamInbox, received
@@ -241,3 +243,21 @@ def test_a_sidecar_counts_the_bytes_its_decision_log_holds(tmp_path: Path) -> No
     log.flush()
     assert sample(service, "nightjar_bytes_held", structure="decision_log") == 0
     log.close()
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        "max_pending_bytes_per_engine",
+        "max_pending_bytes",
+        "max_table_bytes_per_engine",
+        "max_stream_queue_bytes",
+    ],
+)
+def test_a_byte_budget_below_one_is_refused_naming_it(setting: str) -> None:
+    config = ServerConfig(uds="/tmp/s.sock").merged({setting: 0}, origin="test")
+    with pytest.raises(ConfigError, match=setting):
+        config.validate()
+    if setting != "max_stream_queue_bytes":
+        with pytest.raises(ValueError, match=setting):
+            Bounds(**{setting: 0})
