@@ -204,8 +204,9 @@ bench-isolation: $(STAMP)
 
 # The instructions of a step through decision tables, and of the plugin's hook on the
 # engine's thread, counted by callgrind (independent of a shared host's speed;
-# benchmarks/step_instructions.py). About 12 minutes. HOOK_BASELINE=<commit> counts the
-# hook at that commit too, beside this tree's (a change's before and after).
+# benchmarks/step_instructions.py). HOOK_BASELINE=<commit> counts the hook at that
+# commit too, beside this tree's (a change's before and after): 25 minutes with it on a
+# loaded 2-vCPU host.
 HOOK_BASELINE ?=
 bench-instructions: $(STAMP)
 	@command -v valgrind >/dev/null || { $(SUDO) apt-get update && \
