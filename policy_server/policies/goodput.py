@@ -594,9 +594,11 @@ class GoodputModelPolicy(GoodputPooling, EngineStatePolicy[GoodputParams, Engine
         }
 
     def request_modes(self) -> dict[str, tuple[str, str]]:
-        """Engine id → (mode, reason) of every engine, for the server's metric."""
+        """Engine id → (mode, reason) of every engine, for the server's metric (read from
+        the scrape's thread: the engines are copied in one call, which the GIL keeps whole
+        while a decision adds one)."""
         out: dict[str, tuple[str, str]] = {}
-        for engine_id, engine in self._book.engines.items():
+        for engine_id, engine in list(self._book.engines.items()):
             view = self._mode_json(engine)
             out[engine_id] = (view["mode"], view["reason"])
         return out

@@ -237,3 +237,18 @@ def test_an_unlabelled_outcome_teaches_no_request_record() -> None:
     unlabelled = dataclasses.replace(unlabelled, request_ids=())
     policy.observe(ctx, choice, unlabelled)
     assert policy.state()["engines"]["e"]["requests"] == {}
+
+
+def test_the_modes_read_while_a_decision_adds_an_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The metric reads on the scrape's thread: an engine added meanwhile does not break
+    the read (it iterates over a copy)."""
+    policy = auto()
+    drive(policy, FAR, 40)
+    shown = policy._mode_json
+
+    def adding(engine: Any) -> dict[str, Any]:
+        policy.decide(dataclasses.replace(request_context(["x"], 0), engine_id="new"))
+        return shown(engine)
+
+    monkeypatch.setattr(policy, "_mode_json", adding)
+    assert policy.request_modes() == {"e": ("batch", "learning")}
