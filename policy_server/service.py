@@ -100,6 +100,8 @@ class DecisionService:
         # engine_idle_s, so a replaced pod's engine drops out of it.
         self.engine_idle_s = engine_idle_s
         self.metrics.engines.set_function(self.active_engines)
+        # nightjar_request_mode: each engine's per-request mode, read from the active policy.
+        self.metrics.request_modes.watch(lambda: self.activation.active.policy)
         self.activation = PolicyActivation(
             policy_name,
             params,

@@ -376,3 +376,25 @@ def test_the_readme_lists_every_sidecar_metric() -> None:
             names.add(family.name + suffix)
     assert len(names) > 20
     assert sorted(n for n in names if f"`{n}`" not in table) == []
+
+
+def test_the_service_exports_each_engines_request_mode() -> None:
+    """nightjar_request_mode reads the active policy's engines at scrape time: the
+    default's auto mode, forced off after a swap, none for a policy without modes."""
+    service = DecisionService("goodput", {"seed": 1})
+    service.run_step(StepContext(engine_id="e", batch_size=4))
+    registry = service.metrics.registry
+
+    def mode(engine: str) -> dict[str, str] | None:
+        for family in registry.collect():
+            for sample in family.samples:
+                if sample.name == "nightjar_request_mode" and sample.labels["engine"] == engine:
+                    return dict(sample.labels)
+        return None
+
+    assert mode("e") is not None and mode("e")["mode"] == "batch"  # type: ignore[index]
+    service.swap("goodput", {"seed": 1, "per_request": False}, keep_state=False)
+    service.run_step(StepContext(engine_id="f", batch_size=4))
+    assert mode("f") == {"engine": "f", "mode": "batch", "reason": "forced_off"}
+    service.swap("static", {"gamma": 2}, keep_state=False)
+    assert mode("f") is None
