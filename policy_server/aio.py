@@ -196,13 +196,26 @@ def _guarded(method: str, handler: Any) -> Any:
 
         return streamed_result if inspect.isasyncgenfunction(behavior) else unary_result
 
-    kinds = (
-        ("unary_unary", grpc.unary_unary_rpc_method_handler, False),
-        ("unary_stream", grpc.unary_stream_rpc_method_handler, False),
-        ("stream_unary", grpc.stream_unary_rpc_method_handler, True),
-        ("stream_stream", grpc.stream_stream_rpc_method_handler, True),
-    )
-    for name, make, streaming_request in kinds:
+    return rebuilt(handler, wrap, deserialize)
+
+
+# A method handler's behaviour attribute, how to build one, and whether its requests stream.
+_HANDLER_KINDS = (
+    ("unary_unary", grpc.unary_unary_rpc_method_handler, False),
+    ("unary_stream", grpc.unary_stream_rpc_method_handler, False),
+    ("stream_unary", grpc.stream_unary_rpc_method_handler, True),
+    ("stream_stream", grpc.stream_stream_rpc_method_handler, True),
+)
+
+
+def rebuilt(
+    handler: Any,
+    wrap: Callable[[Callable[..., Any], bool], Callable[..., Any]],
+    deserialize: Callable[[bytes], Any],
+) -> Any:
+    """``handler`` built again with its behaviour wrapped (``wrap(behavior,
+    streaming_request)``) and its requests read by ``deserialize``."""
+    for name, make, streaming_request in _HANDLER_KINDS:
         behavior = getattr(handler, name)
         if behavior is not None:
             return make(wrap(behavior, streaming_request), deserialize, handler.response_serializer)

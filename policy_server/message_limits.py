@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 
 from nightjar_common import decode_guard
-from policy_server.aio import WrappingInterceptor
+from policy_server.aio import WrappingInterceptor, rebuilt
 
 RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
 
@@ -116,14 +116,4 @@ def _limited(method: str, handler: Any, bound: Bound, limits: MessageLimits) -> 
 
         return streamed_result if inspect.isasyncgenfunction(behavior) else unary_result
 
-    kinds = (
-        ("unary_unary", grpc.unary_unary_rpc_method_handler, False),
-        ("unary_stream", grpc.unary_stream_rpc_method_handler, False),
-        ("stream_unary", grpc.stream_unary_rpc_method_handler, True),
-        ("stream_stream", grpc.stream_stream_rpc_method_handler, True),
-    )
-    for name, make, streaming_request in kinds:
-        behavior = getattr(handler, name)
-        if behavior is not None:
-            return make(wrap(behavior, streaming_request), deserialize, handler.response_serializer)
-    return handler
+    return rebuilt(handler, wrap, deserialize)
