@@ -254,8 +254,8 @@ def test_a_sidecar_counts_the_bytes_its_decision_log_holds(tmp_path: Path) -> No
         "max_stream_queue_bytes",
     ],
 )
-def test_a_byte_budget_below_one_is_refused_naming_it(setting: str) -> None:
-    config = ServerConfig(uds="/tmp/s.sock").merged({setting: 0}, origin="test")
+def test_a_byte_budget_below_one_is_refused_naming_it(setting: str, tmp_path: Path) -> None:
+    config = ServerConfig(uds=str(tmp_path / "s.sock")).merged({setting: 0}, origin="test")
     with pytest.raises(ConfigError, match=setting):
         config.validate()
     if setting != "max_stream_queue_bytes":

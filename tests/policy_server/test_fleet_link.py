@@ -262,8 +262,9 @@ def test_the_password_file_keeps_the_urls_user_name(tmp_path: Path) -> None:
 
 def test_the_config_files_fleet_table_and_flags_merge_key_by_key(tmp_path: Path) -> None:
     config = tmp_path / "nightjar.toml"
+    socket = tmp_path / "x.sock"
     config.write_text(
-        'uds = "/tmp/x.sock"\n[fleet]\nurl = "redis://r:6379/0"\ndeployment = "llama"\n'
+        f'uds = "{socket}"\n[fleet]\nurl = "redis://r:6379/0"\ndeployment = "llama"\n'
         "interval_s = 2.0\n"
     )
     args = parse_args(["--config", str(config), "--fleet-deployment", "llama-canary"])
@@ -274,7 +275,7 @@ def test_the_config_files_fleet_table_and_flags_merge_key_by_key(tmp_path: Path)
         2.0,
     )
     with pytest.raises(ConfigError, match="fleet"):
-        load_config(parse_args(["--uds", "/tmp/x.sock", "--fleet", "http://r"]))
+        load_config(parse_args(["--uds", str(socket), "--fleet", "http://r"]))
 
 
 def test_mutual_tls_to_redis(tmp_path: Path, pki: dict[str, Any]) -> None:
