@@ -147,8 +147,9 @@ bench-vllm: $(VLLM_STAMP)
 	$(PY) -m benchmarks.vllm_serve --out docs/BENCHMARKS.md --dataset random $(BENCH_VLLM_ARGS)
 
 # Half the requests greedy, half sampled at temperature 1 (two clients at once): the
-# per-batch default against its per-sequence mode and dsde.
-BENCH_VLLM_MIXED_POLICIES ?= goodput,goodput:per_request=true,dsde
+# default (per-request plans when they pay) against the batch γ, the per-request mode
+# forced on, and dsde.
+BENCH_VLLM_MIXED_POLICIES ?= goodput,goodput:per_request=false,goodput:per_request=true,dsde
 bench-vllm-mixed: $(VLLM_STAMP)
 	$(PY) -m benchmarks.vllm_serve --out docs/BENCHMARKS.md --temperatures 0,1 \
 		--policies $(BENCH_VLLM_MIXED_POLICIES) --warm "" $(BENCH_VLLM_ARGS)
