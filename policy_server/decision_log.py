@@ -37,7 +37,13 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from nightjar_common.types import Choice, RequestSignals, StepContext, StepOutcome
+from nightjar_common.types import (
+    Choice,
+    EngineRuntime,
+    RequestSignals,
+    StepContext,
+    StepOutcome,
+)
 
 log = logging.getLogger(__name__)
 
@@ -153,6 +159,9 @@ def context_from_json(data: Mapping[str, Any]) -> StepContext:
         )
         for r in fields.get("requests", ())
     )
+    runtime = fields.get("runtime")
+    if runtime is not None:  # a policy reads it (e.g. whether per-request γ applies)
+        fields["runtime"] = EngineRuntime(**_known(EngineRuntime, runtime))
     return StepContext(**fields)
 
 

@@ -17,8 +17,14 @@ from typing import Any
 
 import pytest
 
-from nightjar_common.types import StepContext, StepOutcome
-from policy_server.decision_log import DecisionLog, log_files, read_records
+from nightjar_common.types import EngineRuntime, StepContext, StepOutcome
+from policy_server.decision_log import (
+    DecisionLog,
+    context_fields,
+    context_from_json,
+    log_files,
+    read_records,
+)
 from policy_server.metrics import Metrics
 from policy_server.service import DecisionService
 from tests.policy_server.test_ctl import ctl_replay
@@ -82,6 +88,35 @@ def test_nightjarctl_replay_reads_the_rotated_files(tmp_path: Path) -> None:
     assert "60 decisions, 60 with outcomes" in replayed.stdout
     rebuilt = json.loads(out.read_text())["policy"]["state"]["learners"]
     assert rebuilt == service.state_view().state["learners"]
+
+
+def test_a_logged_context_reads_back_as_it_was_runtime_included() -> None:
+    # The plugin sends how its engine runs speculation; the default reads it (whether
+    # per-request γ applies), so a replay of a real engine's log needs it back as it was.
+    ctx = StepContext(
+        "e",
+        batch_size=4,
+        step_index=7,
+        runtime=EngineRuntime("0.32.0", "v1", async_scheduling=True, method="draft_model"),
+    )
+    record = json.loads(json.dumps(context_fields(ctx)))
+    assert context_from_json(record["context"]) == ctx
+
+
+def test_nightjarctl_replay_of_an_engine_that_reports_its_runtime(tmp_path: Path) -> None:
+    path = tmp_path / "decisions.jsonl"
+    decision_log = DecisionLog(path)
+    service = DecisionService("goodput", {"seed": 3}, decision_log=decision_log)
+    runtime = EngineRuntime("0.32.0", "v1", method="draft_model")
+    for step in range(40):
+        ctx = StepContext("e", batch_size=4, step_index=step, max_gamma=3, runtime=runtime)
+        decision = service.run_step(ctx)
+        tokens = ctx.batch_size * (1 + decision.gamma)
+        service.report(StepOutcome(decision.decision_id, "e", decision.gamma, 0.02, tokens))
+    decision_log.close()
+    replayed = ctl_replay(path, tmp_path / "warm.json")
+    assert replayed.returncode == 0, replayed.stderr
+    assert "40 decisions, 40 with outcomes" in replayed.stdout
 
 
 def test_grpcs_own_log_lines_stay_json(make_server: Any, pki: dict[str, Any]) -> None:
