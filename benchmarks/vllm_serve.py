@@ -79,7 +79,7 @@ MAKE_TARGETS = {
         "--temperatures",
         "0,1",
         "--policies",
-        "goodput,goodput:per_request=true,dsde",
+        "goodput,goodput:per_request=false,goodput:per_request=true,dsde",
         "--warm",
         "",
     ): "make bench-vllm-mixed",
