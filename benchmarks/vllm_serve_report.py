@@ -44,6 +44,9 @@ class PluginCounts:
     gammas: Mapping[str, int] = dataclasses.field(default_factory=dict)  # γ → steps
     # Steps the held decision table could not answer, by why.
     table_misses: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    # Drafts the scheduler cut to a request's own γ ("requests", "tokens"): per-request
+    # plans that ran.
+    truncated: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def between(cls, before: Mapping[str, Any], after: Mapping[str, Any]) -> PluginCounts:
@@ -60,6 +63,7 @@ class PluginCounts:
             delta_map("fallbacks"),
             delta_map("gammas"),
             delta_map("table_misses"),
+            delta_map("truncated_drafts"),
         )
 
     def __add__(self, other: PluginCounts) -> PluginCounts:
@@ -72,6 +76,7 @@ class PluginCounts:
             merged(self.fallbacks, other.fallbacks),
             merged(self.gammas, other.gammas),
             merged(self.table_misses, other.table_misses),
+            merged(self.truncated, other.truncated),
         )
 
     @property
@@ -257,8 +262,9 @@ def render(
         "`off` can show drafted tokens.",
         "",
         f"| policy | engine steps | steps at γ = {' / '.join(map(str, gammas))} "
-        "| sidecar decisions | fallback steps | steps the held table could not answer (why) |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| sidecar decisions | fallback steps | steps the held table could not answer (why) "
+        "| drafts cut to a request's own γ (requests / tokens) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for label, rs in grouped.items():
         c = sum((r.plugin for r in rs), PluginCounts())
@@ -270,6 +276,7 @@ def render(
                 c.sidecar_decisions,
                 f"{c.fallbacks_total} {dict(c.fallbacks) if c.fallbacks else ''}".strip(),
                 _table_misses(c),
+                f"{c.truncated.get('requests', 0)} / {c.truncated.get('tokens', 0)}",
             )
         )
     lines += [

@@ -25,7 +25,7 @@ from benchmarks.serve_load import (
     write_prompts,
 )
 from benchmarks.vllm_serve import QUICK, parse_args, plan, policy_request, section_of
-from benchmarks.vllm_serve_report import Pass
+from benchmarks.vllm_serve_report import Pass, PluginCounts
 from tests.rigs.sidecar import free_port
 
 SCHEDULE = parse_schedule(str(QUICK["schedule"]))
@@ -279,3 +279,13 @@ def test_the_report_states_the_command_that_ran() -> None:
     assert (
         subset.command == "python -m benchmarks.vllm_serve --dataset random --policies off,goodput"
     )
+
+
+def test_plugin_counts_say_how_many_drafts_per_request_plans_cut() -> None:
+    before = {"steps": 10, "truncated_drafts": {"requests": 3, "tokens": 5}}
+    after = {"steps": 30, "truncated_drafts": {"requests": 7, "tokens": 12}}
+    first = PluginCounts.between(before, after)
+    assert (first.steps, dict(first.truncated)) == (20, {"requests": 4, "tokens": 7})
+    # A pass of a batch policy cuts nothing: summed over passes, only the cuts made count.
+    second = PluginCounts.between(after, {**after, "steps": 40})
+    assert dict((first + second).truncated) == {"requests": 4, "tokens": 7}
