@@ -161,10 +161,13 @@ def test_quick_run_counts_the_plugins_decisions_per_policy(quick_run: dict[str, 
     assert plugin["off"][0] == str(off["steps"])
     # Decision tables are the plugin's default: the section says, per policy, how many steps
     # the held table could not answer and why, from the stats file's counts.
+    # And the drafts a request's own γ cut (per-request plans that ran).
     for run in quick_run["runs"]:
-        missed = run["plugin"]["table_misses"]
+        missed, cut = run["plugin"]["table_misses"], run["plugin"]["truncated"]
         assert all(n > 0 for n in missed.values())
-        assert plugin[run["policy"]][-1].startswith("table misses") == bool(missed)
+        cells = plugin[run["policy"]]
+        assert cells[-2].split()[0] == str(sum(missed.values()))
+        assert cells[-1] == f"{cut.get('requests', 0)} / {cut.get('tokens', 0)}"
 
 
 def test_schedule_and_policies_are_validated() -> None:
