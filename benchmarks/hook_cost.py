@@ -7,8 +7,9 @@ on cold caches runs many times slower than the same code warm. So each case is m
 twice: steps back to back (warm) and steps separated by a workload that evicts the caches
 (a copy of EVICT_BYTES). The floor is what no hook can go below: its two clock pairs and
 one queue append, under the same eviction. The per-request walks of the vLLM scheduler
-hook (scheduler.py) are not in it: they need vLLM's request objects (`make bench-vllm`
-measures the whole hook).
+hook (scheduler.py) are not in it: they need vLLM's request objects
+(`benchmarks/scheduler_walks.py` walks them for `make bench-instructions`' count; `make
+bench-vllm` measures the whole hook).
 
 The same driver (:class:`HookDriver`) runs under callgrind for `make bench-instructions`'
 count of the hook's instructions per step (benchmarks/step_instructions.py): there the

@@ -21,6 +21,10 @@ run: every revision counted meets the same sidecar), with a forward pass between
 (the client's tables age on the walk's clock, not the wall clock callgrind slows).
 Callgrind counts each thread apart (``--separate-threads``): the engine's thread is the
 hook's count; the client's own threads (its sender, gRPC's) are counted beside it.
+Beside the controller, the scheduler's per-request walks (``batch_shape``,
+``verified_step``) on vLLM's own objects, a decode batch of each of WALK_SIZES
+(`benchmarks/scheduler_walks.py`; where vLLM is installed): one process under callgrind,
+its instrumentation switched on after vLLM's imports, a dump of the counts after each walk.
 ``--baseline REV`` counts the hook at another commit too (its tree from ``git archive``),
 so that a change's before and after are counted by the same valgrind, Python and host.
 
@@ -33,6 +37,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import importlib.util
 import json
 import os
 import re
@@ -45,7 +50,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.hook_cost import STEP_S, walk_hook
+from benchmarks.hook_cost import BATCH, STEP_S, walk_hook
 from benchmarks.host import machine
 from benchmarks.report import write_section
 from benchmarks.rpc import measure_tables, sidecar
@@ -59,6 +64,10 @@ SHORT, LONG = 3_000, 5_000
 # The hook's two lengths and warm-up (steps): a refresh every 32 steps, the sidecar's
 # learning settled.
 HOOK_WARM, HOOK_SHORT, HOOK_LONG = 500, 1_000, 3_000
+# The scheduler walks' batch sizes (a saturated engine's decode batch reaches 64) and
+# their two lengths (steps).
+WALK_SIZES = (32, 64)
+WALK_SHORT, WALK_LONG = 200, 1_200
 ROW_NAMES = {
     TableWalk.BATCH: "",
     TableWalk.NAMED: ", every request named, the per-request mode off",
@@ -83,6 +92,13 @@ def hook_walk(steps: int, target: str) -> None:
     """The hook's walk of ``steps`` steps after the warm-up against the sidecar at
     ``target``; prints its table misses and fallbacks."""
     print(walk_hook(target, steps, HOOK_WARM))
+
+
+def scheduler_walks(sizes: Sequence[int]) -> None:
+    """The scheduler walks' counted process (vLLM imported only here)."""
+    from benchmarks.scheduler_walks import counted_walks
+
+    counted_walks(sizes, (WALK_SHORT, WALK_LONG))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,16 +130,33 @@ def thread_totals(out_files: Sequence[Path]) -> ThreadCounts:
     return ThreadCounts(engine, others)
 
 
+def part_totals(out_files: Sequence[Path]) -> list[int]:
+    """The totals of a run's dumped parts, in the order callgrind dumped them."""
+    parts = []
+    for path in out_files:
+        text = path.read_text()
+        part = re.search(r"^part: (\d+)$", text, re.M)
+        total = re.search(r"^totals: (\d+)", text, re.M)
+        if part is not None and total is not None:
+            parts.append((int(part.group(1)), int(total.group(1))))
+    return [total for _, total in sorted(parts)]
+
+
 def _callgrind(
-    out_file: Path, arguments: Sequence[str], separate_threads: bool = False
+    out_file: Path,
+    arguments: Sequence[str],
+    separate_threads: bool = False,
+    instrumented: bool = True,
 ) -> list[str]:
     """The command that runs ``python -m benchmarks.step_instructions ARGUMENTS`` under
-    callgrind (address randomisation off where setarch exists)."""
+    callgrind (address randomisation off where setarch exists); ``instrumented`` false:
+    the process switches the instrumentation on itself."""
     command = [
         "valgrind",
         "--tool=callgrind",
         f"--callgrind-out-file={out_file}",
         *(["--separate-threads=yes"] if separate_threads else []),
+        *([] if instrumented else ["--instr-atstart=no"]),
         sys.executable,
         "-m",
         "benchmarks.step_instructions",
@@ -154,17 +187,50 @@ def count_hook(steps: int, tree: Path) -> ThreadCounts:
     return dataclasses.replace(counts, misses=report["table_misses"], fallbacks=report["fallbacks"])
 
 
+def count_walks(tree: Path, sizes: Sequence[int] = WALK_SIZES) -> tuple[tuple[int, float], ...]:
+    """The scheduler walks' instructions per step at each batch size (the code of
+    ``tree``): one process, a part dumped after each walk, the first part the switch's."""
+    with tempfile.TemporaryDirectory() as scratch:
+        arguments = ["--walks", *map(str, sizes)]
+        command = _callgrind(Path(scratch) / "callgrind.out", arguments, instrumented=False)
+        subprocess.run(
+            command, cwd=tree, env=_counting_env(tree), capture_output=True, text=True, check=True
+        )
+        parts = part_totals(sorted(Path(scratch).glob("callgrind.out*")))
+    return walk_steps(parts, sizes)
+
+
+def walk_steps(parts: Sequence[int], sizes: Sequence[int]) -> tuple[tuple[int, float], ...]:
+    """Per batch size, a step's count from the walks' parts: the switch's part, then a
+    short and a long walk for each size in turn (a last part, the exit's, is not read)."""
+    walks = parts[1:]
+    if len(walks) < 2 * len(sizes):
+        raise RuntimeError(f"callgrind dumped {len(parts)} parts for {len(sizes)} batch sizes")
+    steps = WALK_LONG - WALK_SHORT
+    return tuple(
+        (size, per_step(walks[2 * n], walks[2 * n + 1], steps)) for n, size in enumerate(sizes)
+    )
+
+
+def walks_counted(tree: Path) -> bool:
+    """Whether the scheduler walks can be counted at ``tree``: vLLM installed, and the
+    walks' driver in that revision."""
+    installed = importlib.util.find_spec("vllm") is not None
+    return installed and (tree / "benchmarks" / "scheduler_walks.py").exists()
+
+
 @dataclasses.dataclass(frozen=True)
 class HookRow:
     """The hook's count per step at one revision (``label``): the engine thread's, the
     client's other threads', and the misses and fallbacks in the longer run's extra
-    steps."""
+    steps; the scheduler walks' per step by batch size, where counted."""
 
     label: str
     engine: float
     others: float
     misses: int
     fallbacks: int
+    walks: tuple[tuple[int, float], ...] = ()
 
 
 def hook_row(label: str, tree: Path) -> HookRow:
@@ -176,6 +242,7 @@ def hook_row(label: str, tree: Path) -> HookRow:
         per_step(short.others, long.others, steps),
         long.misses - short.misses,
         long.fallbacks - short.fallbacks,
+        count_walks(tree) if walks_counted(tree) else (),
     )
 
 
@@ -270,7 +337,8 @@ def render_hooks(hooks: Sequence[HookRow]) -> list[str]:
         f"{HOOK_WARM:,}-step warm-up, the difference over the {HOOK_LONG - HOOK_SHORT:,} "
         "steps between, each thread counted apart. The engine's thread is the hook (and the "
         "driver's loop); the client's other threads (its sender, gRPC's) run beside the "
-        "engine's. Without the scheduler's per-request walks, which need vLLM.",
+        "engine's. Without the scheduler's per-request walks, which need vLLM: they are "
+        "counted apart, below, where vLLM is installed.",
         "",
         "| code | engine thread, instructions per step | client's other threads, per step "
         "| table misses / fallbacks in the steps between |",
@@ -288,6 +356,36 @@ def render_hooks(hooks: Sequence[HookRow]) -> list[str]:
             f"The engine thread's hook: {before.engine:,.0f} → {after.engine:,.0f} instructions "
             f"a step ({change:.0%} fewer than at {before.label}).",
         ]
+    walked = [h for h in hooks if h.walks]
+    if walked:
+        lines += ["", *render_walks(walked)]
+    return lines
+
+
+def render_walks(hooks: Sequence[HookRow]) -> list[str]:
+    """The scheduler walks' counts by batch size, and the whole hook at the driver's."""
+    sizes = [size for size, _ in hooks[0].walks]
+    lines = [
+        "#### The scheduler's per-request walks",
+        "",
+        "`batch_shape` and `verified_step` (`vllm_client_patch/scheduler.py`) on vLLM's own "
+        "objects (`benchmarks/scheduler_walks.py`): a decode batch of real `Request`s, each "
+        "verifying its drafts and accepting half of them, its `SchedulerOutput` and "
+        "`ModelRunnerOutput`, the requests named; walked for "
+        f"{WALK_SHORT:,} and {WALK_LONG:,} steps in one process (callgrind's instrumentation "
+        "switched on after vLLM's imports, a dump after each walk), the difference over the "
+        f"{WALK_LONG - WALK_SHORT:,} steps between. The hook at a batch of {BATCH} is the "
+        "controller's row above plus the walks' at that batch.",
+        "",
+        "| code | " + " | ".join(f"walks, batch {size}" for size in sizes) + " | hook and walks, "
+        f"batch {BATCH} |",
+        "|---|" + "---:|" * (len(sizes) + 1),
+    ]
+    for h in hooks:
+        walks = dict(h.walks)
+        whole = f"{h.engine + walks[BATCH]:,.0f}" if BATCH in walks else "–"
+        counts = " | ".join(f"{walks[size]:,.0f}" for size in sizes)
+        lines.append(f"| {h.label} | {counts} | {whole} |")
     return lines
 
 
@@ -303,8 +401,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--hook-only", action="store_true", help="count the hook only; print it, write nothing"
     )
+    parser.add_argument(
+        "--walks-only",
+        action="store_true",
+        help="count the scheduler's walks only (this tree); print them, write nothing",
+    )
     parser.add_argument("--walk", type=int, help=argparse.SUPPRESS)  # the counted processes
     parser.add_argument("--hook", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--walks", type=int, nargs="+", help=argparse.SUPPRESS)
     parser.add_argument("--target", help=argparse.SUPPRESS)
     parser.add_argument(
         "--kind", choices=[k.name for k in TableWalk], default="BATCH", help=argparse.SUPPRESS
@@ -316,11 +420,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.hook is not None:
         hook_walk(args.hook, args.target)
         return 0
+    if args.walks is not None:
+        scheduler_walks(args.walks)
+        return 0
     if shutil.which("valgrind") is None:
         parser.error("valgrind is not installed (Debian: apt-get install valgrind)")
     version = subprocess.run(
         ["valgrind", "--version"], capture_output=True, text=True, check=True
     ).stdout.strip()
+    if args.walks_only:
+        print("\n".join(f"batch {size}: {n:,.0f}" for size, n in count_walks(Path.cwd())))
+        return 0
     hooks = hook_rows(args.baseline)
     if args.hook_only:
         print("\n".join(render_hooks(hooks)))

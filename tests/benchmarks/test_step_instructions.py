@@ -3,6 +3,7 @@ minutes: the target runs it)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -16,10 +17,12 @@ from benchmarks.step_instructions import (
     ThreadCounts,
     collected,
     main,
+    part_totals,
     per_step,
     render,
     render_hooks,
     thread_totals,
+    walk_steps,
 )
 
 CALLGRIND_LOG = """==24001== Events    : Ir
@@ -117,3 +120,41 @@ def test_the_counted_hook_process_steps_the_controller_against_a_sidecar(
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(report) == {"table_misses", "fallbacks"}
     assert 0 <= report["fallbacks"] <= report["table_misses"] <= 40
+
+
+def _dumped_part(directory: Path, part: int, total: int) -> Path:
+    path = directory / f"callgrind.out.{part}"
+    path.write_text(f"version: 1\npart: {part}\nsummary: {total}\ntotals: {total}\n")
+    return path
+
+
+def test_the_walks_parts_are_read_in_the_order_callgrind_dumped_them(tmp_path: Path) -> None:
+    files = [_dumped_part(tmp_path, p, n) for p, n in ((10, 5), (2, 300), (1, 40))]
+    (tmp_path / "callgrind.out.x").write_text("version: 1\n")  # no count: not a part
+    assert part_totals(sorted(tmp_path.iterdir())) == [40, 300, 5]
+    assert part_totals(files[:1]) == [5]
+
+
+def test_each_batch_sizes_step_is_its_long_walks_extra_count_over_the_extra_steps() -> None:
+    steps = step_instructions.WALK_LONG - step_instructions.WALK_SHORT
+    # The switch's part, then short and long walks per size, then the exit's part.
+    parts = [999, 1_000, 1_000 + 300 * steps, 2_000, 2_000 + 600 * steps, 10**9]
+    assert walk_steps(parts, (32, 64)) == ((32, 300.0), (64, 600.0))
+    with pytest.raises(RuntimeError, match="parts"):
+        walk_steps(parts[:4], (32, 64))
+
+
+def test_the_walks_table_adds_the_controllers_count_at_its_batch() -> None:
+    walks = ((32, 150_000.0), (64, 300_000.0))
+    rows = [HookRow("abc1234", 60_000.0, 9_000.0, 0, 0, walks), HookRow("x", 1.0, 1.0, 0, 0)]
+    text = "\n".join(render_hooks(rows))
+    assert "| code | walks, batch 32 | walks, batch 64 | hook and walks, batch 32 |" in text
+    assert "| abc1234 | 150,000 | 300,000 | 210,000 |" in text
+    assert "| x |" not in text.split("#### The scheduler's per-request walks")[1]
+    assert "#### The scheduler" not in "\n".join(render_hooks(rows[1:]))
+
+
+def test_the_walks_count_where_vllm_and_their_driver_are(tmp_path: Path) -> None:
+    assert not step_instructions.walks_counted(tmp_path)  # a revision without the driver
+    if importlib.util.find_spec("vllm") is not None:
+        assert step_instructions.walks_counted(Path(step_instructions.__file__).parents[1])
