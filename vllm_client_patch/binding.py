@@ -154,13 +154,20 @@ BINDING: tuple[Symbol, ...] = (
         "vllm.v1.request",
         "Request",
         attributes=(
-            "num_tokens",
+            "_all_token_ids",
             "num_output_placeholders",
             "num_computed_tokens",
             "spec_token_ids",
             "is_finished",
         ),
-        why="who samples in the step; each request's draft slots",
+        why="who samples in the step (its token count: the length of _all_token_ids, as "
+        "num_tokens returns it, without a call per request); each request's draft slots",
+    ),
+    Symbol(
+        "vllm.v1.request",
+        "Request.num_tokens",
+        mentions=("len", "_all_token_ids"),
+        why="batch_shape reads a request's token count as num_tokens computes it",
     ),
     Symbol(
         "vllm.config.speculative",
@@ -261,6 +268,7 @@ def _check(symbol: Symbol) -> Finding:
             return Finding(symbol, "import", f"{symbol.name} does not exist")
     # vLLM's own code under a hook the plugin installed (the hooks set __wrapped__).
     target = inspect.unwrap(target) if callable(target) else target
+    target = target.fget if isinstance(target, property) else target  # its getter's source
     problem = _params_problem(symbol, _signature_params(target)) if symbol.params else ""
     if not problem and symbol.attributes:
         cls = target if inspect.isclass(target) else owner

@@ -103,16 +103,21 @@ def batch_shape(
     request samples when the scheduled tokens reach its end — vLLM's own
     ``is_prefill_chunk`` test, taken one step early. A decode has all but its last
     token computed; anything behind that is prefill.
+
+    This runs on the engine's thread for every request of the step: the token count is
+    read as the list's length (what vLLM's ``num_tokens`` property returns, without a
+    Python call per request), and the tokens left are taken first, a small number
+    (Python allocates no object for it).
     """
     drafting = context = prefill = 0
     ids: list[str] | None = [] if with_ids else None
     for req_id, scheduled in output.num_scheduled_tokens.items():
         request = requests[req_id]
-        end = request.num_tokens + request.num_output_placeholders
         computed = request.num_computed_tokens
-        if computed < end - 1:
+        left = len(request._all_token_ids) - computed + request.num_output_placeholders
+        if left > 1:
             prefill += scheduled
-        if computed + scheduled >= end:
+        if scheduled >= left:
             drafting += 1
             context += computed + scheduled
             if ids is not None:
@@ -143,7 +148,7 @@ def verified_step(
         return VerifiedStep(0, 0, 0)
     drafted = accepted = generated = 0
     accepts: list[int] = []
-    ids: list[str] = []
+    ids: list[str] | None = [] if with_ids else None
     index_of = result.req_id_to_index.get
     request_of = requests.get
     drafts_of = output.scheduled_spec_decode_tokens.get
@@ -163,14 +168,14 @@ def verified_step(
         drafts = drafts_of(req_id)
         if drafts and tokens:
             drafts_valid = len(drafts) - invalid.get(req_id, 0) if invalid else len(drafts)
-            taken = min(tokens - 1, drafts_valid)
+            # Not min(): a call with an argument tuple, per request; a comparison is none.
+            taken = tokens - 1 if tokens <= drafts_valid else drafts_valid
             drafted += drafts_valid
             accepted += taken
             accepts.append(taken)
-            ids.append(req_id)
-    return VerifiedStep(
-        drafted, accepted, generated, tuple(accepts), tuple(ids) if with_ids else ()
-    )
+            if ids is not None:
+                ids.append(req_id)
+    return VerifiedStep(drafted, accepted, generated, tuple(accepts), tuple(ids) if ids else ())
 
 
 def cut_drafts(requests: Mapping[str, Any], limits: Mapping[str, int]) -> tuple[int, int]:

@@ -26,6 +26,10 @@ class Scheduler(Base):
 
     def update(self, scheduler_output, model_runner_output):
         return scheduler_output.num_spec_tokens_to_schedule
+
+    @property
+    def size(self):
+        return len(self.requests)
 """
 
 
@@ -87,3 +91,10 @@ def test_attributes_assigned_in_a_base_count_when_imported(release: str) -> None
         assert finding.problem == ""
     else:
         assert finding.problem.endswith("has no requests")
+
+
+def test_a_propertys_mentions_are_read_in_its_getter(release: str) -> None:
+    assert problems(
+        Symbol(release, "Scheduler.size", mentions=("len", "requests")),
+        Symbol(release, "Scheduler.size", mentions=("running",)),
+    ) == ["", f"{release}.Scheduler.size no longer uses running"]

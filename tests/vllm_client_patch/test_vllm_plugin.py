@@ -263,16 +263,16 @@ def test_async_scheduler_subclass_selected_explicitly(
 
 
 def fake_request(prompt: int, computed: int, outputs: int = 0, aborted: bool = False) -> Any:
-    from vllm.v1.request import RequestStatus
+    """A vLLM request (the walks read its attributes as vLLM keeps them) of ``prompt``
+    tokens and ``outputs`` generated, ``computed`` of them computed."""
+    from vllm import SamplingParams
+    from vllm.v1.request import Request, RequestStatus
 
-    status = RequestStatus.FINISHED_ABORTED if aborted else RequestStatus.RUNNING
-    return SimpleNamespace(
-        num_tokens=prompt + outputs,
-        num_computed_tokens=computed,
-        num_output_placeholders=0,
-        status=status,
-        is_finished=lambda: RequestStatus.is_finished(status),
-    )
+    request = Request("r", list(range(prompt)), SamplingParams(max_tokens=1024), None)
+    request.append_output_token_ids(list(range(outputs)))
+    request.num_computed_tokens = computed
+    request.status = RequestStatus.FINISHED_ABORTED if aborted else RequestStatus.RUNNING
+    return request
 
 
 def test_the_batch_is_the_requests_that_draft() -> None:
