@@ -109,20 +109,33 @@ def batch_shape(
     Python call per request), and the tokens left are taken first, a small number
     (Python allocates no object for it).
     """
-    drafting = context = prefill = 0
-    ids: list[str] | None = [] if with_ids else None
-    for req_id, scheduled in output.num_scheduled_tokens.items():
+    batch = output.num_scheduled_tokens
+    computed_tokens = prefill = chunk_tokens = 0
+    # Requests that do not sample (partial prefill chunks, the rare ones): the rest draft.
+    chunks: list[str] = []
+    for req_id, scheduled in batch.items():
         request = requests[req_id]
         computed = request.num_computed_tokens
         left = len(request._all_token_ids) - computed + request.num_output_placeholders
         if left > 1:
             prefill += scheduled
-        if scheduled >= left:
-            drafting += 1
-            context += computed + scheduled
-            if ids is not None:
-                ids.append(req_id)
-    return BatchShape(drafting, context, prefill, tuple(ids) if ids else ())
+        if scheduled < left:
+            chunks.append(req_id)
+            chunk_tokens += scheduled
+            continue
+        computed_tokens += computed
+    # The drafting requests' scheduled tokens summed at once (sum() runs in C).
+    context = computed_tokens + sum(batch.values()) - chunk_tokens
+    ids = _drafting_ids(batch, chunks) if with_ids else ()
+    return BatchShape(len(batch) - len(chunks), context, prefill, ids)
+
+
+def _drafting_ids(batch: Mapping[str, int], chunks: list[str]) -> tuple[str, ...]:
+    """The batch's requests but ``chunks``, in the batch's order."""
+    if not chunks:
+        return tuple(batch)
+    skipped = set(chunks)
+    return tuple(req_id for req_id in batch if req_id not in skipped)
 
 
 def verified_step(
@@ -146,16 +159,17 @@ def verified_step(
     sampled = result.sampled_token_ids
     if not sampled:
         return VerifiedStep(0, 0, 0)
-    drafted = accepted = generated = 0
+    drafted = generated = 0
     accepts: list[int] = []
-    ids: list[str] | None = [] if with_ids else None
-    index_of = result.req_id_to_index.get
+    ids: list[str] = []  # appending costs less than asking whether to, per request
+    index_of = result.req_id_to_index
     request_of = requests.get
     drafts_of = output.scheduled_spec_decode_tokens.get
     invalid = output.num_invalid_spec_tokens
     for req_id in output.num_scheduled_tokens:
-        index = index_of(req_id)
-        if index is None:
+        try:  # a subscript, not a call of get(): a request left out of the result is rare
+            tokens = len(sampled[index_of[req_id]])
+        except KeyError:
             continue
         if finished_kept:
             request = request_of(req_id)
@@ -163,7 +177,6 @@ def verified_step(
                 continue
         elif req_id not in requests:
             continue
-        tokens = len(sampled[index])
         generated += tokens
         drafts = drafts_of(req_id)
         if drafts and tokens:
@@ -171,11 +184,12 @@ def verified_step(
             # Not min(): a call with an argument tuple, per request; a comparison is none.
             taken = tokens - 1 if tokens <= drafts_valid else drafts_valid
             drafted += drafts_valid
-            accepted += taken
             accepts.append(taken)
-            if ids is not None:
-                ids.append(req_id)
-    return VerifiedStep(drafted, accepted, generated, tuple(accepts), tuple(ids) if ids else ())
+            ids.append(req_id)
+    accepted = sum(accepts)  # in C, not a Python addition per request
+    return VerifiedStep(
+        drafted, accepted, generated, tuple(accepts), tuple(ids) if with_ids else ()
+    )
 
 
 def cut_drafts(requests: Mapping[str, Any], limits: Mapping[str, int]) -> tuple[int, int]:
