@@ -269,6 +269,20 @@ def hook_rows(baseline: str | None) -> list[HookRow]:
     return rows
 
 
+def walks_lines(baseline: str | None) -> list[str]:
+    """The scheduler walks' count per step at ``baseline`` (when given) and this tree."""
+    trees: list[tuple[str, contextlib.AbstractContextManager[Path]]] = []
+    if baseline:
+        trees.append((baseline, revision_tree(baseline)))
+    trees.append(("this tree", contextlib.nullcontext(Path.cwd())))
+    lines = []
+    for label, opened in trees:
+        with opened as tree:
+            walks = count_walks(tree)
+        lines += [f"{label}, batch {size}: {n:,.0f}" for size, n in walks]
+    return lines
+
+
 def count(steps: int, refresh_steps: int, kind: TableWalk = TableWalk.BATCH) -> int:
     """Instructions of a whole process that walks ``steps`` steps, under callgrind (address
     randomisation off and a fixed hash seed, so that a run repeats its count)."""
@@ -404,7 +418,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--walks-only",
         action="store_true",
-        help="count the scheduler's walks only (this tree); print them, write nothing",
+        help="count the scheduler's walks only (and at --baseline); print them, write nothing",
     )
     parser.add_argument("--walk", type=int, help=argparse.SUPPRESS)  # the counted processes
     parser.add_argument("--hook", type=int, help=argparse.SUPPRESS)
@@ -429,7 +443,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ["valgrind", "--version"], capture_output=True, text=True, check=True
     ).stdout.strip()
     if args.walks_only:
-        print("\n".join(f"batch {size}: {n:,.0f}" for size, n in count_walks(Path.cwd())))
+        print("\n".join(walks_lines(args.baseline)))
         return 0
     hooks = hook_rows(args.baseline)
     if args.hook_only:

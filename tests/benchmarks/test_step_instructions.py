@@ -158,3 +158,22 @@ def test_the_walks_count_where_vllm_and_their_driver_are(tmp_path: Path) -> None
     assert not step_instructions.walks_counted(tmp_path)  # a revision without the driver
     if importlib.util.find_spec("vllm") is not None:
         assert step_instructions.walks_counted(Path(step_instructions.__file__).parents[1])
+
+
+def test_the_walks_alone_are_counted_at_the_baseline_first_then_here(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    trees: list[tuple[Path, bool]] = []
+
+    def count(tree: Path) -> tuple[tuple[int, float], ...]:
+        trees.append((tree, (tree / "Makefile").exists()))
+        return ((32, 1_000.0 * len(trees)),)
+
+    monkeypatch.setattr(step_instructions, "count_walks", count)
+    assert step_instructions.walks_lines("HEAD") == [
+        "HEAD, batch 32: 1,000",
+        "this tree, batch 32: 2,000",
+    ]
+    (baseline, extracted), (here, _) = trees
+    assert extracted and baseline != Path.cwd() and here == Path.cwd()
+    assert step_instructions.walks_lines(None) == ["this tree, batch 32: 3,000"]
