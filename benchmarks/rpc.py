@@ -213,7 +213,11 @@ def table_request_outcome(decision_id: str, ctx: StepContext, gamma: int) -> Ste
 
 
 def measure_tables(
-    samples: int, warm: int, refresh_steps: int, walk: TableWalk = TableWalk.BATCH
+    samples: int,
+    warm: int,
+    refresh_steps: int,
+    walk: TableWalk = TableWalk.BATCH,
+    inputs_only: bool = False,
 ) -> list[Measurement]:
     """Steps through decision tables in process, with the protocol's own code (the
     simulator's TableSource: TableCache on the client's side, DecisionService.table_step
@@ -226,7 +230,9 @@ def measure_tables(
     bench-load` has it). ``walk``: NAMED steps name their requests (``with_requests``,
     with ``request_outcome``'s accepts); PER_REQUEST decides those with the default's
     per-request mode, so that each refresh also plans the context's own batch size
-    request by request."""
+    request by request. ``inputs_only``: the walk's own work alone — its steps' contexts
+    and outcomes built, no client or sidecar asked (γ 1 every step) — what `make
+    bench-instructions` subtracts from a walk's count."""
     named = walk is not TableWalk.BATCH
     # Called as outcome_for is, after its engine (a partial, not a wrapper: the step
     # instructions `make bench-instructions` counts include the walk's own).
@@ -247,10 +253,15 @@ def measure_tables(
             ctx = with_requests(ctx)
         deciding_before = decide_time._sum.get()
         start = time.perf_counter_ns()
-        decided = source.decide(ctx, None)  # type: ignore[arg-type]
-        gamma, decision_id = decided.gamma, decided.decision_id
+        if inputs_only:
+            gamma, decision_id = 1, "x"
+        else:
+            decided = source.decide(ctx, None)  # type: ignore[arg-type]
+            gamma, decision_id = decided.gamma, decided.decision_id
         step_ns = time.perf_counter_ns() - start
-        source.report(ctx, decision_id, step_outcome(decision_id, ctx, gamma))
+        outcome = step_outcome(decision_id, ctx, gamma)
+        if not inputs_only:
+            source.report(ctx, decision_id, outcome)
         # On a refreshing step, what the sidecar did besides deciding the table (checking
         # and applying the report batch) is applying; the rest of any step is deciding.
         table_ns = int(1e9 * (decide_time._sum.get() - deciding_before))

@@ -10,9 +10,12 @@ the sidecar deciding each table and learning from the reported steps; and the sa
 with the default's per-request mode, every request named (`make bench-rpc`'s
 per-request row: each refresh also plans the context's own batch size request by
 request), beside that walk with the mode off: the two differ by the mode's own work
-alone (naming the requests and making their outcomes is the walk's, counted in both).
-Each runs under callgrind for two lengths; the difference over the steps between them is
-what a steady step costs (start-up, imports and the warm-up are common to both).
+alone. Each runs under callgrind for two lengths; the difference over the steps between
+them is what a steady step costs (start-up, imports and the warm-up are common to both).
+From it the walk's own building of each step's context and outcome is subtracted,
+counted the same way by the walk run with no client or sidecar asked: named requests
+make the benchmark build objects per request that an engine's plugin builds anyway, and
+counted in the walk they would be charged to the sidecar.
 
 Beside the walks, the plugin's hook on the engine's thread: `benchmarks/hook_cost.py`'s
 driver steps the controller (`decide`, the per-request γ, `end_step`, as the scheduler
@@ -75,9 +78,12 @@ ROW_NAMES = {
 }
 
 
-def walk(steps: int, refresh_steps: int, kind: TableWalk = TableWalk.BATCH) -> None:
-    """The table walk of ``steps`` steps (what each callgrind run executes)."""
-    measure_tables(steps, WARM_STEPS, refresh_steps, kind)
+def walk(
+    steps: int, refresh_steps: int, kind: TableWalk = TableWalk.BATCH, inputs_only: bool = False
+) -> None:
+    """The table walk of ``steps`` steps (what each callgrind run executes); ``inputs_only``:
+    the walk's own building of its steps alone."""
+    measure_tables(steps, WARM_STEPS, refresh_steps, kind, inputs_only)
 
 
 def collected(log: str) -> int:
@@ -283,16 +289,33 @@ def walks_lines(baseline: str | None) -> list[str]:
     return lines
 
 
-def count(steps: int, refresh_steps: int, kind: TableWalk = TableWalk.BATCH) -> int:
+def count(
+    steps: int, refresh_steps: int, kind: TableWalk = TableWalk.BATCH, inputs_only: bool = False
+) -> int:
     """Instructions of a whole process that walks ``steps`` steps, under callgrind (address
     randomisation off and a fixed hash seed, so that a run repeats its count)."""
     arguments = ["--walk", str(steps), "--refreshes", str(refresh_steps), "--kind", kind.name]
+    arguments += ["--inputs-only"] if inputs_only else []
     with tempfile.TemporaryDirectory() as scratch:
         command = _callgrind(Path(scratch) / "callgrind.out", arguments)
         run = subprocess.run(
             command, env=_counting_env(Path.cwd()), capture_output=True, text=True, check=True
         )
     return collected(run.stderr)
+
+
+def walk_step(refresh_steps: int, kind: TableWalk) -> float:
+    """A steady step of the walk, less the walk's own building of the step's context and
+    outcome (counted alone): what the client and the sidecar execute."""
+    product, inputs = (
+        per_step(
+            count(SHORT, refresh_steps, kind, alone),
+            count(LONG, refresh_steps, kind, alone),
+            LONG - SHORT,
+        )
+        for alone in (False, True)
+    )
+    return product - inputs
 
 
 def per_step(short: int, long: int, steps: int) -> float:
@@ -311,10 +334,12 @@ def render(
         f"Counted {datetime.date.today().isoformat()} on {machine()}, numpy {np.__version__}, "
         f"by `make bench-instructions` (`benchmarks/step_instructions.py`) with {version}'s "
         f"callgrind: `make bench-rpc`'s table walk run for {SHORT:,} and {LONG:,} steps, the "
-        f"difference over the {LONG - SHORT:,} steps between. A step: the client's lookup in "
-        "the held table, and on a refresh the sidecar applying the reported steps (learning) "
-        "and deciding the next table. Counts do not depend on the host's speed; they do on "
-        "the Python, numpy and OpenBLAS builds.",
+        f"difference over the {LONG - SHORT:,} steps between, less the same walk's own "
+        "building of its steps' contexts and outcomes (that walk run with no client or "
+        "sidecar asked, counted the same way). A step: the client's lookup in the held "
+        "table, and on a refresh the sidecar applying the reported steps (learning) and "
+        "deciding the next table. Counts do not depend on the host's speed; they do on the "
+        "Python, numpy and OpenBLAS builds.",
         "",
         "| table refreshed every | instructions per step |",
         "|---:|---:|",
@@ -328,8 +353,8 @@ def render(
         lines += [
             "",
             f"The per-request mode's own work: {own:,.0f} instructions a step (its row less "
-            "the same walk's with the mode off: naming the requests and making their "
-            "outcomes is the walk's own, in both).",
+            "the same walk's with the mode off, which reads the same named requests and "
+            "their accepts).",
         ]
     if hooks:
         lines += ["", *render_hooks(hooks)]
@@ -427,9 +452,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--kind", choices=[k.name for k in TableWalk], default="BATCH", help=argparse.SUPPRESS
     )
+    parser.add_argument("--inputs-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.walk is not None:
-        walk(args.walk, args.refreshes[0], TableWalk[args.kind])
+        walk(args.walk, args.refreshes[0], TableWalk[args.kind], args.inputs_only)
         return 0
     if args.hook is not None:
         hook_walk(args.hook, args.target)
@@ -452,8 +478,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = []
     for refresh, kind in table_walks(args.refreshes):
         print(f"refresh every {refresh} steps, {kind.name} walk ...", file=sys.stderr)
-        short, long = count(SHORT, refresh, kind), count(LONG, refresh, kind)
-        rows.append((refresh, kind, per_step(short, long, LONG - SHORT)))
+        rows.append((refresh, kind, walk_step(refresh, kind)))
     text = render(rows, version, hooks)
     write_section(args.out, SECTION, text)
     print(text)

@@ -73,15 +73,21 @@ def test_the_counted_process_walks_the_kind_of_walk_it_is_told(
     walked = []
     real = step_instructions.measure_tables
 
-    def measure(samples: int, warm: int, refresh: int, kind: TableWalk) -> Any:
-        walked.append(kind)
-        return real(samples, warm, refresh, kind)
+    def measure(samples: int, warm: int, refresh: int, kind: TableWalk, alone: bool) -> Any:
+        walked.append((kind, alone))
+        return real(samples, warm, refresh, kind, alone)
 
     monkeypatch.setattr(step_instructions, "measure_tables", measure)
     for kind in ("PER_REQUEST", "NAMED"):
         assert main(["--walk", "300", "--refreshes", "32", "--kind", kind]) == 0
     assert main(["--walk", "300", "--refreshes", "32"]) == 0
-    assert walked == [TableWalk.PER_REQUEST, TableWalk.NAMED, TableWalk.BATCH]
+    assert main(["--walk", "300", "--refreshes", "32", "--kind", "NAMED", "--inputs-only"]) == 0
+    assert walked == [
+        (TableWalk.PER_REQUEST, False),
+        (TableWalk.NAMED, False),
+        (TableWalk.BATCH, False),
+        (TableWalk.NAMED, True),
+    ]
 
 
 def _callgrind_part(directory: Path, thread: int, total: int) -> Path:
@@ -177,3 +183,37 @@ def test_the_walks_alone_are_counted_at_the_baseline_first_then_here(
     (baseline, extracted), (here, _) = trees
     assert extracted and baseline != Path.cwd() and here == Path.cwd()
     assert step_instructions.walks_lines(None) == ["this tree, batch 32: 3,000"]
+
+
+def test_a_walks_step_is_counted_less_its_own_building_of_contexts_and_outcomes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    counts = {  # (steps, inputs only) -> the process's count
+        (step_instructions.SHORT, False): 9_000_000,
+        (step_instructions.LONG, False): 13_000_000,
+        (step_instructions.SHORT, True): 5_000_000,
+        (step_instructions.LONG, True): 6_000_000,
+    }
+
+    def count(steps: int, refresh: int, kind: TableWalk, inputs_only: bool = False) -> int:
+        return counts[(steps, inputs_only)]
+
+    monkeypatch.setattr(step_instructions, "count", count)
+    steps = step_instructions.LONG - step_instructions.SHORT
+    assert step_instructions.walk_step(32, TableWalk.NAMED) == 3_000_000 / steps
+
+
+def test_the_walks_own_building_asks_no_client_or_sidecar(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from benchmarks import rpc
+    from policy_server.sim.sources import TableSource
+
+    def refuse(*args: Any) -> None:
+        raise AssertionError("the walk's own building asked the protocol")
+
+    monkeypatch.setattr(TableSource, "decide", refuse)
+    monkeypatch.setattr(TableSource, "report", refuse)
+    rpc.measure_tables(50, 10, 32, TableWalk.PER_REQUEST, inputs_only=True)
+    with pytest.raises(AssertionError, match="asked the protocol"):
+        rpc.measure_tables(50, 10, 32, TableWalk.PER_REQUEST)
