@@ -505,8 +505,11 @@ class GoodputModelPolicy(GoodputPooling, EngineStatePolicy[GoodputParams, Engine
             self._acceptance_decay,
             step,
         )
-        # After the outcome: the requests it labelled are seen already, not moved twice.
-        touch(records, (r.request_id for r in ctx.requests), step)
+        # After the outcome: the requests it labelled are seen already, not moved twice;
+        # an outcome that labels the context's requests (nearly every one) leaves none.
+        names = [r.request_id for r in ctx.requests]
+        if tuple(names) != ids:
+            touch(records, names, step)
         prune(records, step, self._params.request_idle_steps)
         return verified
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import operator
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
@@ -253,11 +254,13 @@ class AcceptanceModel:
         self.forgotten *= self.decay
         if request_accepts:
             self.successes += sum(request_accepts)
+            # Failures (k < γ_i) counted in C (map): every request of a step passes here.
             if verified:
-                pairs = zip(request_accepts, verified, strict=True)
-                self.failures += sum(1 for k, g in pairs if k < g)
+                if len(verified) != len(request_accepts):
+                    raise ValueError("verified needs one γ per entry of request_accepts")
+                self.failures += sum(map(operator.lt, request_accepts, verified))
             else:
-                self.failures += sum(1 for k in request_accepts if k < gamma)
+                self.failures += sum(map(functools.partial(operator.gt, gamma), request_accepts))
             return
         requests = drafted / gamma
         self.successes += accepted
