@@ -271,6 +271,36 @@ def test_requests_no_longer_seen_are_forgotten() -> None:
     assert len(kept) <= 4 + 4 * (10 // 3 + 2)
 
 
+def test_a_named_request_that_verified_no_draft_is_kept_while_it_runs() -> None:
+    """A request the context names but the outcome does not label (it verified no draft)
+    is still running: seen, not pruned as idle, while a finished one is."""
+    policy = per_request(request_idle_steps=5)
+    labelled, quiet = ("a", "b"), "quiet"
+    first = request_context([*labelled, quiet, "done"], 0)
+    policy.observe(first, Choice(2, BinType.EXPLOIT), labelled_outcome((*labelled, quiet, "done")))
+    for step in range(1, 20):
+        ctx = request_context([*labelled, quiet], step)
+        policy.observe(ctx, Choice(2, BinType.EXPLOIT), labelled_outcome(labelled))
+    kept = policy.state()["engines"]["e"]["requests"]
+    assert set(kept) == {*labelled, quiet}
+    assert kept[quiet][2] == kept["a"][2] == 20  # last seen at the engine's latest step
+
+
+def labelled_outcome(ids: tuple[str, ...]) -> StepOutcome:
+    """A step at γ 2 whose ``ids`` each accepted one draft."""
+    return StepOutcome(
+        "d",
+        "e",
+        2,
+        0.01,
+        2 * len(ids),
+        drafted_tokens=2 * len(ids),
+        accepted_tokens=len(ids),
+        request_accepts=(1,) * len(ids),
+        request_ids=ids,
+    )
+
+
 def test_an_engine_keeps_at_most_max_requests_records_the_newest() -> None:
     records = {str(i): RequestRecord(1.0, 1.0, i) for i in range(MAX_REQUESTS + 100)}
     prune(records, MAX_REQUESTS + 99, idle_steps=10**6)
