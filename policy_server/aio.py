@@ -14,6 +14,7 @@ from typing import Any, NoReturn
 import grpc
 
 from nightjar_common import decode_guard
+from nightjar_common.errors import InvalidArgumentError
 
 
 class _Aborted(Exception):
@@ -52,6 +53,16 @@ class Deferred:
     # What the audit logs of it (audit.describe of the parsed request), set once parsed.
     described: dict[str, Any] | None = None
 
+    def parsed(self) -> Any:
+        """The request; InvalidArgumentError (the decode guard's words) when its bytes are
+        not the method's message."""
+        try:
+            return self.parse(self.data)
+        except Exception as exc:  # protobuf raises DecodeError and others
+            marker = decode_guard.Undecodable(str(exc) or type(exc).__name__)
+            self.described = {"undecodable": True}
+            raise InvalidArgumentError(decode_guard.describe(self.method, marker)) from None
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Serialized:
@@ -82,19 +93,26 @@ def serializing(serialize: Callable[[Any], bytes]) -> Callable[[Any], bytes]:
 class InThreads:
     """A synchronous servicer's unary methods as coroutines that run them in the loop's
     thread pool (admin calls write snapshots and copy learned state: not on the loop); a
-    Deferred request is parsed there too, and described with ``describe`` for the audit."""
+    Deferred request is parsed there too, and described with ``describe`` for the audit,
+    but for the methods named in ``unparsed``, which are handed it as it is (they parse it
+    elsewhere: Restore, in a forked child)."""
 
     def __init__(
-        self, servicer: Any, describe: Callable[[Any], dict[str, Any]] = lambda request: {}
+        self,
+        servicer: Any,
+        describe: Callable[[Any], dict[str, Any]] = lambda request: {},
+        unparsed: frozenset[str] = frozenset(),
     ) -> None:
         self._servicer = servicer
         self._describe = describe
+        self._unparsed = unparsed
 
     def __getattr__(self, name: str) -> Callable[[Any, Any], Awaitable[Any]]:
         method = getattr(self._servicer, name)
+        parse = name not in self._unparsed
 
         def run(request: Any, context: ThreadContext) -> Any:
-            if isinstance(request, Deferred):
+            if isinstance(request, Deferred) and parse:
                 request = self._parsed(request)
             return method(request, context)
 
@@ -108,13 +126,9 @@ class InThreads:
 
     def _parsed(self, deferred: Deferred) -> Any:
         try:
-            request = deferred.parse(deferred.data)
-        except Exception as exc:  # protobuf raises DecodeError and others
-            marker = decode_guard.Undecodable(str(exc) or type(exc).__name__)
-            deferred.described = {"undecodable": True}
-            raise _Aborted(
-                grpc.StatusCode.INVALID_ARGUMENT, decode_guard.describe(deferred.method, marker)
-            ) from None
+            request = deferred.parsed()
+        except InvalidArgumentError as exc:
+            raise _Aborted(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         deferred.described = self._describe(request)
         return request
 

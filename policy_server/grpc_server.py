@@ -41,9 +41,10 @@ from nightjar_common.errors import (
 )
 from nightjar_common.sidecar_stream import STREAM_END_IDLE, STREAM_END_KEY
 from nightjar_common.types import StepOutcome
-from policy_server import config
+from policy_server import bulk_bytes, config
 from policy_server.aio import (
     AioDecodeGuard,
+    Deferred,
     InThreads,
     LoopServer,
     Serialized,
@@ -55,7 +56,7 @@ from policy_server.message_limits import Bound, MessageLimits
 from policy_server.metrics import Metrics
 from policy_server.policies import PolicyError, parse_params_json
 from policy_server.service import ActivePolicy, DecisionService, StateView
-from policy_server.state_store import COLLECTOR
+from policy_server.state_store import document_of_json
 
 log = logging.getLogger(__name__)
 
@@ -480,15 +481,15 @@ class AdminServicer(_Servicer, admin_pb2_grpc.AdminServiceServicer):  # type: ig
             return self.service.state_view(request.engine_id or None, max_engines=limit), whole
 
         view, whole = self._call("GetState", context, read)
-        state_json = view.state_json
+        state_utf8 = view.state_utf8
         if not whole and not request.engine_id:
-            state = json.loads(state_json)  # at most SUMMARY_ENGINES engines' parts
+            state = view.state  # at most SUMMARY_ENGINES engines' parts
             state["summary"] = {
                 "engines_total": view.engines_total,
                 "engines_shown": len(view.engine_ids),
                 "note": SUMMARY_NOTE,
             }
-            state_json = json.dumps(state, sort_keys=True)
+            state_utf8 = json.dumps(state, sort_keys=True).encode()
         reply = admin_pb2.GetStateResponse(
             policy_name=view.policy_name,
             policy_version=view.policy_version,
@@ -501,10 +502,11 @@ class AdminServicer(_Servicer, admin_pb2_grpc.AdminServiceServicer):  # type: ig
             engines_json=json.dumps(view.engines, sort_keys=True),
             fleet_json=json.dumps(view.fleet, sort_keys=True),
         )
-        # state_json (field 4) framed by hand, an MB at a time: a state of tens of MB as
-        # one string would hold the GIL in protobuf's C for each copy, and the loop would
-        # serialize it; the loop only sends these bytes.
-        parts = [reply.SerializeToString(), *_string_field(4, state_json)]
+        # state_json (field 4) framed by hand, its UTF-8 as read, and joined by the kernel
+        # (bulk_bytes): a state of tens of MB as one string would hold the GIL in
+        # protobuf's C for each copy, and the loop would serialize it; the loop only sends
+        # these bytes.
+        parts = [reply.SerializeToString(), *_string_field(4, state_utf8)]
         size = sum(map(len, parts))
         if size > self._max_reply_bytes:
             self._abort(
@@ -517,7 +519,7 @@ class AdminServicer(_Servicer, admin_pb2_grpc.AdminServiceServicer):  # type: ig
                 "for engine ids and runtimes): ask for one engine (engine_id, nightjarctl "
                 "state --engine)",
             )
-        return Serialized(b"".join(parts))
+        return Serialized(bulk_bytes.joined(parts))
 
     def _holds_token(self, context: grpc.ServicerContext) -> bool:
         """Whether a read-only call may read the whole state: no admin token is configured,
@@ -575,23 +577,24 @@ class AdminServicer(_Servicer, admin_pb2_grpc.AdminServiceServicer):  # type: ig
             path=str(path), created_unix=self.service.last_snapshot_unix
         )
 
-    def Restore(self, request: admin_pb2.RestoreRequest, context: grpc.ServicerContext) -> Any:
-        def restore() -> ActivePolicy:
-            source = request.WhichOneof("source")
-            if source == "path":
-                return self.service.restore_path(request.path)
-            if source == "snapshot_json":
-                from policy_server import snapshot
+    def Restore(
+        self, request: admin_pb2.RestoreRequest | Deferred, context: grpc.ServicerContext
+    ) -> Any:
+        """A large request (Deferred: a snapshot_json of MBs) is parsed where the snapshot
+        is read and checked: in a forked child when there are children (StateStore.
+        restore_client), so that neither its protobuf nor its JSON is parsed holding the
+        sidecar's GIL."""
 
-                try:
-                    document = snapshot.parse(request.snapshot_json, "snapshot_json")
-                except snapshot.SnapshotError as exc:
-                    raise InvalidArgumentError(str(exc)) from exc
-                return self.service.restore_document(document)
+        def document() -> dict[str, Any]:
+            parsed = request.parsed() if isinstance(request, Deferred) else request
+            source = parsed.WhichOneof("source")
+            if source == "path":
+                return self.service.document_at(parsed.path)
+            if source == "snapshot_json":
+                return document_of_json(parsed.snapshot_json, "snapshot_json")
             raise InvalidArgumentError("restore needs a path or snapshot_json")
 
-        with COLLECTOR.paused():  # parsing a snapshot allocates as much as restoring it
-            active = self._mutate("Restore", context, restore)
+        active = self._mutate("Restore", context, lambda: self.service.restore_client(document))
         return admin_pb2.RestoreResponse(policy_name=active.name, policy_version=active.version)
 
     def Reset(self, request: admin_pb2.ResetRequest, context: grpc.ServicerContext) -> Any:
@@ -601,17 +604,12 @@ class AdminServicer(_Servicer, admin_pb2_grpc.AdminServiceServicer):  # type: ig
         return admin_pb2.ResetResponse(policy_version=active.version)
 
 
-# Characters of a long string field encoded at a time (_string_field).
-ENCODE_CHUNK = 1 << 20
-
-
-def _string_field(number: int, text: str) -> list[bytes]:
+def _string_field(number: int, utf8: bytes) -> list[bytes]:
     """A protobuf string field in parts, as SerializeToString writes it: its tag, length
-    and UTF-8 bytes, encoded a chunk at a time (each a short hold of the GIL)."""
-    chunks = [text[i : i + ENCODE_CHUNK].encode() for i in range(0, len(text), ENCODE_CHUNK)]
-    if not chunks:
+    and UTF-8 bytes (none for an empty string, a proto3 default)."""
+    if not utf8:
         return []
-    return [_varint(number << 3 | 2), _varint(sum(map(len, chunks))), *chunks]
+    return [_varint(number << 3 | 2), _varint(len(utf8)), utf8]
 
 
 def _varint(value: int) -> bytes:
@@ -762,7 +760,8 @@ def build_server(
             interceptors=[AdminAudit(ADMIN_SERVICE), limits, AioDecodeGuard()],
         )
         add_policy_service(PolicyServicer(service, streams), server)
-        add_admin_service(InThreads(AdminServicer(service, admin_token), describe), server)
+        admin = InThreads(AdminServicer(service, admin_token), describe, frozenset({"Restore"}))
+        add_admin_service(admin, server)
         health_servicer = AioHealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         reflection.enable_server_reflection(

@@ -250,5 +250,17 @@ class DecisionService:
         """StateStore.restore_document."""
         return self.store.restore_document(document, from_client=from_client, keep_state=keep_state)
 
+    def restore_json(self, text: str | bytes) -> ActivePolicy:
+        """StateStore.restore_json."""
+        return self.store.restore_json(text)
+
+    def restore_client(self, read: Callable[[], dict[str, Any]]) -> ActivePolicy:
+        """StateStore.restore_client."""
+        return self.store.restore_client(read)
+
+    def document_at(self, given: str) -> dict[str, Any]:
+        """StateStore.document_at."""
+        return self.store.document_at(given)
+
     def restore_path(self, given: str) -> ActivePolicy:
         return self.store.restore_path(given)

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import gc
 import json
 import logging
 import math
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ from nightjar_common.errors import (
     PermissionDeniedError,
 )
 from nightjar_common.validation import check_client_path
-from policy_server import snapshot
+from policy_server import forked, json_pieces, snapshot
 from policy_server.activation import ActivePolicy, PolicyActivation, load_state
 from policy_server.engines import EngineTable
 from policy_server.memory import MemoryController
@@ -47,6 +48,17 @@ log = logging.getLogger(__name__)
 STATE_HOLD_S = 0.0005
 # Reads of the whole state a policy activation may restart before one holds every lock.
 STATE_READ_ATTEMPTS = 3
+
+
+class Hold(enum.Enum):
+    """What a read of the state holds (_read_chunks)."""
+
+    # Each engine's learner in turn, the GIL handed over between chunks.
+    ENGINES = "engines"
+    # Every lock of the policy throughout (the last of STATE_READ_ATTEMPTS).
+    WHOLE = "whole"
+    # Nothing: a forked child reads the copy it was given, which nothing else changes.
+    FROZEN = "frozen"
 
 
 class CollectorPause:
@@ -89,8 +101,10 @@ class StateView:
     policy_name: str
     policy_version: str
     params: dict[str, Any]
-    # The learned state as JSON text (read and encoded an engine at a time, _read_state).
-    state_json: str
+    # The learned state as JSON text in UTF-8 (read and encoded an engine at a time,
+    # _read_state; the whole state in a forked child, _read_in_child): bytes, as GetState
+    # sends it, so that tens of MB are never decoded and encoded again holding the GIL.
+    state_utf8: bytes
     decisions_total: int
     reports_total: int
     engine_ids: list[str]
@@ -104,9 +118,13 @@ class StateView:
     fleet: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
+    def state_json(self) -> str:
+        return self.state_utf8.decode()
+
+    @property
     def state(self) -> dict[str, Any]:
         """The learned state (state_json, parsed)."""
-        state: dict[str, Any] = json.loads(self.state_json)
+        state: dict[str, Any] = json.loads(self.state_utf8)
         return state
 
 
@@ -115,8 +133,26 @@ class StateRead:
     """What _read_state read: the policy, its state's JSON, engines' memory states."""
 
     active: ActivePolicy
-    state_json: str
+    state_utf8: bytes
     memory: dict[str, Any]
+    # The engines read, in order (those asked for, or with _read_in_child all of them).
+    engine_ids: list[str]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Frozen:
+    """What a whole read in a child reads in the parent, under every lock at the fork."""
+
+    active: ActivePolicy
+    engine_ids: list[str]
+    unix: float  # the instant (a snapshot's created_unix)
+    # For a snapshot: the policy that checks it (StateStore._checker), built for the
+    # active version before the fork; None if it is not that version.
+    checker: Policy | None = None
+
+
+# What makes a snapshot fail as refused (FAILED_PRECONDITION, counted), not as a defect.
+SNAPSHOT_REFUSALS: tuple[type[BaseException], ...] = (OSError, ValueError, TypeError, NightjarError)
 
 
 class StateStore:
@@ -147,6 +183,10 @@ class StateStore:
         # (_readable): built once per policy version (building one reads its files).
         self._snapshot_checker: tuple[str, Policy, dict[str, Any]] | None = None
         self._snapshot_checks = threading.Lock()
+        # Whole-state work (whole reads, snapshots, client restores) in forked children,
+        # off the GIL the decisions need (forked.py); None: in process, on the admin
+        # thread (no fork on this platform).
+        self.children: forked.Children | None = forked.Children() if forked.can_fork() else None
 
     # -- reads --------------------------------------------------------------------------
 
@@ -157,7 +197,8 @@ class StateStore:
         an engine at a time while decisions go on (_read_state), or with ``max_engines`` a
         summary: the parts of the first ``max_engines`` engines by id and as many ids, with
         the count of all in ``engines_total`` (what GetState answers a caller without the
-        admin token). Whole reads take turns (``_whole_reads``)."""
+        admin token). Whole reads take turns (``_whole_reads``); in a forked child when
+        there are children (_read_in_child: one instant of the whole state)."""
         all_ids = sorted(self.engines.engine_ids())
         shown = all_ids if max_engines is None else all_ids[:max_engines]
         if engine_id:
@@ -166,6 +207,9 @@ class StateStore:
             read = self._read_state([engine_id], whole=False, allow_nan=True)
         elif max_engines is not None:
             read = self._read_state(shown, whole=False, allow_nan=True)
+        elif self.children is not None:
+            read = self._read_in_child(allow_nan=True, memory=True)
+            all_ids = shown = read.engine_ids
         else:
             with self._whole_reads, COLLECTOR.paused():
                 read = self._read_state(shown, whole=True, allow_nan=True)
@@ -174,7 +218,7 @@ class StateStore:
             policy_name=active.name,
             policy_version=active.version,
             params=active.policy.params(),
-            state_json=read.state_json,
+            state_utf8=read.state_utf8,
             decisions_total=int(self.metrics.steps.total(DECISIONS)),
             reports_total=int(self.metrics.steps.total(REPORTS)),
             engine_ids=shown,
@@ -214,30 +258,32 @@ class StateStore:
         STATE_READ_ATTEMPTS holds every lock throughout (activations are admin calls)."""
         ids = [*engine_ids, UNOWNED] if whole else list(engine_ids)
         for attempt in range(1, STATE_READ_ATTEMPTS + 1):
-            read = self._read_chunks(ids, allow_nan, memory, attempt == STATE_READ_ATTEMPTS)
+            hold = Hold.WHOLE if attempt == STATE_READ_ATTEMPTS else Hold.ENGINES
+            read = self._read_chunks(ids, allow_nan, memory, hold)
             if read is not None:
-                return read
+                return dataclasses.replace(read, engine_ids=list(engine_ids))
         raise AssertionError("unreachable: the last attempt holds the lock throughout")
 
     def _read_chunks(
-        self, ids: Sequence[str], allow_nan: bool, memory: bool, throughout: bool
+        self, ids: Sequence[str], allow_nan: bool, memory: bool, hold: Hold
     ) -> StateRead | None:
         """One attempt of _read_state; None when a policy was activated meanwhile."""
         activation = self.activation
         text = StateText(allow_nan)
         memories: dict[str, Any] = {}
-        held = activation.whole_policy() if throughout else contextlib.nullcontext()
+        engines = hold is Hold.ENGINES
+        held = activation.whole_policy() if hold is Hold.WHOLE else contextlib.nullcontext()
         with held:
             active = activation.active
             done = 0
             while done < len(ids):
                 parts: list[dict[str, Any]] = []
                 until = time.perf_counter() + STATE_HOLD_S
-                while done < len(ids) and (throughout or not parts or _before(until)):
+                while done < len(ids) and (not engines or not parts or _before(until)):
                     engine_id = ids[done]
                     done += 1
                     with contextlib.ExitStack() as holding:
-                        if not throughout:  # the engine's learner only, or all for UNOWNED
+                        if engines:  # the engine's learner only, or all for UNOWNED
                             holding.enter_context(self._engine_part(engine_id))
                         if activation.active is not active:
                             return None
@@ -248,12 +294,54 @@ class StateStore:
                             memories[engine_id] = engine_memory.as_dict()
                 for part in parts:
                     text.add(part)
-                if not throughout:
+                if engines:
                     # Hand the GIL over: a decision woken by the release takes the lock
                     # before this thread takes it again (CPython's locks are not fair).
                     time.sleep(0)
         state_json = text.text() if text else json.dumps({"schema": active.learned.state_schema})
-        return StateRead(active, state_json, dict(sorted(memories.items())))
+        return StateRead(active, state_json.encode(), dict(sorted(memories.items())), list(ids))
+
+    def _frozen(self, checker: bool = False) -> contextlib.AbstractContextManager[Frozen]:
+        """Every lock of the policy, and what a child's whole read needs read under them:
+        the active policy and every engine's id (the engine table's lock, which the child
+        must not take); with ``checker`` the snapshots' checker too (its lock held, so
+        that no thread uses it at the fork). Held only while the process forks."""
+
+        @contextlib.contextmanager
+        def frozen() -> Iterator[Frozen]:
+            with contextlib.ExitStack() as held:
+                prepared = None
+                if checker:
+                    held.enter_context(self._snapshot_checks)
+                    active = self.activation.active
+                    spec = {"name": active.name, "version": active.version}
+                    prepared = self._checker({**spec, "params": active.policy.params()})[0]
+                held.enter_context(self.activation.whole_policy())
+                active, ids = self.activation.active, sorted(self.engines.engine_ids())
+                if prepared is not None and active.version != spec["version"]:
+                    prepared = None  # activated since: the child builds its own
+                yield Frozen(active, ids, time.time(), prepared)
+
+        return frozen()
+
+    def _read_in_child(self, allow_nan: bool, memory: bool) -> StateRead:
+        """The whole state read in a forked child: its learned state, and every engine's,
+        at one instant (the fork, holding every lock of the policy), encoded by the child
+        while the parent's threads go on deciding."""
+        assert self.children is not None
+
+        def work(frozen: Frozen, sink: forked.Sink) -> dict[str, Any]:
+            ids = [*frozen.engine_ids, UNOWNED]
+            read = self._read_chunks(ids, allow_nan, memory, Hold.FROZEN)
+            assert read is not None  # nothing activates a policy in the child
+            sink(read.state_utf8)
+            return read.memory
+
+        try:
+            frozen, result = self.children.run(self._frozen(), work)
+        except forked.ChildError as exc:
+            raise exc.rebuilt() from None
+        return StateRead(frozen.active, result.payload, result.value, frozen.engine_ids)
 
     def _engine_part(self, engine_id: str) -> contextlib.AbstractContextManager[None]:
         """What reading ``engine_id``'s part of the state holds (UNOWNED: every learner)."""
@@ -271,40 +359,39 @@ class StateStore:
 
     def snapshot_text(self) -> tuple[str, float]:
         """The snapshot document of the active policy as JSON text (what snapshot.parse
-        reads), and its created_unix: its params and whole learned state, read an engine
-        at a time while decisions go on (_read_state says why each engine's part is
-        consistent, the whole not one point in time, and why that is enough). ValueError
-        for a NaN or infinity in the state."""
+        reads), and its created_unix: its params and whole learned state, read in process
+        an engine at a time while decisions go on (_read_state says why each engine's part
+        is consistent, the whole not one point in time, and why that is enough).
+        ValueError for a NaN or infinity in the state."""
         engines = sorted(self.engines.engine_ids())
         created = time.time()
         with self._whole_reads:
             read = self._read_state(engines, whole=True, allow_nan=False, memory=False)
-        active = read.active
-        head = {"format": snapshot.FORMAT, "created_unix": created}
-        policy = {"name": active.name, "version": active.version, "params": active.policy.params()}
-        text = (
-            snapshot.encode_text(head)[:-1]
-            + ',"policy":'
-            + snapshot.encode_text(policy)[:-1]
-            + f',"state":{read.state_json}}}'
-            + f',"engines":{snapshot.encode_text(engines)}}}'
-        )
-        return text, created
+        return _document_text(read.active, read.state_utf8.decode(), engines, created), created
 
     def write_snapshot(self) -> Path:
-        with COLLECTOR.paused():
-            return self._write_snapshot()
-
-    def _write_snapshot(self) -> Path:
+        """Write the snapshot file: the state read and checked in a forked child when
+        there are children (one instant of the whole state, _snapshot_in_child), else in
+        process with the collector paused. FailedPreconditionError, the last snapshot
+        kept, when it cannot be written."""
         if self.state_dir is None:
             raise FailedPreconditionError("no state directory configured (--state-dir)")
         path = self.state_dir / snapshot.SNAPSHOT_NAME
         try:
+            if self.children is not None:
+                data, created, trimmed = self._snapshot_in_child()
+            else:
+                with COLLECTOR.paused():
+                    text, created = self.snapshot_text()
+                    data, trimmed = self._readable(text.encode())
+            if trimmed:
+                log.warning("%s", trimmed)
+            snapshot.write_bytes_atomic(path, data)
+        except (forked.ChildError, OSError, ValueError, TypeError, NightjarError) as exc:
             # ValueError: a NaN or infinity in the state (refused when it comes in; this
             # keeps one that slipped through from ending the snapshot loop).
-            text, created = self.snapshot_text()
-            snapshot.write_bytes_atomic(path, self._readable(text.encode()))
-        except (OSError, ValueError, TypeError, NightjarError) as exc:
+            if isinstance(exc, forked.ChildError) and not exc.is_a(*SNAPSHOT_REFUSALS):
+                raise  # a defect, as in process
             self.metrics.snapshots.labels("failed").inc()
             raise FailedPreconditionError(
                 f"cannot write snapshot {path}: {exc}; the last snapshot is kept"
@@ -313,23 +400,54 @@ class StateStore:
         self.metrics.snapshot_written(self.last_snapshot_unix)
         return path
 
-    def _readable(self, data: bytes) -> bytes:
-        """``data`` (a snapshot document) as a start will read it: checked by the reader's
-        own checks (snapshot.parse, then the policy's load_state as a start loads it) and
-        within the reader's size limit, trimmed of what the policy can lose (base.
-        trim_state, with a WARNING) when it is larger; SnapshotError when nothing makes it
-        fit, InvalidArgumentError or FailedPreconditionError when a start would refuse it."""
-        limit = min(self.snapshot_max_bytes, snapshot.MAX_BYTES)
+    def _snapshot_in_child(self) -> tuple[bytes, float, str]:
+        """The snapshot file's bytes, read, encoded and checked (_checked) by a forked
+        child from one instant of the state; its created_unix; what was trimmed."""
+        assert self.children is not None
+
+        def work(frozen: Frozen, sink: forked.Sink) -> str:
+            ids = [*frozen.engine_ids, UNOWNED]
+            read = self._read_chunks(ids, allow_nan=False, memory=False, hold=Hold.FROZEN)
+            assert read is not None  # nothing activates a policy in the child
+            text = _document_text(
+                frozen.active, read.state_utf8.decode(), frozen.engine_ids, frozen.unix
+            )
+            data = text.encode()
+            document = snapshot.parse(data, "the snapshot to write")
+            spec = document["policy"]
+            # The parent's checker as copied (what it loads stays in the child), or one of
+            # its own (built again: logged again).
+            checker = frozen.checker or self.activation.build(spec["name"], spec["params"])
+            data, trimmed = self._checked(data, document, checker)
+            sink(data)
+            return trimmed
+
+        frozen, result = self.children.run(self._frozen(checker=True), work)
+        return result.payload, frozen.unix, str(result.value)
+
+    def _readable(self, data: bytes) -> tuple[bytes, str]:
+        """``data`` (a snapshot document) as a start will read it (_checked), with the
+        policy a start would build (kept between snapshots), and what was trimmed."""
         document = snapshot.parse(data, "the snapshot to write")
         spec = document["policy"]
         with self._snapshot_checks:
             checker, empty = self._checker(spec)
-            data = self._within(limit, data, document, checker)
             try:
-                load_state(checker, spec["state"])
+                return self._checked(data, document, checker)
             finally:
                 learned_state(checker).load_state(empty)  # no copy kept between snapshots
-        return data
+
+    def _checked(self, data: bytes, document: dict[str, Any], checker: Policy) -> tuple[bytes, str]:
+        """``data`` (``document`` encoded) checked by the reader's own checks (snapshot.
+        parse made ``document``, then ``checker``'s load_state as a start loads it) and
+        within the reader's size limit, trimmed of what the policy can lose (base.
+        trim_state) when it is larger; and a WARNING's text naming what was trimmed ("":
+        nothing). SnapshotError when nothing makes it fit, InvalidArgumentError or
+        FailedPreconditionError when a start would refuse it."""
+        limit = min(self.snapshot_max_bytes, snapshot.MAX_BYTES)
+        data, trimmed = self._within(limit, data, document, checker)
+        load_state(checker, document["policy"]["state"])
+        return data, trimmed
 
     def _checker(self, spec: Mapping[str, Any]) -> tuple[Policy, dict[str, Any]]:
         """The policy a start would build for a snapshot's ``spec``, and its empty state."""
@@ -340,29 +458,28 @@ class StateStore:
         _, checker, empty = self._snapshot_checker
         return checker, empty
 
-    def _within(self, limit: int, data: bytes, document: dict[str, Any], policy: Policy) -> bytes:
+    def _within(
+        self, limit: int, data: bytes, document: dict[str, Any], policy: Policy
+    ) -> tuple[bytes, str]:
         """``data`` (``document`` encoded) if it is at most ``limit`` bytes, else
         ``document`` trimmed of what ``policy`` can lose and encoded again (SnapshotError
-        when that is still larger)."""
+        when that is still larger); with the text of a WARNING for the trim ("": none)."""
         spec = document["policy"]
+        if len(data) <= limit:
+            return data, ""
+        size = len(data)
+        dropped = trim_state(policy, spec["state"], size - limit)
+        data = snapshot.encode(document)
         if len(data) > limit:
-            size = len(data)
-            dropped = trim_state(policy, spec["state"], size - limit)
-            data = snapshot.encode(document)
-            if len(data) > limit:
-                trimmed = f" after dropping {dropped}" if dropped else ""
-                raise snapshot.SnapshotError(
-                    f"the snapshot is {len(data):,} bytes{trimmed}, more than the "
-                    f"{limit:,} bytes a start reads"
-                )
-            log.warning(
-                "snapshot trimmed from %s to %s bytes to fit the %s a start reads; dropped: %s",
-                f"{size:,}",
-                f"{len(data):,}",
-                f"{limit:,}",
-                dropped,
+            trimmed = f" after dropping {dropped}" if dropped else ""
+            raise snapshot.SnapshotError(
+                f"the snapshot is {len(data):,} bytes{trimmed}, more than the "
+                f"{limit:,} bytes a start reads"
             )
-        return data
+        return data, (
+            f"snapshot trimmed from {size:,} to {len(data):,} bytes to fit the {limit:,} a "
+            f"start reads; dropped: {dropped}"
+        )
 
     # -- restores -------------------------------------------------------------------------
 
@@ -370,9 +487,63 @@ class StateStore:
         self, document: Mapping[str, Any], *, from_client: bool = True, keep_state: bool = True
     ) -> ActivePolicy:
         """Activate the policy, params and state of a snapshot; all-or-nothing
-        (_restore_document), with the collector paused."""
+        (_restore_document), in process with the collector paused."""
         with COLLECTOR.paused():
             return self._restore_document(document, from_client=from_client, keep_state=keep_state)
+
+    def restore_json(self, text: str | bytes) -> ActivePolicy:
+        """Restore a client's snapshot document given as JSON text (Restore's
+        snapshot_json): parsed and checked in a forked child when there are children
+        (restore_client). INVALID_ARGUMENT when it is not a snapshot."""
+        return self.restore_client(lambda: document_of_json(text, "snapshot_json"))
+
+    def restore_path(self, given: str) -> ActivePolicy:
+        """Restore a snapshot file inside the state directory (relative paths start
+        there); read, parsed and checked in a forked child when there are children."""
+        return self.restore_client(lambda: self.document_at(given))
+
+    def document_at(self, given: str) -> dict[str, Any]:
+        """The snapshot document of a client-named file inside the state directory
+        (relative paths start there): PERMISSION_DENIED outside it, NOT_FOUND when there is
+        no such file, INVALID_ARGUMENT when it is not a snapshot."""
+        check_client_path(given)
+        try:
+            path = snapshot.confine(self.state_dir, given)
+        except snapshot.OutsideStateDirError as exc:
+            raise PermissionDeniedError(str(exc)) from exc
+        if not path.exists():
+            raise NotFoundError(f"snapshot file {path} does not exist")
+        try:
+            return snapshot.read(path)
+        except snapshot.SnapshotError as exc:
+            raise InvalidArgumentError(str(exc)) from exc
+
+    def restore_client(self, read: Callable[[], dict[str, Any]]) -> ActivePolicy:
+        """Activate the snapshot document ``read`` gives (a client's): in process when
+        there are no children, else in a forked child: the document read, parsed and
+        checked there (_restorable), the state the policy is to hold handed back in pieces
+        (json_pieces), loaded and activated here. Each piece is a short hold of the GIL,
+        where one json.loads of the document holds it for hundreds of milliseconds."""
+        if self.children is None:
+            with COLLECTOR.paused():
+                return self._restore_document(read(), from_client=True, keep_state=True)
+
+        def work(_: None, sink: forked.Sink) -> dict[str, Any]:
+            document = read()
+            candidate, engines = self._candidate(document, from_client=True, keep_state=True)
+            for piece in json_pieces.encode(self._restorable(candidate, document)):
+                sink(piece)
+            return {"name": candidate.name, "params": candidate.params(), "engines": engines}
+
+        try:
+            _, result = self.children.run(forked.nothing_held(), work)
+        except forked.ChildError as exc:
+            raise exc.rebuilt() from None
+        chosen = result.value
+        with COLLECTOR.paused():
+            candidate = self.activation.build(chosen["name"], chosen["params"])
+            load_state(candidate, json_pieces.decode(result.payload))
+        return self._activate_restored(candidate, chosen["engines"], keep_state=True)
 
     def _restore_document(
         self, document: Mapping[str, Any], *, from_client: bool, keep_state: bool
@@ -380,20 +551,38 @@ class StateStore:
         """Activate the policy, params and state of a snapshot; all-or-nothing.
 
         ``from_client``: file paths in its params are confined to the state directory
-        (False only for the server's own snapshot at start). ``keep_state`` False: the
-        policy and params only, with fresh state (a state that does not fit them, at start)."""
-        activation = self.activation
+        (False only for the server's own snapshot at start), and its state checked
+        (_restorable). ``keep_state`` False: the policy and params only, with fresh state
+        (a state that does not fit them, at start)."""
+        candidate, engines = self._candidate(document, from_client, keep_state)
+        if keep_state and from_client:
+            state = self._restorable(candidate, document)
+            candidate = self.activation.build(candidate.name, candidate.params())
+            load_state(candidate, state)
+        elif keep_state:
+            load_state(candidate, document["policy"]["state"])
+        return self._activate_restored(candidate, engines, keep_state)
+
+    def _candidate(
+        self, document: Mapping[str, Any], from_client: bool, keep_state: bool
+    ) -> tuple[Policy, list[str]]:
+        """The policy a snapshot names, built with its params (a client's file paths
+        confined to the state directory), not yet holding its state; the engines it
+        restores (none without ``keep_state``)."""
         spec = document["policy"]
         params = spec["params"]
         if from_client and isinstance(params, Mapping):
-            params = activation.confine_paths(spec["name"], params)
-        candidate = activation.build(spec["name"], params)
+            params = self.activation.confine_paths(spec["name"], params)
+        candidate = self.activation.build(spec["name"], params)
         # Read whole before the engine table is cleared: a malformed one must not wipe it.
         engines = [str(e) for e in document.get("engines", [])] if keep_state else []
-        if keep_state and from_client:
-            self._load_restored(candidate, spec["state"])
-        elif keep_state:
-            load_state(candidate, spec["state"])
+        return candidate, engines
+
+    def _activate_restored(
+        self, candidate: Policy, engines: Sequence[str], keep_state: bool
+    ) -> ActivePolicy:
+        """``candidate`` active, ``engines`` known (their state restored) and not active."""
+        activation = self.activation
         with activation.whole_policy():
             self.engines.clear()
             for engine_id in engines:
@@ -401,12 +590,15 @@ class StateStore:
                 shard.last_seen = -math.inf  # known (its state is restored), not active
             return activation.activate(candidate, "restore", "restored" if keep_state else "fresh")
 
-    def _load_restored(self, candidate: Policy, state: Any) -> None:
-        """A client's state into ``candidate``, refused (INVALID_ARGUMENT, naming the
-        field) unless the snapshots that follow can be written and read at start: its
-        floats within snapshot.MAX_RESTORED_FLOAT and its counts half their limit (room to
-        grow), and what the policy then holds encodes as JSON, fits a snapshot (trimmed as
-        the writer trims) and loads again."""
+    def _restorable(self, candidate: Policy, document: Mapping[str, Any]) -> dict[str, Any]:
+        """The state a policy built as ``candidate`` is to hold after restoring a
+        client's ``document``, refused (INVALID_ARGUMENT, naming the field) unless the
+        snapshots that follow can be written and read at start: its floats within
+        snapshot.MAX_RESTORED_FLOAT and its counts half their limit (room to grow), and
+        what the policy then holds encodes as JSON and fits a snapshot (trimmed as the
+        writer trims). The caller loads it into a policy built afresh, as a start loads
+        a snapshot (``candidate`` holds the state as given)."""
+        state = document["policy"]["state"]
         try:
             snapshot.check_numbers(state, "policy.state", snapshot.MAX_RESTORED_FLOAT)
         except snapshot.SnapshotError as exc:
@@ -431,22 +623,15 @@ class StateStore:
                     f"snapshot state takes {size:,} bytes, more than the {limit:,} a "
                     "snapshot may take, after dropping what can be dropped"
                 )
-        load_state(self.activation.build(candidate.name, candidate.params()), loaded)
+        return loaded
 
-    def restore_path(self, given: str) -> ActivePolicy:
-        """Restore a snapshot file inside the state directory (relative paths start there)."""
-        check_client_path(given)
-        try:
-            path = snapshot.confine(self.state_dir, given)
-        except snapshot.OutsideStateDirError as exc:
-            raise PermissionDeniedError(str(exc)) from exc
-        if not path.exists():
-            raise NotFoundError(f"snapshot file {path} does not exist")
-        try:
-            document = snapshot.read(path)
-        except snapshot.SnapshotError as exc:
-            raise InvalidArgumentError(str(exc)) from exc
-        return self.restore_document(document)
+
+def document_of_json(text: str | bytes, origin: str) -> dict[str, Any]:
+    """A client's snapshot document (snapshot.parse), refused with INVALID_ARGUMENT."""
+    try:
+        return snapshot.parse(text, origin)
+    except snapshot.SnapshotError as exc:
+        raise InvalidArgumentError(str(exc)) from exc
 
 
 def _unwritable(policy: Policy, exc: Exception) -> str:
@@ -459,6 +644,21 @@ def _unwritable(policy: Policy, exc: Exception) -> str:
     except (ArithmeticError, ValueError, TypeError):
         pass
     return repr(exc)
+
+
+def _document_text(
+    active: ActivePolicy, state_json: str, engines: Sequence[str], created: float
+) -> str:
+    """The snapshot document of ``active`` with its state's JSON, as JSON text."""
+    head = {"format": snapshot.FORMAT, "created_unix": created}
+    policy = {"name": active.name, "version": active.version, "params": active.policy.params()}
+    return (
+        snapshot.encode_text(head)[:-1]
+        + ',"policy":'
+        + snapshot.encode_text(policy)[:-1]
+        + f',"state":{state_json}}}'
+        + f',"engines":{snapshot.encode_text(list(engines))}}}'
+    )
 
 
 def _before(deadline: float) -> bool:

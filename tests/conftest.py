@@ -8,6 +8,9 @@ from typing import Any
 
 import pytest
 
+# Before gRPC is imported: policy_server turns gRPC's fork handlers off, as in the sidecar
+# (its forked children), for the servers these tests run in this process.
+import policy_server  # noqa: F401
 from tests.rigs.sidecar import server_factory
 
 
