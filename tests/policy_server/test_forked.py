@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import gc
 import json
 import os
 import signal
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import psutil
+import psutil  # type: ignore[import-untyped]
 import pytest
 from nightjar_proto.v1 import admin_pb2
 
@@ -402,7 +403,7 @@ def test_a_killed_child_fails_its_call_with_nothing_changed(make_server: Any) ->
     with pytest.raises(grpc.RpcError) as caught:
         future.result(120)
     assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert "signal 9" in caught.value.details()
+    assert "signal 9" in str(caught.value.details())
     assert (server.state_dir / "snapshot.json").read_bytes() == kept
     restore = lambda: server.admin.Restore(  # noqa: E731
         admin_pb2.RestoreRequest(snapshot_json=document), metadata=server.auth, timeout=120
@@ -413,3 +414,33 @@ def test_a_killed_child_fails_its_call_with_nothing_changed(make_server: Any) ->
         future.result(120)
     assert caught.value.code() == grpc.StatusCode.ABORTED
     assert server.state() == before
+
+
+def test_released_json_is_emptied_but_what_another_holds_is_left_whole() -> None:
+    kept = {"r1": [1.0, 2.0, 3], "r2": [4.0, 5.0, 6]}
+    value: dict[str, Any] = {
+        "engines": {"e0": {"requests": kept}, "e1": {"requests": {"r3": [7.0]}}},
+        "list": [{"a": 1}, [2, 3]],
+    }
+    engines = value["engines"]
+    json_pieces.release(value)
+    assert value == {}
+    assert engines == {"e0": {"requests": kept}, "e1": {"requests": {"r3": [7.0]}}}
+    inner: dict[str, Any] = {"requests": dict(kept)}
+    json_pieces.release({"engines": {"e0": inner}})
+    assert inner == {"requests": kept}  # held here as well: let go of, not emptied
+    assert kept == {"r1": [1.0, 2.0, 3], "r2": [4.0, 5.0, 6]}
+
+
+def test_a_restore_keeps_what_it_made_out_of_the_collectors_scans(tmp_path: Path) -> None:
+    source = DecisionService("goodput", PER_REQUEST, state_dir=tmp_path)
+    learned(source, 3, requests=30)
+    text = source.write_snapshot().read_text()
+    service = DecisionService("goodput", PER_REQUEST)
+    frozen = gc.get_freeze_count()
+    try:
+        service.restore_json(text)
+        assert gc.get_freeze_count() > frozen
+        assert gc.isenabled()
+    finally:
+        gc.unfreeze()
