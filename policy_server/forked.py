@@ -20,6 +20,7 @@ shares with the parent. Children run one at a time, each for at most its timeout
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import gc
 import json
@@ -51,6 +52,21 @@ CHILD_NICE = 10
 warnings.filterwarnings(
     "ignore", message=r".*fork\(\) may lead to deadlocks", category=DeprecationWarning
 )
+
+
+def _parent_death_signal() -> Callable[[], None]:
+    """What makes the child killed when the sidecar dies (Linux's prctl PR_SET_PDEATHSIG),
+    resolved here in the parent: loading a library in the child could wait for a lock
+    another thread held at the fork. Elsewhere nothing: the child ends with its work."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return lambda: None
+    return lambda: prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+
+
+# A child outlives a killed sidecar otherwise, holding its listening socket meanwhile.
+_DIE_WITH_PARENT = _parent_death_signal()
 
 
 def can_fork() -> bool:
@@ -112,10 +128,11 @@ class Children:
             status_r, status_w = os.pipe()
             payload = bulk_bytes.memory_file("nightjar-child")
             try:
+                parent = os.getpid()
                 with freeze as frozen:
                     pid = os.fork()
                     if pid == 0:
-                        _child(lambda sink: work(frozen, sink), status_w, payload)
+                        _child(lambda sink: work(frozen, sink), status_w, payload, parent)
                 os.close(status_w)
                 status_w = -1
                 status = self._status(pid, status_r)
@@ -164,10 +181,13 @@ def _ended(code: int) -> str:
     return f"exit status {os.waitstatus_to_exitcode(code)}"
 
 
-def _child(work: Callable[[Sink], Any], status_w: int, payload: int) -> NoReturn:
+def _child(work: Callable[[Sink], Any], status_w: int, payload: int, parent: int) -> NoReturn:
     """The child's whole life: the work, its status on the pipe, os._exit."""
     code = 0
     try:
+        _DIE_WITH_PARENT()
+        if os.getppid() != parent:  # the sidecar died before the signal was asked for
+            os._exit(1)
         # A collection would touch, and so copy, every page of the parent's heap.
         gc.disable()
         # The parent's handlers would stop the parent's server from here.

@@ -444,3 +444,26 @@ def test_a_restore_keeps_what_it_made_out_of_the_collectors_scans(tmp_path: Path
         assert gc.isenabled()
     finally:
         gc.unfreeze()
+
+
+def test_a_child_dies_with_its_sidecar(make_server: Any) -> None:
+    server = make_server("--policy", "goodput", "--params", json.dumps(PER_REQUEST))
+    seeded(server, engines=8, requests=2000)
+    call = lambda: server.admin.GetState(  # noqa: E731
+        admin_pb2.GetStateRequest(), metadata=server.auth, timeout=120
+    )
+    future, child = stopped_child(server, call)
+    server.kill9()
+    with pytest.raises(grpc.RpcError):
+        future.result(120)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and gone(child) is False:
+        time.sleep(0.05)
+    assert gone(child)  # killed with its sidecar, though stopped
+
+
+def gone(process: psutil.Process) -> bool:
+    try:
+        return bool(process.status() == psutil.STATUS_ZOMBIE)  # dead, not reaped yet
+    except psutil.NoSuchProcess:
+        return True
