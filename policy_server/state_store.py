@@ -74,9 +74,10 @@ class CollectorPause:
     ``keep``: what the work made is long-lived (a restored state): frozen (gc.freeze) once
     it is done, so that no collection scans it again. Paused alone only defers them: after
     a restore the next young, middle and full collections each scan its hundreds of
-    thousands of new objects, holding the GIL for tens of ms. A frozen object is still freed by reference counting when let go of (the state of a
-    policy replaced later: trees of dicts and lists); only a cycle among frozen objects
-    would outlive its last reference."""
+    thousands of new objects, holding the GIL for tens of ms. A frozen object is still
+    freed by reference counting when let go of (the state of a policy replaced later:
+    trees of dicts and lists); only a cycle among frozen objects would outlive its last
+    reference."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
