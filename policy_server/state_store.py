@@ -217,8 +217,10 @@ class StateStore:
             read = self._read_state([engine_id], whole=False, allow_nan=True)
         elif max_engines is not None:
             read = self._read_state(shown, whole=False, allow_nan=True)
-        elif self.children is not None:
-            read = self._read_in_child(allow_nan=True, memory=True)
+        elif self.children is not None and (
+            child_read := self._read_in_child(allow_nan=True, memory=True)
+        ):
+            read = child_read
             all_ids = shown = read.engine_ids
         else:
             with self._whole_reads, COLLECTOR.paused():
@@ -334,10 +336,11 @@ class StateStore:
 
         return frozen()
 
-    def _read_in_child(self, allow_nan: bool, memory: bool) -> StateRead:
+    def _read_in_child(self, allow_nan: bool, memory: bool) -> StateRead | None:
         """The whole state read in a forked child: its learned state, and every engine's,
         at one instant (the fork, holding every lock of the policy), encoded by the child
-        while the parent's threads go on deciding."""
+        while the parent's threads go on deciding. None when the child could not hand it
+        over (_handed_over): the caller reads it in process."""
         assert self.children is not None
 
         def work(frozen: Frozen, sink: forked.Sink) -> dict[str, Any]:
@@ -350,7 +353,8 @@ class StateStore:
         try:
             frozen, result = self.children.run(self._frozen(), work)
         except forked.ChildError as exc:
-            raise exc.rebuilt() from None
+            _handed_over(exc, "a whole-state read")
+            return None
         return StateRead(frozen.active, result.payload, result.value, frozen.engine_ids)
 
     def _engine_part(self, engine_id: str) -> contextlib.AbstractContextManager[None]:
@@ -535,8 +539,7 @@ class StateStore:
         (json_pieces), loaded and activated here. Each piece is a short hold of the GIL,
         where one json.loads of the document holds it for hundreds of milliseconds."""
         if self.children is None:
-            with COLLECTOR.paused(keep=True):
-                return self._restore_document(read(), from_client=True, keep_state=True)
+            return self._restore_in_process(read)
 
         def work(_: None, sink: forked.Sink) -> dict[str, Any]:
             document = read()
@@ -548,7 +551,8 @@ class StateStore:
         try:
             _, result = self.children.run(forked.nothing_held(), work)
         except forked.ChildError as exc:
-            raise exc.rebuilt() from None
+            _handed_over(exc, "a restore")
+            return self._restore_in_process(read)
         chosen = result.value
         with COLLECTOR.paused(keep=True):
             candidate = self.activation.build(chosen["name"], chosen["params"])
@@ -556,6 +560,10 @@ class StateStore:
             load_state(candidate, state)
             json_pieces.release(state)  # what the policy did not keep, freed in pieces
         return self._activate_restored(candidate, chosen["engines"], keep_state=True)
+
+    def _restore_in_process(self, read: Callable[[], dict[str, Any]]) -> ActivePolicy:
+        with COLLECTOR.paused(keep=True):
+            return self._restore_document(read(), from_client=True, keep_state=True)
 
     def _restore_document(
         self, document: Mapping[str, Any], *, from_client: bool, keep_state: bool
@@ -690,3 +698,13 @@ def _document_text(
 
 def _before(deadline: float) -> bool:
     return time.perf_counter() < deadline
+
+
+def _handed_over(exc: forked.ChildError, work: str) -> None:
+    """Raise the error a child's ``work`` raised (its contract error, same status code),
+    unless the child failed to hand its result over — an OSError writing the memory file
+    (the process's file-size limit applies to it, or memory ran short): then the caller
+    does the work in process, as where there is no fork."""
+    if not exc.is_a(OSError):
+        raise exc.rebuilt() from None
+    log.warning("nightjar: %s done in process: its child could not hand it over: %s", work, exc)
