@@ -336,6 +336,13 @@ class StateStore:
 
         return frozen()
 
+    def _read_frozen(self, frozen: Frozen, allow_nan: bool, memory: bool) -> StateRead:
+        """In a forked child: the whole state as the fork froze it (every engine's part
+        and the unowned learners), read with no lock (nothing else runs in the child)."""
+        read = self._read_chunks([*frozen.engine_ids, UNOWNED], allow_nan, memory, Hold.FROZEN)
+        assert read is not None  # nothing activates a policy in the child
+        return read
+
     def _read_in_child(self, allow_nan: bool, memory: bool) -> StateRead | None:
         """The whole state read in a forked child: its learned state, and every engine's,
         at one instant (the fork, holding every lock of the policy), encoded by the child
@@ -344,9 +351,7 @@ class StateStore:
         assert self.children is not None
 
         def work(frozen: Frozen, sink: forked.Sink) -> dict[str, Any]:
-            ids = [*frozen.engine_ids, UNOWNED]
-            read = self._read_chunks(ids, allow_nan, memory, Hold.FROZEN)
-            assert read is not None  # nothing activates a policy in the child
+            read = self._read_frozen(frozen, allow_nan, memory)
             sink(read.state_utf8)
             return read.memory
 
@@ -420,9 +425,7 @@ class StateStore:
         assert self.children is not None
 
         def work(frozen: Frozen, sink: forked.Sink) -> str:
-            ids = [*frozen.engine_ids, UNOWNED]
-            read = self._read_chunks(ids, allow_nan=False, memory=False, hold=Hold.FROZEN)
-            assert read is not None  # nothing activates a policy in the child
+            read = self._read_frozen(frozen, allow_nan=False, memory=False)
             text = _document_text(
                 frozen.active, read.state_utf8.decode(), frozen.engine_ids, frozen.unix
             )

@@ -507,8 +507,8 @@ class GoodputModelPolicy(GoodputPooling, EngineStatePolicy[GoodputParams, Engine
         )
         # After the outcome: the requests it labelled are seen already, not moved twice;
         # an outcome that labels the context's requests (nearly every one) leaves none.
-        names = [r.request_id for r in ctx.requests]
-        if tuple(names) != ids:
+        names = tuple(r.request_id for r in ctx.requests)
+        if names != ids:
             touch(records, names, step)
         prune(records, step, self._params.request_idle_steps)
         return verified
