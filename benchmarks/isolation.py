@@ -13,6 +13,11 @@ others:
 * ``get_state``, ``snapshot``, ``restore``: whole-state reads, snapshots and restores of
   a state of about 48 MB (per-request records of many engines, restored first).
 
+Then, as a control, each load again on a second sidecar process while the small engine
+asks the first: nothing is shared but the host's CPUs, so the control's figures are what
+the cores alone cost the small engine, and the difference to the case's own row is what
+the sidecar's process adds (its loop, its GIL, its locks).
+
 It prints, and writes as a section of docs/BENCHMARKS.md (``--out``) and as JSON
 (``--json``), the small engine's round trips per case:
 count, p50, p99, max, and the share past the plugin's 2 ms deadline. The host's other
@@ -252,59 +257,94 @@ def summary(latencies: list[float], calls: int) -> dict[str, Any]:
     }
 
 
-def run(seconds: float, cases: list[str]) -> dict[str, Any]:
+class Sidecar:
+    """One nightjar-server process of the benchmark and the loads that can run on it."""
+
+    def __init__(self, workdir: Path, name: str):
+        workdir.mkdir()
+        token = workdir / "token"
+        token.write_text(secrets.token_hex(16))
+        state_dir = workdir / "state"
+        state_dir.mkdir()
+        self.server = ServerProcess(
+            name,
+            [
+                "policy_server.cli",
+                "--uds",
+                str(workdir / "s.sock"),
+                "--state-dir",
+                str(state_dir),
+                "--admin-token-file",
+                str(token),
+                "--policy",
+                "goodput",
+                "--params",
+                json.dumps({"per_request": True}),
+                "--log-level",
+                "ERROR",
+            ],
+            workdir / "s.sock",
+            workdir / "server.log",
+        )
+        channel = self.server.start(timeout=60)
+        self.large = grpc.insecure_channel(self.server.target, options=LARGE)
+        auth = (("authorization", f"Bearer {token.read_text()}"),)
+        self.loads = Loads(channel, self.large, auth, state_dir)
+
+    def close(self) -> None:
+        self.large.close()
+        self.server.stop()
+
+
+def measure(probed: Sidecar, loaded: Sidecar, case: str, seconds: float) -> dict[str, Any]:
+    """The probed sidecar's small engine while ``case``'s load runs on ``loaded``."""
+    loads = loaded.loads
+    load: Callable[[threading.Event], None] | None = getattr(loads, case, None)
+    loads.calls = 0
+    stop = threading.Event()
+    worker = threading.Thread(target=load, args=(stop,), daemon=True) if load else None
+    if worker is not None:
+        worker.start()
+        time.sleep(1.0)  # the load under way before the small engine measures
+    prober = _run_probe(probed.server.target, seconds)
+    out, _ = prober.communicate(timeout=seconds + TIMEOUT_S)
+    stop.set()
+    if worker is not None:
+        worker.join(timeout=TIMEOUT_S)
+    return summary(json.loads(out), loads.calls)
+
+
+def run(seconds: float, cases: list[str], control: bool = True) -> dict[str, Any]:
+    """Each case's load on the small engine's sidecar; with ``control``, each load again on
+    a second sidecar process beside it (the same host, nothing of the first shared): what
+    the host's cores alone do to the small engine, against which the first is read."""
     workdir = Path(tempfile.mkdtemp(prefix="nightjar-isolation-"))
-    token = workdir / "token"
-    token.write_text(secrets.token_hex(16))
-    state_dir = workdir / "state"
-    state_dir.mkdir()
-    server = ServerProcess(
-        "isolation",
-        [
-            "policy_server.cli",
-            "--uds",
-            str(workdir / "s.sock"),
-            "--state-dir",
-            str(state_dir),
-            "--admin-token-file",
-            str(token),
-            "--policy",
-            "goodput",
-            "--params",
-            json.dumps({"per_request": True}),
-            "--log-level",
-            "ERROR",
-        ],
-        workdir / "s.sock",
-        workdir / "server.log",
-    )
-    channel = server.start(timeout=60)
-    large = grpc.insecure_channel(server.target, options=LARGE)
-    auth = (("authorization", f"Bearer {token.read_text()}"),)
-    loads = Loads(channel, large, auth, state_dir)
+    sidecars = [Sidecar(workdir / "probed", "isolation")]
+    loaded_cases = [case for case in cases if case != "baseline"]
+    if control and loaded_cases:
+        sidecars.append(Sidecar(workdir / "other", "isolation-control"))
     results: dict[str, Any] = {"host": _host(), "seconds_per_case": seconds, "cases": {}}
     try:
         if {"get_state", "snapshot", "restore"} & set(cases):
-            results["state_bytes"] = loads.build_state()
+            sizes = [sidecar.loads.build_state() for sidecar in sidecars]
+            results["state_bytes"] = sizes[0]
+        probed = sidecars[0]
         for case in cases:
-            load: Callable[[threading.Event], None] | None = getattr(loads, case, None)
-            loads.calls = 0
-            stop = threading.Event()
-            worker = threading.Thread(target=load, args=(stop,), daemon=True) if load else None
-            if worker is not None:
-                worker.start()
-                time.sleep(1.0)  # the load under way before the small engine measures
-            prober = _run_probe(server.target, seconds)
-            out, _ = prober.communicate(timeout=seconds + TIMEOUT_S)
-            stop.set()
-            if worker is not None:
-                worker.join(timeout=TIMEOUT_S)
-            results["cases"][case] = summary(json.loads(out), loads.calls)
+            results["cases"][case] = measure(probed, probed, case, seconds)
             print(case, results["cases"][case], flush=True)
+        for other in sidecars[1:]:
+            for case in loaded_cases:
+                row = measure(probed, other, case, seconds)
+                results["cases"][f"{case}{CONTROL_SUFFIX}"] = row
+                print(case, "on another sidecar", row, flush=True)
     finally:
-        large.close()
-        server.stop()
+        for sidecar in sidecars:
+            sidecar.close()
     return results
+
+
+# A control case's name: its load on a second sidecar process.
+CONTROL_SUFFIX = ", other sidecar"
 
 
 LOADS = {
@@ -317,6 +357,15 @@ LOADS = {
     "snapshot": "Snapshot, back to back",
     "restore": "Restore of the whole state by snapshot_json, back to back",
 }
+
+
+def load_text(case: str) -> str:
+    """What a case's load is, for its row."""
+    base = case.removesuffix(CONTROL_SUFFIX)
+    text = LOADS.get(base, base)
+    if base == case:
+        return text
+    return f"the same load as `{base}`, on a second sidecar process (the control)"
 
 
 def render(results: dict[str, Any]) -> str:
@@ -334,14 +383,17 @@ def render(results: dict[str, Any]) -> str:
         "(8 requests, no per-request sections) every 2 ms, for "
         f"{results['seconds_per_case']:g} s per case, while one load runs"
         + (f" (the whole state: a snapshot of {state:,} bytes, restored first)" if state else "")
-        + ". The small engine's round trips, its deadline 2 ms:",
+        + '. Rows ending in "other sidecar" are the control: the same load on a second '
+        "sidecar process beside the first, sharing nothing with it but the host's CPUs, "
+        "so that what the cores alone cost the small engine reads apart from what the "
+        "sidecar's own process does. The small engine's round trips, its deadline 2 ms:",
         "",
         "| case | load | round trips | p50 ms | p99 ms | max ms | past 2 ms | load calls |",
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for case, row in results["cases"].items():
         lines.append(
-            f"| {case} | {LOADS.get(case, case)} | {row['round_trips']:,} | {row['p50_ms']:.2f} "
+            f"| {case} | {load_text(case)} | {row['round_trips']:,} | {row['p50_ms']:.2f} "
             f"| {row['p99_ms']:.2f} | {row['max_ms']:.2f} | {100 * row['past_deadline']:.1f} % "
             f"| {row['load_calls']:,} |"
         )
@@ -360,12 +412,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--out", type=Path, default=None, help="docs/BENCHMARKS.md to write")
     parser.add_argument("--json", type=Path, default=None, help="the figures as JSON")
+    parser.add_argument(
+        "--no-control",
+        action="store_true",
+        help="skip the control cases (each load on a second sidecar process)",
+    )
     parser.add_argument("--probe", default="", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.probe:
         print(json.dumps(probe(args.probe, args.seconds)))
         return 0
-    results = run(args.seconds, [c for c in args.cases.split(",") if c])
+    results = run(args.seconds, [c for c in args.cases.split(",") if c], not args.no_control)
     if args.json is not None:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
     if args.out is not None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from benchmarks.isolation import CASES, LOADS, render, summary
+from benchmarks.isolation import CASES, CONTROL_SUFFIX, LOADS, render, summary
 from benchmarks.report import write_section
 
 
@@ -24,10 +24,16 @@ def test_the_section_names_the_host_each_case_and_its_load(tmp_path: Path) -> No
         "state_bytes": 44_749_515,
         "cases": {case: summary([0.001, 0.002, 0.004], 3) for case in CASES},
     }
+    results["cases"][f"contexts{CONTROL_SUFFIX}"] = summary([0.001], 5)
     text = render(results)
     assert "2 CPUs" in text and "1.0, 2.0, 3.0" in text and "44,749,515 bytes" in text
     for case in CASES:
         assert f"| {case} | {LOADS[case]} | 3 |" in text
+    # The control row says whose load it repeats, and where.
+    assert (
+        f"| contexts{CONTROL_SUFFIX} | the same load as `contexts`, on a second sidecar "
+        "process (the control) | 1 |"
+    ) in text
     report = tmp_path / "BENCHMARKS.md"
     write_section(report, "bench-isolation", text)
     assert "<!-- bench-isolation:begin -->" in report.read_text()
