@@ -150,6 +150,25 @@ def verdict(runs: Sequence[PassResult], schedule: Sequence[Phase]) -> list[str]:
     return lines
 
 
+HOOK_PATHS = {"table": "the held table answered", "asked": "asked of the sidecar or fell back"}
+
+
+def _hook_cpu_split(stats: Mapping[str, Any]) -> list[str]:
+    """The engine thread's CPU in the hook by how the step was decided and by its batch
+    size (rows only where the stats file has them: plugins before the split lack them)."""
+    rows = []
+    for path, cell in stats.get("hook_cpu_us_by_path", {}).items():
+        rows.append((f"… steps {HOOK_PATHS.get(path, path)}", cell))
+    for label, cell in stats.get("hook_cpu_us_by_batch", {}).items():
+        rows.append((f"… steps of batch {label}", cell))
+    return [
+        f"| {name} | {cell.get('p50', 0):.0f} µs | {cell.get('p99', 0):.0f} µs "
+        f"| {cell.get('n', 0)} |"
+        for name, cell in rows
+        if cell.get("n", 0)
+    ]
+
+
 def prompts_text(args: argparse.Namespace) -> str:
     if getattr(args, "dataset", "spec-bench") == "random":
         return (
@@ -294,6 +313,7 @@ def render(
         f"| {hook.get('n', 0)} |",
         f"| engine thread's CPU time in the hook | {hook_cpu.get('p50', 0):.0f} µs | "
         f"{hook_cpu.get('p99', 0):.0f} µs | {hook_cpu.get('n', 0)} |",
+        *_hook_cpu_split(stats),
         f"| engine step (schedule → update) | {step.get('p50', 0):.1f} ms | "
         f"{step.get('p99', 0):.1f} ms | {step.get('n', 0)} |",
         "",

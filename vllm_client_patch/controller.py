@@ -57,6 +57,17 @@ STATS_INTERVAL_S = 1.0
 # no telemetry thread has counted them for this many steps (none runs: no stats file, no
 # metrics).
 MAX_QUEUED_SAMPLES = 8192
+# The hook's CPU time is also kept per batch size (the per-request walks grow with it),
+# in these ranges: (first, last or None, label).
+HOOK_BATCH_RANGES = ((1, 8, "1-8"), (9, 32, "9-32"), (33, None, "33+"))
+
+
+def _batch_range(batch_size: int) -> str:
+    """The HOOK_BATCH_RANGES label of ``batch_size``."""
+    for first, last, label in HOOK_BATCH_RANGES:
+        if batch_size >= first and (last is None or batch_size <= last):
+            return label
+    return HOOK_BATCH_RANGES[0][2]
 
 
 class HookTime(NamedTuple):
@@ -121,14 +132,24 @@ class GammaController:
         self._hook_s = DurationHistogram()
         self._hook_cpu_s = DurationHistogram()
         self._step_s = DurationHistogram()
-        # Per step (hook wall, hook CPU, step wall seconds), queued by the engine's thread
-        # and counted into the histograms by whoever reads them (_count_samples): off the
-        # hook. Hook times counted but not yet exported to the metrics (swapped out by
-        # each flush).
-        self._samples: collections.deque[tuple[float, float, float]] = collections.deque()
+        # The hook's CPU split two ways, to tell where its tail comes from: by how the
+        # step was decided (the held table, or asked of the sidecar / the fallback) and by
+        # the batch size decided for.
+        self._hook_cpu_by_path = {path: DurationHistogram() for path in ("table", "asked")}
+        self._hook_cpu_by_batch = {r[2]: DurationHistogram() for r in HOOK_BATCH_RANGES}
+        # Per step (hook wall, hook CPU, step wall seconds, decided by asking, batch size),
+        # queued by the engine's thread and counted into the histograms by whoever reads
+        # them (_count_samples): off the hook. Hook times counted but not yet exported to
+        # the metrics (swapped out by each flush).
+        self._samples: collections.deque[tuple[float, float, float, bool, int]] = (
+            collections.deque()
+        )
         self._hook_unexported: list[float] = []
-        # The decide hook's wall and CPU seconds of the step decided last.
+        # The decide hook's wall and CPU seconds of the step decided last, whether it was
+        # asked (not answered by the held table), and its batch size.
         self._decide_wall = self._decide_cpu = 0.0
+        self._decide_asked = False
+        self._decide_batch = 1
         # Per-request policies (DSDE): whether the sidecar's policy reads per-request
         # signals (as its last answer said), the last step that verified named requests'
         # drafts (their signals are built from it off the engine's thread), and the
@@ -209,6 +230,7 @@ class GammaController:
         self._last_view = view
         after = functools.partial(self._build_named, view, step_index + 1, gamma, named)
         self._ask_ahead(LazyStep(batch_size, gamma == 0, after))
+        self._decide_asked, self._decide_batch = False, batch_size
         self._decide_wall = time.perf_counter() - wall
         self._decide_cpu = time.thread_time() - cpu
         return gamma
@@ -233,6 +255,7 @@ class GammaController:
         # A new table for the next step, when the held one is due or will not answer it
         # (that step's context is then built off this thread).
         self.client.ask_ahead(NextStep(ctx, gamma))
+        self._decide_asked, self._decide_batch = True, view.batch_size
         decided = started.elapsed()
         self._decide_wall, self._decide_cpu = decided.wall, decided.cpu
         return gamma
@@ -280,6 +303,8 @@ class GammaController:
                 self._decide_wall + hook_wall + ended - started,
                 self._decide_cpu + hook_cpu + ended_cpu - begun_cpu,
                 ended - step_started,
+                self._decide_asked,
+                self._decide_batch,
             )
         )
         if len(self._samples) >= MAX_QUEUED_SAMPLES:  # nobody reads them: bounded anyway
@@ -335,6 +360,12 @@ class GammaController:
             "connected": self.client.connected,
             "hook_us": _percentiles(self._hook_s, 1e6),
             "hook_cpu_us": _percentiles(self._hook_cpu_s, 1e6),
+            "hook_cpu_us_by_path": {
+                path: _percentiles(h, 1e6) for path, h in self._hook_cpu_by_path.items()
+            },
+            "hook_cpu_us_by_batch": {
+                label: _percentiles(h, 1e6) for label, h in self._hook_cpu_by_batch.items()
+            },
             "step_ms": _percentiles(self._step_s, 1e3),
         }
 
@@ -374,9 +405,11 @@ class GammaController:
         samples = self._samples
         with self._lock:
             while samples:
-                hook, cpu, step = samples.popleft()
+                hook, cpu, step, asked, batch_size = samples.popleft()
                 self._hook_s.record(hook)
                 self._hook_cpu_s.record(cpu)
+                self._hook_cpu_by_path["asked" if asked else "table"].record(cpu)
+                self._hook_cpu_by_batch[_batch_range(batch_size)].record(cpu)
                 self._step_s.record(step)
                 if self.metrics is not None:
                     self._hook_unexported.append(hook)

@@ -168,6 +168,14 @@ def test_quick_run_counts_the_plugins_decisions_per_policy(quick_run: dict[str, 
         cells = plugin[run["policy"]]
         assert cells[-2].split()[0] == str(sum(missed.values()))
         assert cells[-1] == f"{cut.get('requests', 0)} / {cut.get('tokens', 0)}"
+    # The hook's CPU split by how the step was decided and by batch size: each split
+    # counts every step of the whole line once.
+    overhead = table(quick_run["section"], "| | p50 | p99 | samples |")
+    total = int(overhead["engine thread's CPU time in the hook"][2])
+    split = [(name, int(cells[2])) for name, cells in overhead.items() if name.startswith("…")]
+    by_batch = sum(n for name, n in split if "batch" in name)
+    by_path = sum(n for name, n in split if "batch" not in name)
+    assert total > 0 and by_path == total == by_batch, overhead
 
 
 def test_schedule_and_policies_are_validated() -> None:

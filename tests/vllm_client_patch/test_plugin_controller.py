@@ -133,6 +133,11 @@ def test_each_decision_is_reported_with_the_step_that_verified_it(
     assert stats["sidecar_decisions"] == 4 and stats["fallbacks_total"] == 0
     assert not stats["request_signals"]  # a batch policy: no per-request signals sent
     assert stats["table_misses"] == {"no_table": 1}  # only the first step had no table
+    # The hook's CPU split: the first step asked, the rest the held table answered; three
+    # steps at batch 4, one at 12.
+    by_path, by_batch = stats["hook_cpu_us_by_path"], stats["hook_cpu_us_by_batch"]
+    assert (by_path["asked"]["n"], by_path["table"]["n"]) == (1, 3)
+    assert [by_batch[r]["n"] for r in ("1-8", "9-32", "33+")] == [3, 1, 0]
     assert stats["reported"] == 3 and stats["drafted_tokens"] == 22
     wait_for(lambda: log.exists() and log.read_text().count('"kind":"outcome"') == 3)
     records = [json.loads(line) for line in log.read_text().splitlines()]
