@@ -221,7 +221,7 @@ class NightjarClient:
         # engine's thread hands the step to the sender thread (_miss_step), which sends
         # the request and relays its reply.
         self._miss_request: PendingReply | None = None
-        self._miss_step: tuple[StepContext, PendingReply] | None = None
+        self._miss_step: tuple[AheadStep, PendingReply] | None = None
         # Queues the reports a caller deferred before a batch is taken (defer_reports_to).
         self._deferred: ReportSource | None = None
         self._sender = threading.Thread(target=self._send_loop, name="nightjar-tables", daemon=True)
@@ -258,19 +258,27 @@ class NightjarClient:
         asked for now and waited for up to the deadline, else the fallback. Not
         ``report_ran``: a step answered from a table is not reported; the caller does
         (:meth:`ran`)."""
+        decision = self.take_step(NextStep(ctx))
+        if report_ran and decision.table_step is not None:
+            self.ran(decision.table_step, ctx)
+        return decision
+
+    def take_step(self, step: AheadStep) -> GammaDecision:
+        """:meth:`take` for a step given by its batch size and speculation state, its
+        context built only where a request carries it: by the sender thread for the table
+        request of a miss (the caller's thread waits for the answer meanwhile), by the
+        caller's thread only for a fallback. Nothing is reported (:meth:`ran`)."""
         self.stats.decisions += 1
-        taken = self._tables.take(ctx, self._clock())
+        taken = self._tables.take_size(step.batch_size, step.speculation_off, self._clock())
         if isinstance(taken, str):
             # Whether the table that would have answered was on its way: a refresh asked
             # for too late, or one answered too late.
             self.stats.table_misses[f"{taken} (refreshing)" if self._refreshing else taken] += 1
-            waited = self._wait_for_table(ctx)
+            waited = self._wait_for_table(step)
             if isinstance(waited, GammaDecision):
                 return waited
             taken = waited
         self.stats.sidecar_decisions += 1
-        if report_ran:
-            self.ran(taken, ctx)
         return GammaDecision(taken.gamma, "sidecar", table_step=taken)
 
     def take_from_table(self, batch_size: int, speculation_off: bool) -> TableStep | None:
@@ -357,38 +365,38 @@ class NightjarClient:
 
     # -- the engine's thread ------------------------------------------------------------
 
-    def _wait_for_table(self, ctx: StepContext) -> TableStep | GammaDecision:
+    def _wait_for_table(self, step: AheadStep) -> TableStep | GammaDecision:
         """Ask for a table for ``ctx`` now and take its entry, within the deadline. One
         such request is in flight per engine: a miss while the last one is unanswered
         waits for that one instead of queueing another behind it (a sidecar behind its
         queue would answer each late, leaving every next step missing and asking again)."""
         if self._miss_request is not None and not self._miss_request.done:
-            return self._wait_for_outstanding(ctx, self._miss_request)
-        asked = self._ask_now(ctx)
+            return self._wait_for_outstanding(step, self._miss_request)
+        asked = self._ask_now(step)
         if asked is not None:
             return asked
-        taken = self._tables.take(ctx, self._clock())
+        taken = self._tables.take_size(step.batch_size, step.speculation_off, self._clock())
         if isinstance(taken, str):  # no table, or one that does not fit the step
-            return self._fall_back(ctx, "answer")
+            return self._fall_back(step, "answer")
         return taken
 
-    def _ask_now(self, ctx: StepContext) -> GammaDecision | None:
-        """Ask for a table for ``ctx``'s step and wait for it, within the deadline: None
-        once it is installed, else the fallback decision (and why)."""
-        failed = self._request_table(ctx)
-        return None if failed is None else self._fall_back(ctx, failed)
+    def _ask_now(self, step: AheadStep) -> GammaDecision | None:
+        """Ask for a table for ``step`` and wait for it, within the deadline: None once it
+        is installed, else the fallback decision (and why)."""
+        failed = self._request_table(step)
+        return None if failed is None else self._fall_back(step, failed)
 
-    def _request_table(self, ctx: StepContext) -> str | None:
-        """Ask for a table for ``ctx``'s step and wait for it, within the deadline: None
-        once it is installed, else why not (a fallback reason).
+    def _request_table(self, step: AheadStep) -> str | None:
+        """Ask for a table for ``step`` and wait for it, within the deadline: None once it
+        is installed, else why not (a fallback reason).
 
-        The sender thread gathers the reports, builds and sends the request (the engine's
-        thread, which waits for the answer anyway, only hands it the step); the reply's
-        callback installs the table before this thread wakes."""
+        The sender thread builds the step's context, gathers the reports, builds and sends
+        the request (the engine's thread, which waits for the answer anyway, only hands it
+        the step); the reply's callback installs the table before this thread wakes."""
         if self._connection.live(self.config.deadline_s) is None:
             return "disconnected"
         reply_to = self._miss_request = PendingReply()
-        self._miss_step = (ctx, reply_to)
+        self._miss_step = (step, reply_to)
         self._refresh_wanted.set()
         reply = self._await(reply_to)
         if isinstance(reply, str):
@@ -409,21 +417,21 @@ class NightjarClient:
         step whatever the simulation's pace. One not answered is no fallback: the next
         step asks again if the held table cannot answer it."""
         self.stats.refresh_requests += 1
-        self._request_table(step.context())
+        self._request_table(step)
 
     def _wait_for_outstanding(
-        self, ctx: StepContext, pending: PendingReply
+        self, step: AheadStep, pending: PendingReply
     ) -> TableStep | GammaDecision:
         """Within the deadline, the table the last miss asked for (installed by the
-        reply's callback), if it fits ``ctx``."""
+        reply's callback), if it fits ``step``."""
         try:
             pending.result(timeout=self.config.deadline_s)
         except TimeoutError:
-            return self._fall_back(ctx, "deadline")
+            return self._fall_back(step, "deadline")
         except Exception:  # lost: that miss counted it already
-            return self._fall_back(ctx, "unavailable")
-        taken = self._tables.take(ctx, self._clock())
-        return self._fall_back(ctx, "deadline") if isinstance(taken, str) else taken
+            return self._fall_back(step, "unavailable")
+        taken = self._tables.take_size(step.batch_size, step.speculation_off, self._clock())
+        return self._fall_back(step, "deadline") if isinstance(taken, str) else taken
 
     def _refresh_if_due(self, step: AheadStep, always: bool = False) -> None:
         """Have the sender thread ask for a new table if the held one is due (``always``:
@@ -468,9 +476,11 @@ class NightjarClient:
         except ConnectionError:
             return "unavailable"
 
-    def _fall_back(self, ctx: StepContext, reason: str) -> GammaDecision:
+    def _fall_back(self, step: AheadStep, reason: str) -> GammaDecision:
+        """The fallback table's γ for ``step`` (its context built here, on the caller's
+        thread: the table reads the engine's bounds from it)."""
         self.stats.fallbacks[reason] += 1
-        gamma = self._fallback.gamma_for_step(ctx)
+        gamma = self._fallback.gamma_for_step(step.context())
         return GammaDecision(gamma=gamma, source="fallback", fallback_reason=reason)
 
     def _count_late(self, pending: PendingReply) -> None:
@@ -510,10 +520,11 @@ class NightjarClient:
             else:
                 self.stats.refresh_requests += 1
 
-    def _send_miss(self, ctx: StepContext, reply_to: PendingReply) -> None:
-        """Send the table request of a step the held table could not answer; its reply
-        (or why there is none) goes to ``reply_to``, which the engine's thread awaits."""
-        pending = self._send_batch(ctx)
+    def _send_miss(self, step: AheadStep, reply_to: PendingReply) -> None:
+        """Send the table request of a step the held table could not answer, its context
+        built here; its reply (or why there is none) goes to ``reply_to``, which the
+        engine's thread awaits."""
+        pending = self._send_batch(step.context())
         if pending is None:
             reply_to.resolve(error=NotSent("no connection to the sidecar"))
             return

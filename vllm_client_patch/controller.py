@@ -37,7 +37,7 @@ from nightjar_common.client import (
 )
 from nightjar_common.fallback import DEFAULT_SCHEDULE
 from nightjar_common.tables import LazyStep, NextStep
-from nightjar_common.types import EngineRuntime, MemoryDirective, RequestSignals
+from nightjar_common.types import EngineRuntime, MemoryDirective
 from vllm_client_patch.config import PluginConfig
 from vllm_client_patch.metrics import PluginMetrics, Totals
 from vllm_client_patch.quantiles import DurationHistogram
@@ -47,7 +47,6 @@ from vllm_client_patch.step_journal import (
     StepContexts,
     StepJournal,
     VerifiedStep,
-    request_signals,
 )
 
 log = logging.getLogger(__name__)
@@ -176,13 +175,6 @@ class GammaController:
             )
             self._writer.start()
 
-    def _request_signals(self, view: EngineView) -> tuple[RequestSignals, ...]:
-        """Each drafting request with the accepted drafts of its last verification (none
-        for a request that has not verified yet); () while the policy reads none."""
-        if not self._reads_request_signals:
-            return ()
-        return request_signals(view.request_ids, self._last_verified)
-
     @property
     def wants_request_ids(self) -> bool:
         """Whether the sidecar's policy reads per-request signals: the scheduler then names
@@ -237,24 +229,29 @@ class GammaController:
 
     def _decide_asking(self, view: EngineView, started: HookTime) -> int:
         """A step the held table cannot answer: asked of the sidecar, within the deadline,
-        else the fallback table. The client's sender thread settles the steps before it
-        (the controller is its ReportSource) as it builds the request, so that their
-        reports ride on it: the sidecar commits the steps run from its last table before it
-        decides the next (else that table's posterior draw would be drawn again). Its own
-        step is reported from the journal."""
+        else the fallback table. The client's sender thread builds the step's context and
+        settles the steps before it (the controller is its ReportSource) as it builds the
+        request, so that their reports ride on it: the sidecar commits the steps run from
+        its last table before it decides the next (else that table's posterior draw would
+        be drawn again). This thread only hands it the step and waits, as for a step the
+        table answers it builds no context; its own step is reported from the journal."""
         step_index, previous = self._step_index, self._previous_gamma
-        ctx = self.contexts.build(view, step_index, previous, self._request_signals(view))
-        decision = self.client.take(ctx, report_ran=False)
+        named = self._last_verified if self._reads_request_signals else None
+        batch_size = max(1, view.batch_size)
+        build = self._build_named
+        own = functools.partial(build, view, step_index, previous, named)
+        decision = self.client.take_step(LazyStep(batch_size, previous == 0, own))
         gamma = self._ran_gamma(decision.gamma, view)
         reads = decision.reads_request_signals
         if reads is not None:  # a fallback says nothing of the sidecar's policy
             self._reads_request_signals = reads
         self._request_gammas = decision.request_gammas
-        self._record((view, step_index, previous, ctx, decision, gamma, started.wall))
+        self._record((view, step_index, previous, named, decision, gamma, started.wall))
         self._opened(view, gamma, started)
         # A new table for the next step, when the held one is due or will not answer it
         # (that step's context is then built off this thread).
-        self.client.ask_ahead(NextStep(ctx, gamma))
+        after = functools.partial(build, view, step_index + 1, gamma, named)
+        self.client.ask_ahead(LazyStep(batch_size, gamma == 0, after))
         self._decide_asked, self._decide_batch = True, view.batch_size
         decided = started.elapsed()
         self._decide_wall, self._decide_cpu = decided.wall, decided.cpu

@@ -417,3 +417,48 @@ def test_a_table_step_builds_no_context_on_the_engines_thread_even_per_request(
     with pytest.raises(ValueError, match="as many requests"):
         controller.end_step(VerifiedStep(2, 1, 3, (1,), ("a", "b")))
     controller.close()
+
+
+def test_a_step_the_table_cannot_answer_builds_its_context_off_the_engines_thread(
+    make_server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A miss (no table yet, then a batch past the held table's edge) is asked of the
+    sidecar: the client's sender thread builds the step's context for the request while
+    the engine's thread waits; the sidecar decides that context, and the step is reported
+    with it, built by the thread that settles the journal."""
+    server, log = static_sidecar_logging(make_server, tmp_path)
+    built_on: list[int] = []
+    build = StepContexts.build
+
+    def recording_build(self: StepContexts, *args: Any, **kwargs: Any) -> StepContext:
+        built_on.append(threading.get_ident())
+        return build(self, *args, **kwargs)
+
+    config = PluginConfig(sidecar=server.target, engine_id="missing", deadline_ms=500)
+    controller = GammaController(config, client_factory=_RecordingClient)
+    client = controller.client
+    assert isinstance(client, _RecordingClient)
+    wait_for(lambda: client.connected)
+    monkeypatch.setattr(StepContexts, "build", recording_build)
+    engine = threading.get_ident()
+    assert controller.decide(view(4)) == 2  # no table held: asked
+    controller.end_step(VerifiedStep(0, 0, 4))
+    assert controller.decide(view(40)) == 2  # past the held table's edge: asked again
+    assert engine not in built_on and built_on  # built, and not by the engine's thread
+    stats = controller.stats()
+    assert stats["fallbacks_total"] == 0 and stats["sidecar_decisions"] == 2
+    assert stats["table_misses"] == {"no_table": 1, "batch_size": 1}
+    assert stats["hook_cpu_us_by_path"]["asked"]["n"] == 1  # the ended step's decision
+    settler = threading.Thread(target=controller.settle)
+    settler.start()
+    settler.join()
+    ran = client.ran_contexts
+    assert [(c.batch_size, c.step_index, c.previous_gamma) for c in ran] == [
+        (4, 0, None),
+        (40, 1, 2),
+    ]
+    wait_for(lambda: log.exists() and log.read_text().count('"kind":"decision"') >= 2)
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    decided = [r["context"]["batch_size"] for r in records if r.get("kind") == "decision"]
+    assert decided[:2] == [4, 40]  # the sidecar decided the contexts the sender built
+    controller.close()
