@@ -366,7 +366,7 @@ class NightjarClient:
     # -- the engine's thread ------------------------------------------------------------
 
     def _wait_for_table(self, step: AheadStep) -> TableStep | GammaDecision:
-        """Ask for a table for ``ctx`` now and take its entry, within the deadline. One
+        """Ask for a table for ``step`` now and take its entry, within the deadline. One
         such request is in flight per engine: a miss while the last one is unanswered
         waits for that one instead of queueing another behind it (a sidecar behind its
         queue would answer each late, leaving every next step missing and asking again)."""

@@ -252,7 +252,7 @@ class GammaController:
         # (that step's context is then built off this thread).
         after = functools.partial(build, view, step_index + 1, gamma, named)
         self.client.ask_ahead(LazyStep(batch_size, gamma == 0, after))
-        self._decide_asked, self._decide_batch = True, view.batch_size
+        self._decide_asked, self._decide_batch = True, batch_size
         decided = started.elapsed()
         self._decide_wall, self._decide_cpu = decided.wall, decided.cpu
         return gamma
