@@ -546,9 +546,6 @@ class NightjarClient:
         return step
 
     def _flush_reports(self) -> PendingReply | None:
-        self._settle_deferred()
-        if not len(self._reports):
-            return None
         return self._send_batch(None)
 
     def _settle_deferred(self) -> None:
@@ -569,9 +566,12 @@ class NightjarClient:
             elif self._refresh_step is not None:
                 self._refreshing = False  # a refresh handed over and not sent: moot now
             self._refresh_step = None
-            request = policy_pb2.StepRequest(seq=next(self._seq))
             self._settle_deferred()
             ran, outcomes = self._reports.drain(MAX_BATCHED)
+            if ctx is None and not ran and not outcomes:
+                # Nothing to send: another thread's request took the reports first.
+                return None
+            request = policy_pb2.StepRequest(seq=next(self._seq))
             request.ran_steps.extend(wire.ran_step_to_pb(step) for step in ran)
             request.outcomes.extend(wire.outcome_to_pb(outcome) for outcome in outcomes)
             if ctx is not None:

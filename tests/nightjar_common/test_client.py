@@ -308,3 +308,38 @@ def test_a_replay_ages_its_tables_on_the_simulated_clock(make_server) -> None:
         assert client.stats.fallbacks_total == 0
     finally:
         client.close()
+
+
+def test_flushes_racing_for_the_same_reports_send_no_empty_request(make_server) -> None:
+    """Threads flushing at once (the engine's idle flush, the sender's batch-full flush):
+    one takes the queued outcome, the others send nothing, so the sidecar rejects no
+    empty report batch and commits every outcome once. The deferred reports take a while
+    to settle (as the plugin's journal does), which lets the threads interleave."""
+    server = make_server()
+    client = make_client(server.target, deadline_s=0.5, connect_timeout_s=5)
+    rounds, flushers = 20, 4
+
+    class SlowToSettle:
+        def settle(self) -> None:
+            time.sleep(0.002)
+
+    client.defer_reports_to(SlowToSettle())
+    try:
+        for index in range(rounds):
+            step(client, index)  # one table-answered step and its outcome queued
+            barrier = threading.Barrier(flushers)
+
+            def flush(barrier: threading.Barrier) -> None:
+                barrier.wait()
+                client.flush()
+
+            threads = [threading.Thread(target=flush, args=(barrier,)) for _ in range(flushers)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+        assert wait_until(lambda: server.state()["reports"] == rounds)
+        time.sleep(0.2)  # any late reply to an empty batch would have arrived
+        assert client.stats.rejected_reports == 0
+    finally:
+        client.close()
