@@ -22,6 +22,7 @@ from nightjar_proto.v1 import admin_pb2, admin_pb2_grpc, policy_pb2, policy_pb2_
 
 from nightjar_common import uds, wire
 from nightjar_common.types import BinType, GammaTable
+from nightjar_common.validation import Limits
 from policy_server.service import DEFAULT_HALF_WIDTH, TableOptions
 
 NAME = "bare"
@@ -55,8 +56,8 @@ class BarePolicyService(policy_pb2_grpc.PolicyServiceServicer):  # type: ignore[
 
 def table_for(ctx: policy_pb2.StepContext, number: int) -> policy_pb2.GammaTable:
     """γ = 1 for the sizes around ``ctx``'s batch, in either speculation state."""
-    first = max(1, ctx.batch_size - OPTIONS.half_width)
-    width = ctx.batch_size + OPTIONS.half_width - first + 1
+    sizes = OPTIONS.sizes(ctx.batch_size, ctx.num_waiting, Limits().max_batch_size)
+    first, width = sizes.start, len(sizes)
     table = GammaTable(
         table_id=str(number),
         policy_name=NAME,

@@ -89,8 +89,8 @@ DEFAULT_HALF_WIDTH = 8
 class TableOptions:
     """What goes into a decision table (docs/DECISION_TABLES.md)."""
 
-    # Batch sizes either side of the context's: how far the batch may move before the
-    # engine's next report asks for a new table.
+    # Batch sizes either side of the context's at the least: how far the batch may move
+    # before the engine's next report asks for a new table (see sizes()).
     half_width: int = DEFAULT_HALF_WIDTH
     # Steps and milliseconds a table serves at most (GammaTable.valid_steps, valid_ms):
     # an engine whose sidecar stopped answering falls back past them. Engines refresh
@@ -102,6 +102,18 @@ class TableOptions:
     def __post_init__(self) -> None:
         if self.half_width < 0 or self.valid_steps < 1 or not self.valid_ms > 0:
             raise ValueError("table options: half_width >= 0, valid_steps >= 1, valid_ms > 0")
+
+    def sizes(self, batch_size: int, num_waiting: int, max_batch_size: int) -> range:
+        """The batch sizes a table for a step of ``batch_size`` covers. Below, as far as
+        three quarters of the batch (requests admitted together with one output length
+        finish together), at least half_width and at most twice it; above, half_width
+        plus one size per waiting request, up to three times half_width more (a backlog
+        is admitted as fast as a step's token budget allows). Each miss costs the engine
+        a blocking round trip, each extra size the sidecar a few µs a table."""
+        width = self.half_width
+        below = min(max(width, 3 * batch_size // 4), 2 * width)
+        above = width + min(num_waiting, 3 * width)
+        return range(max(1, batch_size - below), min(max_batch_size, batch_size + above) + 1)
 
 
 @dataclasses.dataclass(slots=True)
@@ -395,17 +407,15 @@ class TableDecisions:
     # -- tables -------------------------------------------------------------------------
 
     def _decide_table_locked(self, shard: EngineShard, ctx: StepContext) -> GammaTable:
-        """The γ of every batch size within half_width of ``ctx``'s, decided at once (one
-        posterior draw), for steps that start in ``ctx``'s speculation state. While requests
-        wait the range leans towards growth: a backlog being admitted grows the batch by
-        as many as a step's token budget holds, while few requests finish at once."""
+        """The γ of every batch size the batch may move to from ``ctx``'s before the
+        engine's next report (TableOptions.sizes), decided at once (one posterior draw),
+        for steps that start in ``ctx``'s speculation state."""
         started = time.perf_counter()
         active, options = self.activation.active, self.options
         ctx = self._policy_view(ctx)
-        lean = min(ctx.num_waiting, options.half_width) // 2
-        low = max(1, ctx.batch_size - options.half_width + lean)
-        high = min(self.limits.max_batch_size, ctx.batch_size + options.half_width + lean)
-        decided = self._within_bounds(ctx, _decide_tentatively(active, ctx, range(low, high + 1)))
+        sizes = options.sizes(ctx.batch_size, ctx.num_waiting, self.limits.max_batch_size)
+        low = sizes.start
+        decided = self._within_bounds(ctx, _decide_tentatively(active, ctx, sizes))
         choices = [choice for choice, _ in decided]
         own = choices[ctx.batch_size - low]  # decided for the context's own requests
         table_id = f"{self._boot_id}-{next(self._sequence):x}"

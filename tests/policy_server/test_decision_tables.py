@@ -54,23 +54,33 @@ def test_a_table_holds_the_policys_tentative_decisions() -> None:
     ctx = context(0, 20, previous=2)
     table = DecisionService("goodput", {"seed": 5}).table_step([], [], ctx).table
     assert table is not None
-    assert (table.first_batch_size, len(table.gammas), table.speculation_off) == (12, 17, False)
+    assert (table.first_batch_size, len(table.gammas), table.speculation_off) == (5, 24, False)
     policy = create_policy("goodput", {"seed": 5})
-    decided = policy.decide_candidates(ctx, range(12, 29))  # type: ignore[attr-defined]
+    decided = policy.decide_candidates(ctx, range(5, 29))  # type: ignore[attr-defined]
     assert [choice.gamma for choice, _ in decided] == list(table.gammas)
     assert [choice.exploration for choice, _ in decided] == list(table.exploring)
     assert table.policy_name == "goodput" and table.policy_version
 
 
-def test_a_table_leans_towards_growth_while_requests_wait() -> None:
-    """A backlog being admitted grows the batch: with requests waiting the table covers
-    more sizes above the batch and fewer below (as many in all)."""
-    ctx = context(0, 20, previous=2)
+def test_a_table_reaches_as_far_as_the_batch_may_move() -> None:
+    """Below, as far as three quarters of the batch may finish at once (at least 8 sizes,
+    at most 16); above, 8 sizes plus one per waiting request (at most 24 more): a backlog
+    being admitted grows the batch."""
     service = DecisionService("goodput", {"seed": 5})
-    for waiting, first in ((0, 12), (3, 13), (8, 16), (50, 16)):
-        table = service.table_step([], [], dataclasses.replace(ctx, num_waiting=waiting)).table
+    cases = {  # (batch, waiting): (first size, last size)
+        (4, 0): (1, 12),
+        (20, 0): (5, 28),
+        (20, 3): (5, 31),
+        (20, 50): (5, 52),
+        (64, 0): (48, 72),
+        (64, 96): (48, 96),
+    }
+    for (batch, waiting), (first, last) in cases.items():
+        ctx = dataclasses.replace(context(0, batch, previous=2), num_waiting=waiting)
+        table = service.table_step([], [], ctx).table
         assert table is not None
-        assert (table.first_batch_size, len(table.gammas)) == (first, 17), waiting
+        covered = (table.first_batch_size, table.first_batch_size + len(table.gammas) - 1)
+        assert covered == (first, last), (batch, waiting)
 
 
 def test_ran_steps_and_outcomes_are_learned_like_decisions() -> None:

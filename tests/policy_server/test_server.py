@@ -4,6 +4,7 @@ metrics."""
 from __future__ import annotations
 
 import json
+import queue
 import time
 import urllib.request
 from typing import Any
@@ -68,7 +69,20 @@ def test_stream_answers_in_order_and_survives_bad_requests(make_server) -> None:
         policy_pb2.StepRequest(seq=2, context=context(batch_size=0)),  # bad
         policy_pb2.StepRequest(seq=3, context=context(batch_size=2)),
     ]
-    replies = list(server.policy.StepStream(iter(requests), timeout=10))
+    answered: queue.SimpleQueue[int] = queue.SimpleQueue()
+
+    def one_at_a_time() -> Any:
+        # Each request once the one before is answered: requests queued together would
+        # supersede one another (a newer context of the engine waiting behind).
+        for request in requests:
+            yield request
+            answered.get(timeout=10)
+
+    replies = []
+    for reply in server.policy.StepStream(one_at_a_time(), timeout=10):
+        replies.append(reply)
+        if reply.seq:
+            answered.put(reply.seq)
     # A policy notice first (every stream gets the version it starts with), then the
     # answers in order.
     assert replies[0].seq == 0 and replies[0].policy_version
