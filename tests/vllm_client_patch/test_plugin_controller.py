@@ -125,7 +125,7 @@ def test_each_decision_is_reported_with_the_step_that_verified_it(
     for k, step in enumerate(verified):  # three steps at batch 4, each verifying γ = 2
         assert controller.decide(dataclasses.replace(view(4), prefill_tokens=10 * (k + 1))) == 2
         controller.end_step(step)
-    # The batch jumped by 8: a table covers 8 sizes either side.
+    # The batch jumped by 8: a table covers at least 8 sizes above the batch.
     assert controller.decide(dataclasses.replace(view(12), prefill_tokens=40)) == 2
     controller.end_step(VerifiedStep(6, 6, 9))
     controller.idle()  # the last decision is dropped, the queued outcome sent
