@@ -385,7 +385,7 @@ def wire_size_payload() -> bytes:
     from nightjar_common import wire
 
     ctx = contexts("engine-0", 1)[0]
-    request = policy_pb2.StepRequest(seq=12345, want_table=True, context=wire.context_to_pb(ctx))
+    request = policy_pb2.StepRequest(seq=12345, context=wire.context_to_pb(ctx))
     request.outcomes.append(wire.outcome_to_pb(outcome_for("engine-0", "ab12cd34-1f2e.3", ctx, 3)))
     return bytes(request.SerializeToString())
 

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from benchmarks.report import markers, write_section
-from benchmarks.rpc import TableRounds, measure_in_process, measure_tables
+from benchmarks.rpc import TableRounds, measure_in_process, measure_tables, wire_size_payload
 from benchmarks.rpc_report import (
     TABLE_REFRESHES,
     Measurement,
@@ -155,3 +155,13 @@ def test_the_named_walk_is_the_per_request_walk_with_the_mode_off(
     assert not searches
     measure_tables(300, 100, 32, TableWalk.PER_REQUEST)
     assert searches
+
+
+def test_the_echo_baseline_sends_a_miss_as_the_plugin_does() -> None:
+    """The stock echo's payload is a table request of the current contract: a context
+    and a queued outcome, which the sidecar's own parser reads back."""
+    from nightjar_proto.v1 import policy_pb2
+
+    request = policy_pb2.StepRequest.FromString(wire_size_payload())
+    assert request.HasField("context") and request.context.batch_size >= 1
+    assert [o.decision_id for o in request.outcomes] == ["ab12cd34-1f2e.3"]
