@@ -232,7 +232,8 @@ def table_target(inproc: list[Measurement]) -> list[str]:
         f"{TABLE_REFRESH_STEPS}) — {_verdicts(batch)}. The mean of deciding a step: a "
         "step answered "
         "from the held table costs the p50, one that refreshed it the p99 (the sidecar "
-        "deciding 17 batch sizes at once, goodput's one-pass `decide_candidates`). Learning "
+        "deciding every batch size of a table at once, goodput's one-pass "
+        "`decide_candidates`). Learning "
         "from the outcomes is apart from deciding, on the sidecar's side: the rows "
         '"applying its report". Each case ran in rounds, one round after each phase of '
         "the run, so that the rounds spread over its minutes (a shared VM's speed swings "
