@@ -29,6 +29,7 @@ NAME = "bare"
 # The sidecar's default table shape: the sizes either side of the asked one, how long it
 # serves.
 OPTIONS = TableOptions(DEFAULT_HALF_WIDTH)
+MAX_BATCH_SIZE = Limits().max_batch_size
 
 
 class BarePolicyService(policy_pb2_grpc.PolicyServiceServicer):  # type: ignore[misc]
@@ -56,7 +57,7 @@ class BarePolicyService(policy_pb2_grpc.PolicyServiceServicer):  # type: ignore[
 
 def table_for(ctx: policy_pb2.StepContext, number: int) -> policy_pb2.GammaTable:
     """γ = 1 for the sizes around ``ctx``'s batch, in either speculation state."""
-    sizes = OPTIONS.sizes(ctx.batch_size, ctx.num_waiting, Limits().max_batch_size)
+    sizes = OPTIONS.sizes(ctx.batch_size, ctx.num_waiting, MAX_BATCH_SIZE)
     first, width = sizes.start, len(sizes)
     table = GammaTable(
         table_id=str(number),

@@ -335,7 +335,7 @@ class NightjarClient:
 
     def flush(self) -> None:
         """Send the queued reports now, without asking for a table."""
-        self._flush_reports()
+        self._send_batch(None)
 
     def take_directives(self) -> list[MemoryDirective]:
         """Memory directives received since the last call, oldest first."""
@@ -347,7 +347,7 @@ class NightjarClient:
 
     def close(self) -> None:
         # The last batch is applied before the stream closes under it.
-        pending = self._flush_reports()
+        pending = self._send_batch(None)
         if pending is not None:
             try:
                 pending.result(timeout=CLOSE_FLUSH_S)
@@ -507,7 +507,7 @@ class NightjarClient:
                 continue
             if asked and self._flush_wanted and not self._refreshing:
                 self._flush_wanted = False
-                self._flush_reports()
+                self._send_batch(None)
                 continue
             self._flush_wanted = False
             if not asked:
@@ -545,9 +545,6 @@ class NightjarClient:
             return None
         return step
 
-    def _flush_reports(self) -> PendingReply | None:
-        return self._send_batch(None)
-
     def _settle_deferred(self) -> None:
         if self._deferred is not None:
             self._deferred.settle()
@@ -555,6 +552,10 @@ class NightjarClient:
     def _send_batch(self, ctx: StepContext | None, refresh: bool = False) -> PendingReply | None:
         """Send the queued reports, with ``ctx`` (a table asked for it) if given;
         ``refresh``: with the step handed to the sender instead (nothing if none is)."""
+        if ctx is None and not refresh:
+            self._settle_deferred()
+            if not len(self._reports):
+                return None  # nothing to send: no waiting for a connection either
         stream = self._connection.live(self.config.deadline_s)
         if stream is None:
             return None

@@ -205,7 +205,7 @@ class GammaController:
         previous = self._previous_gamma
         taken = self._take(batch_size, previous == 0)
         if taken is None:  # no table, or not this step's: ask (or fall back)
-            return self._decide_asking(view, started)
+            return self._decide_asking(view, batch_size, started)
         # The usual step: the held table answers it. Its context, and the next step's a
         # refresh would carry, are built off this thread from the view and what the
         # requests' signals come from (the step verified last, for a per-request policy).
@@ -227,7 +227,7 @@ class GammaController:
         self._decide_cpu = time.thread_time() - cpu
         return gamma
 
-    def _decide_asking(self, view: EngineView, started: HookTime) -> int:
+    def _decide_asking(self, view: EngineView, batch_size: int, started: HookTime) -> int:
         """A step the held table cannot answer: asked of the sidecar, within the deadline,
         else the fallback table. The client's sender thread builds the step's context and
         settles the steps before it (the controller is its ReportSource) as it builds the
@@ -237,7 +237,6 @@ class GammaController:
         table answers it builds no context; its own step is reported from the journal."""
         step_index, previous = self._step_index, self._previous_gamma
         named = self._last_verified if self._reads_request_signals else None
-        batch_size = max(1, view.batch_size)
         build = self._build_named
         own = functools.partial(build, view, step_index, previous, named)
         decision = self.client.take_step(LazyStep(batch_size, previous == 0, own))
