@@ -208,6 +208,24 @@ def test_the_plan_cache_holds_no_more_than_its_bytes(monkeypatch: pytest.MonkeyP
     assert per_request.plan_cache_bytes() >= 0
 
 
+def test_the_plan_cache_keeps_every_size_a_busy_engine_moves_over() -> None:
+    """A batch moving over 1..100 requests and back finds every search cached the
+    second time (within the bytes, at a default Γmax)."""
+    made: list[int] = []
+    cache = per_request._PlanCache[tuple[int, int], per_request.PlanRows](
+        lambda rows: rows.caps.nbytes + rows.verified.nbytes
+    )
+
+    def make(batch: int) -> per_request.PlanRows:
+        made.append(batch)
+        return per_request._plan_rows(batch, 4)
+
+    sizes = [*range(1, 101), *range(100, 0, -1)]
+    for batch in sizes:
+        cache.get((batch, 4), functools.partial(make, batch))
+    assert made == list(range(1, 101))
+
+
 def test_the_decision_logs_queue_holds_no_more_than_its_bytes(tmp_path: Path) -> None:
     release = threading.Event()
     log = DecisionLog(tmp_path / "decisions.jsonl", max_queue_bytes=1000)
