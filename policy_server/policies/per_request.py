@@ -67,9 +67,9 @@ PlanPricer = Callable[[PlanRows, FloatArray], FloatArray]
 
 
 # Searches cached: an engine's batch size moves by a request or two a step, so the sizes
-# around it recur. Enough for every size a busy engine's batch moves over (one that moved
-# over 64 sizes missed two in five with 32 entries; docs/BENCHMARKS.md); a size's rows
-# grow as B·top² (its features 14 floats each), so the bytes below bound large ones.
+# around it recur, over as wide a range as a busy engine's batch sweeps (a hundred sizes
+# and more); a size's rows grow as B·top² (its features 14 floats each), so the bytes
+# below bound the large ones.
 PLAN_ROWS_CACHED = 128
 # Bytes the cached searches may hold together (rows and their shape features): at B≈4,000
 # and Γmax 16 one search's are ~70 MB, so a count alone held gigabytes. One larger than
