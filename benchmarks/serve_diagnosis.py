@@ -9,8 +9,10 @@ result file of that phase): the steps by batch size, the γ chosen and how (expl
 explore or fixed), the share of steps that carried prefill, the step times measured, and
 for learning passes the step time the default policy's model predicted for each step
 before it learned from it (the pass's steps replayed in order into a fresh `goodput`
-learner with the pass's parameters), split by whether the step carried prefill. The
-plugin's table misses and fallbacks per pass come from `results/runs.json`.
+learner with the pass's parameters), split by whether the step carried prefill; at the
+low-load batch sizes, the steps cell by cell and the replayed point estimate for every γ
+at the span's end. The plugin's table misses and fallbacks per pass come from
+`results/runs.json`.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import numpy as np
 from nightjar_common.types import BinType, Choice, StepContext, StepOutcome
 from policy_server.decision_log import context_from_json, outcome_from_json
 from policy_server.policies import create_policy
-from policy_server.policies.goodput import GoodputModelPolicy
+from policy_server.policies.goodput import GoodputModelPolicy, Prediction
 
 # Batch-size buckets: the fallback table's rows, then the saturated engine's sizes.
 BUCKETS = ((1, 8), (9, 24), (25, 48), (49, 4096))
@@ -46,6 +48,8 @@ class Step:
     choice_gamma: int
     outcome: StepOutcome
     predicted_ms: float | None = None
+    # The point estimate per γ before the step (decode steps of a low-load batch size).
+    estimate: Prediction | None = None
 
 
 @dataclasses.dataclass
@@ -110,6 +114,8 @@ def predict_pass(steps: Sequence[Step], params: dict[str, Any]) -> None:
             learner = None
         if learner is not None:
             step.predicted_ms = policy.predicted_step_ms(learner, step.ctx, step.outcome)
+            if _low_load_decode(step):
+                step.estimate = policy.point_prediction(learner, step.ctx)
         policy.observe(step.ctx, Choice(step.choice_gamma, BinType.EXPLOIT), step.outcome)
 
 
@@ -125,13 +131,17 @@ def bucket_of(batch: int) -> str:
 CELL_BATCHES = 4
 
 
+def _low_load_decode(step: Step) -> bool:
+    return step.outcome.prefill_tokens == 0 and step.ctx.batch_size <= CELL_BATCHES
+
+
 def cells(steps: Sequence[Step]) -> dict[str, dict[str, float]]:
     """Decode-only steps of batch ≤ CELL_BATCHES by (batch, γ run): their count, mean step
     time, tokens a step, a request's time per token (step time × batch / tokens: what
     TPOT averages) and, where the pass was replayed, the model's mean prediction."""
     grouped: dict[tuple[int, int], list[Step]] = collections.defaultdict(list)
     for step in steps:
-        if step.outcome.prefill_tokens == 0 and step.ctx.batch_size <= CELL_BATCHES:
+        if _low_load_decode(step):
             grouped[(step.ctx.batch_size, step.outcome.gamma)].append(step)
     shown: dict[str, dict[str, float]] = {}
     for (batch, gamma), group in sorted(grouped.items()):
@@ -148,6 +158,28 @@ def cells(steps: Sequence[Step]) -> dict[str, dict[str, float]]:
             cell["predicted_step_ms"] = float(np.mean(predicted))
         shown[f"B{batch} γ{gamma}"] = cell
     return shown
+
+
+def estimates(steps: Sequence[Step]) -> dict[str, dict[str, list[float]]]:
+    """Per low-load batch size, the replayed point estimate before the last of the span's
+    decode steps there, for every γ — run or not: tokens per request, step ms, and their
+    ratio in tokens a request a second (what the decision ranks). A γ whose cell never ran
+    is priced by the regression alone: set beside ``cells``, this shows a choice the
+    estimate got wrong and why."""
+    last: dict[int, Prediction] = {}
+    for step in steps:
+        if step.estimate is not None:
+            last[step.ctx.batch_size] = step.estimate
+    return {
+        f"B{batch}": {
+            "tokens_per_request": list(estimate.tokens),
+            "step_ms": estimate.step_ms.tolist(),
+            "request_tokens_per_s": [
+                1000.0 * t / ms for t, ms in zip(estimate.tokens, estimate.step_ms, strict=True)
+            ],
+        }
+        for batch, estimate in sorted(last.items())
+    }
 
 
 def summarize(steps: Iterable[Step]) -> dict[str, Any]:
@@ -185,6 +217,7 @@ def summarize(steps: Iterable[Step]) -> dict[str, Any]:
             for key, values in errors.items()
         },
         "cells": cells(steps),
+        "estimates": estimates(steps),
     }
 
 

@@ -666,6 +666,14 @@ class GoodputModelPolicy(GoodputPooling, EngineStatePolicy[GoodputParams, Engine
             ms += float(offsets[min(outcome.gamma, top)])
         return ms
 
+    def point_prediction(self, learner_id: str, ctx: StepContext) -> Prediction:
+        """What the point estimate expects of a decode step of ``ctx`` at each γ the
+        engine may run: tokens per request and step ms, local correction included — the
+        two factors a decision ranks by, to set beside the cells a run measured."""
+        learner = self._book.learners[learner_id]
+        top = feasible_gamma_max(ctx, self._params.gamma_max)
+        return self._estimate(learner, ctx, top).predict(ctx.batch_size)
+
     def learner_of(self, engine_id: str) -> str:
         return self._book.engines[engine_id].learner_id
 

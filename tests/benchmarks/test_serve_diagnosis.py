@@ -1,6 +1,7 @@
 """benchmarks.serve_diagnosis on a run directory written to disk: passes split by policy
-activation, phases by vLLM's result files, γ by batch size, how each was chosen, and the
-learner's predictions set beside the measured step times."""
+activation, phases by vLLM's result files, γ by batch size, how each was chosen, the
+learner's predictions set beside the measured step times, and its point estimate for
+every γ at the low-load batch sizes."""
 
 from __future__ import annotations
 
@@ -113,3 +114,13 @@ def test_each_pass_and_phase_is_summarized(tmp_path: Path) -> None:
         and "predicted_step_ms" not in (static["r0-static-p0"]["cells"]["B2 γ1"])
     )
     assert high["cells"] == {}  # batch 48: not a low-load cell
+    # The replayed point estimate at batch 2, for every γ — the one run there (γ = 3) at
+    # what its steps measured, the others priced by the regression alone; none for a
+    # pass that learns nothing, or for a batch size that is not low load.
+    estimate = low["estimates"]["B2"]
+    assert len(estimate["step_ms"]) == len(estimate["tokens_per_request"]) == 4
+    assert abs(estimate["step_ms"][3] - 51.0) < 0.5
+    assert estimate["tokens_per_request"] == sorted(estimate["tokens_per_request"])
+    pairs = zip(estimate["tokens_per_request"], estimate["step_ms"], strict=True)
+    assert estimate["request_tokens_per_s"] == [1000 * t / ms for t, ms in pairs]
+    assert static["r0-static-p0"]["estimates"] == {} and high["estimates"] == {}
