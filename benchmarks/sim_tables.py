@@ -146,7 +146,8 @@ def render(rows: list[str], config: BenchConfig) -> str:
             f"every {_periods_in_words()} steps, and early when the batch size leaves the table "
             "(the sizes the batch may move to from the refresh's: `TableOptions.sizes`), "
             "the speculation state flips (γ_prev = 0 or > 0), or "
-            "an exploring entry (a trial, or a draw that left the greedy γ) has run once. "
+            "a trial entry (a γ never run in its octave) has run once; a drawn exploring "
+            "entry's later steps run the greedy γ the table names for them (nightjar.v1.10). "
             "Differences are to per step; regret is the share of generated tokens lost against "
             "the per-step oracle; steps per table is how many steps one refresh served (the "
             "round trips a table saves).",

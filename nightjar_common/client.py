@@ -302,7 +302,7 @@ class NightjarClient:
         gone."""
         if self._tables.current(step.held):
             ran = step.gamma if gamma is None else gamma
-            self._reports.ran(RanStep(step.decision_id, ctx, ran))
+            self._reports.ran(RanStep(step.decision_id, ctx, ran, step.exploited))
 
     def ask_ahead(self, step: AheadStep, always: bool = False) -> None:
         """Have the sender thread ask for a new table for ``step`` (whose context it then

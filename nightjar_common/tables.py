@@ -6,7 +6,8 @@ sends them as a GammaTable; the engine answers each step from it (:meth:`TableCa
 and reports what it ran in batches (:class:`ReportBatch`). A table is used for steps that
 start in its speculation state, within its size range, for at most ``valid_steps`` steps
 and ``valid_ms`` milliseconds; an exploring entry (a trial, or a draw away from the greedy
-γ) runs once. Anything else is a miss: the client asks for a new table.
+γ) runs once, and after that the γ the policy exploits there where the table names it.
+Anything else is a miss: the client asks for a new table.
 
 Threads: the stream's reader installs tables (:meth:`TableCache.install`), the engine's
 thread takes from them. Each installed table gets a fresh :class:`HeldTable`, swapped in
@@ -60,10 +61,13 @@ class HeldTable:
     expires: float = dataclasses.field(init=False)
     # Worked out once per table (by the thread installing it), not on each step: the batch
     # sizes of its entries; the speculation state its entries serve (None: either); each
-    # entry's exploring flag; the sizes not near its edges (refresh_due).
+    # entry's exploring flag; each entry's exploit γ (None: the table has none; -1: the
+    # entry has none); the sizes
+    # not near its edges (refresh_due).
     sizes: range = dataclasses.field(init=False)
     state: bool | None = dataclasses.field(init=False)
     explores: tuple[bool, ...] = dataclasses.field(init=False)
+    exploits: tuple[int, ...] | None = dataclasses.field(init=False)
     inner: range = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
@@ -73,6 +77,8 @@ class HeldTable:
         self.sizes = range(first, first + count)
         self.state = None if table.any_speculation_state else table.speculation_off
         self.explores = tuple(table.exploring[:count]) + (False,) * (count - len(table.exploring))
+        exploits = table.exploit_gammas
+        self.exploits = tuple(exploits) if len(exploits) == count else None
         # The edge at batch size 1 excepted (no batch is smaller).
         self.inner = range(first + (EDGE_MARGIN if first > 1 else 0), first + count - EDGE_MARGIN)
 
@@ -93,13 +99,15 @@ class HeldTable:
 
 @dataclasses.dataclass(slots=True)
 class TableStep:
-    """One step answered from a table: the γ, whether its entry explores, the table, and
-    which of the table's steps it was (its decision id, formatted when reported)."""
+    """One step answered from a table: the γ, whether its entry explores, the table,
+    which of the table's steps it was (its decision id, formatted when reported), and
+    whether it ran the exploit γ of an exploring entry that had run."""
 
     gamma: int
     exploring: bool
     held: HeldTable
     use: int
+    exploited: bool = False
 
     @property
     def decision_id(self) -> str:
@@ -161,7 +169,11 @@ class TableCache:
         exploring = held.explores[index]
         if exploring:
             if index in held.spent:
-                return SPENT
+                exploits = held.exploits
+                if exploits is None or exploits[index] < 0:
+                    return SPENT
+                held.uses += 1
+                return TableStep(exploits[index], False, held, held.uses, True)
             held.spent.add(index)
         if held.started is None:
             held.started = now
@@ -223,14 +235,17 @@ def refresh_due(
     """Whether to ask for a new table now, so that it is there for a step of
     ``batch_size`` (after a step at γ = 0 when ``speculation_off``): the held one has
     served ``every_steps`` steps or is ``every_ms`` old, or will not answer that step (its
-    batch size or speculation state is not the table's, or its entry explored already), or
-    the step's batch size is near the table's edge."""
+    batch size or speculation state is not the table's, or its entry explored already and
+    the table names no exploit γ), or the step's batch size is near the table's edge."""
     if held is None or held.uses >= every_steps or batch_size not in held.inner:
         return True  # no table, one that served its steps, or a size at or past its edge
     state = held.state
     if state is not None and speculation_off != state:
         return True
-    return batch_size - held.sizes.start in held.spent or held.age_ms(now) >= every_ms
+    index = batch_size - held.sizes.start
+    if index in held.spent and (held.exploits is None or held.exploits[index] < 0):
+        return True
+    return held.age_ms(now) >= every_ms
 
 
 class ReportSource(Protocol):

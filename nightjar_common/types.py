@@ -150,7 +150,8 @@ class DraftState(enum.StrEnum):
 @dataclass(frozen=True, slots=True)
 class GammaTable:
     """The policy's γ for a range of batch sizes, for steps starting in one speculation
-    state or in either (nightjar.v1.7 GammaTable; v1.9 any_speculation_state)."""
+    state or in either (nightjar.v1.7 GammaTable; v1.9 any_speculation_state; v1.10
+    exploit_gammas)."""
 
     table_id: str
     policy_name: str
@@ -172,6 +173,9 @@ class GammaTable:
     reads_request_signals: bool = False
     # The entries serve steps in either speculation state (the policy prices no catch-up).
     any_speculation_state: bool = False
+    # Per entry, the γ a step runs once the entry's exploration ran (the entry's own where
+    # it does not explore, -1 where it has none: the step asks again); () = none (v1.10).
+    exploit_gammas: tuple[int, ...] = ()
 
     def covers(self, batch_size: int) -> bool:
         return 0 <= batch_size - self.first_batch_size < len(self.gammas)
@@ -184,6 +188,8 @@ class RanStep:
     decision_id: str
     context: StepContext
     gamma: int
+    # The step ran its exploring entry's exploit γ (GammaTable.exploit_gammas).
+    exploited: bool = False
 
     @property
     def table_id(self) -> str:

@@ -185,6 +185,7 @@ def table_to_pb(table: GammaTable) -> pb.GammaTable:
         request_gammas=[pb.RequestGamma(request_id=r, gamma=g) for r, g in table.request_gammas],
         reads_request_signals=table.reads_request_signals,
         any_speculation_state=table.any_speculation_state,
+        exploit_gammas=table.exploit_gammas,
     )
     if table.memory_directive.action:
         msg.memory_directive.CopyFrom(directive_to_pb(table.memory_directive))
@@ -211,14 +212,18 @@ def table_from_pb(msg: pb.GammaTable) -> GammaTable:
         request_gammas=tuple((r.request_id, r.gamma) for r in msg.request_gammas),
         reads_request_signals=msg.reads_request_signals,
         any_speculation_state=msg.any_speculation_state,
+        exploit_gammas=tuple(msg.exploit_gammas),
     )
 
 
 def ran_step_to_pb(step: RanStep) -> pb.RanStep:
     return pb.RanStep(
-        decision_id=step.decision_id, context=context_to_pb(step.context), gamma=step.gamma
+        decision_id=step.decision_id,
+        context=context_to_pb(step.context),
+        gamma=step.gamma,
+        exploited=step.exploited,
     )
 
 
 def ran_step_from_pb(msg: pb.RanStep) -> RanStep:
-    return RanStep(msg.decision_id, context_from_pb(msg.context), msg.gamma)
+    return RanStep(msg.decision_id, context_from_pb(msg.context), msg.gamma, msg.exploited)

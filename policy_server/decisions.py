@@ -276,8 +276,9 @@ class TableDecisions:
         if directive.action:
             shard.directive = directive  # delivered with the next table
         table = shard.tables.get(step.table_id)
-        entry = table.entry(step.context.batch_size) if table is not None else None
-        if known is None or known.entry_gamma(step.context.batch_size) is None:
+        batch_size = step.context.batch_size
+        entry = table.entry(batch_size, step.exploited) if table is not None else None
+        if known is None or known.entry_gamma(batch_size) is None:
             self.metrics.steps.count(TABLE_STEPS, ("unknown",))
             if known is None:
                 return f"ran step {step.decision_id}: its table is not held"
@@ -324,7 +325,8 @@ class TableDecisions:
         if known.has_run(number):
             return f"{name}: already reported (a replay or a duplicate), learned once"
         gamma, ctx = step.gamma, step.context
-        entry_gamma = known.entry_gamma(ctx.batch_size)
+        entry_gamma = known.entry_gamma(ctx.batch_size, step.exploited)
+        inside = known.entry_gamma(ctx.batch_size) is not None
         if not 1 <= number <= valid_steps:
             shown = step.decision_id.rpartition(".")[2][:20]
             why = f"step number {shown} is outside a table's steps 1..{valid_steps}"
@@ -334,8 +336,11 @@ class TableDecisions:
             why = f"gamma {gamma} run while the draft is not resident"
         elif 0 < ctx.max_gamma < gamma:
             why = f"gamma {gamma} above the step's max_gamma ({ctx.max_gamma})"
+        elif step.exploited and inside and entry_gamma is None:
+            why = f"exploited, but its table entry (batch size {ctx.batch_size}) has no exploit γ"
         elif entry_gamma is not None and gamma > entry_gamma:
-            why = f"gamma {gamma} above its table entry ({entry_gamma})"
+            entry = "its table entry's exploit γ" if step.exploited else "its table entry"
+            why = f"gamma {gamma} above {entry} ({entry_gamma})"
         else:
             return ""
         self.metrics.steps.count(TABLE_STEPS, ("refused",))
@@ -417,10 +422,11 @@ class TableDecisions:
         low = sizes.start
         decided = self._within_bounds(ctx, _decide_tentatively(active, ctx, sizes))
         choices = [choice for choice, _ in decided]
+        exploits = self._exploits(ctx, active, decided)
         own = choices[ctx.batch_size - low]  # decided for the context's own requests
         table_id = f"{self._boot_id}-{next(self._sequence):x}"
         gamma_max = active.policy.gamma_max
-        issued = IssuedTable(active.revision, gamma_max, low, tuple(decided))
+        issued = IssuedTable(active.revision, gamma_max, low, tuple(decided), exploits)
         self.engines.keep_table(shard, table_id, issued)
         directive, shard.directive = shard.directive, MemoryDirective()
         self.metrics.tables.inc()
@@ -441,7 +447,31 @@ class TableDecisions:
             request_gammas=own.request_gammas,
             reads_request_signals=reads_request_signals(active.policy),
             any_speculation_state=not prices_speculation_state(active.policy),
+            exploit_gammas=tuple(
+                (-1 if choice.exploration else choice.gamma) if e is None else e[0].gamma
+                for choice, e in zip(choices, exploits, strict=True)
+            )
+            if exploits
+            else (),
         )
+
+    def _exploits(
+        self, ctx: StepContext, active: ActivePolicy, decided: list[tuple[Choice, object]]
+    ) -> tuple[tuple[Choice, object] | None, ...]:
+        """Per entry of a table, the choice a step runs once the entry's exploration ran
+        (TentativeDecisions.exploit; None for an entry that does not explore or has none:
+        its steps then ask again), bounded as the entries are; () where no entry has one."""
+        tentative = active.tentative
+        if tentative is None or not any(choice.exploration for choice, _ in decided):
+            return ()
+        exploits = [
+            tentative.exploit(after) if choice.exploration else None for choice, after in decided
+        ]
+        if not any(exploits):
+            return ()
+        bounded = self._within_bounds(ctx, [e for e in exploits if e is not None])
+        kept = iter(bounded)
+        return tuple(None if e is None else next(kept) for e in exploits)
 
     def _policy_view(self, reported: StepContext) -> StepContext:
         """The context a policy decides on: the memory controller's view updated with the

@@ -112,7 +112,8 @@ def table_bytes(table: IssuedTable) -> int:
     """The estimated bytes a kept ``table`` holds (its choices are shared by sizes)."""
     distinct = {id(choice): choice for choice, _ in table.entries}.values()
     gammas = sum(len(choice.request_gammas) for choice in distinct)
-    return TABLE_BYTES + TABLE_ENTRY_BYTES * len(table.entries) + REQUEST_GAMMA_BYTES * gammas
+    entries = len(table.entries) + len(table.exploits)
+    return TABLE_BYTES + TABLE_ENTRY_BYTES * entries + REQUEST_GAMMA_BYTES * gammas
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -125,20 +126,28 @@ class PendingDecision:
     size: int = CONTEXT_BYTES
 
 
+# KnownTable.exploits' byte of an entry that does not explore (γ is at most 64).
+NO_EXPLOIT = 255
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class IssuedTable:
     """A decision table as the sidecar keeps it until the engine reports its steps: per
     batch size, the choice and the policy's checkpoint after it (committed by the step
-    that runs it)."""
+    that runs it); per exploring entry, the same of the choice exploited there instead
+    (GammaTable.exploit_gammas; () when the table has none)."""
 
     revision: int
     gamma_max: int
     first_batch_size: int
     entries: tuple[tuple[Choice, object], ...]
+    exploits: tuple[tuple[Choice, object] | None, ...] = ()
 
-    def entry(self, batch_size: int) -> tuple[Choice, object] | None:
+    def entry(self, batch_size: int, exploited: bool = False) -> tuple[Choice, object] | None:
+        """The entry a step of ``batch_size`` ran: its exploit where ``exploited``."""
         index = batch_size - self.first_batch_size
-        return self.entries[index] if 0 <= index < len(self.entries) else None
+        entries = self.exploits if exploited else self.entries
+        return entries[index] if 0 <= index < len(entries) else None
 
 
 @dataclasses.dataclass(slots=True)
@@ -151,6 +160,8 @@ class KnownTable:
     first_batch_size: int
     # Each entry's γ, a byte each (γ is at most 64).
     gammas: bytes
+    # Each entry's exploit γ (NO_EXPLOIT where it does not explore); b"": none.
+    exploits: bytes = b""
     # Bit n set: step n was run and committed; reported again, it is a replay.
     ran: int = 0
     # Bit n set: step n's outcome was learned from; sent again, it is a replay.
@@ -159,11 +170,16 @@ class KnownTable:
     @classmethod
     def of(cls, table: IssuedTable) -> KnownTable:
         gammas = bytes(choice.gamma for choice, _ in table.entries)
-        return cls(table.revision, table.gamma_max, table.first_batch_size, gammas)
+        exploits = bytes(NO_EXPLOIT if e is None else e[0].gamma for e in table.exploits)
+        return cls(table.revision, table.gamma_max, table.first_batch_size, gammas, exploits)
 
-    def entry_gamma(self, batch_size: int) -> int | None:
+    def entry_gamma(self, batch_size: int, exploited: bool = False) -> int | None:
+        """The γ the entry for ``batch_size`` allows (its exploit's where ``exploited``);
+        None where the table has no such entry."""
         index = batch_size - self.first_batch_size
-        return self.gammas[index] if 0 <= index < len(self.gammas) else None
+        gammas = self.exploits if exploited else self.gammas
+        gamma = gammas[index] if 0 <= index < len(gammas) else None
+        return None if gamma == NO_EXPLOIT else gamma
 
     def has_run(self, step: int) -> bool:
         return step > 0 and bool(self.ran >> step & 1)

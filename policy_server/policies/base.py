@@ -167,6 +167,13 @@ class TentativeDecisions(Protocol):
         engine and batch size): leave the policy as deciding it alone would have."""
         ...
 
+    def exploit(self, decided: object) -> tuple[Choice, object] | None:
+        """For a candidate that explores, decided with ``decided``: the choice the policy
+        exploits at its batch size, with what committing that takes. A step there runs it
+        once the exploration ran (GammaTable.exploit_gammas), so that exploring once costs
+        no new table. None: there is none (such a step asks again)."""
+        ...
+
 
 # LearnedState.state's engine id for the part of a state no engine's part shows: learners
 # that no engine updates now (an evicted engine's shared learner). Engine ids are never
@@ -285,6 +292,9 @@ class CheckpointedDecide:
     def commit(self: Checkpointed, ctx: StepContext, decided: object) -> None:
         self.restore(ctx, decided)
 
+    def exploit(self, decided: object) -> tuple[Choice, object] | None:
+        return None
+
 
 class DecideChangesNothing:
     """TentativeDecisions of a policy whose decide() changes nothing (static, off, table):
@@ -296,6 +306,9 @@ class DecideChangesNothing:
         return [(self.decide(at_batch_size(ctx, size)), None) for size in batch_sizes]
 
     def commit(self, ctx: StepContext, decided: object) -> None:
+        return None
+
+    def exploit(self, decided: object) -> tuple[Choice, object] | None:
         return None
 
 

@@ -15,7 +15,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any, Generic, Protocol, TypeVar
 
-from nightjar_common.types import StepContext
+from nightjar_common.types import Choice, StepContext
 from policy_server.policies.base import (
     UNOWNED,
     CheckpointedDecide,
@@ -116,6 +116,9 @@ class EngineCheckpoint(Generic[R, S]):
     rng_state: Any
     previous_gamma: int | None
     part: S
+    # Of an exploring candidate: the choice the policy exploits at its batch size and its
+    # checkpoint (TentativeDecisions.exploit); None for any other.
+    exploit: tuple[Choice, object] | None = None
 
 
 class EngineStates(LearnerBook[R, L]):

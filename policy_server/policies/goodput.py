@@ -100,6 +100,8 @@ _READABLE_SCHEMAS = ("goodput/2", "goodput/3", STATE_SCHEMA)
 
 # (batch octave, γ) trials an engine started (EngineState.trials).
 Trials = frozenset[tuple[int, int]]
+# A row's decision: its choice, the engine's trials after it, whether it drew (_choose).
+Chosen = tuple[Choice, Trials, bool]
 # Per batch size (row) and γ (column): whether a decision may pick it.
 Mask = npt.NDArray[np.bool_]
 
@@ -376,7 +378,7 @@ class GoodputModelPolicy(GoodputPooling, EngineStatePolicy[GoodputParams, Engine
     def decide(self, ctx: StepContext) -> Choice:
         engine, top = self._engine_and_top(ctx)
         rows = batch_rows((ctx.batch_size,))
-        choice, engine.trials, _ = self._choose(engine, top, ctx, rows)[0]
+        choice, engine.trials, _ = self._choose(engine, top, ctx, rows)[0][0]
         engine.previous_gamma = choice.gamma
         return choice
 
@@ -387,7 +389,9 @@ class GoodputModelPolicy(GoodputPooling, EngineStatePolicy[GoodputParams, Engine
         tests/policy_server/policies/test_goodput_candidates.py). The loop restores the RNG
         before each candidate, so all of them decide on the same posterior draw: the whole
         set is priced as one matrix (a row per batch size) under the point estimate and
-        under that one draw, and each checkpoint is built directly instead of copied."""
+        under that one draw, and each checkpoint is built directly instead of copied. An
+        exploring candidate's checkpoint holds the greedy choice of its batch size with
+        that choice's own checkpoint (``exploit``)."""
         before = self.checkpoint(ctx)
         engine, top = self._engine_and_top(ctx)
         # The RNG as the checkpoint holds it (read once: a PCG64 state read builds a dict).
@@ -395,21 +399,35 @@ class GoodputModelPolicy(GoodputPooling, EngineStatePolicy[GoodputParams, Engine
             unchanged = before.rng_state
         else:  # the engine's first decision
             unchanged = engine.stream.state
-        chosen = self._choose(engine, top, ctx, batch_rows(tuple(batch_sizes)))
+        chosen, exploits = self._choose(engine, top, ctx, batch_rows(tuple(batch_sizes)))
         drawn = engine.stream.state  # advanced by the draw if any candidate drew
         self.restore(ctx, before)
         # Candidates that chose alike share their checkpoint (all of a table, nearly).
-        checkpoints: dict[tuple[int, bool, Trials], EngineCheckpoint[EngineState, Trials]] = {}
-        decided: list[tuple[Choice, object]] = []
-        for choice, trials, drew in chosen:
-            key = (choice.gamma, drew, trials)
+        checkpoints: dict[tuple[Any, ...], EngineCheckpoint[EngineState, Trials]] = {}
+
+        def checkpoint(
+            choice: Choice, trials: Trials, drew: bool, exploit: tuple[Choice, object] | None
+        ) -> EngineCheckpoint[EngineState, Trials]:
+            key = (choice.gamma, drew, trials, exploit and exploit[0].gamma)
             after = checkpoints.get(key)
             if after is None:
+                rng = drawn if drew else unchanged
                 after = checkpoints[key] = EngineCheckpoint(
-                    engine, drawn if drew else unchanged, choice.gamma, trials
+                    engine, rng, choice.gamma, trials, exploit
                 )
-            decided.append((choice, after))
+            return after
+
+        decided: list[tuple[Choice, object]] = []
+        for row, (choice, trials, drew) in enumerate(chosen):
+            exploit: tuple[Choice, object] | None = None
+            if row in exploits:
+                greedy, greedy_trials, greedy_drew = exploits[row]
+                exploit = (greedy, checkpoint(greedy, greedy_trials, greedy_drew, None))
+            decided.append((choice, checkpoint(choice, trials, drew, exploit)))
         return decided
+
+    def exploit(self, decided: object) -> tuple[Choice, object] | None:
+        return decided.exploit if isinstance(decided, EngineCheckpoint) else None
 
     def observe(self, ctx: StepContext, choice: Choice, outcome: StepOutcome) -> None:
         engine = self._book.engine(ctx)
@@ -689,16 +707,18 @@ class GoodputModelPolicy(GoodputPooling, EngineStatePolicy[GoodputParams, Engine
 
     def _choose(
         self, engine: EngineState, top: int, ctx: StepContext, rows: BatchRows
-    ) -> list[tuple[Choice, Trials, bool]]:
+    ) -> tuple[list[Chosen], dict[int, Chosen]]:
         """What deciding ``ctx`` at each batch size would do to ``engine`` as it is: the
-        choice, the engine's trials after it, and whether it drew from the RNG. Changes
-        nothing of the engine but its RNG, by the one draw every size that draws shares."""
+        choice, the engine's trials after it, and whether it drew from the RNG; and per
+        row whose draw explores (not a trial), what exploiting there instead would (the
+        greedy γ). Changes nothing of the engine but its RNG, by the one draw every size
+        that draws shares."""
         trials = engine.trials
         if top == 0:
-            return [(_choice(0, BinType.FORCED), trials, False)] * len(rows.sizes)
+            return [(_choice(0, BinType.FORCED), trials, False)] * len(rows.sizes), {}
         learner = self._book.learner(engine.learner_id)
         if learner.steps < self._params.warmup_steps:
-            return [(self._prior_choice(b, top), trials, False) for b in rows.sizes]
+            return [(self._prior_choice(b, top), trials, False) for b in rows.sizes], {}
         switch = self._switch_ms(ctx, engine, top, rows.sizes)
         point = self._estimate(learner, ctx, top)
         ms, goodput = point.priced(rows, switch)
@@ -706,8 +726,9 @@ class GoodputModelPolicy(GoodputPooling, EngineStatePolicy[GoodputParams, Engine
         greedy = _best(goodput, allowed)
         greedy_gammas = greedy.tolist()
         tried = self._trials(learner, engine, rows, goodput, allowed, greedy_gammas)
-        chosen: list[tuple[Choice, Trials, bool]] = []
-        if len(tried) < len(rows.sizes):
+        chosen: list[Chosen] = []
+        drew = len(tried) < len(rows.sizes)
+        if drew:
             # The table's one draw: the RNG advances by it alike whether or not it is used;
             # the drawn model is built only where it can change a choice.
             normals = self._draw(engine, top)
@@ -742,9 +763,17 @@ class GoodputModelPolicy(GoodputPooling, EngineStatePolicy[GoodputParams, Engine
             if planned is not None and chosen[planned][0].bin_type is BinType.EXPLOIT:
                 plan = self._plan_choice(engine, ctx, point, switch[planned], top)
                 chosen[planned] = (plan, trials, True)
-            return chosen
-        octaves = rows.octaves
-        return [self._trial_choice(trials, octaves[row], gamma) for row, gamma in tried.items()]
+        else:
+            octaves = rows.octaves
+            chosen = [self._trial_choice(trials, octaves[row], g) for row, g in tried.items()]
+        # A drawn γ's steps after the first exploit; a trial's none: its outcome re-prices
+        # the octave it pinned, which the next table should act on at once.
+        exploits = {
+            row: (_choice(greedy_gammas[row], BinType.EXPLOIT), trials, drew)
+            for row, (choice, _, _) in enumerate(chosen)
+            if choice.bin_type is BinType.EXPLORE and row not in tried
+        }
+        return chosen, exploits
 
     def _request_row(
         self, engine: EngineState, ctx: StepContext, rows: BatchRows, tried: Mapping[int, int]

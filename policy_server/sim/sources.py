@@ -102,7 +102,7 @@ class TableSource:
             taken = self._cache.take_size(ctx.batch_size, speculation_off, now)
             assert not isinstance(taken, str), taken
         decision_id = taken.decision_id  # formatted once: a step's own cost
-        self._reports.ran(RanStep(decision_id, ctx, taken.gamma))
+        self._reports.ran(RanStep(decision_id, ctx, taken.gamma, taken.exploited))
         if self.timed:
             self._refresh_ahead(NextStep(ctx, taken.gamma), now)
         table = taken.held.table

@@ -83,6 +83,17 @@ def test_a_table_converts_with_its_memory_directive_and_reason() -> None:
 def test_a_ran_step_round_trips_with_its_context() -> None:
     step = RanStep("t-7.3", StepContext("e", 12, step_index=4, context_tokens=800), 2)
     assert wire.ran_step_from_pb(wire.ran_step_to_pb(step)) == step
+    exploited = dataclasses.replace(step, exploited=True)
+    assert wire.ran_step_from_pb(wire.ran_step_to_pb(exploited)) == exploited
+
+
+def test_a_tables_exploit_gammas_round_trip() -> None:
+    table = GammaTable(
+        "t-8", "goodput", "r1", 6, (2, 1, 3), (False, True, False), False, 9, 32, 50.0,
+        exploit_gammas=(2, 3, 3),
+    )  # fmt: skip
+    assert wire.table_from_pb(wire.table_to_pb(table)) == table
+    assert not wire.table_to_pb(dataclasses.replace(table, exploit_gammas=())).exploit_gammas
 
 
 def test_a_context_round_trips_with_the_drafters_minimum_passes() -> None:

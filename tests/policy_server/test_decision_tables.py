@@ -25,7 +25,7 @@ from nightjar_common.client import (
 from nightjar_common.errors import InvalidArgumentError
 from nightjar_common.tables import SPENT, NextStep, TableCache, refresh_due
 from nightjar_common.types import GammaTable, RanStep, StepContext, StepOutcome
-from policy_server.metrics import REPORTS, TABLE_STEPS
+from policy_server.metrics import DECISIONS, REPORTS, TABLE_STEPS
 from policy_server.policies import create_policy
 from policy_server.service import DecisionService
 from tests.rigs.outcomes import step_outcome
@@ -86,7 +86,7 @@ def test_a_table_reaches_as_far_as_the_batch_may_move() -> None:
 def test_ran_steps_and_outcomes_are_learned_like_decisions() -> None:
     service = DecisionService("goodput", {"seed": 1})
     cache = TableCache()
-    seq, ran, outcomes, previous = 0, [], [], None
+    seq, ran, outcomes, previous, exploited = 0, [], [], None, 0
     for step in range(200):
         ctx = context(step, 8 + step % 5, previous)
         if refresh_due(cache.held, ctx.batch_size, ctx.previous_gamma == 0, 0.0, 8, float("inf")):
@@ -104,7 +104,8 @@ def test_ran_steps_and_outcomes_are_learned_like_decisions() -> None:
             ran, outcomes = [], []
             taken = cache.take(ctx, 0.0)
         assert not isinstance(taken, str)
-        ran.append(RanStep(taken.decision_id, ctx, taken.gamma))
+        ran.append(RanStep(taken.decision_id, ctx, taken.gamma, taken.exploited))
+        exploited += taken.exploited
         outcomes.append(outcome(taken.decision_id, taken.gamma, ctx.batch_size))
         previous = taken.gamma
     service.table_step(ran, outcomes, None)
@@ -114,6 +115,8 @@ def test_ran_steps_and_outcomes_are_learned_like_decisions() -> None:
     assert committed == 200
     assert service.metrics.tables._value.get() < 200 / 2  # tables serve several steps
     assert view.state["learners"]  # it learned
+    # Steps after an exploring entry ran took its exploit γ from the same table.
+    assert exploited > 0
 
 
 def test_bad_items_are_skipped_one_by_one_and_the_rest_applied() -> None:
@@ -269,6 +272,75 @@ def test_a_table_is_for_one_speculation_state_and_its_exploring_entries_run_once
     cache.forget()
     assert not cache.current(taken.held)
     assert cache.install(table, 3) and cache.current(cache.held)  # type: ignore[arg-type]
+
+
+def test_a_spent_exploring_entry_runs_its_exploit_gamma_from_the_same_table() -> None:
+    """Exploring once costs no new table: a table that names each entry's exploit γ
+    answers the steps after the exploration with it, reported as exploited."""
+    table = GammaTable(
+        table_id="t",
+        policy_name="p",
+        policy_version="v",
+        first_batch_size=1,
+        gammas=(3, 3, 1, 2, 3, 4, *(3,) * 6),  # 1..12
+        exploring=(False, False, False, True, False, True, *(False,) * 6),
+        speculation_off=False,
+        step_index=0,
+        valid_steps=8,
+        valid_ms=1000.0,
+        exploit_gammas=(3, 3, 1, 3, 3, -1, *(3,) * 6),  # at 6 a trial: none
+    )
+    cache = TableCache()
+    cache.install(table, 1)
+    explored = cache.take(context(0, 4, 1), 0.0)
+    assert not isinstance(explored, str) and explored.exploring and explored.gamma == 2
+    assert not explored.exploited
+    assert not refresh_due(cache.held, 4, False, 0.0, 8, 1e9)
+    exploited = [cache.take(context(n, 4, 2), 0.0) for n in (1, 2)]
+    assert [(s.gamma, s.exploring, s.exploited) for s in exploited] == [(3, False, True)] * 2  # type: ignore[union-attr]
+    other = cache.take(context(3, 3, 3), 0.0)
+    assert not isinstance(other, str) and not other.exploited and other.gamma == 1
+    trial = cache.take(context(4, 6, 1), 0.0)
+    assert not isinstance(trial, str) and trial.exploring and trial.gamma == 4
+    assert cache.take(context(5, 6, 4), 0.0) == SPENT
+    assert refresh_due(cache.held, 6, False, 0.0, 8, 1e9)
+
+
+def test_a_step_run_at_its_exploit_gamma_commits_the_exploit() -> None:
+    """The sidecar commits an exploited step as the exploiting choice and refuses, with
+    the reason, an exploited step its table did not allow."""
+    service = DecisionService("goodput", {"seed": 3, "warmup_steps": 0})
+    env_steps = 0
+    table = None
+    while table is None or not [
+        g for e, g in zip(table.exploring, table.exploit_gammas, strict=False) if e and 0 <= g < 4
+    ]:
+        ctx = context(env_steps, 6, 2)
+        step = service.run_step(ctx)
+        service.report(outcome(step.decision_id, step.gamma, 6))
+        env_steps += 1
+        table = service.table_step([], [], context(env_steps, 6, step.gamma)).table
+        assert env_steps < 200, "no exploring table"
+    assert table.exploit_gammas and len(table.exploit_gammas) == len(table.gammas)
+    row = next(i for i, e in enumerate(table.exploring) if e and 0 <= table.exploit_gammas[i] < 4)
+    size = table.first_batch_size + row
+    exploit = table.exploit_gammas[row]
+    ctx = context(env_steps, size, table.gammas[row])
+    too_far = RanStep(f"{table.table_id}.1", ctx, exploit + 1, exploited=True)
+    refused = service.table_step([too_far], [], None)
+    assert refused.malformed == 1 and "above its table entry's exploit γ" in refused.skipped_reason
+    decisions = ("goodput", str(exploit), "exploit")
+    before = service.metrics.steps.value(DECISIONS, decisions)
+    ran = RanStep(f"{table.table_id}.3", ctx, exploit, exploited=True)
+    assert service.table_step([ran], [outcome(ran.decision_id, exploit, size)], None).skipped == 0
+    assert service.metrics.steps.value(DECISIONS, decisions) == before + 1  # as exploiting
+    # A table whose entries do not explore has no exploit γ to run.
+    static = DecisionService("static", {"gamma": 2})
+    fixed = static.table_step([], [], context(0, 4, 2)).table
+    assert fixed is not None and not fixed.exploit_gammas
+    ran = RanStep(f"{fixed.table_id}.1", context(0, 4, 2), 2, exploited=True)
+    refused = static.table_step([ran], [], None)
+    assert refused.malformed == 1 and "has no exploit γ" in refused.skipped_reason
 
 
 def test_a_batch_near_the_tables_edge_asks_for_the_next_table() -> None:

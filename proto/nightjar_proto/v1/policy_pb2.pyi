@@ -127,7 +127,7 @@ class MemoryDirective(_message.Message):
     def __init__(self, action: _Optional[_Union[MemoryDirective.Action, str]] = ..., target_kv_blocks: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class GammaTable(_message.Message):
-    __slots__ = ("table_id", "policy_version", "first_batch_size", "gammas", "exploring", "speculation_off", "step_index", "valid_steps", "valid_ms", "memory_directive", "policy_name", "reason", "request_gammas", "reads_request_signals", "any_speculation_state")
+    __slots__ = ("table_id", "policy_version", "first_batch_size", "gammas", "exploring", "speculation_off", "step_index", "valid_steps", "valid_ms", "memory_directive", "policy_name", "reason", "request_gammas", "reads_request_signals", "any_speculation_state", "exploit_gammas")
     TABLE_ID_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     FIRST_BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -143,6 +143,7 @@ class GammaTable(_message.Message):
     REQUEST_GAMMAS_FIELD_NUMBER: _ClassVar[int]
     READS_REQUEST_SIGNALS_FIELD_NUMBER: _ClassVar[int]
     ANY_SPECULATION_STATE_FIELD_NUMBER: _ClassVar[int]
+    EXPLOIT_GAMMAS_FIELD_NUMBER: _ClassVar[int]
     table_id: str
     policy_version: str
     first_batch_size: int
@@ -158,17 +159,20 @@ class GammaTable(_message.Message):
     request_gammas: _containers.RepeatedCompositeFieldContainer[RequestGamma]
     reads_request_signals: bool
     any_speculation_state: bool
-    def __init__(self, table_id: _Optional[str] = ..., policy_version: _Optional[str] = ..., first_batch_size: _Optional[int] = ..., gammas: _Optional[_Iterable[int]] = ..., exploring: _Optional[_Iterable[bool]] = ..., speculation_off: bool = ..., step_index: _Optional[int] = ..., valid_steps: _Optional[int] = ..., valid_ms: _Optional[float] = ..., memory_directive: _Optional[_Union[MemoryDirective, _Mapping]] = ..., policy_name: _Optional[str] = ..., reason: _Optional[str] = ..., request_gammas: _Optional[_Iterable[_Union[RequestGamma, _Mapping]]] = ..., reads_request_signals: bool = ..., any_speculation_state: bool = ...) -> None: ...
+    exploit_gammas: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, table_id: _Optional[str] = ..., policy_version: _Optional[str] = ..., first_batch_size: _Optional[int] = ..., gammas: _Optional[_Iterable[int]] = ..., exploring: _Optional[_Iterable[bool]] = ..., speculation_off: bool = ..., step_index: _Optional[int] = ..., valid_steps: _Optional[int] = ..., valid_ms: _Optional[float] = ..., memory_directive: _Optional[_Union[MemoryDirective, _Mapping]] = ..., policy_name: _Optional[str] = ..., reason: _Optional[str] = ..., request_gammas: _Optional[_Iterable[_Union[RequestGamma, _Mapping]]] = ..., reads_request_signals: bool = ..., any_speculation_state: bool = ..., exploit_gammas: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class RanStep(_message.Message):
-    __slots__ = ("decision_id", "context", "gamma")
+    __slots__ = ("decision_id", "context", "gamma", "exploited")
     DECISION_ID_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_FIELD_NUMBER: _ClassVar[int]
     GAMMA_FIELD_NUMBER: _ClassVar[int]
+    EXPLOITED_FIELD_NUMBER: _ClassVar[int]
     decision_id: str
     context: StepContext
     gamma: int
-    def __init__(self, decision_id: _Optional[str] = ..., context: _Optional[_Union[StepContext, _Mapping]] = ..., gamma: _Optional[int] = ...) -> None: ...
+    exploited: bool
+    def __init__(self, decision_id: _Optional[str] = ..., context: _Optional[_Union[StepContext, _Mapping]] = ..., gamma: _Optional[int] = ..., exploited: bool = ...) -> None: ...
 
 class StepRequest(_message.Message):
     __slots__ = ("seq", "context", "ran_steps", "outcomes")
