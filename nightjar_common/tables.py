@@ -62,8 +62,7 @@ class HeldTable:
     # Worked out once per table (by the thread installing it), not on each step: the batch
     # sizes of its entries; the speculation state its entries serve (None: either); each
     # entry's exploring flag; each entry's exploit γ (None: the table has none; -1: the
-    # entry has none); the sizes
-    # not near its edges (refresh_due).
+    # entry has none); the sizes not near its edges (refresh_due).
     sizes: range = dataclasses.field(init=False)
     state: bool | None = dataclasses.field(init=False)
     explores: tuple[bool, ...] = dataclasses.field(init=False)

@@ -160,7 +160,7 @@ class KnownTable:
     first_batch_size: int
     # Each entry's γ, a byte each (γ is at most 64).
     gammas: bytes
-    # Each entry's exploit γ (NO_EXPLOIT where it does not explore); b"": none.
+    # Each entry's exploit γ (NO_EXPLOIT where it has none); b"": the table has none.
     exploits: bytes = b""
     # Bit n set: step n was run and committed; reported again, it is a replay.
     ran: int = 0
