@@ -420,9 +420,9 @@ class GoodputModelPolicy(GoodputPooling, EngineStatePolicy[GoodputParams, Engine
         decided: list[tuple[Choice, object]] = []
         for row, (choice, trials, drew) in enumerate(chosen):
             exploit: tuple[Choice, object] | None = None
-            if row in exploits:
-                greedy, greedy_trials, greedy_drew = exploits[row]
-                exploit = (greedy, checkpoint(greedy, greedy_trials, greedy_drew, None))
+            if row in exploits:  # a drawn row: the draw was made, the trials unchanged
+                greedy = _choice(exploits[row], BinType.EXPLOIT)
+                exploit = (greedy, checkpoint(greedy, trials, True, None))
             decided.append((choice, checkpoint(choice, trials, drew, exploit)))
         return decided
 
@@ -707,12 +707,12 @@ class GoodputModelPolicy(GoodputPooling, EngineStatePolicy[GoodputParams, Engine
 
     def _choose(
         self, engine: EngineState, top: int, ctx: StepContext, rows: BatchRows
-    ) -> tuple[list[Chosen], dict[int, Chosen]]:
+    ) -> tuple[list[Chosen], dict[int, int]]:
         """What deciding ``ctx`` at each batch size would do to ``engine`` as it is: the
         choice, the engine's trials after it, and whether it drew from the RNG; and per
-        row whose draw explores (not a trial), what exploiting there instead would (the
-        greedy γ). Changes nothing of the engine but its RNG, by the one draw every size
-        that draws shares."""
+        row whose draw explores (not a trial), the greedy γ it would exploit instead.
+        Changes nothing of the engine but its RNG, by the one draw every size that draws
+        shares."""
         trials = engine.trials
         if top == 0:
             return [(_choice(0, BinType.FORCED), trials, False)] * len(rows.sizes), {}
@@ -769,7 +769,7 @@ class GoodputModelPolicy(GoodputPooling, EngineStatePolicy[GoodputParams, Engine
         # A drawn γ's steps after the first exploit; a trial's none: its outcome re-prices
         # the octave it pinned, which the next table should act on at once.
         exploits = {
-            row: (_choice(greedy_gammas[row], BinType.EXPLOIT), trials, drew)
+            row: greedy_gammas[row]
             for row, (choice, _, _) in enumerate(chosen)
             if choice.bin_type is BinType.EXPLORE and row not in tried
         }
