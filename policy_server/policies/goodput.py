@@ -134,6 +134,10 @@ class GoodputParams:
     local_correction: bool = True
     correction_prior_steps: float = 2.0
     correction_window_steps: int = 256
+    # A (batch-size octave, γ) cell never run takes the line in γ through the octave's
+    # run cells' offsets (two or more) instead of none: the regression's slope in γ is
+    # corrected where it is seen to be off (models.LocalCorrection._unrun_line).
+    correction_unrun_line: bool = False
     # A Thompson draw may move γ off the point estimate's best only to a γ predicted to lose
     # at most this fraction of its goodput (1 = plain Thompson sampling): smaller wastes
     # fewer steps on γ the model already ranks behind, larger lets the draws correct a wrong
@@ -281,6 +285,8 @@ class Estimate:
     # The pooled α the tokens are of (per-request α are shrunk to it).
     alpha: float
     offsets: dict[int, FloatArray] = dataclasses.field(default_factory=dict)
+    # GoodputParams.correction_unrun_line.
+    unrun_line: bool = False
 
     def priced(self, rows: BatchRows, switch_ms: FloatArray) -> tuple[FloatArray, FloatArray]:
         """Per batch size (a row each) and γ (a column each): the predicted decode-step ms
@@ -333,7 +339,7 @@ class Estimate:
             drawn = self.normals is not None  # the point estimate's offsets need no σ²
             noise = self.learner.step_time.noise_variance if drawn else 0.0
             offsets = self.learner.correction.offsets_ms(
-                self.weights, batch_size, self.top, noise, self.normals
+                self.weights, batch_size, self.top, noise, self.normals, self.unrun_line
             )
             self.offsets[octave] = offsets
         return offsets
@@ -895,6 +901,7 @@ class GoodputModelPolicy(GoodputPooling, EngineStatePolicy[GoodputParams, Engine
             self._params.local_correction,
             0.1 * max(learner.step_time.mean_ms, 1e-6),
             alpha,
+            unrun_line=self._params.correction_unrun_line,
         )
 
     def _trials(

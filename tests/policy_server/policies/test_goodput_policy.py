@@ -912,3 +912,28 @@ def test_a_drafter_that_always_drafts_gamma_max_is_priced_so() -> None:
     assert truth(64, pick) > 0.95 * best
     pick = max(range(gamma_max + 1), key=lambda gamma: untold[gamma])
     assert untold[pick] > 1.4 * truth(64, pick), untold
+
+
+def test_an_unrun_cell_takes_the_line_through_its_octaves_run_cells_only_when_asked() -> None:
+    """``unrun_line``: where two cells of an octave ran, a cell never run there is priced
+    on the line in γ through their offsets (count-weighted); with one run cell there is no
+    slope to follow and an unrun cell adds nothing, as without the option."""
+    correction = LocalCorrection(decay=1.0, prior_steps=2.0, gamma_max=3)
+    weights = np.zeros(FEATURES)
+    weights[0] = 50.0  # the regression: 50 ms whatever the step
+    for _ in range(8):  # batch 2 (octave 1): γ = 3 runs 30 ms slower than the fit says
+        correction.observe(2, 3, step_features(2, 3), 80.0)
+    alone = correction.offsets_ms(weights, 2, 3, unrun_line=True)
+    assert alone.tolist() == pytest.approx([0.0, 0.0, 0.0, 30.0 * 8 / 10])
+    for _ in range(8):  # γ = 2 runs 10 ms slower: offsets 24 at γ = 3, 8 at γ = 2
+        correction.observe(3, 2, step_features(3, 2), 60.0)
+    plain = correction.offsets_ms(weights, 2, 3)
+    lined = correction.offsets_ms(weights, 2, 3, unrun_line=True)
+    assert plain.tolist() == pytest.approx([0.0, 0.0, 8.0, 24.0])
+    assert lined.tolist() == pytest.approx([-24.0, -8.0, 8.0, 24.0])
+    # The drawn offsets' spread is the run cells' alone; unrun cells follow the line.
+    drawn = correction.offsets_ms(weights, 2, 3, 0.01, np.ones(4), unrun_line=True)
+    assert drawn[:2].tolist() == pytest.approx([-24.0, -8.0])
+    assert (drawn[2:] > lined[2:]).all()
+    # Another octave's cells are its own.
+    assert correction.offsets_ms(weights, 8, 3, unrun_line=True).tolist() == [0.0] * 4
