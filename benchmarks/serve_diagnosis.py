@@ -11,8 +11,9 @@ for learning passes the step time the default policy's model predicted for each 
 before it learned from it (the pass's steps replayed in order into a fresh `goodput`
 learner with the pass's parameters), split by whether the step carried prefill; at the
 low-load batch sizes, the steps cell by cell and the replayed point estimate for every γ
-at the span's end. The plugin's table misses and fallbacks per pass come from
-`results/runs.json`.
+at the span's end; and the per-request mode the replay was in step by step (whether
+`per_request: "auto"` had engaged, and why). The plugin's table misses and fallbacks per
+pass come from `results/runs.json`.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ class Step:
     predicted_ms: float | None = None
     # The point estimate per γ before the step (decode steps of a low-load batch size).
     estimate: Prediction | None = None
+    # The replayed engine's per-request mode after the step: (mode, reason).
+    mode: tuple[str, str] | None = None
 
 
 @dataclasses.dataclass
@@ -104,7 +107,10 @@ def phase_spans(results: Path) -> list[PhaseSpan]:
 
 def predict_pass(steps: Sequence[Step], params: dict[str, Any]) -> None:
     """Each step's predicted duration by the default policy's step-time model as it stood
-    before the step (the pass replayed in order into a fresh learner)."""
+    before the step (the pass replayed in order into a fresh learner), and the engine's
+    per-request mode after it. The log does not hold the γ_i a per-request plan gave each
+    request, so the replay takes every request at the step's γ: a cut request's accepts
+    count against it (the records, and the mode that reads them, lean to the batch γ)."""
     policy = create_policy("goodput", params)
     assert isinstance(policy, GoodputModelPolicy)
     for step in steps:
@@ -117,6 +123,7 @@ def predict_pass(steps: Sequence[Step], params: dict[str, Any]) -> None:
             if _low_load_decode(step):
                 step.estimate = policy.point_prediction(learner, step.ctx)
         policy.observe(step.ctx, Choice(step.choice_gamma, BinType.EXPLOIT), step.outcome)
+        step.mode = policy.request_modes().get(step.ctx.engine_id)
 
 
 def bucket_of(batch: int) -> str:
@@ -218,7 +225,19 @@ def summarize(steps: Iterable[Step]) -> dict[str, Any]:
         },
         "cells": cells(steps),
         "estimates": estimates(steps),
+        "request_mode": request_mode(steps),
     }
+
+
+def request_mode(steps: Sequence[Step]) -> dict[str, Any]:
+    """The replayed per-request mode: steps after which the engine planned per request or
+    took the batch γ, and the mode and why at the span's last step ({} where the pass was
+    not replayed)."""
+    modes = [s.mode for s in steps if s.mode is not None]
+    if not modes:
+        return {}
+    counted = collections.Counter(mode for mode, _ in modes)
+    return {"steps": dict(sorted(counted.items())), "last": list(modes[-1])}
 
 
 def diagnose(run_dir: Path, learner_params: dict[str, Any] | None = None) -> dict[str, Any]:

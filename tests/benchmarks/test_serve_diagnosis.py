@@ -124,3 +124,13 @@ def test_each_pass_and_phase_is_summarized(tmp_path: Path) -> None:
     pairs = zip(estimate["tokens_per_request"], estimate["step_ms"], strict=True)
     assert estimate["request_tokens_per_s"] == [1000 * t / ms for t, ms in pairs]
     assert static["r0-static-p0"]["estimates"] == {} and high["estimates"] == {}
+    # The replayed per-request mode, step by step: "auto" with no request named stays on
+    # the batch γ, still learning whether to plan; a pass not replayed has none.
+    assert low["request_mode"] == {"steps": {"batch": 40}, "last": ["batch", "learning"]}
+    assert static["r0-static-p0"]["request_mode"] == {}
+    # Parameters given to the replay (the mode forced on here) decide its mode.
+    forced = diagnose(tmp_path, {"per_request": True})["goodput r2"]["r0-goodput-p1"]
+    assert forced["request_mode"] == {
+        "steps": {"per-request": 60},
+        "last": ["per-request", "forced_on"],
+    }
