@@ -605,42 +605,39 @@ class LocalCorrection:
         block = self.blocks.get(octave)
         if block is None:
             return np.zeros(gamma_top + 1)
-        rows = block[: gamma_top + 1]
+        # The line reads every run cell of the octave, also those above gamma_top.
+        rows = block if unrun_line else block[: gamma_top + 1]
         count, total = rows[:, 0], rows[:, 1]
         pseudo = count + self.prior_steps
         offsets: FloatArray = (total - rows[:, 2:] @ weights) / pseudo
         if unrun_line:
-            self._unrun_line(octave, block, weights, offsets)
+            self._unrun_line(octave, count, offsets)
+            top = gamma_top + 1
+            count, total, pseudo, offsets = count[:top], total[:top], pseudo[:top], offsets[:top]
         if normals is not None:
             mean_ms = total / np.maximum(count, 1e-12)  # 0 where the row never ran
             offsets += np.sqrt(noise_variance * mean_ms / pseudo) * normals[: gamma_top + 1]
         return offsets
 
-    def _unrun_line(
-        self, octave: int, block: FloatArray, weights: FloatArray, offsets: FloatArray
-    ) -> None:
-        """Fill, in place, the offsets of ``octave``'s cells never run (γ < len(offsets))
-        from the count-weighted least-squares line in γ through its run cells' offsets
-        (all of Γmax's), where two or more cells ran. Why: the pooled regression's cost
-        per γ can be off within one octave (one batch size whose steps cost the same at
-        any γ bends the slope the others share), and the run cells' residuals then slope
-        with γ; an unrun cell priced at the bare regression sits off that slope, where
-        neither the draws nor the trials (the best γ and its neighbours only) reach it
-        (docs/POLICIES.md, "Served saturation")."""
-        unrun = [g for g in self.unrun(octave, self.gamma_max) if g < len(offsets)]
-        if not unrun:
-            return
-        count = block[:, 0]
+    def _unrun_line(self, octave: int, count: FloatArray, offsets: FloatArray) -> None:
+        """Fill, in place, the offsets (γ = 0..Γmax) of ``octave``'s cells never run from
+        the count-weighted least-squares line in γ through its run cells' offsets, where
+        two or more cells ran. Why: the pooled regression's cost per γ can be off within
+        one octave (one batch size whose steps cost the same at any γ bends the slope the
+        others share), and the run cells' residuals then slope with γ; an unrun cell
+        priced at the bare regression sits off that slope, where neither the draws nor the
+        trials (the best γ and its neighbours only) reach it (docs/POLICIES.md, "Served
+        saturation")."""
+        unrun = self.unrun(octave, self.gamma_max)
         ran = np.flatnonzero(count > 0)
-        if len(ran) < 2:
+        if not unrun or len(ran) < 2:
             return
-        run = (block[ran, 1] - block[ran, 2:] @ weights) / (count[ran] + self.prior_steps)
-        weight = count[ran]
+        weight, run = count[ran], offsets[ran]
         centre = float(weight @ ran) / float(weight.sum())
         mean = float(weight @ run) / float(weight.sum())
         spread = ran - centre
         slope = float(weight @ (spread * (run - mean))) / float(weight @ (spread * spread))
-        offsets[unrun] = mean + slope * (np.asarray(unrun) - centre)
+        offsets[list(unrun)] = mean + slope * (np.asarray(unrun) - centre)
 
     def to_json(self) -> list[list[float]]:
         """One row per (octave, γ) that ran: [octave, γ, n, Σy, Σx...]."""
