@@ -97,8 +97,12 @@ def context_bytes(ctx: StepContext) -> int:
     """The estimated bytes ``ctx`` holds (its per-request sections are most of it)."""
     if not ctx.requests:
         return CONTEXT_BYTES
-    ids = sum(len(request.request_id) for request in ctx.requests)
-    accepts = sum(len(request.recent_accepts) for request in ctx.requests)
+    # One plain loop: every ran step's context passes here, and two generator passes
+    # over its requests cost nearly twice as much on CPython 3.11.
+    ids = accepts = 0
+    for request in ctx.requests:
+        ids += len(request.request_id)
+        accepts += len(request.recent_accepts)
     return CONTEXT_BYTES + REQUEST_BYTES * len(ctx.requests) + ids + RECENT_ACCEPT_BYTES * accepts
 
 
