@@ -485,25 +485,16 @@ class GoodputModelPolicy(GoodputPooling, EngineStatePolicy[GoodputParams, Engine
         if top == 0 or len(ctx.requests) != ctx.batch_size or ctx.batch_size < 2:
             return  # nothing to plan: one γ, or requests the context does not name
         plan = self._sure_plan(engine, learner, ctx, top)
-        if plan is not None:
-            mode.check(plan.goodput / plan.batch_goodput - 1.0, self._mode_params)
+        mode.check(plan.goodput / plan.batch_goodput - 1.0, self._mode_params)
 
-    def _sure_plan(
-        self, engine: EngineState, learner: Learner, ctx: StepContext, top: int
-    ) -> Plan | None:
+    def _sure_plan(self, engine: EngineState, learner: Learner, ctx: StepContext, top: int) -> Plan:
         """The best plan for ``ctx``'s requests under the point estimate, each request's α
         only as far from the pooled α as its counts make sure of (request_mode.sure_alphas),
-        with the best batch γ's goodput under the same α beside it. None while the mode is
-        off and no request is surely apart: young records say nothing yet of whether plans
-        pay, and counted as a gain of 0 they would hold the average down long after the
-        records are old enough to tell (once on, every check counts, so that a batch
-        turned alike turns the mode off)."""
+        with the best batch γ's goodput under the same α beside it."""
         point = self._estimate(learner, ctx, top)
         records = [engine.requests.get(r.request_id) for r in ctx.requests]
         p = self._params
         alphas = sure_alphas(records, point.alpha, p.request_prior_weight, p.request_sure_z)
-        if not engine.mode.engaged and all(alpha == point.alpha for alpha in alphas):
-            return None
         contexts = [r.context_tokens for r in ctx.requests]
         pricer = point.plan_pricer(ctx.batch_size, np.zeros(top + 1))
         return best_plan(alphas, contexts, top, pricer)

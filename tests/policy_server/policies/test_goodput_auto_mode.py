@@ -152,41 +152,8 @@ def test_requests_alike_stay_on_the_batch_gamma() -> None:
     chosen = drive(policy, ALIKE, 600)
     view = mode_of(policy)
     assert view["mode"] == "batch" and view["reason"] == "gain_below_margin"
-    # Enough checks to decide on (the mode's min_checks), all below the margin.
-    assert view["switches"] == 0 and view["checks"] >= 16
+    assert view["switches"] == 0 and view["checks"] > 30
     assert not any(c.request_gammas for c in chosen)
-
-
-def test_checks_while_no_request_is_surely_apart_are_not_counted() -> None:
-    """Records too young to be apart (here: a prior that outweighs any count) say nothing of
-    whether plans pay: such a check does not add a gain of 0 to the average, so the mode
-    stays learning however many there were."""
-    policy = auto(request_prior_weight=1e6)
-    drive(policy, FAR, 400)
-    view = mode_of(policy)
-    assert view["checks"] == 0 and view["reason"] == "learning" and view["mode"] == "batch"
-    # With the usual prior the same requests come apart and are counted.
-    usual = auto()
-    drive(usual, FAR, 400)
-    assert mode_of(usual)["checks"] > 0
-
-
-def test_an_engaged_mode_counts_every_check_and_turns_off_for_a_batch_turned_alike() -> None:
-    """Once on, a check whose requests are all at the pool counts as a gain of 0: a
-    batch of new requests that accept alike (records young, then alike) turns it off
-    (a short gain window, so that the average forgets the far-apart batch soon)."""
-    policy = auto(request_gain_window=16)
-    drive(policy, FAR, 600)
-    before = mode_of(policy)
-    assert before["mode"] == "per-request"
-    alike = {f"new{i}": 0.6 for i in range(16)}
-    # The new requests' first check, their records a few steps old: counted.
-    check_steps = policy.params()["request_check_steps"]
-    drive(policy, alike, check_steps, start=600)
-    assert mode_of(policy)["checks"] == before["checks"] + 1
-    drive(policy, alike, 2400, start=600 + check_steps)
-    after = mode_of(policy)
-    assert after["mode"] == "batch" and after["reason"] == "gain_below_margin"
 
 
 def test_an_engine_that_cannot_apply_per_request_gamma_never_gets_a_plan() -> None:
