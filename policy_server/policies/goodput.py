@@ -75,7 +75,6 @@ from policy_server.policies.models import (
     verify_features,
 )
 from policy_server.policies.per_request import (
-    HeldPlan,
     Plan,
     PlanPricer,
     PlanRows,
@@ -87,7 +86,6 @@ from policy_server.policies.per_request import (
     records_from_json,
     records_to_json,
     shrunk_alpha,
-    threshold_gammas,
     touch,
     trim_records,
 )
@@ -176,11 +174,6 @@ class GoodputParams:
     request_sure_z: float = 1.0
     request_check_steps: int = 16
     request_gain_window: int = 64
-    # A per-request plan searched for an engine is applied, by its cap and threshold, to
-    # the requests of its decisions for up to this many of its observed steps while the
-    # row's batch γ, batch-size octave and largest γ stay those it was searched beside;
-    # 0 = search every decision (docs/POLICIES.md, "A plan held between searches").
-    request_plan_steps: int = 128
 
     def __post_init__(self) -> None:
         if not 1 <= self.gamma_max <= 64:
@@ -221,8 +214,6 @@ class GoodputParams:
         for name in ("request_check_steps", "request_gain_window"):
             if not 1 <= getattr(self, name) <= 1_000_000:
                 raise PolicyError(f"{name} must be in 1..1000000")
-        if not 0 <= self.request_plan_steps <= 1_000_000:
-            raise PolicyError("request_plan_steps must be in 0..1000000")
 
 
 @dataclasses.dataclass(slots=True)
@@ -259,9 +250,6 @@ class EngineState:
     observed_steps: int = 0
     # Whether the engine plans per request, and why (request_mode.py); set by observe().
     mode: RequestMode = dataclasses.field(default_factory=RequestMode)
-    # The latest per-request plan searched for the engine (GoodputParams.request_plan_steps).
-    # Set by decide() and not checkpointed: a search a table did not run is as good a plan.
-    held_plan: HeldPlan | None = None
 
     @property
     def stream(self) -> np.random.BitGenerator:
@@ -609,7 +597,6 @@ class GoodputModelPolicy(GoodputPooling, EngineStatePolicy[GoodputParams, Engine
                     "requests": records_to_json(e.requests),
                     "observed_steps": e.observed_steps,
                     "request_mode": self._mode_json(e),
-                    "held_plan": e.held_plan and e.held_plan.to_json(),
                 }
                 for eid, e in engines.items()
             },
@@ -780,8 +767,7 @@ class GoodputModelPolicy(GoodputPooling, EngineStatePolicy[GoodputParams, Engine
                 chosen[row] = self._trial_choice(trials, rows.octaves[row], gamma)
             planned = self._request_row(engine, ctx, rows, tried)
             if planned is not None and chosen[planned][0].bin_type is BinType.EXPLOIT:
-                batch_gamma = greedy_gammas[planned]
-                plan = self._plan_choice(engine, ctx, point, switch[planned], top, batch_gamma)
+                plan = self._plan_choice(engine, ctx, point, switch[planned], top)
                 chosen[planned] = (plan, trials, True)
         else:
             octaves = rows.octaves
@@ -827,50 +813,19 @@ class GoodputModelPolicy(GoodputPooling, EngineStatePolicy[GoodputParams, Engine
         point: Estimate,
         switch_ms: FloatArray,
         top: int,
-        batch_gamma: int,
     ) -> Choice:
         """The per-request plan for ``ctx``'s requests under the point estimate, for a row
-        whose batch γ (``batch_gamma``) exploits: the plan refines the greedy γ request by
-        request, while exploration stays the batch's (a drawn γ runs as a batch γ), so a
-        decision searches one plan at most. The engine's held plan is applied instead
-        while it may (``_held_plan``)."""
+        whose batch γ exploits: the plan refines the greedy γ request by request, while
+        exploration stays the batch's (a drawn γ runs as a batch γ), so a decision
+        searches one plan."""
+        contexts = [r.context_tokens for r in ctx.requests]
         alphas = self._request_alphas(engine, ctx, point.alpha)
-        held = self._held_plan(engine, ctx, top, batch_gamma, bool(switch_ms.any()))
-        if held is not None:
-            gammas = threshold_gammas(alphas, held.cap, held.threshold)
-            cap = max(gammas)  # a searched plan's cap is its largest γ_i
-        else:
-            contexts = [r.context_tokens for r in ctx.requests]
-            plan = best_plan(alphas, contexts, top, point.plan_pricer(len(contexts), switch_ms))
-            cap, gammas = plan.cap, plan.gammas
-            engine.held_plan = HeldPlan(
-                cap,
-                plan.threshold,
-                top,
-                batch_octave(ctx.batch_size),
-                batch_gamma,
-                bool(switch_ms.any()),
-                engine.observed_steps,
-            )
-        if all(g == cap for g in gammas):
-            return _choice(cap, BinType.EXPLOIT)
+        plan = best_plan(alphas, contexts, top, point.plan_pricer(len(contexts), switch_ms))
+        if plan.uniform:
+            return _choice(plan.cap, BinType.EXPLOIT)
         ids = [r.request_id for r in ctx.requests]
-        return Choice(cap, BinType.EXPLOIT, request_gammas=tuple(zip(ids, gammas, strict=True)))
-
-    def _held_plan(
-        self, engine: EngineState, ctx: StepContext, top: int, batch_gamma: int, switching: bool
-    ) -> HeldPlan | None:
-        """The engine's held plan where it may decide ``ctx``'s requests: searched within
-        ``request_plan_steps`` observed steps, beside the same batch γ, in the same
-        batch-size octave, with the same largest γ and switch cost. What moves a plan
-        most (the step-time estimate at this size, the switch) moves one of those first;
-        the requests' own α are applied afresh."""
-        held, steps = engine.held_plan, self._params.request_plan_steps
-        if held is None or engine.observed_steps - held.searched_at >= steps:
-            return None
-        if (held.top, held.batch_gamma, held.switching) != (top, batch_gamma, switching):
-            return None
-        return held if held.octave == batch_octave(ctx.batch_size) else None
+        gammas = tuple(zip(ids, plan.gammas, strict=True))
+        return Choice(plan.cap, BinType.EXPLOIT, request_gammas=gammas)
 
     def _request_alphas(self, engine: EngineState, ctx: StepContext, pooled: float) -> list[float]:
         """Each request's α: its own counts shrunk to ``pooled`` (the pooled α itself for a
@@ -1048,10 +1003,6 @@ class GoodputModelPolicy(GoodputPooling, EngineStatePolicy[GoodputParams, Engine
         learner_id = data["learner"]
         if not isinstance(learner_id, str):
             raise TypeError("an engine's learner must be a string")
-        # Absent from states before held plans, and null where none was searched.
-        held = data.get("held_plan")
-        if held is not None:
-            held = HeldPlan.from_json(held, self._params.gamma_max, observed)
         return EngineState(
             rng=_generator_from_state(data["rng"]),
             learner_id=learner_id,
@@ -1062,7 +1013,6 @@ class GoodputModelPolicy(GoodputPooling, EngineStatePolicy[GoodputParams, Engine
             observed_steps=observed,
             # Absent from states before "auto", and forced modes keep none: batch, learning.
             mode=_mode_from_json(data.get("request_mode")),
-            held_plan=held,
         )
 
     def _learner_to_json(self, learner: Learner) -> dict[str, Any]:

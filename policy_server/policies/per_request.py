@@ -173,25 +173,11 @@ class Plan:
     gammas: tuple[int, ...]
     goodput: float
     batch_goodput: float
-    # The smallest gain α_i^k a request's draft adds that the plan verifies (inf: none):
-    # with the cap, the plan in a form that applies to other α (``threshold_gammas``).
-    threshold: float = math.inf
 
     @property
     def uniform(self) -> bool:
         """Whether every request verifies the cap (a plain batch γ)."""
         return all(g == self.cap for g in self.gammas)
-
-
-def threshold_gammas(alphas: Sequence[float], cap: int, threshold: float) -> tuple[int, ...]:
-    """Each request's γ_i under a plan of ``cap`` and ``threshold`` (Plan.threshold): its
-    drafts up to the cap that add at least the threshold. For the α a plan was searched
-    with, its own γ_i (the plan verifies the largest gains, a prefix of each request's),
-    except where gains tie at the threshold: those all verify."""
-    if not alphas or cap == 0:
-        return (0,) * len(alphas)
-    verified: IntArray = (_gains(alphas, cap) >= threshold).sum(axis=1)
-    return tuple(verified.tolist())
 
 
 def shrunk_alpha(record: RequestRecord | None, pooled: float, prior_weight: float) -> float:
@@ -278,62 +264,10 @@ def best_plan(
     goodput = (batch + sums.real) / price(rows, attention)
     row = int(goodput.argmax())
     cap = int(rows.caps[row])
-    verified = int(rows.verified[row])
-    counts = np.bincount(requests[kept[cap, 1:]][:verified], minlength=batch)
-    threshold = float(drafts.real[1:][kept[cap, 1:]][verified - 1]) if verified else math.inf
+    counts = np.bincount(requests[kept[cap, 1:]][: int(rows.verified[row])], minlength=batch)
     # A cap's last row verifies all its drafts: the batch γ of that cap.
     batch_goodput = float(goodput[rows.uniform].max())
-    return Plan(cap, tuple(counts.tolist()), float(goodput[row]), batch_goodput, threshold)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class HeldPlan:
-    """An engine's latest searched plan (its cap and threshold) and what it was searched
-    beside, so that the decisions after it can apply it to their own requests' α instead
-    of searching again while none of that has changed (goodput.py, ``request_plan_steps``)."""
-
-    cap: int
-    threshold: float
-    # Of the search: the largest γ allowed, the batch-size octave, the batch γ the point
-    # estimate chose for the row, whether the step paid a switch cost, and the engine's
-    # observed-step count.
-    top: int
-    octave: int
-    batch_gamma: int
-    switching: bool
-    searched_at: int
-
-    def to_json(self) -> list[Any]:
-        threshold = None if math.isinf(self.threshold) else self.threshold
-        return [
-            self.cap,
-            threshold,
-            self.top,
-            self.octave,
-            self.batch_gamma,
-            self.switching,
-            self.searched_at,
-        ]
-
-    @classmethod
-    def from_json(cls, data: Any, gamma_max: int, observed_steps: int) -> HeldPlan:
-        cap, threshold, top, octave, batch_gamma, switching, searched_at = data
-        counts = (cap, top, octave, batch_gamma, searched_at)
-        if not all(isinstance(v, int) and not isinstance(v, bool) for v in counts):
-            raise TypeError("a held plan's cap, top, octave, batch γ and step must be integers")
-        if not 0 <= cap <= top <= gamma_max or not 0 <= batch_gamma <= top:
-            raise ValueError(f"a held plan needs 0 <= cap, batch γ <= top <= {gamma_max}")
-        if not 0 <= octave <= 64 or not 0 <= searched_at <= observed_steps:
-            raise ValueError("a held plan's octave or step is out of range")
-        if threshold is None:
-            threshold = math.inf
-        elif isinstance(threshold, bool) or not (
-            isinstance(threshold, (int, float)) and 0.0 < threshold <= 1.0
-        ):
-            raise ValueError("a held plan's threshold must be in (0, 1] or null")
-        if not isinstance(switching, bool):
-            raise TypeError("a held plan's switching must be a boolean")
-        return cls(cap, float(threshold), top, octave, batch_gamma, switching, searched_at)
+    return Plan(cap, tuple(counts.tolist()), float(goodput[row]), batch_goodput)
 
 
 def _gains(alphas: Sequence[float], top: int) -> FloatArray:

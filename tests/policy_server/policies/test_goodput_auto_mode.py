@@ -77,7 +77,6 @@ def test_the_default_is_auto_and_its_parameters_are_checked() -> None:
         {"request_sure_z": -1.0},
         {"request_check_steps": 0},
         {"request_gain_window": 0},
-        {"request_plan_steps": -1},
     ):
         with pytest.raises(PolicyError):
             auto(**bad)

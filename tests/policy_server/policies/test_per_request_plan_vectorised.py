@@ -21,7 +21,6 @@ from policy_server.policies.per_request import (
     best_plan,
     plan_features,
     plan_rows,
-    threshold_gammas,
 )
 
 
@@ -110,9 +109,7 @@ def test_ties_go_to_the_fewer_verified_drafts() -> None:
     alphas, contexts = [0.0, 0.7, 0.0, 0.4], [100, 0, 300, 50]
     for top in range(5):
         plan = best_plan(alphas, contexts, top, constant_price)
-        expected = Plan(top, (0, top, 0, top), plan.goodput, plan.batch_goodput, plan.threshold)
-        assert plan == expected
-        assert plan.threshold == (0.4**top if top else float("inf"))
+        assert plan == Plan(top, (0, top, 0, top), plan.goodput, plan.batch_goodput)
     assert best_plan([0.0, 0.0], [1, 2], 4, constant_price).cap == 0
 
 
@@ -154,24 +151,3 @@ def test_plan_features_are_verify_features_bit_for_bit(
         expected = verify_features(batch, passes, rows.verified, attention, context)
         got = plan_features(rows, min_passes, attention, context)
         assert got.tobytes() == expected.tobytes()
-
-
-@pytest.mark.parametrize("price", PRICES, ids=lambda p: p.__name__)
-def test_a_plans_cap_and_threshold_give_back_its_own_gammas(price: PlanPricer) -> None:
-    """What a held plan applies to later requests (``threshold_gammas``) is, for the α it
-    was searched with, the plan itself; where gains tie at the threshold, every tied
-    draft verifies (at least the plan's)."""
-    rng = random.Random(5)
-    exact = 0
-    for _ in range(300):
-        alphas, contexts, top = random_case(rng)
-        plan = best_plan(alphas, contexts, top, price)
-        again = threshold_gammas(alphas, plan.cap, plan.threshold)
-        gains = [a**k for a, g in zip(alphas, plan.gammas, strict=True) for k in range(1, g + 1)]
-        assert plan.threshold == min(gains, default=float("inf"))
-        assert all(mine >= theirs for mine, theirs in zip(again, plan.gammas, strict=True))
-        ties = sum(a**k == plan.threshold for a in alphas for k in range(1, plan.cap + 1))
-        if ties <= 1:
-            assert again == plan.gammas
-            exact += 1
-    assert exact > 100  # most cases have no tie at the threshold
