@@ -184,6 +184,8 @@ def rate_row(r: dict[str, Any]) -> str:
 
 # Issue 31: one decision of the default policy ≤ 10 µs amortised in process.
 TARGET_AMORTISED_US = 10.0
+# Issue 57 item 4: the per-request walk ≤ 15 µs a step at tables of 32.
+TARGET_PER_REQUEST_US = 15.0
 TABLES_CASE = "decision tables"
 # The default policy's per-request mode, on steps whose requests are named.
 PER_REQUEST_CASE = f"{DEFAULT_POLICY}, per_request: requests named"
@@ -245,7 +247,12 @@ def table_target(inproc: list[Measurement]) -> list[str]:
             "Target (issue 30): the per-request mode's work inside that budget — "
             f"{_verdicts(per_request)}: its refreshes also plan the context's own batch "
             "size request by request (a plan search under the point estimate where that "
-            "size's batch γ exploits).",
+            "size's batch γ exploits). Target (issue 57 item 4): ≤ "
+            f"{TARGET_PER_REQUEST_US:.0f} µs a step — "
+            + ", ".join(
+                f"{m.mean_us:.1f} µs {met(m.mean_us <= TARGET_PER_REQUEST_US)}" for m in per_request
+            )
+            + ".",
         ]
     if per_request and named:
         mode, baseline = per_request[0], named[0]

@@ -61,6 +61,10 @@ def test_in_process_measurement_is_sane() -> None:
     target = " ".join(table_target(results))
     assert "(rounds " in target and "Target (issue 30)" in target
     assert "the mode's own work, the difference: " in target
+    # Issue 57's verdict is the per-request walk's, against its own 15 µs.
+    issue_57 = target.split("Target (issue 57 item 4)")[1].split(" The same walk")[0]
+    verdict = "met" if planning.mean_us <= 15 else "**not met**"
+    assert issue_57.endswith(f"{planning.mean_us:.1f} µs {verdict}.")
     # The issue-31 verdict is the batch walks' alone.
     issue_31 = target.split("Target (issue 30)")[0]
     assert "requests named" not in issue_31
