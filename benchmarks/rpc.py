@@ -41,6 +41,7 @@ from benchmarks.report import write_section
 from benchmarks.rpc_echo import ECHO_KINDS, measure_echo
 from benchmarks.rpc_report import (
     PER_REQUEST_CASE,
+    WARM_ROUND_TRIPS,
     Measurement,
     TableWalk,
     median_round,
@@ -295,13 +296,9 @@ def sidecar(transport: str) -> Iterator[str]:
             yield target
 
 
-# Round trips of each client before the measured ones (connection, the first decisions).
-WARM_STEPS = 300
-
-
 def client_run(args: tuple[str, str, float, int]) -> tuple[list[int], int]:
     """One engine whose every step misses the held table: ``count`` round trips, each
-    carrying the previous step's outcome, after ``WARM_STEPS`` unmeasured ones; returns
+    carrying the previous step's outcome, after ``WARM_ROUND_TRIPS`` unmeasured ones; returns
     the measured steps' latencies (ns) and fallbacks."""
     target, engine, deadline, count = args
     client = NightjarClient(
@@ -311,9 +308,9 @@ def client_run(args: tuple[str, str, float, int]) -> tuple[list[int], int]:
     misses = client.stats.table_misses
     warm_fallbacks = 0
     try:
-        steps = contexts(engine, count + WARM_STEPS, seed=hash(engine) % 1000)
+        steps = contexts(engine, count + WARM_ROUND_TRIPS, seed=hash(engine) % 1000)
         for i, ctx in enumerate(steps):
-            if i == WARM_STEPS:
+            if i == WARM_ROUND_TRIPS:
                 # A fresh sidecar's first decisions may outlast the deadline: warm-up.
                 warm_fallbacks = client.stats.fallbacks_total
             ctx = dataclasses.replace(ctx, batch_size=MISS_SIZES[i % 2])
@@ -324,7 +321,7 @@ def client_run(args: tuple[str, str, float, int]) -> tuple[list[int], int]:
             report(client, engine, ctx, decision)
             # A refresh the sender thread asked ahead may answer a step now and then (a
             # slow host ages tables past their refresh time): a lookup, not a round trip.
-            if i >= WARM_STEPS and misses.total() > before:
+            if i >= WARM_ROUND_TRIPS and misses.total() > before:
                 nanos.append(elapsed)
         missed = misses.total()
         assert missed >= 0.95 * len(steps), f"{missed} misses in {len(steps)} steps"
