@@ -368,6 +368,13 @@ def load_text(case: str) -> str:
     return f"the same load as `{base}`, on a second sidecar process (the control)"
 
 
+def _busy(host: dict[str, Any]) -> str:
+    """Whether the load average at the start says other work held the host's CPUs."""
+    if float(host["loadavg_at_start"][0]) >= 0.5 * host["cpus"]:
+        return ": other work was running"
+    return ""
+
+
 def render(results: dict[str, Any]) -> str:
     """The section of docs/BENCHMARKS.md."""
     host = results["host"]
@@ -377,8 +384,9 @@ def render(results: dict[str, Any]) -> str:
         "(`make bench-isolation`)",
         "",
         f"`make bench-isolation` (benchmarks/isolation.py), on a host of {host['cpus']} CPUs "
-        f"(load average {', '.join(host['loadavg_at_start'])} at the start: other work was "
-        f"running), Python {host['python']}. A real nightjar-server (goodput, per_request "
+        f"({host.get('model', 'CPU model not recorded')}; load average "
+        f"{', '.join(host['loadavg_at_start'])} at the start{_busy(host)}), "
+        f"Python {host['python']}. A real nightjar-server (goodput, per_request "
         "on) serves a small engine in a process of its own that asks for a table at a time "
         "(8 requests, no per-request sections) every 2 ms, for "
         f"{results['seconds_per_case']:g} s per case, while one load runs"
@@ -400,10 +408,23 @@ def render(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _cpu_model() -> str:
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return "unknown CPU"
+
+
 def _host() -> dict[str, Any]:
     with open("/proc/loadavg") as f:
         load = f.read().split()[:3]
-    return {"cpus": os.cpu_count(), "loadavg_at_start": load, "python": sys.version.split()[0]}
+    return {
+        "cpus": os.cpu_count(),
+        "model": _cpu_model(),
+        "loadavg_at_start": load,
+        "python": sys.version.split()[0],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -37,3 +37,15 @@ def test_the_section_names_the_host_each_case_and_its_load(tmp_path: Path) -> No
     report = tmp_path / "BENCHMARKS.md"
     write_section(report, "bench-isolation", text)
     assert "<!-- bench-isolation:begin -->" in report.read_text()
+
+
+def test_the_section_says_other_work_ran_only_when_the_load_average_says_so() -> None:
+    def header(cpus: int, load: str) -> str:
+        host = {"cpus": cpus, "model": "Xeon", "loadavg_at_start": [load, "0", "0"]}
+        results = {"host": {**host, "python": "3.12.3"}, "seconds_per_case": 1.0, "cases": {}}
+        return render(results)
+
+    assert "other work was running" in header(2, "1.92")
+    quiet = header(16, "0.20")
+    assert "other work was running" not in quiet
+    assert "16 CPUs (Xeon; load average 0.20, 0, 0 at the start)" in quiet
