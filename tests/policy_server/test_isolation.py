@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import subprocess
 import sys
+import textwrap
 import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -223,3 +225,38 @@ def test_whole_state_work_runs_with_the_collector_paused(
     service.write_snapshot()
     service.state_view()
     assert seen == [False, False] and gc.isenabled()
+
+
+# Run in a fresh interpreter: in the test process other tests have imported everything.
+FIRST_DECISIONS = textwrap.dedent(
+    """
+    import sys
+    from nightjar_common.types import StepContext, StepOutcome
+    from policy_server.policies import REGISTRY
+    from policy_server.service import DecisionService
+
+    services = {name: DecisionService(name) for name in sorted(REGISTRY)}
+    before = set(sys.modules)
+    for name, service in services.items():
+        for step in range(40):  # past goodput's warm-up: its model's first decisions too
+            ctx = StepContext("e", 8, step_index=step, context_tokens=3200)
+            ran = service.run_step(ctx)
+            accepted = 8 * ran.gamma // 2
+            seconds = 0.02 + 0.002 * ran.gamma
+            service.report(
+                StepOutcome(ran.decision_id, "e", ran.gamma, seconds, 8 + accepted,
+                            8 * ran.gamma, accepted)
+            )
+    print(sorted(set(sys.modules) - before))
+    """
+)
+
+
+def test_no_policys_first_decisions_import_a_module_on_the_decision_loop() -> None:
+    """A module imported on first use (numpy loads numpy.random lazily) would stall every
+    engine of the sidecar while the first engine's first decision imports it: each
+    registered policy's first decisions, warm-up and model alike, import nothing."""
+    run = subprocess.run(
+        [sys.executable, "-c", FIRST_DECISIONS], capture_output=True, text=True, check=True
+    )
+    assert run.stdout.strip() == "[]", run.stdout
