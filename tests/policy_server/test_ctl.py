@@ -6,6 +6,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import stat
 import subprocess
@@ -25,12 +26,28 @@ from policy_server.policies import create_policy
 from tests.nightjar_common.test_sockets import run_server
 from tests.policy_server.test_server import reflect_v1
 
+CTL_TIMEOUT_S = 60
+
 
 def ctl(server: Any, *args: str, token: bool = True) -> subprocess.CompletedProcess[str]:
-    base = [sys.executable, "-m", "policy_server.ctl", "--target", server.target]
+    # faulthandler: a run that outlives its timeout is aborted with every thread's stack
+    # on stderr, so the failure shows where it hung.
+    base = [sys.executable, "-X", "faulthandler", "-m", "policy_server.ctl"]
+    base += ["--target", server.target]
     if token:
         base += ["--token-file", str(server.token_file)]
-    return subprocess.run([*base, *args], capture_output=True, text=True, timeout=60)
+    command = [*base, *args]
+    with subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    ) as process:
+        try:
+            out, err = process.communicate(timeout=CTL_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            process.send_signal(signal.SIGABRT)
+            out, err = process.communicate()
+            hung = f"nightjarctl {' '.join(args)} did not exit in {CTL_TIMEOUT_S} s"
+            pytest.fail(f"{hung}:\n{out}\n{err}")
+    return subprocess.CompletedProcess(command, process.returncode, out, err)
 
 
 def ctl_replay(log: Path, out: Path, *args: str) -> subprocess.CompletedProcess[str]:
