@@ -36,14 +36,17 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import grpc
 from nightjar_proto.v1 import admin_pb2, admin_pb2_grpc, policy_pb2
+from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.fuzz.processes import ServerProcess
+from benchmarks.host import free_port
 from benchmarks.report import write_section
 from nightjar_common import wire
 from nightjar_common.sidecar_stream import SyncStream
@@ -266,6 +269,7 @@ class Sidecar:
         token.write_text(secrets.token_hex(16))
         state_dir = workdir / "state"
         state_dir.mkdir()
+        self.metrics_port = free_port()
         self.server = ServerProcess(
             name,
             [
@@ -282,6 +286,8 @@ class Sidecar:
                 json.dumps({"per_request": True}),
                 "--log-level",
                 "ERROR",
+                "--metrics-port",
+                str(self.metrics_port),
             ],
             workdir / "s.sock",
             workdir / "server.log",
@@ -290,6 +296,21 @@ class Sidecar:
         self.large = grpc.insecure_channel(self.server.target, options=LARGE)
         auth = (("authorization", f"Bearer {token.read_text()}"),)
         self.loads = Loads(channel, self.large, auth, state_dir)
+
+    def full_collections(self) -> tuple[float, float]:
+        """The count and summed seconds of the sidecar's full garbage collections so far
+        (nightjar_gc_pause_seconds{generation="2"})."""
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=TIMEOUT_S) as reply:
+            text = reply.read().decode()
+        found = {
+            sample.name: sample.value
+            for family in text_string_to_metric_families(text)
+            if family.name == "nightjar_gc_pause_seconds"
+            for sample in family.samples
+            if sample.labels.get("generation") == "2"
+        }
+        return found["nightjar_gc_pause_seconds_count"], found["nightjar_gc_pause_seconds_sum"]
 
     def close(self) -> None:
         self.large.close()
@@ -306,12 +327,19 @@ def measure(probed: Sidecar, loaded: Sidecar, case: str, seconds: float) -> dict
     if worker is not None:
         worker.start()
         time.sleep(1.0)  # the load under way before the small engine measures
+    count, total = probed.full_collections()
     prober = _run_probe(probed.server.target, seconds)
     out, _ = prober.communicate(timeout=seconds + TIMEOUT_S)
+    after_count, after_total = probed.full_collections()
     stop.set()
     if worker is not None:
         worker.join(timeout=TIMEOUT_S)
-    return summary(json.loads(out), loads.calls)
+    row = summary(json.loads(out), loads.calls)
+    # The probed sidecar's full collections while the small engine measured (each holds
+    # the GIL: no engine answered meanwhile).
+    row["full_collections"] = int(after_count - count)
+    row["full_collection_ms"] = round(1000 * (after_total - total), 1)
+    return row
 
 
 def run(seconds: float, cases: list[str], control: bool = True) -> dict[str, Any]:
@@ -394,16 +422,24 @@ def render(results: dict[str, Any]) -> str:
         + '. Rows ending in "other sidecar" are the control: the same load on a second '
         "sidecar process beside the first, sharing nothing with it but the host's CPUs, "
         "so that what the cores alone cost the small engine reads apart from what the "
-        "sidecar's own process does. The small engine's round trips, its deadline 2 ms:",
+        "sidecar's own process does. The small engine's round trips, its deadline 2 ms, "
+        "and the full garbage collections its sidecar ran meanwhile "
+        '(`nightjar_gc_pause_seconds{generation="2"}`: each holds the GIL):',
         "",
-        "| case | load | round trips | p50 ms | p99 ms | max ms | past 2 ms | load calls |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "| case | load | round trips | p50 ms | p99 ms | max ms | past 2 ms | load calls "
+        "| full collections (ms in all) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for case, row in results["cases"].items():
+        collections = (
+            f"{row['full_collections']:,} ({row['full_collection_ms']:,.1f})"
+            if "full_collections" in row
+            else "not measured"
+        )
         lines.append(
             f"| {case} | {load_text(case)} | {row['round_trips']:,} | {row['p50_ms']:.2f} "
             f"| {row['p99_ms']:.2f} | {row['max_ms']:.2f} | {100 * row['past_deadline']:.1f} % "
-            f"| {row['load_calls']:,} |"
+            f"| {row['load_calls']:,} | {collections} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -16,7 +16,7 @@ from nightjar_common.admin_token import AdminTokenFile
 from nightjar_common.errors import ConfigError, NightjarError
 from nightjar_common.json_input import JsonError, load_json
 from nightjar_common.validation import Limits
-from policy_server import __version__, fleet_link, native_log, snapshot, startup
+from policy_server import __version__, fleet_link, gc_pauses, native_log, snapshot, startup
 from policy_server.config import LOG_FORMATS, LOG_LEVELS, ServerConfig
 from policy_server.decision_log import DecisionLog
 from policy_server.engines import Bounds
@@ -334,6 +334,9 @@ def main(argv: list[str] | None = None) -> int:
 
     # After the listeners: the first round's merge warms learners before engines ask.
     fleet = fleet_link.start(service, config.fleet, metrics)
+    # Started: what the process holds now lives as long as it does; no collection scans
+    # it again while engines wait (gc_pauses.py).
+    log.info("froze %d objects of the started sidecar", gc_pauses.freeze_started_heap())
     stopping = threading.Event()
 
     def request_stop(signum: int, _frame: object) -> None:

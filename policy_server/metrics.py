@@ -26,6 +26,7 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 
 from nightjar_common.buckets import GAMMA_BUCKETS
+from policy_server import gc_pauses
 from policy_server.step_series import CounterSeries, HistogramSeries, StepSeries
 
 # Decision latency spans µs (in-process) to ms (slow host).
@@ -307,6 +308,9 @@ class Metrics:
         ProcessCollector(registry=r)
         PlatformCollector(registry=r)
         GCCollector(registry=r)
+        # nightjar_gc_pause_seconds, nightjar_gc_frozen_objects (gc_pauses.py).
+        gc_pauses.RECORDER.install()
+        r.register(gc_pauses.RECORDER)
 
     def child(self, metric: Any, *labels: str) -> Any:
         """``metric.labels(*labels)``, kept: ``labels()`` validates its arguments and takes

@@ -25,7 +25,10 @@ def test_the_section_names_the_host_each_case_and_its_load(tmp_path: Path) -> No
         "cases": {case: summary([0.001, 0.002, 0.004], 3) for case in CASES},
     }
     results["cases"][f"contexts{CONTROL_SUFFIX}"] = summary([0.001], 5)
+    results["cases"]["contexts"].update(full_collections=3, full_collection_ms=12.5)
     text = render(results)
+    # The probed sidecar's full collections where measured; older results have none.
+    assert "| 3 | 3 (12.5) |" in text and "| 3 | not measured |" in text
     assert "2 CPUs" in text and "1.0, 2.0, 3.0" in text and "44,749,515 bytes" in text
     for case in CASES:
         assert f"| {case} | {LOADS[case]} | 3 |" in text
