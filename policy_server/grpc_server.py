@@ -56,7 +56,7 @@ from policy_server.message_limits import Bound, MessageLimits
 from policy_server.metrics import Metrics
 from policy_server.policies import PolicyError, parse_params_json
 from policy_server.service import ActivePolicy, DecisionService, StateView
-from policy_server.state_store import document_of_json
+from policy_server.state_store import COLLECTOR, document_of_json
 
 log = logging.getLogger(__name__)
 
@@ -382,14 +382,18 @@ class PolicyServicer(policy_pb2_grpc.PolicyServiceServicer):  # type: ignore[mis
     def _answer_bytes(self, data: bytes) -> policy_pb2.StepReply:
         """A large request's reply (on a heavy-step thread); UndecodableRequest when its
         bytes are not a StepRequest."""
-        try:
-            request = policy_pb2.StepRequest.FromString(data)
-        except Exception as exc:  # protobuf raises DecodeError and others
-            marker = decode_guard.Undecodable(str(exc) or type(exc).__name__)
-            raise UndecodableRequest(
-                decode_guard.describe(f"/{POLICY_SERVICE}/StepStream", marker)
-            ) from None
-        return self._answer(request, superseded=False)
+        # The collector paused: this request's thousands of objects would start collections
+        # that scan them holding the GIL; once it is answered most are freed by reference
+        # counting, and the deferred collection scans little.
+        with COLLECTOR.paused():
+            try:
+                request = policy_pb2.StepRequest.FromString(data)
+            except Exception as exc:  # protobuf raises DecodeError and others
+                marker = decode_guard.Undecodable(str(exc) or type(exc).__name__)
+                raise UndecodableRequest(
+                    decode_guard.describe(f"/{POLICY_SERVICE}/StepStream", marker)
+                ) from None
+            return self._answer(request, superseded=False)
 
     def _answer(self, request: policy_pb2.StepRequest, superseded: bool) -> policy_pb2.StepReply:
         """The reply to one request: its table, an ABORTED one when ``superseded``, or the

@@ -63,7 +63,8 @@ class Hold(enum.Enum):
 
 class CollectorPause:
     """CPython's cyclic garbage collector off while whole-state work runs (reads,
-    snapshots, restores): it allocates hundreds of thousands of objects, each batch of
+    snapshots, restores; and a heavy request's parse and step, grpc_server.py): it
+    allocates hundreds of thousands of objects, each batch of
     which starts a collection, and a full one scans the whole heap holding the GIL (some
     70 ms over the ~250,000 objects of 56 engines' per-request records on a slow host):
     the loop that answers every engine would wait for it. What the work leaves is freed
