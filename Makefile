@@ -199,7 +199,8 @@ bench-rpc: $(STAMP)
 
 # Another engine's round trips while one engine sends large contexts or per-request steps
 # and while the whole state is read, snapshotted and restored (benchmarks/isolation.py,
-# issue 54 item 4), each load also on a second sidecar (the control). About 8 minutes.
+# issue 54 item 4), each load also on a second sidecar (the control). About 5 minutes on
+# 16 cores, 7 on 2.
 bench-isolation: $(STAMP)
 	$(PY) -m benchmarks.isolation --out docs/BENCHMARKS.md
 
