@@ -12,7 +12,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -21,8 +20,8 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from nightjar_proto.v1 import admin_pb2, admin_pb2_grpc, policy_pb2
-from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks import host
 from benchmarks.host import free_port, stop
 from nightjar_common import wire
 from nightjar_common.sidecar_stream import SyncStream
@@ -48,13 +47,7 @@ class Server:
         return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
 
     def metric(self, name: str, labels: tuple[tuple[str, str], ...] = ()) -> float:
-        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
-        body = urllib.request.urlopen(url, timeout=10).read().decode()
-        for family in text_string_to_metric_families(body):
-            for sample in family.samples:
-                if sample.name == name and set(labels) <= set(sample.labels.items()):
-                    return float(sample.value)
-        raise KeyError(name)
+        return host.metric(self.metrics_port, name, labels)
 
     def decide(self, engine: str, batch_size: int) -> int:
         """A step of ``engine`` at ``batch_size``, as an engine runs it: the table the

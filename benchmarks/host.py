@@ -12,20 +12,40 @@ import platform
 import socket
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
 
-def cpu() -> str:
-    """The CPU's model name and core count, e.g. "AMD EPYC, 2 cores"."""
+def cpu_model() -> str:
+    """The CPU's model name, e.g. "AMD EPYC"."""
     info = Path("/proc/cpuinfo")
     lines = info.read_text().splitlines() if info.exists() else []
-    name = next(
+    return next(
         (ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")),
         platform.processor() or "unknown CPU",
     )
-    return f"{name}, {os.cpu_count()} cores"
+
+
+def cpu() -> str:
+    """The CPU's model name and core count, e.g. "AMD EPYC, 2 cores"."""
+    return f"{cpu_model()}, {os.cpu_count()} cores"
+
+
+def metric(port: int, name: str, labels: tuple[tuple[str, str], ...] = ()) -> float:
+    """A sample of a server's Prometheus exposition on the loopback ``port``: the first
+    named ``name`` whose labels include ``labels``; KeyError when there is none."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    url = f"http://127.0.0.1:{port}/metrics"
+    with urllib.request.urlopen(url, timeout=10) as reply:  # loopback
+        body = reply.read().decode()
+    for family in text_string_to_metric_families(body):
+        for sample in family.samples:
+            if sample.name == name and set(labels) <= set(sample.labels.items()):
+                return float(sample.value)
+    raise KeyError(name)
 
 
 def machine() -> str:

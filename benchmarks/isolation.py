@@ -36,17 +36,15 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import grpc
 from nightjar_proto.v1 import admin_pb2, admin_pb2_grpc, policy_pb2
-from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.fuzz.processes import ServerProcess
-from benchmarks.host import free_port
+from benchmarks.host import cpu_model, free_port, metric
 from benchmarks.report import write_section
 from nightjar_common import wire
 from nightjar_common.sidecar_stream import SyncStream
@@ -300,17 +298,9 @@ class Sidecar:
     def full_collections(self) -> tuple[float, float]:
         """The count and summed seconds of the sidecar's full garbage collections so far
         (nightjar_gc_pause_seconds{generation="2"})."""
-        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
-        with urllib.request.urlopen(url, timeout=TIMEOUT_S) as reply:
-            text = reply.read().decode()
-        found = {
-            sample.name: sample.value
-            for family in text_string_to_metric_families(text)
-            if family.name == "nightjar_gc_pause_seconds"
-            for sample in family.samples
-            if sample.labels.get("generation") == "2"
-        }
-        return found["nightjar_gc_pause_seconds_count"], found["nightjar_gc_pause_seconds_sum"]
+        full = (("generation", "2"),)
+        count = metric(self.metrics_port, "nightjar_gc_pause_seconds_count", full)
+        return count, metric(self.metrics_port, "nightjar_gc_pause_seconds_sum", full)
 
     def close(self) -> None:
         self.large.close()
@@ -444,20 +434,12 @@ def render(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _cpu_model() -> str:
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return "unknown CPU"
-
-
 def _host() -> dict[str, Any]:
     with open("/proc/loadavg") as f:
         load = f.read().split()[:3]
     return {
         "cpus": os.cpu_count(),
-        "model": _cpu_model(),
+        "model": cpu_model(),
         "loadavg_at_start": load,
         "python": sys.version.split()[0],
     }
