@@ -3,8 +3,9 @@ serving benchmark.
 
 Starts a sidecar and one `python -m vllm.entrypoints.openai.api_server` (draft_model
 speculation, Γmax 3, the plugin enabled by environment) on a local model pair
-(tiny_models, `truncated` by default). For each repetition and policy — in alternating
-order, forward then backward, so that drift of the machine falls evenly — it hot-swaps the
+(tiny_models, `truncated` by default). For each repetition and policy — in pairs of
+repetitions, forward then backward, each pair starting one policy further on, so that
+drift of the machine falls evenly (`plan`) — it hot-swaps the
 sidecar's policy over the admin API (learned state starts empty) and runs the load
 schedule: consecutive `vllm bench serve` phases (low → high → low request rate) of
 Spec-Bench questions (serve_load.py). A policy named in `--warm` then runs the schedule once
@@ -126,9 +127,17 @@ def section_of(args: argparse.Namespace) -> str:
 
 
 def plan(policies: Sequence[str], warm: Sequence[str], repetitions: int) -> list[Pass]:
+    """The passes in run order: repetitions in pairs, forward then backward, so that a
+    drift of the machine linear in time falls evenly within each pair; pair k starts at
+    the k-th policy, so that over 2 × len(policies) repetitions every policy takes every
+    place of a pair once and a drift curved over the run (an engine slower at the start
+    and at the end than between) falls evenly too. With fewer repetitions the policies
+    that run first and last in a pair take the ends (the report's pass order says so)."""
     passes = []
     for repetition in range(repetitions):
-        order = policies if repetition % 2 == 0 else list(reversed(policies))
+        start = (repetition // 2) % len(policies)
+        rotated = [*policies[start:], *policies[:start]]
+        order = rotated if repetition % 2 == 0 else rotated[::-1]
         for policy in order:
             passes.append(Pass(repetition, policy))
             if policy in warm:

@@ -114,6 +114,61 @@ def _latency_cells(result: ServeResult) -> list[str]:
     ]
 
 
+def order_lines(runs: Sequence[PassResult]) -> list[str]:
+    """The passes in run order with their own figures, and how evenly the policies' places
+    in the run fall: each policy's mean place (a drift linear in time falls evenly when
+    they are equal) and the spread of its places about the run's middle (a drift curved
+    over the run, slower at its start and end than between, falls evenly when those are
+    equal too)."""
+    lines = [
+        "Passes in run order (each pass's whole schedule):",
+        "",
+        "| pass | repetition | policy | output tok/s | mean e2e s |",
+        "|---:|---:|---|---:|---:|",
+    ]
+    places: dict[str, list[int]] = {}
+    for place, run in enumerate(runs, 1):
+        pooled = ServeResult.pool(run.phases)
+        label = run.run.label
+        places.setdefault(label, []).append(place)
+        lines.append(
+            _row(
+                place,
+                run.run.repetition + 1,
+                label,
+                f"{pooled.output_throughput:.1f}",
+                f"{pooled.mean_e2e_s:.2f}",
+            )
+        )
+    middle = (len(runs) + 1) / 2
+    mean = {label: sum(p) / len(p) for label, p in places.items()}
+    spread = {label: sum((x - middle) ** 2 for x in p) / len(p) for label, p in places.items()}
+    lines.append("")
+    if max(mean.values()) - min(mean.values()) > 1e-9:
+        lines.append(
+            "Pass order **not balanced** for drift: mean places "
+            + ", ".join(f"{label} {m:.1f}" for label, m in mean.items())
+            + "."
+        )
+    elif max(spread.values()) - min(spread.values()) > 1e-9:
+        ends = max(spread, key=lambda label: spread[label])
+        inner = min(spread, key=lambda label: spread[label])
+        lines.append(
+            "Pass order balanced for a drift linear in time (every policy's mean place is "
+            f"the run's middle), not for one curved over the run: `{ends}` ran nearest its "
+            f"ends (places {', '.join(map(str, places[ends]))}), `{inner}` nearest its middle "
+            f"({', '.join(map(str, places[inner]))}). An engine slower at the start and end "
+            "of a run than between favours the inner passes; 2 × (number of policies) "
+            "repetitions balance that too."
+        )
+    else:
+        lines.append(
+            "Pass order balanced for drift, linear or curved over the run: every policy's "
+            "places have the same mean and the same spread about the run's middle."
+        )
+    return lines
+
+
 def verdict(runs: Sequence[PassResult], schedule: Sequence[Phase]) -> list[str]:
     """The issue's targets, read off the tables: best total throughput and mean latency,
     and each adaptive policy's low-load TPOT against the best fixed γ."""
@@ -236,7 +291,8 @@ def render(
         + "Per policy: hot-swapped over the "
         "admin API with empty learned state; `(warm)` rows ran the schedule again right "
         "after, keeping the state. "
-        f"{args.repetitions} repetition(s), policy order alternating forward / backward; "
+        f"{args.repetitions} repetition(s), in pairs forward then backward, each pair "
+        "starting one policy further on (`plan`: see the pass order below); "
         "figures pool the repetitions (tokens over summed phase durations, latencies over "
         "all requests, from vLLM's result files with vLLM's definitions; TPOT excludes the "
         "first token). On shared vCPUs expect ±5–10 % noise between runs.",
@@ -251,6 +307,7 @@ def render(
         overall = ServeResult.pool([p for r in rs for p in r.phases])
         each = " / ".join(f"{ServeResult.pool(r.phases).output_throughput:.1f}" for r in rs)
         lines.append(_row(label, *_latency_cells(overall), each, overall.acceptance))
+    lines += ["", *order_lines(runs)]
     lines += [
         "",
         "Per phase:",

@@ -25,7 +25,7 @@ from benchmarks.serve_load import (
     write_prompts,
 )
 from benchmarks.vllm_serve import QUICK, parse_args, plan, policy_request, section_of
-from benchmarks.vllm_serve_report import Pass, PluginCounts
+from benchmarks.vllm_serve_report import Pass, PassResult, PluginCounts, order_lines
 from tests.rigs.sidecar import free_port
 
 SCHEDULE = parse_schedule(str(QUICK["schedule"]))
@@ -237,6 +237,45 @@ def test_plan_alternates_order_and_runs_warm_passes_right_after() -> None:
     passes = plan(["a", "b", "c"], warm=["b"], repetitions=2)
     assert [p.label for p in passes] == ["a", "b", "b (warm)", "c", "c", "b", "b (warm)", "a"]
     assert passes[2] == Pass(0, "b", warm=True) and passes[-1].repetition == 1
+
+
+def _places(passes: list[Pass]) -> dict[str, list[int]]:
+    places: dict[str, list[int]] = {}
+    for place, run in enumerate(passes, 1):
+        places.setdefault(run.label, []).append(place)
+    return places
+
+
+def test_plan_rotates_each_pair_so_that_no_policy_keeps_the_ends() -> None:
+    """Forward / backward alone puts the first policy at both ends of every pair: over
+    2 × n repetitions each pair starts one policy further on, and then every policy's
+    places have the same mean and the same spread about the run's middle."""
+    policies = ["a", "b", "c"]
+    passes = plan(policies, warm=[], repetitions=6)
+    assert [p.policy for p in passes[6:12]] == ["b", "c", "a", "a", "c", "b"]
+    places = _places(passes)
+    middle = (len(passes) + 1) / 2
+    assert {sum(p) for p in places.values()} == {57}
+    assert len({sum((x - middle) ** 2 for x in p) for p in places.values()}) == 1
+    # Two repetitions cannot balance that: the first policy runs first and last.
+    assert _places(plan(policies, warm=[], repetitions=2))["a"] == [1, 6]
+
+
+def test_the_report_lists_passes_in_run_order_and_says_how_balanced_it_is() -> None:
+    def result(tokens: int) -> ServeResult:
+        return ServeResult(1, 1, 10.0, tokens, 0, 0, (2.0,), (0.1,), (), ())
+
+    def runs(repetitions: int) -> list[PassResult]:
+        return [
+            PassResult(run, (result(100 + i),), (), PluginCounts())
+            for i, run in enumerate(plan(["a", "b"], warm=[], repetitions=repetitions))
+        ]
+
+    two = order_lines(runs(2))
+    assert two[4] == "| 1 | 1 | a | 10.0 | 2.00 |" and two[7] == "| 4 | 2 | a | 10.3 | 2.00 |"
+    assert "`a` ran nearest its ends (places 1, 4), `b` nearest its middle (2, 3)" in two[-1]
+    assert "balanced for drift, linear or curved" in order_lines(runs(4))[-1]
+    assert "**not balanced**" in order_lines(runs(1))[-1]
 
 
 def test_spec_bench_questions_become_a_custom_dataset(tmp_path: Path) -> None:
