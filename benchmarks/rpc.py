@@ -55,6 +55,7 @@ from nightjar_common.client import (
     NightjarClient,
 )
 from nightjar_common.types import BinType, Choice, RequestSignals, StepContext, StepOutcome
+from policy_server.blas_threads import limit_blas_threads
 from policy_server.policies import DEFAULT_POLICY, Policy, create_policy
 from policy_server.service import DecisionService
 from policy_server.sim.sources import TableSource
@@ -403,6 +404,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small samples (smoke run)")
     args = parser.parse_args(argv)
     scale = 0.1 if args.quick else 1.0
+    limit_blas_threads()  # in process as in the sidecar (policy_server/blas_threads.py)
     results: dict[str, Any] = {
         "date": datetime.date.today().isoformat(),
         "machine": machine(),

@@ -16,7 +16,15 @@ from nightjar_common.admin_token import AdminTokenFile
 from nightjar_common.errors import ConfigError, NightjarError
 from nightjar_common.json_input import JsonError, load_json
 from nightjar_common.validation import Limits
-from policy_server import __version__, fleet_link, gc_pauses, native_log, snapshot, startup
+from policy_server import (
+    __version__,
+    blas_threads,
+    fleet_link,
+    gc_pauses,
+    native_log,
+    snapshot,
+    startup,
+)
 from policy_server.config import LOG_FORMATS, LOG_LEVELS, ServerConfig
 from policy_server.decision_log import DecisionLog
 from policy_server.engines import Bounds
@@ -218,6 +226,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"nightjar-server: {exc}", file=sys.stderr)
         return 2
     configure_logging(config.log_level, config.log_format)
+    log.info(
+        "BLAS held to %d thread (had: %s)",
+        blas_threads.BLAS_THREADS,
+        ", ".join(blas_threads.limit_blas_threads()) or "none loaded",
+    )
     if token is None:
         log.warning("no --admin-token-file: mutating admin calls are not authenticated")
     if config.port is not None and credentials is None and not config.tcp_is_loopback:

@@ -49,6 +49,7 @@ FLOORS = (
     "prometheus-client==0.20.0",
     "python-json-logger==3.1.0",
     "redis==5.0.0",
+    "threadpoolctl==3.5.0",
 )
 PIP = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
 
