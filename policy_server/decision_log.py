@@ -6,7 +6,7 @@ every policy activation (start, swap, set_params, restore, reset) among them::
 
     {"kind": "decision", "ts": ..., "decision_id": ..., "engine_id": ..., "policy": ...,
      "policy_version": ..., "context": {...}, "gamma": ..., "bin_type": ...,
-     "exploration": ..., "exploration_probability": ...}
+     "exploration": ..., "exploration_probability": ..., "request_gammas": {...}}
     {"kind": "outcome", "ts": ..., "decision_id": ..., "outcome": {...}}
     {"kind": "policy", "ts": ..., "event": ..., "policy": ..., "policy_version": ...,
      "params": {...}, "state": "fresh" | "kept" | "restored"}
@@ -108,8 +108,9 @@ def decision_record(
     policy_version: str,
     ctx: StepContext,
 ) -> dict[str, Any]:
-    """The record of a decision an engine ran."""
-    return {
+    """The record of a decision an engine ran; ``request_gammas`` (request id → γ, trimmed
+    by the rule above) where the policy decided per request."""
+    record: dict[str, Any] = {
         "kind": "decision",
         "ts": ts,
         "decision_id": decision_id,
@@ -122,6 +123,12 @@ def decision_record(
         "exploration": choice.exploration,
         "exploration_probability": choice.exploration_probability,
     }
+    if choice.request_gammas:
+        record["request_gammas"] = dict(choice.request_gammas[:RECORD_REQUESTS])
+        cut = len(choice.request_gammas) - RECORD_REQUESTS
+        if cut > 0:
+            record["request_gammas_cut"] = cut
+    return record
 
 
 def outcome_record(ts: float, outcome: StepOutcome) -> dict[str, Any]:

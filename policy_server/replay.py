@@ -85,7 +85,14 @@ def replay(
         outcome = outcome_from_json(joined.outcome)
         if not 0 <= outcome.gamma <= result.policy.gamma_max:
             continue  # logged under a policy with a larger Γmax
-        choice = Choice(gamma=int(joined.decision["gamma"]), bin_type=BinType.FIXED)
+        # A per-request decision's γ by request, as logged (its first requests: the
+        # context's kept ones); a request without one verified the step's γ.
+        told = joined.decision.get("request_gammas") or {}
+        choice = Choice(
+            gamma=int(joined.decision["gamma"]),
+            bin_type=BinType.FIXED,
+            request_gammas=tuple((str(rid), int(gamma)) for rid, gamma in told.items()),
+        )
         result.policy.observe(ctx, choice, outcome)
         result.outcomes += 1
         cell = result.cells[(ctx.batch_size, outcome.gamma)]

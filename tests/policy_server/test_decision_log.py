@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import logging
@@ -17,11 +18,20 @@ from typing import Any
 
 import pytest
 
-from nightjar_common.types import EngineRuntime, StepContext, StepOutcome
+from nightjar_common.types import (
+    BinType,
+    Choice,
+    EngineRuntime,
+    RequestSignals,
+    StepContext,
+    StepOutcome,
+)
 from policy_server.decision_log import (
+    RECORD_REQUESTS,
     DecisionLog,
     context_fields,
     context_from_json,
+    decision_record,
     log_files,
     read_records,
 )
@@ -179,15 +189,18 @@ def test_server_log_as_json_lines(make_server: Any, tmp_path: Path) -> None:
 # -- the log off the decision path: failures, large contexts, shutdown (issue 54 item 7) --
 
 
-def _wire_context(step: int, requests: int = 0, accepts: int = 0) -> Any:
+def _wire_context(step: int, requests: int = 0, accepts: int = 0, max_gamma: int = 0) -> Any:
     """A context of ``requests`` per-request sections (batch size as many, at least 1), each
-    with ``accepts`` recent accepts."""
+    with ``accepts`` recent accepts; ``max_gamma`` > 0: an engine speculating up to it (its
+    draft resident), 0: not speculating."""
     from nightjar_proto.v1 import policy_pb2
 
     return policy_pb2.StepContext(
         engine_id="e",
         batch_size=max(requests, 1),
         step_index=step,
+        max_gamma=max_gamma,
+        draft_resident=max_gamma > 0,
         requests=[
             policy_pb2.RequestSignals(
                 request_id=f"r{i}",
@@ -219,12 +232,14 @@ def _wire_outcome(decided: Any, per_request: bool = False) -> Any:
     )
 
 
-def _run_steps(server: Any, steps: int, requests: int = 0, accepts: int = 0) -> int:
+def _run_steps(
+    server: Any, steps: int, requests: int = 0, accepts: int = 0, max_gamma: int = 0
+) -> int:
     """``steps`` decided, run and reported on one stream; the records they make, with the
     policy record of the start."""
     with server.engine() as engine:
         for step in range(steps):
-            decided = engine.decide(_wire_context(step, requests, accepts))
+            decided = engine.decide(_wire_context(step, requests, accepts, max_gamma))
             engine.report(_wire_outcome(decided, per_request=requests > 0))
     return 1 + 2 * steps
 
@@ -335,6 +350,98 @@ def test_a_large_context_is_trimmed_in_its_record(make_server: Any, tmp_path: Pa
     replayed = ctl_replay(path, tmp_path / "warm.json", "--policy", "goodput")
     assert replayed.returncode == 0, replayed.stderr
     assert "2 decisions, 2 with outcomes" in replayed.stdout
+
+
+def test_a_decision_record_names_each_requests_gamma_trimmed_like_its_context() -> None:
+    """A per-request decision's record says what γ each request was told (the first
+    RECORD_REQUESTS of them, and how many went); a batch decision's record has no such
+    field."""
+    count = RECORD_REQUESTS + 44
+    ids = [f"r{i}" for i in range(count)]
+    ctx = StepContext(
+        engine_id="e1",
+        step_index=1,
+        batch_size=count,
+        max_gamma=4,
+        requests=tuple(RequestSignals(rid, 100, (1,)) for rid in ids),
+    )
+    planned = Choice(
+        3, BinType.FIXED, request_gammas=tuple((rid, i % 4) for i, rid in enumerate(ids))
+    )
+    record = json.loads(json.dumps(decision_record(1.0, "t.1", planned, "goodput", "v", ctx)))
+    assert record["request_gammas"] == {rid: i % 4 for i, rid in enumerate(ids[:RECORD_REQUESTS])}
+    assert record["request_gammas_cut"] == 44
+    assert len(record["context"]["requests"]) == RECORD_REQUESTS  # the same requests kept
+
+    small = dataclasses.replace(ctx, batch_size=2, requests=ctx.requests[:2])
+    few = Choice(3, BinType.FIXED, request_gammas=(("r0", 0), ("r1", 3)))
+    record = decision_record(1.0, "t.2", few, "goodput", "v", small)
+    assert record["request_gammas"] == {"r0": 0, "r1": 3} and "request_gammas_cut" not in record
+    batch = decision_record(1.0, "t.3", Choice(3, BinType.FIXED), "goodput", "v", small)
+    assert not {"request_gammas", "request_gammas_cut"} & set(batch)
+
+
+def test_a_replay_learns_each_request_at_the_gamma_it_was_told(tmp_path: Path) -> None:
+    """Replayed, a logged per-request decision teaches each request's record at its own γ:
+    r0, told γ 1, accepted its one draft (no failure); read at the step's γ 3 instead (a
+    log without request_gammas), the same accept counts as a failure."""
+    from policy_server.decision_log import outcome_record
+    from policy_server.replay import replay
+
+    ids = ("r0", "r1")
+    ctx = StepContext(
+        engine_id="e1",
+        step_index=1,
+        batch_size=2,
+        max_gamma=3,
+        requests=tuple(RequestSignals(rid, 100, ()) for rid in ids),
+    )
+    outcome = StepOutcome(
+        decision_id="t.1",
+        engine_id="e1",
+        gamma=3,
+        step_seconds=0.02,
+        generated_tokens=5,
+        drafted_tokens=4,
+        accepted_tokens=3,
+        request_accepts=(1, 2),
+        request_ids=ids,
+    )
+
+    def failures_of_r0(choice: Choice, name: str) -> float:
+        path = tmp_path / name
+        records = [
+            decision_record(1.0, "t.1", choice, "goodput", "v", ctx),
+            outcome_record(1.1, outcome),
+        ]
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+        state = replay([path], "goodput", {"per_request": True}).policy.state()
+        return float(state["engines"]["e1"]["requests"]["r0"][1])
+
+    told = Choice(3, BinType.FIXED, request_gammas=(("r0", 1), ("r1", 3)))
+    assert failures_of_r0(told, "told.jsonl") == 0.0
+    assert failures_of_r0(Choice(3, BinType.FIXED), "batch.jsonl") == 1.0
+
+
+def test_a_per_request_policys_records_name_the_gammas_its_engine_was_told(
+    make_server: Any, tmp_path: Path
+) -> None:
+    """dsde decides per request once calibrated: each such decision record the real server
+    writes holds the request_gammas its table sent, one for each of the context's requests,
+    none above the step's γ."""
+    path = tmp_path / "decisions.jsonl"
+    params = '{"calibration_steps": 2}'
+    server = make_server("--policy", "dsde", "--params", params, "--decision-log", str(path))
+    _run_steps(server, 6, requests=5, accepts=4, max_gamma=4)
+    assert server.terminate() == 0
+    decisions = [r for r in read_records([path]) if r["kind"] == "decision"]
+    calibrating = [r for r in decisions if r["exploration"]]
+    assert len(calibrating) == 2 and not any("request_gammas" in r for r in calibrating)
+    assert len(decisions) == 6
+    for record in decisions[2:]:
+        told = record["request_gammas"]
+        assert set(told) == {f"r{i}" for i in range(5)}
+        assert all(0 <= gamma <= record["gamma"] for gamma in told.values())
 
 
 def test_sigterm_with_records_in_flight_writes_each_or_counts_it(
