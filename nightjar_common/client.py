@@ -619,7 +619,8 @@ class NightjarClient:
         """The first notice (on the first stream) confirms the version that decided the
         tables so far: no change. After a change the held table of the old policy is
         dropped and one of the new policy asked for, so that the next step (often the
-        first after an idle gap: operators swap while the engine waits) finds it."""
+        first after an idle gap: operators swap while the engine waits) finds it; unless
+        the engine is waiting on a miss, whose table the new policy decides."""
         self.stats.policy_notices += 1
         changed = self._policy_version is not None and version != self._policy_version
         self._policy_version = version
@@ -629,6 +630,12 @@ class NightjarClient:
         held = self._tables.held
         if held is not None and held.table.policy_version != version:
             self._tables.void()
+            miss = self._miss_request
+            if miss is not None and not miss.done:
+                # Its reply follows this notice on the stream, so the new policy decides
+                # it; a refresh sent now would supersede it, and the engine waiting on it
+                # would fall back.
+                return
             with self._send_lock:
                 self._refresh_step = self._next_step
             if self._next_step is not None:

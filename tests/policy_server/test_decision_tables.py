@@ -23,6 +23,7 @@ from nightjar_common.client import (
     NightjarClient,
 )
 from nightjar_common.errors import InvalidArgumentError
+from nightjar_common.sidecar_stream import PendingReply
 from nightjar_common.tables import SPENT, NextStep, TableCache, refresh_due
 from nightjar_common.types import GammaTable, RanStep, StepContext, StepOutcome
 from policy_server.metrics import DECISIONS, REPORTS, TABLE_STEPS
@@ -466,6 +467,35 @@ def test_a_swap_voids_the_held_table_at_once(make_server: Any) -> None:
         assert decision.gamma == 0 and decision.source == "sidecar"
         assert decision.policy_name == "off"
     finally:
+        client.close()
+
+
+def test_a_swap_while_the_engine_waits_on_a_miss_sends_nothing_to_supersede_it(
+    make_server: Any,
+) -> None:
+    """The notice of a swap reaching the client while its engine waits on a miss: the
+    miss's reply comes after the notice on the stream (the new policy decides it), so the
+    client asks for no other table; one sent would supersede the miss (ABORTED) and the
+    waiting engine would fall back (seen under a loaded host's test run)."""
+    server = make_server("--policy", "static", "--params", '{"gamma": 2}')
+    client = NightjarClient(
+        ClientConfig(target=server.target, engine_id="e0", deadline_s=0.5, connect_timeout_s=10)
+    )
+    try:
+        assert client.take(context(0, 4)).gamma == 2
+        deadline = time.monotonic() + 5
+        while not client.stats.policy_notices and time.monotonic() < deadline:
+            time.sleep(0.01)
+        client.ask_ahead(NextStep(context(1, 4, 2)))  # the step the engine runs next
+        time.sleep(0.2)  # any refresh that asked for already sent
+        asked = client.stats.refresh_requests + client.stats.miss_requests
+        client._miss_request = PendingReply()  # the engine waiting on a miss's reply
+        client._on_policy_notice("another-version")
+        time.sleep(0.3)  # the sender thread would have sent a refresh by now
+        assert client.stats.refresh_requests + client.stats.miss_requests == asked
+        assert client._tables.held is None  # the old policy's table is still dropped
+    finally:
+        client._miss_request = None
         client.close()
 
 
