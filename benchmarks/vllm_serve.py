@@ -11,8 +11,9 @@ schedule: consecutive `vllm bench serve` phases (low → high → low request ra
 Spec-Bench questions (serve_load.py). A policy named in `--warm` then runs the schedule once
 more, keeping what it learned. The engine never restarts, so the policies share one
 process, one model load and one machine state. Writes its section of docs/BENCHMARKS.md
-from vLLM's result files and the plugin's stats file, and leaves both, with a `runs.json`
-index, in the result directory.
+from vLLM's result files, the plugin's stats file and the sidecar's /metrics (its stalls:
+a late decision loop, full garbage collections), and leaves the first two, with a
+`runs.json` index, in the result directory.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import nightjar_data
 from nightjar_proto.v1 import admin_pb2, admin_pb2_grpc
 from tqdm import tqdm
 
+from benchmarks.host import free_port, metric
 from benchmarks.report import shown_command, write_section
 from benchmarks.serve_load import (
     Load,
@@ -50,7 +52,7 @@ from benchmarks.serve_load import (
     split_phase,
     write_prompts,
 )
-from benchmarks.vllm_serve_report import Pass, PassResult, PluginCounts, render
+from benchmarks.vllm_serve_report import Pass, PassResult, PluginCounts, SidecarStalls, render
 from policy_server.policies import REGISTRY, PolicyError, create_policy
 from tests.rigs.tiny_models import Recipe, build
 from tests.rigs.vllm_engine import api_server_command
@@ -153,6 +155,11 @@ def swap(target: str, policy: str) -> None:
             metadata=[("authorization", f"Bearer {TOKEN}")],
             timeout=10,
         )
+
+
+def sidecar_stalls(port: int) -> SidecarStalls:
+    """The sidecar's stalls so far, read from its /metrics on the loopback ``port``."""
+    return SidecarStalls.read(lambda name, labels: metric(port, name, labels))
 
 
 def stats_after(path: Path, moment: float, timeout: float = 15.0) -> dict[str, Any]:
@@ -353,6 +360,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     results.mkdir(parents=True, exist_ok=True)
     (work / "token").write_text(TOKEN)
     sock, stats_file = work / "nightjar.sock", work / "plugin-stats.json"
+    metrics_port = free_port()  # the sidecar's /metrics: its stalls, pass by pass
     base = f"http://127.0.0.1:{args.port}"
     load = Load(
         base,
@@ -389,6 +397,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         str(work / "state"),
         "--decision-log",
         str(work / "decisions.jsonl"),
+        "--metrics-port",
+        str(metrics_port),
         "--log-level",
         "WARNING",
     ]
@@ -424,6 +434,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 work / "bench-serve.log",
             )
         stats = stats_after(stats_file, time.time() + 0.2)
+        stalls = sidecar_stalls(metrics_port)
         bar = tqdm(total=len(passes) * len(args.schedule), unit="phase", desc="bench-vllm")
         for run in passes:
             if not run.warm:
@@ -450,10 +461,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 bar.update()
             # Let the step that finished the last request reach the stats file.
             after = stats_after(stats_file, time.time() + 0.2)
+            stalls_after = sidecar_stalls(metrics_port)
             runs.append(
-                PassResult(run, tuple(phases), tuple(files), PluginCounts.between(stats, after))
+                PassResult(
+                    run,
+                    tuple(phases),
+                    tuple(files),
+                    PluginCounts.between(stats, after),
+                    stalls_after - stalls,
+                )
             )
-            stats = after
+            stats, stalls = after, stalls_after
         bar.close()
     manifest = [
         {
@@ -461,6 +479,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "label": r.run.label,
             "results": list(r.result_files),
             "plugin": dataclasses.asdict(r.plugin),
+            "sidecar": dataclasses.asdict(r.sidecar),
         }
         for r in runs
     ]

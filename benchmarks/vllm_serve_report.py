@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from benchmarks.host import machine
@@ -85,11 +85,52 @@ class PluginCounts:
 
 
 @dataclasses.dataclass(frozen=True)
+class SidecarStalls:
+    """The sidecar's stalls (from its /metrics): timers of its decision loop that ran more
+    than 2 ms and more than 100 ms late (every engine waited as long), its full garbage
+    collections and the seconds they took. Counts since start; differences over a pass."""
+
+    loop_late_2ms: int = 0
+    loop_late_100ms: int = 0
+    full_collections: int = 0
+    full_collection_s: float = 0.0
+
+    @classmethod
+    def read(cls, sample: Callable[[str, tuple[tuple[str, str], ...]], float]) -> SidecarStalls:
+        """The counts so far, ``sample(name, labels)`` reading the sidecar's exposition."""
+        lag, full = "nightjar_event_loop_lag_seconds", (("generation", "2"),)
+        timers = sample(f"{lag}_count", ())
+        return cls(
+            int(timers - sample(f"{lag}_bucket", (("le", "0.002"),))),
+            int(timers - sample(f"{lag}_bucket", (("le", "0.1"),))),
+            int(sample("nightjar_gc_pause_seconds_count", full)),
+            sample("nightjar_gc_pause_seconds_sum", full),
+        )
+
+    def __sub__(self, before: SidecarStalls) -> SidecarStalls:
+        return self + SidecarStalls(
+            -before.loop_late_2ms,
+            -before.loop_late_100ms,
+            -before.full_collections,
+            -before.full_collection_s,
+        )
+
+    def __add__(self, other: SidecarStalls) -> SidecarStalls:
+        return SidecarStalls(
+            self.loop_late_2ms + other.loop_late_2ms,
+            self.loop_late_100ms + other.loop_late_100ms,
+            self.full_collections + other.full_collections,
+            self.full_collection_s + other.full_collection_s,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
 class PassResult:
     run: Pass
     phases: tuple[ServeResult, ...]  # one per phase of the schedule
     result_files: tuple[str, ...]  # vLLM's, in the result directory
     plugin: PluginCounts
+    sidecar: SidecarStalls = SidecarStalls()
 
 
 def _by_label(runs: Sequence[PassResult]) -> dict[str, list[PassResult]]:
@@ -335,15 +376,19 @@ def render(
         "steps by the γ they ran, decisions answered by the sidecar, and `fallback` steps "
         "decided by the plugin's fail-open table (the engine's dynamic-SD schedule: γ = 3 up "
         "to batch 8) because the sidecar's answer missed the 2 ms deadline — they are why "
-        "`off` can show drafted tokens.",
+        "`off` can show drafted tokens. The sidecar's stalls meanwhile (its /metrics): timers "
+        "of its decision loop that ran more than 2 ms / 100 ms late, and its full garbage "
+        "collections (ms in all).",
         "",
         f"| policy | engine steps | steps at γ = {' / '.join(map(str, gammas))} "
         "| sidecar decisions | fallback steps | steps the held table could not answer (why) "
-        "| drafts cut to a request's own γ (requests / tokens) |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| drafts cut to a request's own γ (requests / tokens) "
+        "| sidecar loop late > 2 / > 100 ms (full collections) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for label, rs in grouped.items():
         c = sum((r.plugin for r in rs), PluginCounts())
+        stalls = sum((r.sidecar for r in rs), SidecarStalls())
         lines.append(
             _row(
                 label,
@@ -353,6 +398,8 @@ def render(
                 f"{c.fallbacks_total} {dict(c.fallbacks) if c.fallbacks else ''}".strip(),
                 _table_misses(c),
                 f"{c.truncated.get('requests', 0)} / {c.truncated.get('tokens', 0)}",
+                f"{stalls.loop_late_2ms} / {stalls.loop_late_100ms} "
+                f"({stalls.full_collections}, {1000 * stalls.full_collection_s:.0f} ms)",
             )
         )
     lines += [

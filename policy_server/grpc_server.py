@@ -52,6 +52,7 @@ from policy_server.aio import (
     serializing,
 )
 from policy_server.audit import AdminAudit, describe
+from policy_server.loop_lag import LoopLag
 from policy_server.message_limits import Bound, MessageLimits
 from policy_server.metrics import Metrics
 from policy_server.policies import PolicyError, parse_params_json
@@ -773,6 +774,7 @@ def build_server(
         )
         addresses = bind_ports(server, uds_path, tcp_address, uds_mode, tls)
         await server.start()
+        LoopLag(service.metrics.loop_lag.observe).start(asyncio.get_running_loop())
         return server, health_servicer, addresses
 
     try:

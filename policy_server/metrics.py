@@ -29,6 +29,8 @@ from nightjar_common.buckets import GAMMA_BUCKETS
 from policy_server import gc_pauses
 from policy_server.step_series import CounterSeries, HistogramSeries, StepSeries
 
+# A loop stall: around the plugin's 2 ms deadline up to seconds (a stopped process).
+LOOP_LAG_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0, 2.5)
 # Decision latency spans µs (in-process) to ms (slow host).
 LATENCY_BUCKETS = (
     5e-6,
@@ -157,6 +159,13 @@ class Metrics:
             "nightjar_decision_latency_seconds",
             "Time to compute a decision inside the server.",
             buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.loop_lag = Histogram(
+            "nightjar_event_loop_lag_seconds",
+            "How late the decision loop ran a timer due every 100 ms: while the loop is "
+            "held, no engine is answered (policy_server/loop_lag.py).",
+            buckets=LOOP_LAG_BUCKETS,
             registry=r,
         )
         self.invalid_requests = Counter(

@@ -5,8 +5,10 @@ files and the plugin's counters."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +26,14 @@ from benchmarks.serve_load import (
     split_phase,
     write_prompts,
 )
-from benchmarks.vllm_serve import QUICK, parse_args, plan, policy_request, section_of
+from benchmarks.vllm_serve import (
+    QUICK,
+    parse_args,
+    plan,
+    policy_request,
+    section_of,
+    sidecar_stalls,
+)
 from benchmarks.vllm_serve_report import Pass, PassResult, PluginCounts, order_lines
 from tests.rigs.sidecar import free_port
 
@@ -166,8 +175,12 @@ def test_quick_run_counts_the_plugins_decisions_per_policy(quick_run: dict[str, 
         missed, cut = run["plugin"]["table_misses"], run["plugin"]["truncated"]
         assert all(n > 0 for n in missed.values())
         cells = plugin[run["policy"]]
-        assert cells[-2].split()[0] == str(sum(missed.values()))
-        assert cells[-1] == f"{cut.get('requests', 0)} / {cut.get('tokens', 0)}"
+        assert cells[-3].split()[0] == str(sum(missed.values()))
+        assert cells[-2] == f"{cut.get('requests', 0)} / {cut.get('tokens', 0)}"
+        # The sidecar's stalls over the pass, from its /metrics.
+        stalls = run["sidecar"]
+        assert stalls["loop_late_2ms"] >= stalls["loop_late_100ms"] >= 0
+        assert cells[-1].startswith(f"{stalls['loop_late_2ms']} / {stalls['loop_late_100ms']} (")
     # The hook's CPU split by how the step was decided and by batch size: each split
     # counts every step of the whole line once.
     overhead = table(quick_run["section"], "| | p50 | p99 | samples |")
@@ -339,3 +352,20 @@ def test_plugin_counts_say_how_many_drafts_per_request_plans_cut() -> None:
     # A pass of a batch policy cuts nothing: summed over passes, only the cuts made count.
     second = PluginCounts.between(after, {**after, "steps": 40})
     assert dict((first + second).truncated) == {"requests": 4, "tokens": 7}
+
+
+def test_the_sidecars_stalls_are_read_from_its_metrics(make_server: Any) -> None:
+    """A sidecar stopped for 0.3 s: one timer of its loop ran more than 100 ms late."""
+    server = make_server()
+    before = sidecar_stalls(server.metrics_port)
+    server.proc.send_signal(signal.SIGSTOP)
+    time.sleep(0.3)
+    server.proc.send_signal(signal.SIGCONT)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        stalls = sidecar_stalls(server.metrics_port) - before
+        if stalls.loop_late_100ms:
+            break
+        time.sleep(0.05)
+    assert stalls.loop_late_100ms == 1 and stalls.loop_late_2ms >= 1
+    assert stalls.full_collections >= 0 and stalls.full_collection_s >= 0.0
