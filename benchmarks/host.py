@@ -13,7 +13,7 @@ import socket
 import subprocess
 import sys
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -33,19 +33,32 @@ def cpu() -> str:
     return f"{cpu_model()}, {os.cpu_count()} cores"
 
 
-def metric(port: int, name: str, labels: tuple[tuple[str, str], ...] = ()) -> float:
-    """A sample of a server's Prometheus exposition on the loopback ``port``: the first
-    named ``name`` whose labels include ``labels``; KeyError when there is none."""
+Sample = Callable[[str, tuple[tuple[str, str], ...]], float]
+
+
+def scrape(port: int) -> Sample:
+    """One read of a server's Prometheus exposition on the loopback ``port``, as
+    ``sample(name, labels)``: the first sample named ``name`` whose labels include
+    ``labels`` (KeyError when there is none). Samples read together come from one scrape."""
     from prometheus_client.parser import text_string_to_metric_families
 
     url = f"http://127.0.0.1:{port}/metrics"
     with urllib.request.urlopen(url, timeout=10) as reply:  # loopback
         body = reply.read().decode()
-    for family in text_string_to_metric_families(body):
-        for sample in family.samples:
-            if sample.name == name and set(labels) <= set(sample.labels.items()):
-                return float(sample.value)
-    raise KeyError(name)
+    samples = [s for family in text_string_to_metric_families(body) for s in family.samples]
+
+    def sample(name: str, labels: tuple[tuple[str, str], ...] = ()) -> float:
+        for found in samples:
+            if found.name == name and set(labels) <= set(found.labels.items()):
+                return float(found.value)
+        raise KeyError(name)
+
+    return sample
+
+
+def metric(port: int, name: str, labels: tuple[tuple[str, str], ...] = ()) -> float:
+    """One sample of a server's exposition on the loopback ``port`` (:func:`scrape`)."""
+    return scrape(port)(name, labels)
 
 
 def machine() -> str:

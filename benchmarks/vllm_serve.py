@@ -38,7 +38,7 @@ import nightjar_data
 from nightjar_proto.v1 import admin_pb2, admin_pb2_grpc
 from tqdm import tqdm
 
-from benchmarks.host import free_port, metric
+from benchmarks.host import free_port, scrape
 from benchmarks.report import shown_command, write_section
 from benchmarks.serve_load import (
     Load,
@@ -159,7 +159,7 @@ def swap(target: str, policy: str) -> None:
 
 def sidecar_stalls(port: int) -> SidecarStalls:
     """The sidecar's stalls so far, read from its /metrics on the loopback ``port``."""
-    return SidecarStalls.read(lambda name, labels: metric(port, name, labels))
+    return SidecarStalls.read(scrape(port))
 
 
 def stats_after(path: Path, moment: float, timeout: float = 15.0) -> dict[str, Any]:

@@ -9,10 +9,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from benchmarks.host import machine
+from benchmarks.host import Sample, machine
 from benchmarks.serve_load import Phase, ServeResult
 
 
@@ -47,6 +47,9 @@ class PluginCounts:
     # Drafts the scheduler cut to a request's own γ ("requests", "tokens"): per-request
     # plans that ran.
     truncated: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    # Table requests answered more than 100 ms after they were sent (nightjar_common's
+    # SLOW_REPLY_S): the sidecar or the stream held up.
+    slow_replies: int = 0
 
     @classmethod
     def between(cls, before: Mapping[str, Any], after: Mapping[str, Any]) -> PluginCounts:
@@ -64,6 +67,7 @@ class PluginCounts:
             delta_map("gammas"),
             delta_map("table_misses"),
             delta_map("truncated_drafts"),
+            delta("slow_replies"),
         )
 
     def __add__(self, other: PluginCounts) -> PluginCounts:
@@ -77,6 +81,7 @@ class PluginCounts:
             merged(self.gammas, other.gammas),
             merged(self.table_misses, other.table_misses),
             merged(self.truncated, other.truncated),
+            self.slow_replies + other.slow_replies,
         )
 
     @property
@@ -96,8 +101,8 @@ class SidecarStalls:
     full_collection_s: float = 0.0
 
     @classmethod
-    def read(cls, sample: Callable[[str, tuple[tuple[str, str], ...]], float]) -> SidecarStalls:
-        """The counts so far, ``sample(name, labels)`` reading the sidecar's exposition."""
+    def read(cls, sample: Sample) -> SidecarStalls:
+        """The counts so far, from one scrape of the sidecar's exposition."""
         lag, full = "nightjar_event_loop_lag_seconds", (("generation", "2"),)
         timers = sample(f"{lag}_count", ())
         return cls(
@@ -376,15 +381,16 @@ def render(
         "steps by the γ they ran, decisions answered by the sidecar, and `fallback` steps "
         "decided by the plugin's fail-open table (the engine's dynamic-SD schedule: γ = 3 up "
         "to batch 8) because the sidecar's answer missed the 2 ms deadline — they are why "
-        "`off` can show drafted tokens. The sidecar's stalls meanwhile (its /metrics): timers "
-        "of its decision loop that ran more than 2 ms / 100 ms late, and its full garbage "
-        "collections (ms in all).",
+        "`off` can show drafted tokens. Table requests answered more than 100 ms after the "
+        "plugin sent them (the sidecar or the stream held up), and the sidecar's stalls "
+        "meanwhile (its /metrics): timers of its decision loop that ran more than 2 ms / "
+        "100 ms late, and its full garbage collections (ms in all).",
         "",
         f"| policy | engine steps | steps at γ = {' / '.join(map(str, gammas))} "
         "| sidecar decisions | fallback steps | steps the held table could not answer (why) "
-        "| drafts cut to a request's own γ (requests / tokens) "
+        "| drafts cut to a request's own γ (requests / tokens) | replies after > 100 ms "
         "| sidecar loop late > 2 / > 100 ms (full collections) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for label, rs in grouped.items():
         c = sum((r.plugin for r in rs), PluginCounts())
@@ -398,6 +404,7 @@ def render(
                 f"{c.fallbacks_total} {dict(c.fallbacks) if c.fallbacks else ''}".strip(),
                 _table_misses(c),
                 f"{c.truncated.get('requests', 0)} / {c.truncated.get('tokens', 0)}",
+                c.slow_replies,
                 f"{stalls.loop_late_2ms} / {stalls.loop_late_100ms} "
                 f"({stalls.full_collections}, {1000 * stalls.full_collection_s:.0f} ms)",
             )

@@ -61,6 +61,8 @@ TABLE_REFRESH_MS = 200.0
 # request that must be answered while the engine waits (a step the table cannot answer)
 # then carries at most this many to be learned from before its table is decided.
 REPORT_BATCH_OUTCOMES = 8
+# A reply later than this is counted slow (ClientStats.slow_replies): fifty deadlines.
+SLOW_REPLY_S = 0.1
 _ABORTED = grpc.StatusCode.ABORTED.value[0]
 
 
@@ -178,6 +180,11 @@ class ClientStats:
     # Table requests sent ahead of need: the held table due for a refresh, or outlived
     # (one may follow a miss's unanswered request: the next step's, behind it).
     refresh_requests: int = 0
+    # Table requests answered more than SLOW_REPLY_S after they were sent (the sidecar or
+    # the stream held up: a step that waited on one fell back), and the longest any
+    # answered request waited, seconds.
+    slow_replies: int = 0
+    longest_reply_s: float = 0.0
 
     @property
     def fallbacks_total(self) -> int:
@@ -577,22 +584,25 @@ class NightjarClient:
             request.outcomes.extend(wire.outcome_to_pb(outcome) for outcome in outcomes)
             if ctx is not None:
                 request.context.CopyFrom(wire.context_to_pb(ctx))
+            sent = time.monotonic()
             pending = stream.send(request)
         seq = request.seq
-        pending.add_done_callback(lambda done: self._on_table_reply(done, seq, refresh))
+        pending.add_done_callback(lambda done: self._on_table_reply(done, seq, refresh, sent))
         return pending
 
     # -- the stream's reader thread -----------------------------------------------------
 
-    def _on_table_reply(self, pending: PendingReply, seq: int, refresh: bool) -> None:
+    def _on_table_reply(self, pending: PendingReply, seq: int, refresh: bool, sent: float) -> None:
         """Every reply to a table request, on time or late: hold its table (unless a
-        newer one is held), keep its memory directive; a refresh's ends the refresh."""
+        newer one is held), keep its memory directive; a refresh's ends the refresh. How
+        long it took is counted (``sent``: time.monotonic() when the request was sent)."""
         if refresh:
             self._refreshing = False
         try:
             reply = pending.result(timeout=0)
         except Exception:
             return
+        self._count_wait(time.monotonic() - sent)
         if reply.skipped:
             self.stats.rejected_reports += reply.skipped
             log.warning(
@@ -605,6 +615,13 @@ class NightjarClient:
         elif reply.HasField("error") and reply.error.code != _ABORTED:  # ABORTED: applied
             self.stats.rejected_reports += 1
             log.warning("sidecar rejected a report batch: %s", reply.error.message)
+
+    def _count_wait(self, waited: float) -> None:
+        stats = self.stats
+        if waited > SLOW_REPLY_S:
+            stats.slow_replies += 1
+        if waited > stats.longest_reply_s:
+            stats.longest_reply_s = waited
 
     def _install(self, message: policy_pb2.GammaTable, seq: int) -> None:
         table = wire.table_from_pb(message)

@@ -348,6 +348,8 @@ class GammaController:
             "fallbacks": dict(client.fallbacks),
             "fallbacks_total": client.fallbacks_total,
             "late_replies": client.late_replies,
+            "slow_replies": client.slow_replies,
+            "longest_reply_ms": 1000 * client.longest_reply_s,
             "tables": client.tables,
             "table_misses": dict(client.table_misses),
             "rejected_reports": client.rejected_reports,

@@ -343,3 +343,29 @@ def test_flushes_racing_for_the_same_reports_send_no_empty_request(make_server) 
         assert client.stats.rejected_reports == 0
     finally:
         client.close()
+
+
+def test_a_reply_held_up_is_counted_slow_with_how_long_it_waited(make_server) -> None:
+    """A table request the stopped sidecar answers 0.3 s late: the step that asked fell
+    back at its deadline, and the reply, when it came, is counted slow with its wait (what
+    tells a run of fallbacks on a stalled sidecar or stream from one on a slow policy)."""
+    server = make_server()
+    client = make_client(
+        server.target, deadline_s=0.005, connect_timeout_s=5, table_refresh_ms=60_000.0
+    )
+    try:
+        assert wait_until(lambda: client.connected)
+        assert wait_until(lambda: step(client, 0).source == "sidecar")
+        assert client.stats.slow_replies == 0 and client.stats.longest_reply_s < 0.1
+        server.proc.send_signal(signal.SIGSTOP)
+        try:
+            assert step(client, 1, batch_size=60).source == "fallback"  # a miss: it asked
+            time.sleep(0.3)
+        finally:
+            server.proc.send_signal(signal.SIGCONT)
+        # The miss's request, and the refresh for the step after it asked behind it.
+        assert wait_until(lambda: client.stats.slow_replies >= 1), client.stats
+        assert client.stats.slow_replies <= 2
+        assert 0.3 <= client.stats.longest_reply_s < 5
+    finally:
+        client.close()
