@@ -112,21 +112,15 @@ class SidecarStalls:
             sample("nightjar_gc_pause_seconds_sum", full),
         )
 
-    def __sub__(self, before: SidecarStalls) -> SidecarStalls:
-        return self + SidecarStalls(
-            -before.loop_late_2ms,
-            -before.loop_late_100ms,
-            -before.full_collections,
-            -before.full_collection_s,
-        )
+    def _combined(self, other: SidecarStalls, sign: int) -> SidecarStalls:
+        pairs = zip(dataclasses.astuple(self), dataclasses.astuple(other), strict=True)
+        return SidecarStalls(*(a + sign * b for a, b in pairs))
 
     def __add__(self, other: SidecarStalls) -> SidecarStalls:
-        return SidecarStalls(
-            self.loop_late_2ms + other.loop_late_2ms,
-            self.loop_late_100ms + other.loop_late_100ms,
-            self.full_collections + other.full_collections,
-            self.full_collection_s + other.full_collection_s,
-        )
+        return self._combined(other, 1)
+
+    def __sub__(self, before: SidecarStalls) -> SidecarStalls:
+        return self._combined(before, -1)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -61,7 +61,8 @@ TABLE_REFRESH_MS = 200.0
 # request that must be answered while the engine waits (a step the table cannot answer)
 # then carries at most this many to be learned from before its table is decided.
 REPORT_BATCH_OUTCOMES = 8
-# A reply later than this is counted slow (ClientStats.slow_replies): fifty deadlines.
+# A reply later than this is counted slow (ClientStats.slow_replies): fifty of the default
+# 2 ms deadline.
 SLOW_REPLY_S = 0.1
 _ABORTED = grpc.StatusCode.ABORTED.value[0]
 

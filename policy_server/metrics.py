@@ -26,7 +26,7 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily
 
 from nightjar_common.buckets import GAMMA_BUCKETS
-from policy_server import gc_pauses
+from policy_server import gc_pauses, loop_lag
 from policy_server.step_series import CounterSeries, HistogramSeries, StepSeries
 
 # A loop stall: around the plugin's 2 ms deadline up to seconds (a stopped process).
@@ -163,8 +163,8 @@ class Metrics:
         )
         self.loop_lag = Histogram(
             "nightjar_event_loop_lag_seconds",
-            "How late the decision loop ran a timer due every 100 ms: while the loop is "
-            "held, no engine is answered (policy_server/loop_lag.py).",
+            f"How late the decision loop ran a timer due every {1000 * loop_lag.PERIOD_S:g} "
+            "ms: while the loop is held, no engine is answered (policy_server/loop_lag.py).",
             buckets=LOOP_LAG_BUCKETS,
             registry=r,
         )

@@ -35,7 +35,7 @@ from benchmarks.vllm_serve import (
     sidecar_stalls,
 )
 from benchmarks.vllm_serve_report import Pass, PassResult, PluginCounts, order_lines
-from tests.rigs.sidecar import free_port
+from tests.rigs.sidecar import free_port, wait_for_quiet_loop
 
 SCHEDULE = parse_schedule(str(QUICK["schedule"]))
 OUTPUT_LEN = int(str(QUICK["output_len"]))
@@ -360,7 +360,8 @@ def test_plugin_counts_say_how_many_drafts_per_request_plans_cut() -> None:
 def test_the_sidecars_stalls_are_read_from_its_metrics(make_server: Any) -> None:
     """A sidecar stopped for 0.3 s: one timer of its loop ran more than 100 ms late."""
     server = make_server()
-    before = _settled_stalls(server.metrics_port)
+    wait_for_quiet_loop(server.metrics_port)
+    before = sidecar_stalls(server.metrics_port)
     server.proc.send_signal(signal.SIGSTOP)
     time.sleep(0.3)
     server.proc.send_signal(signal.SIGCONT)
@@ -372,17 +373,3 @@ def test_the_sidecars_stalls_are_read_from_its_metrics(make_server: Any) -> None
         time.sleep(0.05)
     assert stalls.loop_late_100ms == 1 and stalls.loop_late_2ms >= 1
     assert stalls.full_collections >= 0 and stalls.full_collection_s >= 0.0
-
-
-def _settled_stalls(port: int) -> Any:
-    """The sidecar's stalls once its start-up (the heap frozen after the listeners are
-    up, which may hold the loop) is over: no timer late for half a second."""
-    last = sidecar_stalls(port)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        time.sleep(0.5)
-        now = sidecar_stalls(port)
-        if now.loop_late_2ms == last.loop_late_2ms:
-            return now
-        last = now
-    raise AssertionError("the sidecar's loop kept running late")

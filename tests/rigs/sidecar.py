@@ -281,3 +281,26 @@ def random_policy_sidecar(
     )
     server.decision_log = log
     return server
+
+
+def loop_lag_above(metrics_port: int, bound: str) -> float:
+    """Timers of a sidecar's decision loop that ran more than ``bound`` seconds late (a
+    bucket bound of nightjar_event_loop_lag_seconds, as written: "0.002")."""
+    from benchmarks.host import scrape
+
+    sample = scrape(metrics_port)
+    lag = "nightjar_event_loop_lag_seconds"
+    return sample(f"{lag}_count", ()) - sample(f"{lag}_bucket", (("le", bound),))
+
+
+def wait_for_quiet_loop(metrics_port: int, timeout: float = 10.0) -> None:
+    """Until no timer of the sidecar's loop ran over 2 ms late for half a second: its
+    start-up over (the heap frozen once the listeners are up may hold the loop)."""
+    last, deadline = loop_lag_above(metrics_port, "0.002"), time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        now = loop_lag_above(metrics_port, "0.002")
+        if now == last:
+            return
+        last = now
+    raise AssertionError("the sidecar's loop kept running late")
