@@ -83,6 +83,7 @@ from policy_server.policies.per_request import (
     PlanPricer,
     PlanRows,
     RequestRecord,
+    batch_tokens,
     best_plan,
     observe_requests,
     plan_features,
@@ -291,6 +292,17 @@ class Estimate:
     offsets: dict[int, FloatArray] = dataclasses.field(default_factory=dict)
     # GoodputParams.correction_unrun_line.
     unrun_line: bool = False
+    # The context's own batch size and, per γ, its requests' expected tokens per request
+    # from their own α (shrunk to ``alpha``), where the engine has records of them: that
+    # size prices those, every other size the pooled ``tokens`` (``_own_tokens``).
+    own: tuple[int, list[float]] | None = None
+
+    def row_tokens(self, rows: BatchRows) -> FloatArray:
+        """Expected tokens per request, a row per batch size and a column per γ."""
+        tokens = np.tile(np.asarray(self.tokens), (len(rows.sizes), 1))
+        if self.own is not None and self.own[0] in rows.sizes:
+            tokens[rows.sizes.index(self.own[0])] = self.own[1]
+        return tokens
 
     def priced(self, rows: BatchRows, switch_ms: FloatArray) -> tuple[FloatArray, FloatArray]:
         """Per batch size (a row each) and γ (a column each): the predicted decode-step ms
@@ -299,12 +311,13 @@ class Estimate:
         arithmetic; predict_ms_many's rows are independent), so a decision does not depend
         on how many sizes were asked with it."""
         ms = self.predict_many(rows)
-        goodput: FloatArray = np.asarray(self.tokens) / (np.maximum(ms, self.floor_ms) + switch_ms)
+        goodput: FloatArray = self.row_tokens(rows) / (np.maximum(ms, self.floor_ms) + switch_ms)
         return ms, goodput
 
     def predict(self, batch_size: int) -> Prediction:
         """Decode-step ms for γ = 0..top at ``batch_size``, with the local correction."""
-        return Prediction(self.tokens, self.predict_many(batch_rows((batch_size,)))[0])
+        rows = batch_rows((batch_size,))
+        return Prediction(self.row_tokens(rows)[0].tolist(), self.predict_many(rows)[0])
 
     def predict_many(self, rows: BatchRows) -> FloatArray:
         """Decode-step ms, one row of γ = 0..top per batch size, with the correction."""
@@ -730,9 +743,9 @@ class GoodputModelPolicy(GoodputPooling, EngineStatePolicy[GoodputParams, Engine
         if learner.steps < self._params.warmup_steps:
             return [(self._prior_choice(b, top), trials, False) for b in rows.sizes], {}
         switch = self._switch_ms(ctx, engine, top, rows.sizes)
-        point = self._estimate(learner, ctx, top)
+        point = self._estimate(learner, ctx, top, engine=engine)
         ms, goodput = point.priced(rows, switch)
-        allowed = self._allowed(ms, point.tokens)
+        allowed = self._allowed(ms, point.row_tokens(rows))
         greedy = _best(goodput, allowed)
         greedy_gammas = greedy.tolist()
         tried = self._trials(learner, engine, rows, goodput, allowed, greedy_gammas)
@@ -752,7 +765,7 @@ class GoodputModelPolicy(GoodputPooling, EngineStatePolicy[GoodputParams, Engine
             if _contested(goodput, allowed, keep):
                 # Elsewhere the cap takes any drawn γ back to the greedy one: the draw is
                 # priced only when it can change a choice.
-                sample = self._sample(learner, ctx, top, normals)
+                sample = self._sample(learner, ctx, top, normals, engine)
                 _, drawn = sample.priced(rows, switch)
                 sampled = _best(drawn, allowed).tolist()
                 for gamma, best, values in zip(
@@ -864,11 +877,17 @@ class GoodputModelPolicy(GoodputPooling, EngineStatePolicy[GoodputParams, Engine
         return self._estimate(learner, ctx, top, fit).predict(ctx.batch_size)
 
     def _estimate(
-        self, learner: Learner, ctx: StepContext, top: int, fit: Fit | None = None
+        self,
+        learner: Learner,
+        ctx: StepContext,
+        top: int,
+        fit: Fit | None = None,
+        engine: EngineState | None = None,
     ) -> Estimate:
-        """The point estimate for ``ctx``'s step, under ``fit`` or the fit in use."""
+        """The point estimate for ``ctx``'s step, under ``fit`` or the fit in use; with
+        ``engine``, its size priced with its requests' own α (``_own_tokens``)."""
         weights = (fit or learner.step_time.fit()).weights
-        return self._model(learner, learner.acceptance.alpha, weights, ctx, top, None)
+        return self._model(learner, learner.acceptance.alpha, weights, ctx, top, None, engine)
 
     def _draw(self, engine: EngineState, top: int) -> FloatArray:
         """The standard normals of one posterior draw, from the engine's RNG."""
@@ -878,12 +897,18 @@ class GoodputModelPolicy(GoodputPooling, EngineStatePolicy[GoodputParams, Engine
         return normals
 
     def _sample(
-        self, learner: Learner, ctx: StepContext, top: int, normals: FloatArray
+        self,
+        learner: Learner,
+        ctx: StepContext,
+        top: int,
+        normals: FloatArray,
+        engine: EngineState | None = None,
     ) -> Estimate:
-        """The posterior's draw (α, the weights, the correction) given by ``normals``."""
+        """The posterior's draw (α, the weights, the correction) given by ``normals``; the
+        requests' own α are shrunk to the drawn α."""
         alpha = learner.acceptance.sample(float(normals[0]))
         weights = learner.step_time.fit().sample(normals[1 : 1 + FEATURES])
-        return self._model(learner, alpha, weights, ctx, top, normals[1 + FEATURES :])
+        return self._model(learner, alpha, weights, ctx, top, normals[1 + FEATURES :], engine)
 
     def _model(
         self,
@@ -893,7 +918,9 @@ class GoodputModelPolicy(GoodputPooling, EngineStatePolicy[GoodputParams, Engine
         ctx: StepContext,
         top: int,
         normals: FloatArray | None,
+        engine: EngineState | None = None,
     ) -> Estimate:
+        own = None if engine is None else self._own_tokens(engine, ctx, alpha, top)
         return Estimate(
             [expected_tokens(alpha, g) for g in range(top + 1)],
             top,
@@ -906,7 +933,25 @@ class GoodputModelPolicy(GoodputPooling, EngineStatePolicy[GoodputParams, Engine
             0.1 * max(learner.step_time.mean_ms, 1e-6),
             alpha,
             unrun_line=self._params.correction_unrun_line,
+            own=own,
         )
+
+    def _own_tokens(
+        self, engine: EngineState, ctx: StepContext, alpha: float, top: int
+    ) -> tuple[int, list[float]] | None:
+        """``ctx``'s batch size with its requests' expected tokens per request per γ, from
+        each request's own α (its records shrunk to ``alpha``), where the context names the
+        whole batch and the engine has a record of one of them; else None (the pooled α
+        prices it). Why: a small batch is a few requests, and what they accept is theirs,
+        not the recent steps' pooled mix — at batch 1 the pooled α still describes the
+        requests before this one for dozens of steps (docs/POLICIES.md, "A batch's own
+        requests")."""
+        requests, records = ctx.requests, engine.requests
+        if len(requests) != ctx.batch_size or not records:
+            return None
+        if not any(r.request_id in records for r in requests):
+            return None
+        return ctx.batch_size, batch_tokens(self._request_alphas(engine, ctx, alpha), top)
 
     def _trials(
         self,
@@ -982,7 +1027,7 @@ class GoodputModelPolicy(GoodputPooling, EngineStatePolicy[GoodputParams, Engine
                 tried[row] = max(plausible, key=lambda g: (goodput[g], -g))
         return tried
 
-    def _allowed(self, ms: FloatArray, tokens: list[float]) -> Mask | None:
+    def _allowed(self, ms: FloatArray, tokens: FloatArray) -> Mask | None:
         """Per batch size (row), the γ a decision may pick: all (None) without a TPOT SLO;
         with one, those whose point-estimate TPOT meets it, or the lowest-TPOT γ alone when
         none does (from the point estimate the greedy choice is made on, so it is predicted
@@ -990,7 +1035,7 @@ class GoodputModelPolicy(GoodputPooling, EngineStatePolicy[GoodputParams, Engine
         slo = self._params.tpot_slo_ms
         if slo <= 0:
             return None
-        tpot = ms / np.asarray(tokens)
+        tpot = ms / tokens
         meeting: Mask = tpot <= slo
         missed = np.flatnonzero(~meeting.any(axis=1))
         meeting[missed, tpot[missed].argmin(axis=1)] = True  # ties: the smaller γ

@@ -270,6 +270,14 @@ def best_plan(
     return Plan(cap, tuple(counts.tolist()), float(goodput[row]), batch_goodput)
 
 
+def batch_tokens(alphas: Sequence[float], top: int) -> list[float]:
+    """Per γ = 0..``top``, the expected tokens (accepted drafts + bonus) per request of a
+    batch γ over requests of these α: the mean of their truncated geometrics."""
+    mean_gains = _gains(alphas, top).mean(axis=0)
+    tokens: list[float] = (1.0 + np.concatenate(([0.0], np.cumsum(mean_gains)))).tolist()
+    return tokens
+
+
 def _gains(alphas: Sequence[float], top: int) -> FloatArray:
     """α_i^k for k = 1..top: what the k-th draft of request i adds (a row per request)."""
     gains: FloatArray = np.asarray(alphas, dtype=np.float64)[:, None] ** np.arange(1, top + 1)

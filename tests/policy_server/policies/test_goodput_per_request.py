@@ -163,9 +163,11 @@ def test_a_batch_of_requests_never_seen_decides_as_the_per_batch_policy() -> Non
 
 def test_a_request_that_accepts_little_gets_a_shorter_gamma_in_the_same_batch() -> None:
     policy = per_request()
-    chosen = drive(policy, MIXED, 400)[-100:]
+    # This environment's batch steps split a step's cost between verified tokens and draft
+    # passes slowly (the module's note): hundreds of steps pass before the plans settle.
+    chosen = drive(policy, MIXED, 800)[-200:]
     planned = [dict(c.request_gammas) for c in chosen if c.request_gammas]
-    assert len(planned) >= 90  # nearly every step after warm-up answers per request
+    assert len(planned) >= 180  # nearly every step after warm-up answers per request
     high = np.mean([gamma for g in planned for rid, gamma in g.items() if rid.startswith("hi")])
     low = np.mean([gamma for g in planned for rid, gamma in g.items() if rid.startswith("lo")])
     assert high >= 2.0 and low <= 1.0
@@ -330,8 +332,8 @@ def test_a_uniform_plans_features_are_the_batch_steps() -> None:
 def test_candidates_in_one_pass_decide_and_checkpoint_as_the_loop() -> None:
     """The plan goes to the candidate whose size the requests make up, in both paths."""
     policy = per_request()
-    drive(policy, MIXED, 300)
-    ctx = request_context(list(MIXED), 300)
+    drive(policy, MIXED, 600)
+    ctx = request_context(list(MIXED), 600)
     sizes = [16, 15, 17, 64]
     looped, one_pass = copy.deepcopy(policy), copy.deepcopy(policy)
     expected = CheckpointedDecide.decide_candidates(looped, ctx, sizes)
